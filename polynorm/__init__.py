@@ -1,0 +1,11 @@
+"""polynorm: RMSNorm and partial RMSNorm for every array library.
+
+Public names: :func:`rms_norm`, :func:`add_rms_norm`, :func:`rms_norm_backward`
+and :func:`backends`.  The semantics are in :mod:`polynorm._options`.
+"""
+
+from ._api import add_rms_norm, backends, rms_norm, rms_norm_backward
+
+__version__ = "0.1.0"
+
+__all__ = ["rms_norm", "add_rms_norm", "rms_norm_backward", "backends", "__version__"]

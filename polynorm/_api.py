@@ -1,0 +1,533 @@
+"""The public functions: validate every argument, resolve a Plan, dispatch.
+
+Nothing here computes: arrays are checked, brought into canonical 2-D form
+``(tokens, d)`` and handed to one backend module (see
+:mod:`polynorm.backends`).  Every error is raised here, before a kernel runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat as aac
+
+from . import backends as _backends
+from ._dtypes import float_dtype_name, parse_dtype
+from ._options import Plan, make_plan, promote
+
+__all__ = ["rms_norm", "add_rms_norm", "rms_norm_backward", "backends"]
+
+#: auto-dispatch tries these, in order, before the reference.
+_AUTO_ORDER = ("dask", "cupy", "numba")
+
+
+def backends() -> dict[str, tuple[bool, str]]:
+    """Which backends exist here and whether each can run.
+
+    Returns
+    -------
+    dict
+        ``{name: (usable, reason)}``; ``reason`` is ``"ok"`` for a usable
+        backend and says what is missing otherwise.
+
+    Examples
+    --------
+    >>> import polynorm as pn
+    >>> usable, reason = pn.backends()["array_api"]
+    >>> usable
+    True
+    """
+    return _backends.report()
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _namespace(arrays: dict[str, Any]):
+    """One namespace for all given arrays, or a TypeError naming the culprits."""
+    present = {k: v for k, v in arrays.items() if v is not None}
+    for argname, a in present.items():
+        if not aac.is_array_api_obj(a):
+            raise TypeError(f"{argname} must be an array, got {type(a).__name__}")
+    try:
+        xp = aac.array_namespace(*present.values())
+    except TypeError:
+        kinds = ", ".join(f"{k}: {type(v).__module__}.{type(v).__name__}" for k, v in present.items())
+        raise TypeError(f"arrays from different libraries cannot be mixed ({kinds})") from None
+    first_name, first = next(iter(present.items()))
+    dev = aac.device(first)
+    for argname, a in present.items():
+        other = aac.device(a)
+        if other != dev:
+            raise ValueError(
+                f"{first_name} is on device {dev} but {argname} is on device {other}; "
+                "move them to one device"
+            )
+    return xp
+
+
+def _normalize_axis(axis: Any, ndim: int) -> tuple[int, ...]:
+    items = axis if isinstance(axis, tuple) else (axis,)
+    if not items:
+        raise ValueError("axis must name at least one axis, got ()")
+    out = []
+    for a in items:
+        if isinstance(a, bool) or not isinstance(a, int):
+            try:
+                a = int(a.__index__())
+            except AttributeError:
+                raise TypeError(
+                    f"axis must be an int or a tuple of ints, got {axis!r}"
+                ) from None
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of range for x with {ndim} dimensions")
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"axis must not repeat an axis, got {axis!r}")
+    return tuple(sorted(out))
+
+
+def _check_shape(argname: str, a: Any, shape: tuple[int, ...], what: str) -> None:
+    if a is not None and tuple(a.shape) != shape:
+        raise ValueError(f"{argname} must have shape {shape} ({what}), got {tuple(a.shape)}")
+
+
+def _choose_backend(backend: str, x: Any):
+    if backend == "auto":
+        for name in _AUTO_ORDER:
+            if _backends.usable(name):
+                mod = _backends.get(name)
+                if mod.accepts(x):
+                    return mod
+        return _backends.get("array_api")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {backend!r}")
+    mod = _backends.get(backend)  # raises for unknown / unusable
+    if not mod.accepts(x):
+        raise TypeError(
+            f"backend {backend!r} cannot take arrays of type "
+            f"{type(x).__module__}.{type(x).__name__} on device {aac.device(x)}"
+        )
+    return mod
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass
+class _Layout:
+    """How the caller's arrays map to canonical ``(n, d)`` rows and back."""
+
+    xp: Any
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    perm: tuple[int, ...] | None  # None when the normalized axes are already trailing
+    n: int
+    d: int
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return tuple(s for i, s in enumerate(self.shape) if i not in self.axes)
+
+    @property
+    def norm_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[a] for a in self.axes)
+
+    def rows(self, a: Any) -> Any:
+        """``a`` (shape of x) as ``(n, d)``; a view when the layout allows."""
+        if a is None:
+            return None
+        xp = self.xp
+        if self.perm is not None:
+            a = xp.permute_dims(a, self.perm)
+        return xp.reshape(a, (self.n, self.d))
+
+    def unrows(self, a2: Any) -> Any:
+        xp = self.xp
+        if self.perm is None:
+            return xp.reshape(a2, self.shape)
+        permuted = tuple(self.shape[p] for p in self.perm)
+        inverse = tuple(self.perm.index(i) for i in range(len(self.perm)))
+        return xp.permute_dims(xp.reshape(a2, permuted), inverse)
+
+    def flat(self, a: Any) -> Any:
+        """weight/bias (shape over the normalized axes) as ``(d,)``."""
+        if a is None or a.ndim == 1:
+            return a
+        return self.xp.reshape(a, (self.d,))
+
+    def unflat(self, a: Any) -> Any:
+        if a is None or len(self.axes) == 1:
+            return a
+        return self.xp.reshape(a, self.norm_shape)
+
+
+def _layout(xp: Any, x: Any, axis: Any) -> _Layout:
+    shape = tuple(x.shape)
+    if any(s is None or (isinstance(s, float) and math.isnan(s)) for s in shape):
+        raise ValueError(f"x must have a known shape, got {shape}")
+    axes = _normalize_axis(axis, len(shape))
+    nd = len(shape)
+    trailing = axes == tuple(range(nd - len(axes), nd))
+    perm = None
+    if not trailing:
+        perm = tuple(i for i in range(nd) if i not in axes) + axes
+    d = math.prod(shape[a] for a in axes)
+    n = math.prod(s for i, s in enumerate(shape) if i not in axes)
+    return _Layout(xp=xp, shape=shape, axes=axes, perm=perm, n=n, d=d)
+
+
+def _view_rows(lay: _Layout, out: Any) -> Any:
+    """A 2-D view of ``out`` the backend can write into, or None if only a copy would do."""
+    if lay.perm is not None:
+        return None
+    if hasattr(out, "view") and hasattr(out, "__array_interface__") or aac.is_cupy_array(out):
+        v = out.view()
+        try:
+            v.shape = (lay.n, lay.d)  # numpy/cupy raise instead of copying
+        except AttributeError:
+            return None
+        return v
+    if aac.is_torch_array(out):
+        try:
+            return out.view(lay.n, lay.d)
+        except RuntimeError:
+            return None
+    return None
+
+
+def _check_out(out: Any, x: Any, plan: Plan) -> None:
+    if out is None:
+        return
+    if type(out) is not type(x):
+        raise TypeError(f"out must be of the same type as x ({type(x).__name__}), got {type(out).__name__}")
+    if aac.is_jax_array(out):
+        raise TypeError("out= is not supported for jax arrays, which are immutable")
+    _check_shape("out", out, tuple(x.shape), "the shape of x")
+    got = float_dtype_name("out", out)
+    if got != plan.out_dtype:
+        raise TypeError(f"out must have dtype {plan.out_dtype} (the output dtype), got {got}")
+
+
+# --------------------------------------------------------------------------- front end
+
+
+@dataclass
+class _Call:
+    lay: _Layout
+    plan: Plan
+    backend: Any
+
+
+def _prepare(
+    *,
+    x: Any,
+    weight: Any,
+    bias: Any,
+    arrays: dict[str, Any],
+    eps: Any,
+    axis: Any,
+    partial: Any,
+    offset: Any,
+    eps_mode: Any,
+    casting: Any,
+    out_dtype: Any,
+    backend: Any,
+) -> _Call:
+    xp = _namespace({"x": x, **arrays, "weight": weight, "bias": bias})
+    x_dtype = float_dtype_name("x", x)
+    for argname, a in {"weight": weight, "bias": bias, **arrays}.items():
+        if a is not None and argname != "rstd":
+            float_dtype_name(argname, a)
+    norm_dtype = x_dtype
+    if arrays.get("residual") is not None:
+        # h = x + residual lives in the promoted dtype; y = rms_norm(h)
+        norm_dtype = promote(x_dtype, float_dtype_name("residual", arrays["residual"]))
+    lay = _layout(xp, x, axis)
+    _check_shape("weight", weight, lay.norm_shape, "x's shape over the normalized axes")
+    _check_shape("bias", bias, lay.norm_shape, "x's shape over the normalized axes")
+    for argname in ("residual", "dy", "grad_residual"):
+        _check_shape(argname, arrays.get(argname), lay.shape, "the shape of x")
+    if not isinstance(eps_mode, str) or not isinstance(casting, str):
+        bad = "eps_mode" if not isinstance(eps_mode, str) else "casting"
+        raise ValueError(f"{bad} must be a string, got {locals()[bad]!r}")
+    plan = make_plan(
+        lay.d,
+        norm_dtype,
+        eps=eps,
+        partial=partial,
+        offset=offset,
+        eps_mode=eps_mode,
+        casting=casting,
+        out_dtype=parse_dtype("out_dtype", out_dtype),
+    )
+    mod = _choose_backend(backend, x)
+    return _Call(lay=lay, plan=plan, backend=mod)
+
+
+def _forward(x, residual, weight, bias, out, return_rstd, options, *, fused: bool):
+    call = _prepare(
+        x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out}, **options
+    )
+    lay, plan = call.lay, call.plan
+    _check_out(out, x, plan)
+    out2 = _view_rows(lay, out) if out is not None else None
+    if lay.n == 0:
+        y2, h2, rstd = _empty_forward(lay, x, residual, plan)
+    else:
+        y2, h2, rstd = call.backend.forward(
+            lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias), plan, out2
+        )
+    if out is not None and out2 is not None and y2 is out2:
+        y = out
+    else:
+        y = lay.unrows(y2)
+        if out is not None:
+            out[...] = y
+            y = out
+    result = [y]
+    if fused:
+        result.append(lay.unrows(h2))
+    if return_rstd:
+        result.append(lay.xp.reshape(rstd, lay.batch_shape))
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def _empty_forward(lay: _Layout, x, residual, plan: Plan):
+    from ._dtypes import namespace_dtype
+
+    xp = lay.xp
+    dev = aac.device(x)
+    y = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.out_dtype, x), device=dev)
+    h = None
+    if residual is not None:
+        h = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.x_dtype, x), device=dev)
+    rstd = xp.empty((0,), dtype=namespace_dtype(xp, plan.compute_dtype, x), device=dev)
+    return y, h, rstd
+
+
+def rms_norm(
+    x,
+    weight=None,
+    bias=None,
+    *,
+    eps=1e-6,
+    axis=-1,
+    partial=1.0,
+    offset=0.0,
+    eps_mode="inside",
+    casting="fp32",
+    out_dtype=None,
+    return_rstd=False,
+    out=None,
+    backend="auto",
+):
+    """Root-mean-square normalization (RMSNorm, and pRMSNorm with ``partial < 1``).
+
+    For every slice ``v`` of ``x`` over ``axis``::
+
+        k    = floor(d * partial)
+        rstd = 1 / sqrt(mean(v[:k]**2) + eps)       # eps_mode="inside"
+        rstd = 1 / (sqrt(mean(v[:k]**2)) + eps)     # eps_mode="outside"
+        y    = v * rstd * (weight + offset) + bias
+
+    No mean is subtracted.  The math runs in float32 (float64 for float64
+    input) and rounds once to the output dtype.
+
+    Parameters
+    ----------
+    x : array
+        Any float array (float16, bfloat16, float32, float64) of any array
+        library; the result has the same type and device.  This function does
+        not record autograd history: for training with torch or jax use
+        :mod:`polynorm.torch` / :mod:`polynorm.jax`.
+    weight, bias : array, optional
+        Shape of ``x`` over the normalized axes; may have another float dtype
+        than ``x``.  Without ``weight`` there is no scale and ``offset`` is
+        not used.
+    eps : float
+        ``>= 0`` and finite.
+    axis : int or tuple of int
+        The normalized axes (sorted; the slice is taken in C order).
+    partial : float
+        In ``(0, 1]``; ``k = floor(d * partial)`` must be at least 1.
+    offset : float
+        Added to ``weight`` (``offset=1.0`` is Gemma's ``1 + w``).
+    eps_mode : {"inside", "outside"}
+    casting : {"fp32", "llama"}
+        ``"llama"`` rounds the normalized value to ``x``'s dtype before the
+        weight multiply, as Hugging Face Llama does.
+    out_dtype : dtype or str, optional
+        Defaults to ``x``'s dtype.
+    return_rstd : bool
+        Also return ``rstd`` (shape of ``x`` without the normalized axes,
+        float32, float64 for float64 input), for :func:`rms_norm_backward`.
+    out : array, optional
+        Preallocated result (same type, shape and dtype as ``y``; may be ``x``).
+    backend : {"auto", "numba", "cupy", "dask", "array_api"}
+
+    Returns
+    -------
+    y or (y, rstd)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import polynorm as pn
+    >>> x = np.array([[3.0, 4.0], [1.0, -1.0]], dtype=np.float32)
+    >>> pn.rms_norm(x, eps=0.0)
+    array([[ 0.84852815,  1.1313709 ],
+           [ 1.        , -1.        ]], dtype=float32)
+    """
+    options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
+                   casting=casting, out_dtype=out_dtype, backend=backend)
+    return _forward(x, None, weight, bias, out, return_rstd, options, fused=False)
+
+
+def add_rms_norm(
+    x,
+    residual,
+    weight=None,
+    bias=None,
+    *,
+    eps=1e-6,
+    axis=-1,
+    partial=1.0,
+    offset=0.0,
+    eps_mode="inside",
+    casting="fp32",
+    out_dtype=None,
+    return_rstd=False,
+    out=None,
+    backend="auto",
+):
+    """Fused residual add and RMSNorm: ``h = x + residual``, ``y = rms_norm(h)``.
+
+    ``h`` has the promoted dtype of ``x`` and ``residual`` (bfloat16 + float32
+    gives a float32 residual stream) and ``y`` is exactly ``rms_norm(h, ...)``
+    for the ``h`` returned.  Keywords as in :func:`rms_norm`; ``out_dtype``
+    defaults to ``h``'s dtype.
+
+    Returns
+    -------
+    (y, h) or (y, h, rstd)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import polynorm as pn
+    >>> x = np.array([[1.0, 2.0]], dtype=np.float32)
+    >>> y, h = pn.add_rms_norm(x, np.array([[2.0, 2.0]], dtype=np.float32), eps=0.0)
+    >>> h
+    array([[3., 4.]], dtype=float32)
+    >>> y
+    array([[0.84852815, 1.1313709 ]], dtype=float32)
+    """
+    if residual is None:
+        raise TypeError("residual must be an array, got None")
+    options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
+                   casting=casting, out_dtype=out_dtype, backend=backend)
+    return _forward(x, residual, weight, bias, out, return_rstd, options, fused=True)
+
+
+def rms_norm_backward(
+    dy,
+    x,
+    weight=None,
+    bias=None,
+    *,
+    rstd=None,
+    grad_residual=None,
+    eps=1e-6,
+    axis=-1,
+    partial=1.0,
+    offset=0.0,
+    eps_mode="inside",
+    casting="fp32",
+    out_dtype=None,
+    return_rstd=False,
+    out=None,
+    backend="auto",
+):
+    """Hand-written backward of :func:`rms_norm` (no autograd).
+
+    With ``g = weight + offset``, ``xhat = x * rstd`` and
+    ``c = sum(g * dy * xhat)`` per slice::
+
+        dx      = rstd * (g*dy - [i < k] * xhat * c / k)        (eps inside)
+        dweight = sum over tokens of dy * xhat
+        dbias   = sum over tokens of dy
+
+    For ``eps_mode="outside"`` the second term of ``dx`` is multiplied by
+    ``(s + eps) / s`` with ``s = sqrt(mean(x[:k]**2))``.  The reductions are
+    in a fixed order: the same input gives the same bits on every run.
+
+    Parameters
+    ----------
+    dy : array
+        Gradient of the loss with respect to ``y``; shape of ``x``.
+    x : array
+        The forward's input (``h`` for :func:`add_rms_norm`).
+    weight, bias : array, optional
+        As in the forward; ``dweight``/``dbias`` are ``None`` without them.
+    rstd : array, optional
+        The forward's ``rstd`` (``return_rstd=True``); saves recomputing it.
+        Must have the shape of ``x`` without the normalized axes and dtype
+        float32 (float64 for float64 ``x``).
+    grad_residual : array, optional
+        Added into ``dx``: the gradient reaching ``h`` through the residual
+        stream, for the backward of :func:`add_rms_norm` (whose ``dx`` is the
+        gradient of both ``x`` and ``residual``).
+    eps, axis, partial, offset, eps_mode, casting, backend
+        As in the forward.  ``casting`` does not change the backward (the
+        derivative of the unrounded function); ``out_dtype``, ``return_rstd``
+        and ``out`` are accepted for a uniform signature and must be left at
+        their defaults.
+
+    Returns
+    -------
+    (dx, dweight, dbias)
+        ``dx`` has ``x``'s dtype; ``dweight``/``dbias`` have the dtypes of
+        ``weight``/``bias``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import polynorm as pn
+    >>> x = np.array([[3.0, 4.0]])
+    >>> dx, dw, db = pn.rms_norm_backward(np.ones_like(x), x, np.ones(2), eps=0.0)
+    >>> dx
+    array([[ 0.04525483, -0.03394113]])
+    >>> dw
+    array([0.84852814, 1.13137085])
+    """
+    if out is not None or return_rstd or out_dtype is not None:
+        bad = "out" if out is not None else ("return_rstd" if return_rstd else "out_dtype")
+        raise ValueError(f"{bad} is not used by rms_norm_backward; leave it at its default")
+    options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
+                   casting=casting, out_dtype=None, backend=backend)
+    call = _prepare(
+        x=x, weight=weight, bias=bias,
+        arrays={"dy": dy, "rstd": rstd, "grad_residual": grad_residual}, **options,
+    )
+    lay, plan = call.lay, call.plan
+    rstd1 = None
+    if rstd is not None:
+        _check_shape("rstd", rstd, lay.batch_shape, "x's shape without the normalized axes")
+        got = float_dtype_name("rstd", rstd)
+        if got != plan.rstd_dtype:
+            raise TypeError(f"rstd must have dtype {plan.rstd_dtype}, got {got}")
+        rstd1 = lay.xp.reshape(rstd, (lay.n,))
+    if lay.n == 0:
+        xp = lay.xp
+        dx = xp.empty(lay.shape, dtype=x.dtype, device=aac.device(x))
+        dw = None if weight is None else xp.zeros(weight.shape, dtype=weight.dtype, device=aac.device(x))
+        db = None if bias is None else xp.zeros(bias.shape, dtype=bias.dtype, device=aac.device(x))
+        return dx, dw, db
+    dx2, dw, db = call.backend.backward(
+        lay.rows(dy), lay.rows(x), lay.flat(weight), lay.flat(bias), rstd1,
+        lay.rows(grad_residual), plan,
+    )
+    return lay.unrows(dx2), lay.unflat(dw), lay.unflat(db)

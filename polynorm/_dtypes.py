@@ -1,0 +1,80 @@
+"""dtype names across array libraries.
+
+polynorm speaks of dtypes by name (``"float16"``, ``"bfloat16"``,
+``"float32"``, ``"float64"``) so that the semantics in :mod:`polynorm._options`
+do not depend on any one library's dtype objects.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from ._options import FLOAT_DTYPES
+
+
+def dtype_name(dtype: Any) -> str:
+    """Library-neutral name of a dtype object (numpy, torch, jax, cupy, strict).
+
+    >>> import numpy as np
+    >>> dtype_name(np.dtype("float32"))
+    'float32'
+    """
+    name = getattr(dtype, "name", None)
+    if not isinstance(name, str):
+        name = str(dtype)
+    return name.rsplit(".", 1)[-1].lower()
+
+
+def float_dtype_name(argname: str, arr: Any) -> str:
+    """The float dtype name of ``arr``, or a ``TypeError`` naming ``argname``."""
+    name = dtype_name(arr.dtype)
+    if name == "half":
+        name = "float16"
+    if name not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{argname} must have a floating dtype ({', '.join(FLOAT_DTYPES)}), got {name}"
+        )
+    return name
+
+
+def parse_dtype(argname: str, dtype: Any) -> str | None:
+    """Accept ``None``, a dtype name or a dtype object; return a float dtype name."""
+    if dtype is None:
+        return None
+    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    if name not in FLOAT_DTYPES:
+        raise TypeError(f"{argname} must be one of {FLOAT_DTYPES} (or None), got {dtype!r}")
+    return name
+
+
+def namespace_dtype(xp: ModuleType, name: str, like: Any = None) -> Any:
+    """The dtype object called ``name`` in namespace ``xp``.
+
+    bfloat16 is not part of the array API standard: it is looked up in the
+    library behind ``xp`` (torch, jax) or, for numpy-like namespaces, taken
+    from ``ml_dtypes``.
+    """
+    dt = getattr(xp, name, None)
+    if dt is not None:
+        return dt
+    if name != "bfloat16":
+        raise TypeError(f"the array library {xp.__name__} has no dtype {name}")
+    module = type(like).__module__.split(".")[0] if like is not None else ""
+    if module == "torch":
+        import torch
+
+        return torch.bfloat16
+    if module in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+
+        return jnp.bfloat16
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - ml_dtypes ships with jax and is a dependency
+        raise TypeError(
+            f"bfloat16 needs ml_dtypes for the array library {xp.__name__}: pip install ml_dtypes"
+        ) from None
+    if "strict" in xp.__name__:
+        raise TypeError("array-api-strict has no bfloat16 dtype")
+    return ml_dtypes.bfloat16

@@ -1,0 +1,193 @@
+"""The semantics of polynorm, decided once.
+
+Every backend receives a :class:`Plan` and the arrays already in canonical
+form (2-D ``(tokens, d)`` rows, 1-D ``(d,)`` weight/bias, 1-D ``(tokens,)``
+rstd).  Nothing below a backend re-derives ``k``, eps placement, casting or
+the dtypes: they are all here.
+
+The operation, for one row ``v`` of length ``d`` (see ``shared/SPEC.md``)::
+
+    k     = floor(d * partial)                       # 1 <= k <= d
+    ms    = sum(v[:k]**2) / k
+    rstd  = 1 / sqrt(ms + eps)        (eps_mode="inside")
+    rstd  = 1 / (sqrt(ms) + eps)      (eps_mode="outside")
+    xhat  = v * rstd
+    y     = xhat * (weight + offset) + bias
+
+Casting
+    ``"fp32"`` (default): every step runs in the compute dtype (float64 for
+    float64 input, float32 otherwise) and rounds once, at the end, to the
+    output dtype.  ``"llama"``: Hugging Face Llama's order -- ``xhat`` is
+    rounded to the input dtype, ``weight + offset`` is formed in the weight
+    dtype and the product is rounded to the weight dtype; bias is added in
+    the compute dtype and the result is rounded to the output dtype.
+
+The backward, with ``g = weight + offset`` (1 when no weight),
+``c = sum_j(g*dy*xhat)_j`` over all ``d`` columns and ``m_i = [i < k]``::
+
+    dx      = rstd * (g*dy - m * xhat * c * alpha / k) (+ grad_residual)
+    alpha   = 1                      (eps inside)
+    alpha   = (s + eps) / s          (eps outside, s = sqrt(ms); term is 0 when s == 0)
+    dweight = sum over tokens of dy * xhat
+    dbias   = sum over tokens of dy
+
+This is the spec's ``x * rstd**3 / k`` form rewritten with ``xhat`` so that
+nothing overflows or underflows for large or tiny inputs (``rstd**3`` of a
+row of 1e25 is 1e-75, below float32's range).  The casting mode does not
+change the backward: it is the derivative of the exact (unrounded) function.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+EPS_MODES = ("inside", "outside")
+CASTINGS = ("fp32", "llama")
+
+#: Result of a float dtype combination, by the usual promotion lattice
+#: (float16 + bfloat16 -> float32, as torch and jax do).
+_RANK = {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}
+
+
+def promote(a: str, b: str) -> str:
+    """Float dtype name that holds both ``a`` and ``b`` exactly.
+
+    >>> promote("bfloat16", "float32")
+    'float32'
+    >>> promote("float16", "bfloat16")
+    'float32'
+    """
+    if a == b:
+        return a
+    ra, rb = _RANK[a], _RANK[b]
+    if ra == rb:  # float16 with bfloat16: neither holds the other
+        return "float32"
+    return a if ra > rb else b
+
+
+def compute_dtype(x_dtype: str) -> str:
+    """The dtype the math runs in: float64 for float64 input, else float32."""
+    return "float64" if x_dtype == "float64" else "float32"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything a kernel needs to know about one call, resolved and validated.
+
+    Attributes
+    ----------
+    d : int
+        Elements per normalized row.
+    k : int
+        Elements entering the statistic (pRMSNorm), ``1 <= k <= d``.
+    eps : float
+        Added inside or outside the square root, per ``eps_inside``.
+    eps_inside : bool
+        ``True`` for ``1/sqrt(ms + eps)``, ``False`` for ``1/(sqrt(ms) + eps)``.
+    offset : float
+        Added to the weight (Gemma's ``1 + w`` is ``offset=1.0``).
+    llama : bool
+        ``casting == "llama"``.
+    x_dtype : str
+        dtype of the normalized input (``h`` for the fused add).
+    compute_dtype : str
+        ``"float32"`` or ``"float64"``; also the dtype of ``rstd``.
+    out_dtype : str
+        dtype of ``y``.
+    """
+
+    d: int
+    k: int
+    eps: float
+    eps_inside: bool
+    offset: float
+    llama: bool
+    x_dtype: str
+    compute_dtype: str
+    out_dtype: str
+
+    @property
+    def rstd_dtype(self) -> str:
+        return self.compute_dtype
+
+
+def _check_real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # numpy scalars are fine: they convert through float()
+        try:
+            import numbers
+
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError
+            return float(value)
+        except TypeError:
+            raise TypeError(
+                f"{name} must be a real number, got {value!r} of type {type(value).__name__}"
+            ) from None
+    return float(value)
+
+
+@lru_cache(maxsize=1024)
+def make_plan(
+    d: int,
+    x_dtype: str,
+    *,
+    eps: float,
+    partial: float,
+    offset: float,
+    eps_mode: str,
+    casting: str,
+    out_dtype: str | None,
+) -> Plan:
+    """Validate the scalar options and resolve them into a :class:`Plan`.
+
+    Cached: a repeated call with the same options costs one dict lookup,
+    which keeps the per-call overhead of the front end small.
+
+    >>> p = make_plan(10, "bfloat16", eps=1e-6, partial=0.3, offset=0.0,
+    ...               eps_mode="inside", casting="fp32", out_dtype=None)
+    >>> (p.k, p.compute_dtype, p.out_dtype)
+    (3, 'float32', 'bfloat16')
+    """
+    eps = _check_real("eps", eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    partial = _check_real("partial", partial)
+    if not (0.0 < partial <= 1.0):
+        raise ValueError(f"partial must be in (0, 1], got {partial!r}")
+    offset = _check_real("offset", offset)
+    if not math.isfinite(offset):
+        raise ValueError(f"offset must be finite, got {offset!r}")
+    if eps_mode not in EPS_MODES:
+        raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
+    if casting not in CASTINGS:
+        raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
+    if d < 1:
+        raise ValueError(
+            f"axis: the normalized axes have size {d}; they must hold at least one element"
+        )
+    k = int(d * partial)  # floor, as the pRMSNorm paper's code does
+    if k < 1:
+        raise ValueError(
+            f"partial={partial!r} gives k = floor({d} * {partial!r}) = 0 elements; "
+            f"partial must be at least 1/d = {1 / d!r}"
+        )
+    if out_dtype is None:
+        out_dtype = x_dtype
+    elif out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
+    return Plan(
+        d=d,
+        k=k,
+        eps=eps,
+        eps_inside=eps_mode == "inside",
+        offset=offset,
+        llama=casting == "llama",
+        x_dtype=x_dtype,
+        compute_dtype=compute_dtype(x_dtype),
+        out_dtype=out_dtype,
+    )

@@ -1,0 +1,166 @@
+"""Pure array-API reference backend.
+
+Runs on any namespace that ``array_api_compat.array_namespace`` knows (numpy,
+torch, jax, dask, cupy, array-api-strict, ...), with standard operations
+only.  It is the fallback of ``backend="auto"`` and the backend every other
+one is checked against.
+
+Overflow: the sum of squares is scaled by the row's largest magnitude, so
+``x = 1e25`` in float32 (whose square overflows) and subnormal rows give the
+float64 answer; ``eps`` is combined with the rms by a hypot-style formula for
+the same reason.  This costs one extra pass, which the compiled backends
+avoid by accumulating in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .._dtypes import namespace_dtype
+from .._options import Plan, promote
+
+name = "array_api"
+
+
+def available() -> tuple[bool, str]:
+    try:
+        import array_api_compat  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - a hard dependency
+        return False, str(exc)
+    return True, "ok"
+
+
+def accepts(x: Any) -> bool:
+    return True
+
+
+def _xp(x: Any):
+    from array_api_compat import array_namespace
+
+    return array_namespace(x)
+
+
+def _rms(xp, v, plan: Plan):
+    """``sqrt(mean(v[:, :k]**2))`` per row, scaled so that nothing overflows."""
+    vk = v if plan.k == plan.d else v[:, : plan.k]
+    m = xp.max(xp.abs(vk), axis=1) if plan.k > 0 else None
+    m_safe = xp.where(m == 0, xp.ones_like(m), m)
+    scaled = vk / m_safe[:, None]
+    ss = xp.sum(scaled * scaled, axis=1) / plan.k
+    return m * xp.sqrt(ss)
+
+
+def _rstd_from_rms(xp, rms, plan: Plan):
+    if plan.eps_inside:
+        # 1 / sqrt(rms**2 + eps) written as 1 / hypot(rms, sqrt(eps)):
+        # rms**2 would overflow float32 for rows of 1e20.
+        se = math.sqrt(plan.eps)
+        a = xp.where(rms > se, rms, xp.full_like(rms, se))
+        b = xp.where(rms > se, xp.full_like(rms, se), rms)
+        a_safe = xp.where(a == 0, xp.ones_like(a), a)
+        q = b / a_safe
+        denom = a * xp.sqrt(1 + q * q)
+    else:
+        denom = rms + plan.eps
+    return 1 / denom
+
+
+def rstd(x2, plan: Plan):
+    """Per-row ``rstd`` of 2-D ``x2`` in the compute dtype."""
+    xp = _xp(x2)
+    v = xp.astype(x2, namespace_dtype(xp, plan.compute_dtype, x2))
+    return _rstd_from_rms(xp, _rms(xp, v, plan), plan)
+
+
+def forward(x, residual, weight, bias, plan: Plan, out=None):
+    """Forward on 2-D rows.
+
+    Parameters
+    ----------
+    x, residual : array, shape (n, d)
+        ``residual`` is ``None`` for plain rms_norm; otherwise the normalized
+        input is ``h = x + residual``, rounded to ``plan.x_dtype``.
+    weight, bias : array, shape (d,), or None
+    plan : Plan
+    out : array, shape (n, d), or None
+        Ignored here: the front end copies into ``out`` for this backend.
+
+    Returns
+    -------
+    y : array (n, d) of ``plan.out_dtype``
+    h : array (n, d) of ``plan.x_dtype``, or None
+    rstd : array (n,) of ``plan.compute_dtype``
+    """
+    xp = _xp(x)
+    cdt = namespace_dtype(xp, plan.compute_dtype, x)
+    h = None
+    if residual is not None:
+        h = xp.astype(
+            xp.astype(x, cdt) + xp.astype(residual, cdt), namespace_dtype(xp, plan.x_dtype, x)
+        )
+        x = h
+    v = xp.astype(x, cdt)
+    r = _rstd_from_rms(xp, _rms(xp, v, plan), plan)
+    xhat = v * r[:, None]
+    if plan.llama:
+        xhat = xp.astype(xhat, x.dtype)
+        if weight is not None:
+            pdt = namespace_dtype(xp, promote(plan.x_dtype, _name(weight)), x)
+            g = xp.astype(weight + plan.offset, weight.dtype)
+            y = xp.astype(xp.astype(xhat, pdt) * xp.astype(g, pdt), cdt)
+        else:
+            y = xp.astype(xhat, cdt)
+    else:
+        y = xhat if weight is None else xhat * (xp.astype(weight, cdt) + plan.offset)
+    if bias is not None:
+        y = y + xp.astype(bias, cdt)
+    y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x))
+    return y, h, r
+
+
+def _name(a) -> str:
+    from .._dtypes import dtype_name
+
+    return dtype_name(a.dtype)
+
+
+def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
+    """Hand-written backward on 2-D rows (formula in :mod:`polynorm._options`).
+
+    Returns
+    -------
+    dx : array (n, d) of ``x``'s dtype
+    dweight : array (d,) of ``weight``'s dtype, or None
+    dbias : array (d,) of ``bias``'s dtype, or None
+    """
+    xp = _xp(x)
+    cdt = namespace_dtype(xp, plan.compute_dtype, x)
+    v = xp.astype(x, cdt)
+    g_dy = xp.astype(dy, cdt)
+    dyc = g_dy
+    need_rms = rstd is None or not plan.eps_inside
+    rms = _rms(xp, v, plan) if need_rms else None
+    r = _rstd_from_rms(xp, rms, plan) if rstd is None else xp.astype(rstd, cdt)
+    xhat = v * r[:, None]
+    if weight is not None:
+        g_dy = g_dy * (xp.astype(weight, cdt) + plan.offset)
+    c = xp.sum(g_dy * xhat, axis=1)
+    coef = c / plan.k
+    if not plan.eps_inside:
+        # alpha = (s + eps) / s; the whole term is zero where s == 0 (x is zero there)
+        s_safe = xp.where(rms == 0, xp.ones_like(rms), rms)
+        coef = xp.where(rms == 0, xp.zeros_like(coef), coef * ((rms + plan.eps) / s_safe))
+    rc = r[:, None]
+    if plan.k == plan.d:
+        dx = rc * (g_dy - xhat * coef[:, None])
+    else:
+        k = plan.k
+        head = rc * (g_dy[:, :k] - xhat[:, :k] * coef[:, None])
+        dx = xp.concat([head, rc * g_dy[:, k:]], axis=1)
+    if grad_residual is not None:
+        dx = dx + xp.astype(grad_residual, cdt)
+    dx = xp.astype(dx, x.dtype)
+    dweight = None if weight is None else xp.astype(xp.sum(dyc * xhat, axis=0), weight.dtype)
+    dbias = None if bias is None else xp.astype(xp.sum(dyc, axis=0), bias.dtype)
+    return dx, dweight, dbias

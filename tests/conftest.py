@@ -1,0 +1,186 @@
+"""Test machinery shared by every backend.
+
+Tests take the ``case`` fixture, a :class:`Case` for each :class:`Backend`:
+an array library plus the ``backend=`` keyword to force.  A backend joins the
+whole suite by adding one entry to :data:`CASES`; cases whose library or
+backend is missing here are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import polynorm as pn
+
+NP_DTYPES = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+}
+
+
+class Backend(Enum):
+    """Array library x polynorm backend combinations the suite runs on."""
+
+    NUMPY_REFERENCE = "numpy-reference"
+    STRICT = "array_api_strict"
+    TORCH = "torch"
+    DASK = "dask"
+    JAX = "jax"
+    NUMBA = "numba"
+    CUPY = "cupy"
+
+
+@dataclass(frozen=True)
+class Case:
+    """How to make arrays for one :class:`Backend` and read them back."""
+
+    backend_enum: Backend
+    module: str  # the array library that must be importable
+    backend: str  # passed as backend=
+    make: Callable[[np.ndarray], Any]
+    read: Callable[[Any], np.ndarray]
+    dtypes: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
+    needs: str | None = None  # a polynorm backend that must be usable
+    mutable: bool = True  # supports out= / in-place
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.backend_enum.value
+
+    def asarray(self, a: np.ndarray, dtype: str | None = None) -> Any:
+        """A copy of numpy ``a`` in this library, cast to ``dtype`` (a name)."""
+        a = np.asarray(a)
+        if dtype is not None:
+            a = a.astype(NP_DTYPES[dtype])
+        return self.make(a)
+
+    def to_numpy(self, a: Any) -> np.ndarray:
+        return None if a is None else self.read(a)
+
+    def skip_unless_dtype(self, dtype: str) -> None:
+        if dtype not in self.dtypes:
+            pytest.skip(f"{self.name} has no {dtype}")
+
+
+# ---------------------------------------------------------------- per-library adapters
+
+
+def _np_make(a):
+    return np.array(a, copy=True)
+
+
+def _np_read(a):
+    return np.asarray(a)
+
+
+def _strict_make(a):
+    import array_api_strict as xs
+
+    return xs.asarray(np.array(a, copy=True))
+
+
+def _strict_read(a):
+    return np.asarray(a)
+
+
+def _torch_make(a):
+    import torch
+
+    if a.dtype == NP_DTYPES["bfloat16"]:
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(np.array(a, copy=True))
+
+
+def _torch_read(a):
+    import torch
+
+    a = a.detach().cpu()
+    if a.dtype == torch.bfloat16:
+        return a.float().numpy().astype(NP_DTYPES["bfloat16"])
+    return a.numpy()
+
+
+def _dask_make(a):
+    import dask.array as da
+
+    # tokens chunked, the last axis whole (the layout polynorm's dask backend wants)
+    chunks = tuple(max(1, s // 2) for s in a.shape[:-1]) + a.shape[-1:]
+    return da.from_array(np.array(a, copy=True), chunks=chunks)
+
+
+def _dask_read(a):
+    return np.asarray(a.compute())
+
+
+def _jax_make(a):
+    import jax.numpy as jnp
+
+    return jnp.asarray(a)
+
+
+def _jax_read(a):
+    return np.asarray(a)
+
+
+def _cupy_make(a):
+    import cupy
+
+    return cupy.asarray(a)
+
+
+def _cupy_read(a):
+    return a.get()
+
+
+CASES: dict[Backend, Case] = {
+    Backend.NUMPY_REFERENCE: Case(Backend.NUMPY_REFERENCE, "numpy", "array_api", _np_make, _np_read),
+    Backend.STRICT: Case(
+        Backend.STRICT, "array_api_strict", "auto", _strict_make, _strict_read,
+        dtypes=("float32", "float64"),
+    ),
+    Backend.TORCH: Case(Backend.TORCH, "torch", "auto", _torch_make, _torch_read),
+    Backend.DASK: Case(Backend.DASK, "dask", "auto", _dask_make, _dask_read, mutable=False),
+    Backend.JAX: Case(Backend.JAX, "jax", "auto", _jax_make, _jax_read, mutable=False),
+    Backend.NUMBA: Case(Backend.NUMBA, "numba", "numba", _np_make, _np_read, needs="numba"),
+    Backend.CUPY: Case(Backend.CUPY, "cupy", "cupy", _cupy_make, _cupy_read, needs="cupy"),
+}
+
+
+def _skip_reason(case: Case) -> str | None:
+    if importlib.util.find_spec(case.module) is None:
+        return f"{case.module} is not installed"
+    if case.needs is not None:
+        usable, reason = pn.backends()[case.needs]
+        if not usable:
+            return f"backend {case.needs} unusable: {reason}"
+    return None
+
+
+@pytest.fixture(params=list(CASES), ids=lambda b: b.value)
+def case(request) -> Case:
+    """Every backend case; skipped where its library or backend is missing."""
+    c = CASES[request.param]
+    reason = _skip_reason(c)
+    if reason:
+        pytest.skip(reason)
+    if c.module == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    return c
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20261130)
