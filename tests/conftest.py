@@ -9,6 +9,7 @@ backend is missing here are skipped with the reason.
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -157,7 +158,20 @@ CASES: dict[Backend, Case] = {
 }
 
 
+#: ``POLYNORM_TEST_CASES=numpy-reference,torch`` runs only those cases (tox uses it:
+#: one env per backend); unset runs every case whose library is installed.
+_SELECTED = {s.strip() for s in os.environ.get("POLYNORM_TEST_CASES", "").split(",") if s.strip()}
+_unknown = _SELECTED - {b.value for b in Backend}
+if _unknown:
+    raise ValueError(
+        f"POLYNORM_TEST_CASES names unknown cases {sorted(_unknown)}; "
+        f"known: {[b.value for b in Backend]}"
+    )
+
+
 def _skip_reason(case: Case) -> str | None:
+    if _SELECTED and case.name not in _SELECTED:
+        return f"not selected by POLYNORM_TEST_CASES={os.environ['POLYNORM_TEST_CASES']}"
     if importlib.util.find_spec(case.module) is None:
         return f"{case.module} is not installed"
     if case.needs is not None:
