@@ -1,0 +1,227 @@
+"""The ``polynorm`` command: ``info``, ``check`` and ``bench``.
+
+Exit codes: 0 success, 1 a check or benchmark suite failed, 2 bad arguments
+(a usage message, never a traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from ._options import FLOAT_DTYPES
+
+
+def _backend_names() -> tuple[str, ...]:
+    # the package, not the function pn.backends that shadows it as an attribute
+    return tuple(importlib.import_module("polynorm.backends").MODULES)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so :func:`main` returns the code."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise _UsageError(2)
+
+
+class _UsageError(Exception):
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+def _parser() -> argparse.ArgumentParser:
+    from ._bench.report import BACKENDS as BENCH_BACKENDS
+
+    p = _Parser(prog="polynorm", description="RMSNorm / pRMSNorm for every array library.")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"polynorm {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="{info,check,bench}", parser_class=_Parser)
+
+    sub.add_parser("info", help="version, backends and why not, threads, GPU")
+
+    c = sub.add_parser("check", help="self-test every usable backend (exit 1 on any failure)")
+    c.add_argument("--backend", action="append", choices=_backend_names(),
+                   help="check only this backend (repeatable; default: all)")
+    c.add_argument("--dtype", action="append", choices=FLOAT_DTYPES,
+                   help="check only this dtype (repeatable; default: all four)")
+
+    b = sub.add_parser("bench", help="benchmark the installed backends")
+    b.add_argument("--quick", action="store_true", help="a short run (about a minute)")
+    b.add_argument("--backend", action="append", choices=BENCH_BACKENDS,
+                   help="run only the suites measuring this backend (repeatable)")
+    b.add_argument("--dtype", action="append", choices=FLOAT_DTYPES,
+                   help="only this dtype (repeatable; default: each suite's own)")
+    b.add_argument("--json", metavar="FILE", help="write the records and machine as JSON")
+    b.add_argument("--plot", metavar="FILE", help="write a PNG: GB/s against hidden size")
+    b.add_argument("--markdown", metavar="FILE", help="write the results as a Markdown table")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+# ------------------------------------------------------------------ info
+
+
+def _version(module: str) -> str:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "installed")
+    except Exception:  # an import can fail in many ways (e.g. CUDA libraries missing)
+        return "-"
+
+
+def _numba_threads() -> str:
+    try:
+        import numba
+    except ImportError:
+        return "numba not installed"
+    try:
+        layer = numba.threading_layer()
+    except ValueError:
+        # the layer is chosen at the first parallel launch; run a tiny one
+        try:
+            import numpy as np
+
+            import polynorm as pn
+
+            if pn.backends()["numba"][0]:
+                pn.rms_norm(np.ones((4, 8), np.float32), backend="numba")
+            layer = numba.threading_layer()
+        except Exception:
+            layer = f"{numba.config.THREADING_LAYER} (not started)"
+    return f"{numba.get_num_threads()} threads, threading layer {layer}"
+
+
+def _gpu() -> str:
+    try:
+        import cupy
+    except Exception:
+        return "cupy not installed"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+        if n == 0:
+            return "no CUDA device"
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        rt = cupy.cuda.runtime.runtimeGetVersion()
+        drv = cupy.cuda.runtime.driverGetVersion()
+        return (f"{name} (x{n}), compute capability {props['major']}.{props['minor']}, "
+                f"CUDA runtime {rt // 1000}.{rt % 1000 // 10}, driver {drv // 1000}.{drv % 1000 // 10}")
+    except Exception as exc:  # no driver, no device, broken install
+        return f"unavailable ({type(exc).__name__}: {exc})"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import polynorm as pn
+
+    print(f"polynorm {pn.__version__}  (python {sys.version.split()[0]})")
+    print("backends:")
+    for name, (ok, why) in pn.backends().items():
+        print(f"  {name:<10} {'usable' if ok else 'not usable'}" + ("" if ok else f": {why}"))
+    print(f"numba:    {_numba_threads()}")
+    print(f"GPU:      {_gpu()}")
+    mods = ("numpy", "numba", "cupy", "torch", "dask", "jax", "array_api_compat", "ml_dtypes")
+    print("versions: " + ", ".join(f"{m} {_version(m)}" for m in mods))
+    return 0
+
+
+# ------------------------------------------------------------------ check
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import polynorm as pn
+
+    from . import _check
+
+    backends = args.backend
+    if backends:
+        unknown = [b for b in backends if b not in pn.backends()]
+        if unknown:
+            raise ValueError(f"--backend: unknown backend {unknown[0]!r}")
+    rows = _check.run(backends, args.dtype)
+    print(_check.format_rows(rows))
+    return 1 if _check.failed(rows) else 0
+
+
+# ------------------------------------------------------------------ bench
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ._bench import common, report
+
+    info = common.machine_info()
+    machine = f"{info.get('cpu_model', info['processor'])}, {info['cpu_count']} CPUs"
+    gpu = _gpu()
+    if not gpu.startswith(("cupy not", "no CUDA", "unavailable")):
+        machine += f"; GPU {gpu}"
+    print(f"machine: {machine}")
+    with report.make_progress(not args.no_progress) as progress:
+        outcome = report.run_suites(quick=args.quick, backends=args.backend, dtypes=args.dtype,
+                                    progress=progress)
+    print(report.text_report(outcome))
+    if args.backend and not outcome.ran and not outcome.failed:
+        raise ValueError(f"--backend {' '.join(args.backend)}: nothing can run here "
+                         f"({'; '.join(f'{k}: {v}' for k, v in outcome.skipped.items())})")
+    meta = {"argv": sys.argv[1:], "quick": args.quick, "ran": outcome.ran,
+            "skipped": outcome.skipped, "failed": outcome.failed, "machine_summary": machine}
+    if args.json:
+        common.write_json(args.json, outcome.records, meta)
+        print(f"wrote {args.json}")
+    if args.markdown:
+        from pathlib import Path
+
+        Path(args.markdown).write_text(report.markdown_table(outcome.records) + "\n")
+        print(f"wrote {args.markdown}")
+    if args.plot:
+        if outcome.records:
+            report.plot(outcome.records, args.plot, title=f"polynorm bench: {machine}")
+            print(f"wrote {args.plot}")
+        else:
+            print("no records: no plot written", file=sys.stderr)
+    return 1 if outcome.failed else 0
+
+
+# ------------------------------------------------------------------ entry point
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``polynorm`` command line; returns the exit code.
+
+    Examples
+    --------
+    >>> from polynorm.cli import main
+    >>> main(["info"])  # doctest: +ELLIPSIS
+    polynorm ...
+    0
+    """
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as e:
+        return e.code
+    except SystemExit as e:  # --help / --version
+        return int(e.code or 0)
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        print("polynorm: error: a command is required (info, check or bench)", file=sys.stderr)
+        return 2
+    command = {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.command]
+    try:
+        return command(args)
+    except (ValueError, TypeError) as exc:
+        # polynorm's own argument errors (they name the argument); a bug elsewhere would
+        # also land here, so the message says what happened rather than hiding it
+        parser.print_usage(sys.stderr)
+        print(f"polynorm {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

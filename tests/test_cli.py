@@ -1,0 +1,283 @@
+"""The ``polynorm`` command line: info, check, bench, and their exit codes."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import polynorm as pn
+from polynorm import _check
+from polynorm._bench import report
+from polynorm._bench.common import Record
+from polynorm.backends import reference
+from polynorm.cli import main
+
+registry = importlib.import_module("polynorm.backends")  # pn.backends is the function
+
+
+# ------------------------------------------------------------------ usage and exit codes
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frobnicate"],
+        ["bench", "--dtype", "int8"],
+        ["bench", "--backend", "nosuch"],
+        ["bench", "--quick", "extra-positional"],
+        ["check", "--backend", "nosuch"],
+        ["check", "--dtype", "complex64"],
+        ["info", "--verbose"],
+    ],
+)
+def test_bad_arguments_give_usage_and_exit_2(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "usage: polynorm" in err
+    assert "error:" in err
+    assert "Traceback" not in err
+
+
+def test_help_and_version_exit_0(capsys):
+    assert main(["--version"]) == 0
+    assert pn.__version__ in capsys.readouterr().out
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--quick" in out and "--plot" in out and "--json" in out
+
+
+def test_real_process_exit_codes():
+    """The installed entry point behaves like main(): exit code 2, no traceback."""
+    bad = subprocess.run([sys.executable, "-m", "polynorm", "bench", "--dtype", "int8"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "usage:" in bad.stderr and "Traceback" not in bad.stderr
+    ok = subprocess.run([sys.executable, "-m", "polynorm", "--version"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and pn.__version__ in ok.stdout
+
+
+def test_polynorm_errors_become_exit_2(monkeypatch, capsys):
+    def boom(args):
+        raise ValueError("--dtype: float8 is not a float dtype polynorm knows")
+
+    monkeypatch.setattr("polynorm.cli.cmd_info", boom)
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert "float8" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ info
+
+
+def test_info_lists_every_backend_with_a_reason(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"polynorm {pn.__version__}" in out
+    for name, (usable, why) in pn.backends().items():
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(name))
+        assert ("not usable" not in line) == usable
+        if not usable:
+            assert why.split(";")[0] in line
+    assert "numba:" in out and "GPU:" in out and "versions:" in out
+
+
+# ------------------------------------------------------------------ check
+
+
+def test_check_passes_on_the_reference(capsys):
+    assert main(["check", "--backend", "array_api", "--dtype", "float32", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out
+    assert f"{2 * len(_check.TESTS)} checks passed, 0 failed" in out
+
+
+def _wrong_forward(real):
+    def forward(x, residual, weight, bias, plan, out=None):
+        y, h, rstd = real(x, residual, weight, bias, plan, out)
+        return y + 1, h, rstd  # off by one everywhere
+
+    return forward
+
+
+def test_check_fails_when_the_forward_is_broken(monkeypatch, capsys):
+    monkeypatch.setattr(reference, "forward", _wrong_forward(reference.forward))
+    assert main(["check", "--backend", "array_api", "--dtype", "float64"]) == 1
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if ln.startswith("array_api"))
+    cells = dict(zip(("backend", "dtype", *_check.TESTS), row.split(), strict=False))
+    for t in ("fwd", "pRMS", "llama", "add"):
+        assert cells[t] == "FAIL", t
+    assert cells["bwd"] == "ok"  # the backward does not use the forward
+    assert "y vs float64 formula" in out
+
+
+def test_check_fails_when_the_backward_is_broken(monkeypatch, capsys):
+    real = reference.backward
+
+    def backward(dy, x, weight, bias, rstd, grad_residual, plan):
+        dx, dw, db = real(dy, x, weight, bias, rstd, grad_residual, plan)
+        return dx * 1.5, dw, db
+
+    monkeypatch.setattr(reference, "backward", backward)
+    assert main(["check", "--backend", "array_api", "--dtype", "float32"]) == 1
+    out = capsys.readouterr().out
+    assert "dx vs finite differences" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("array_api"))
+    assert row.split()[2:6] == ["ok", "ok", "ok", "ok"]  # forward checks unaffected
+
+
+def test_check_reports_a_crash_without_traceback(monkeypatch, capsys):
+    def forward(*args, **kw):
+        raise RuntimeError("kernel launch failed")
+
+    monkeypatch.setattr(reference, "forward", forward)
+    assert main(["check", "--backend", "array_api", "--dtype", "float32"]) == 1
+    out = capsys.readouterr().out
+    assert "raised RuntimeError: kernel launch failed" in out
+    assert "Traceback" not in out
+
+
+@pytest.fixture
+def fake_backend(monkeypatch):
+    """A backend 'fake' in the registry: the reference, wrong at float16 only."""
+    mod = types.ModuleType("polynorm_fake_backend")
+    mod.available = lambda: (True, "ok")
+    mod.accepts = lambda x: isinstance(x, np.ndarray)
+    mod.backward = reference.backward
+    mod.DTYPES = ("float16", "float32")
+
+    def forward(x, residual, weight, bias, plan, out=None):
+        y, h, rstd = reference.forward(x, residual, weight, bias, plan, out)
+        if plan.out_dtype == "float16":
+            y = y * np.float16(1.25)
+        return y, h, rstd
+
+    mod.forward = forward
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    monkeypatch.setitem(registry.MODULES, "fake", mod.__name__)
+    monkeypatch.setitem(registry.INSTALL_HINT, "fake", "-")
+    yield mod
+    registry._loaded.pop("fake", None)
+    registry._status.pop("fake", None)
+
+
+def test_check_finds_the_broken_dtype_of_a_backend(fake_backend, capsys):
+    rows = _check.run(["fake"], ["float16", "float32", "float64"])
+    by = {(r.dtype, r.test): r for r in rows}
+    assert by["float16", "fwd"].ok is False
+    assert by["float16", "bwd"].ok is True
+    assert all(by["float32", t].ok for t in _check.TESTS)
+    assert all(by["float64", t].ok is None for t in _check.TESTS)  # not in DTYPES: skipped
+    assert _check.failed(rows)
+    text = _check.format_rows(rows)
+    assert "fake float16 fwd" in text and "fake has no float64" in text
+
+
+def test_unusable_backend_is_skipped_with_its_reason(monkeypatch):
+    monkeypatch.setattr(pn, "backends", lambda: {"array_api": (False, "switched off for the test")})
+    rows = _check.run()
+    assert [(r.ok, r.detail) for r in rows] == [(None, "switched off for the test")]
+    assert not _check.failed(rows)
+    assert "switched off for the test" in _check.format_rows(rows)
+
+
+# ------------------------------------------------------------------ bench
+
+
+def _fake_run(suite: str, device: str, scale: float):
+    def run(*, quick=False, dtypes=None, progress=None):
+        recs = []
+        cases = [(dt, d) for dt in (dtypes or ["float32"]) for d in (256, 1024, 4096)]
+        for i, (dt, d) in enumerate(cases):
+            if progress:
+                progress(i, len(cases), f"{dt} d={d}")
+            g = scale * d / (d + 512)
+            recs.append(Record(suite, "fwd", suite, dt, 1024, d, 1e-3, int(g * 1e6), g,
+                               {"copy": g / scale, "torch": 2.0}, {"device": device}))
+        if progress:
+            progress(len(cases), len(cases), "done")
+        return recs
+
+    return run
+
+
+@pytest.fixture
+def fake_suites(monkeypatch):
+    fast = types.ModuleType("polynorm_fake_suite_fast")
+    fast.run = _fake_run("fast", "cpu", 20.0)
+    broken = types.ModuleType("polynorm_fake_suite_broken")
+
+    def explode(**kw):
+        raise RuntimeError("out of device memory")
+
+    broken.run = explode
+    for m in (fast, broken):
+        monkeypatch.setitem(sys.modules, m.__name__, m)
+    monkeypatch.setattr(report, "SUITES", (
+        report.Suite("fast", fast.__name__, ("numba",)),
+        report.Suite("broken", broken.__name__, ("cupy",)),
+        report.Suite("absent", "polynorm_no_such_suite_module", ("torch",)),
+        report.Suite("reference", None, ("array_api",)),
+    ))
+    monkeypatch.setattr(report, "_reference_cases", lambda quick: ((64, 256), 2**12, ("fwd",)))
+
+
+def test_bench_runs_what_it_can_and_writes_everything(fake_suites, tmp_path, capsys):
+    files = {k: tmp_path / f"out.{k}" for k in ("json", "png", "md")}
+    code = main(["bench", "--quick", "--no-progress", "--dtype", "float32", "--dtype", "float16",
+                 "--json", str(files["json"]), "--plot", str(files["png"]),
+                 "--markdown", str(files["md"])])
+    assert code == 1  # one suite crashed
+    out = capsys.readouterr().out
+    assert "== fast (6 cases)" in out and "== reference (4 cases)" in out
+    assert "broken: RuntimeError: out of device memory" in out
+    assert "absent: suite module not importable" in out
+    doc = json.loads(files["json"].read_text())
+    assert {r["suite"] for r in doc["records"]} == {"fast", "reference"}
+    assert doc["meta"]["failed"].keys() == {"broken"}
+    assert "cpu_count" in doc["machine"]
+    assert files["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = files["md"].read_text().splitlines()
+    assert md[0].startswith("| suite | op | backend") and len(md) == 2 + 6 + 4
+    ref = [r for r in doc["records"] if r["suite"] == "reference"]
+    assert {r["dtype"] for r in ref} == {"float32", "float16"}
+    assert all(r["gbps"] > 0 and r["ratios"]["copy"] > 0 for r in ref)
+
+
+def test_bench_backend_selects_suites(fake_suites, capsys):
+    assert main(["bench", "--quick", "--no-progress", "--backend", "numba"]) == 0
+    out = capsys.readouterr().out
+    assert "== fast" in out and "reference" not in out and "broken" not in out
+
+
+def test_bench_progress_is_reported(fake_suites, capsys):
+    seen = []
+
+    def factory(suite):
+        return lambda done, total, label: seen.append((suite, done, total))
+
+    outcome = report.run_suites(quick=True, backends=["numba"], progress=factory)
+    assert outcome.ran == ["fast"]
+    assert seen[0] == ("fast", 0, 3) and seen[-1] == ("fast", 3, 3)
+    with report.make_progress(True) as prog:  # the real bar (rich/tqdm) accepts the callbacks
+        report.run_suites(quick=True, backends=["numba"], progress=prog)
+
+
+def test_bench_explicit_backend_that_cannot_run_is_exit_2(fake_suites, capsys):
+    assert main(["bench", "--quick", "--no-progress", "--backend", "torch"]) == 2
+    assert "nothing can run here" in capsys.readouterr().err
+
+
+def test_plot_draws_a_roof_per_device(tmp_path):
+    recs = _fake_run("fast", "cpu", 20.0)(dtypes=["float32", "bfloat16"])
+    recs += _fake_run("gpu", "gpu", 3000.0)(dtypes=["float16"])
+    path = report.plot(recs, tmp_path / "p.png")
+    assert path.stat().st_size > 10_000
