@@ -67,11 +67,24 @@ def _parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------ info
 
 
+#: module -> distributions that may provide it (cupy ships under several names)
+_DISTS = {
+    "numpy": ("numpy",), "numba": ("numba",), "torch": ("torch",), "dask": ("dask",),
+    "jax": ("jax",), "array_api_compat": ("array-api-compat",), "ml_dtypes": ("ml_dtypes",),
+    "cupy": ("cupy-cuda12x", "cupy-cuda13x", "cupy-cuda11x", "cupy"),
+}
+
+
 def _version(module: str) -> str:
-    try:
-        return getattr(importlib.import_module(module), "__version__", "installed")
-    except Exception:  # an import can fail in many ways (e.g. CUDA libraries missing)
-        return "-"
+    """Installed version from package metadata: no import (jax alone takes seconds)."""
+    from importlib import metadata
+
+    for dist in _DISTS.get(module, (module,)):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "-"
 
 
 def _numba_threads() -> str:
@@ -82,17 +95,19 @@ def _numba_threads() -> str:
     try:
         layer = numba.threading_layer()
     except ValueError:
-        # the layer is chosen at the first parallel launch; run a tiny one
+        # numba picks the layer (tbb, omp, workqueue) at the first parallel launch: probe one
         try:
-            import numpy as np
+            @numba.njit(parallel=True)
+            def probe(n):
+                s = 0
+                for i in numba.prange(n):
+                    s += i
+                return s
 
-            import polynorm as pn
-
-            if pn.backends()["numba"][0]:
-                pn.rms_norm(np.ones((4, 8), np.float32), backend="numba")
+            probe(8)
             layer = numba.threading_layer()
-        except Exception:
-            layer = f"{numba.config.THREADING_LAYER} (not started)"
+        except Exception as exc:  # no usable threading layer at all
+            layer = f"none usable ({type(exc).__name__}: {exc})"
     return f"{numba.get_num_threads()} threads, threading layer {layer}"
 
 
@@ -124,8 +139,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"  {name:<10} {'usable' if ok else 'not usable'}" + ("" if ok else f": {why}"))
     print(f"numba:    {_numba_threads()}")
     print(f"GPU:      {_gpu()}")
-    mods = ("numpy", "numba", "cupy", "torch", "dask", "jax", "array_api_compat", "ml_dtypes")
-    print("versions: " + ", ".join(f"{m} {_version(m)}" for m in mods))
+    print("versions: " + ", ".join(f"{m} {_version(m)}" for m in _DISTS))
     return 0
 
 
@@ -189,7 +203,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``polynorm`` command line; returns the exit code.
+    """Run the ``polynorm`` command line.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        The arguments after ``polynorm``; default ``sys.argv[1:]``.
+
+    Returns
+    -------
+    int
+        0 on success, 1 when a check or a benchmark suite failed, 2 for bad
+        arguments (after printing a usage message to stderr).
 
     Examples
     --------
