@@ -1,0 +1,270 @@
+"""float16 / bfloat16 bit codecs for the Numba kernels.
+
+Numba cannot take float16 arrays on the CPU, and numpy has no bfloat16, so
+the kernels see ``uint16`` views and convert each element here, in
+registers: no float32 copy of the data is ever made.  All conversions are
+exact where the value is representable and round to nearest even otherwise;
+subnormals, infinities and NaN are handled (a NaN stays a NaN of the same
+sign; its payload is not kept).
+
+The functions are branch-light (selects, not jumps) so that LLVM can
+vectorize the loops that call them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+# --------------------------------------------------------------------------- bit casts
+
+
+@intrinsic
+def _u32_as_f32(typingctx, v):
+    # Numba widens integer arithmetic to 64 bits: take the low 32 bits.
+    if not isinstance(v, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = args[0]
+        if v.bitwidth > 32:
+            a = builder.trunc(a, ir.IntType(32))
+        return builder.bitcast(a, ir.FloatType())
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def _f32_as_u32(typingctx, v):
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(v), codegen
+
+
+@intrinsic
+def _f64_as_u64(typingctx, v):
+    if v != types.float64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return types.uint64(v), codegen
+
+
+@intrinsic
+def _u64_as_f64(typingctx, v):
+    if not isinstance(v, types.Integer) or v.bitwidth != 64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(v), codegen
+
+
+_jit = njit(nogil=True)
+
+# --------------------------------------------------------------------------- decode
+
+
+@_jit
+def bf16_to_f32(b):
+    """bfloat16 bits -> float32 (exact: bfloat16 is float32's top half)."""
+    return _u32_as_f32(np.uint32(b) << np.uint32(16))
+
+
+@_jit
+def f16_to_f32(b):
+    """float16 bits -> float32, exact for every pattern (F. Giesen's method)."""
+    h = np.uint32(b)
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    o = (h & np.uint32(0x7FFF)) << np.uint32(13)
+    exp = o & np.uint32(0x0F800000)
+    o = o + np.uint32((127 - 15) << 23)
+    # Inf/NaN: move the exponent to float32's all-ones
+    o_inf = o + np.uint32((128 - 16) << 23)
+    # subnormal: renormalize through one exact float subtraction
+    o_sub = _f32_as_u32(
+        _u32_as_f32(o + np.uint32(1 << 23)) - _u32_as_f32(np.uint32(113 << 23))
+    )
+    o = o_inf if exp == np.uint32(0x0F800000) else (o_sub if exp == np.uint32(0) else o)
+    return _u32_as_f32(o | sign)
+
+
+# --------------------------------------------------------------------------- encode
+
+
+@_jit
+def f32_to_bf16(f):
+    """float32 -> bfloat16 bits, round to nearest even."""
+    u = _f32_as_u32(f)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    q = (u >> np.uint32(16)) | np.uint32(0x40)
+    return np.uint16(q if nan else r)
+
+
+@_jit
+def f32_to_f16(f):
+    """float32 -> float16 bits, round to nearest even (F. Giesen's method)."""
+    u = _f32_as_u32(f)
+    sign = u & np.uint32(0x80000000)
+    u = u ^ sign
+    # overflow (and Inf) -> Inf, NaN -> quiet NaN
+    big = np.uint32(0x7E00) if u > np.uint32(0x7F800000) else np.uint32(0x7C00)
+    # subnormal result: let the FPU round by adding a magic number
+    magic = np.uint32(((127 - 15) + (23 - 10) + 1) << 23)
+    sub = _f32_as_u32(_u32_as_f32(u) + _u32_as_f32(magic)) - magic
+    # normal: rebias the exponent and round the 13 dropped bits to even
+    odd = (u >> np.uint32(13)) & np.uint32(1)
+    nrm = (u + np.uint32(((15 - 127) << 23) + 0xFFF) + odd) >> np.uint32(13)
+    o = big if u >= np.uint32((127 + 16) << 23) else (sub if u < np.uint32(113 << 23) else nrm)
+    return np.uint16(o | (sign >> np.uint32(16)))
+
+
+@_jit
+def f64_to_f32_odd(v):
+    """float64 -> float32 rounded to odd.
+
+    Rounding to odd first and then to nearest even in a format at least two
+    bits narrower gives the correctly rounded result, which a plain double
+    rounding through float32 does not.
+    """
+    r = np.float32(v)
+    u = _f32_as_u32(r)
+    if np.float64(r) != v and v == v:
+        if abs(np.float64(r)) > abs(v):
+            u = u - np.uint32(1)  # toward zero: the magnitude is in the low bits
+        u = u | np.uint32(1)
+    return _u32_as_f32(u)
+
+
+@_jit
+def f64_to_f16(v):
+    """float64 -> float16 bits, correctly rounded."""
+    return f32_to_f16(f64_to_f32_odd(v))
+
+
+@_jit
+def f64_to_bf16(v):
+    """float64 -> bfloat16 bits, correctly rounded."""
+    return f32_to_bf16(f64_to_f32_odd(v))
+
+
+# --------------------------------------------------------------------------- generic helpers
+# Kernels are written once for every element type; these overloads pick the
+# conversion from the Numba type of the argument at compile time.  ``bfloat``
+# is a runtime flag telling the two 16-bit formats apart (both are uint16).
+
+
+def load(v, bfloat):  # pragma: no cover - replaced by the overload
+    """Stored element -> compute value (float32, or float64 for float64)."""
+    raise NotImplementedError
+
+
+@overload(load)
+def _ov_load(v, bfloat):
+    if isinstance(v, types.Integer):
+        return lambda v, bfloat: bf16_to_f32(v) if bfloat else f16_to_f32(v)
+    if v == types.float32:
+        return lambda v, bfloat: v
+    if v == types.float64:
+        return lambda v, bfloat: v
+    return None
+
+
+def store(a, i, v, bfloat):  # pragma: no cover - replaced by the overload
+    """``a[i] = v`` rounded once (to nearest even) to ``a``'s element type."""
+    raise NotImplementedError
+
+
+@overload(store)
+def _ov_store(a, i, v, bfloat):
+    dt = a.dtype
+    if isinstance(dt, types.Integer):
+        if v == types.float64:
+            def impl(a, i, v, bfloat):
+                a[i] = f64_to_bf16(v) if bfloat else f64_to_f16(v)
+        else:
+            def impl(a, i, v, bfloat):
+                a[i] = f32_to_bf16(v) if bfloat else f32_to_f16(v)
+        return impl
+    if dt == types.float32:
+        def impl(a, i, v, bfloat):
+            a[i] = np.float32(v)
+        return impl
+    if dt == types.float64:
+        def impl(a, i, v, bfloat):
+            a[i] = np.float64(v)
+        return impl
+    return None
+
+
+#: Runtime format codes for :func:`round_to` (llama casting).
+F16, BF16, F32, F64 = 0, 1, 2, 3
+
+
+def round_to(v, code):  # pragma: no cover - replaced by the overload
+    """``v`` rounded to the format ``code`` and returned in ``v``'s own type."""
+    raise NotImplementedError
+
+
+@overload(round_to)
+def _ov_round_to(v, code):
+    if v == types.float32:
+        def impl(v, code):
+            if code == 0:
+                return f16_to_f32(f32_to_f16(v))
+            if code == 1:
+                return bf16_to_f32(f32_to_bf16(v))
+            return v
+        return impl
+    if v == types.float64:
+        def impl(v, code):
+            if code == 0:
+                return np.float64(f16_to_f32(f64_to_f16(v)))
+            if code == 1:
+                return np.float64(bf16_to_f32(f64_to_bf16(v)))
+            if code == 2:
+                return np.float64(np.float32(v))
+            return v
+        return impl
+    return None
+
+
+# --------------------------------------------------------------------------- array helpers (tests, tools)
+
+
+@njit(nogil=True)
+def decode_array(bits, bfloat):
+    """Decode a 1-D uint16 array to float32.
+
+    >>> import numpy as np
+    >>> decode_array(np.array([0x3C00, 0x0001], np.uint16), False)
+    array([1.0000000e+00, 5.9604645e-08], dtype=float32)
+    """
+    out = np.empty(bits.shape[0], np.float32)
+    for i in range(bits.shape[0]):
+        out[i] = load(bits[i], bfloat)
+    return out
+
+
+@njit(nogil=True)
+def encode_array(values, bfloat):
+    """Encode a 1-D float32 or float64 array to uint16 bits, rounding to nearest even.
+
+    >>> import numpy as np
+    >>> encode_array(np.array([1.0, 65520.0], np.float32), False)
+    array([15360, 31744], dtype=uint16)
+    """
+    out = np.empty(values.shape[0], np.uint16)
+    for i in range(values.shape[0]):
+        store(out, i, values[i], bfloat)
+    return out

@@ -1,0 +1,342 @@
+"""The Numba kernels: forward (plain and fused add) and backward on ``(n, d)`` rows.
+
+Every option of the :class:`polynorm._options.Plan` arrives as a runtime
+scalar or a bit of ``flags``, so a kernel is specialised only on the element
+types and memory layouts of its arrays.  Absent arrays (residual, weight,
+bias, ...) are passed as a 1x1 dummy with the matching flag bit cleared.
+float16 and bfloat16 arrays arrive as ``uint16`` views; a flag bit per array
+says which of the two formats it holds.
+
+Numerics (see the module docstring of :mod:`polynorm._options`):
+
+- the sum of squares is accumulated in float64: exact range for float16,
+  bfloat16 and float32 input (``1e25**2`` is nothing for float64).  For
+  float64 input a row whose sum overflows or underflows (or is zero) is
+  recomputed scaled by its largest magnitude; on ordinary data this branch
+  is never taken.
+- reductions run in a fixed order with four independent accumulators and no
+  fast-math, so the bits do not depend on the thread count or on which of
+  the serial and parallel drivers ran.
+- ``dweight``/``dbias`` are summed per fixed block of rows into float64
+  partials, then the partials are added in block order.
+
+Each kernel exists twice, ``*_serial`` and ``*_parallel`` (``prange`` over
+tokens or blocks), with the same row function inlined into both.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from ._numba_codec import load, round_to, store
+
+# --------------------------------------------------------------------------- flags
+
+HAS_R = 1 << 0
+HAS_W = 1 << 1
+HAS_B = 1 << 2
+EPS_INSIDE = 1 << 3
+LLAMA = 1 << 4
+HAS_RSTD = 1 << 5  # backward: rstd given
+HAS_GR = 1 << 6  # backward: grad_residual given
+# "this uint16 array holds bfloat16" bits, one per array slot
+BF_X = 1 << 8
+BF_R = 1 << 9
+BF_W = 1 << 10
+BF_B = 1 << 11
+BF_Y = 1 << 12  # y (forward) / dy (backward)
+BF_H = 1 << 13  # h (forward) / grad_residual (backward)
+# llama rounding formats (codes of _numba_codec.round_to), two bits each
+XCODE_SHIFT = 16
+WCODE_SHIFT = 18
+PCODE_SHIFT = 20
+
+_TINY = 2.0**-960  # a float64 sum of squares below this has lost bits
+
+
+def _jit(**kw):
+    """``njit`` with an on-disk cache where one can be written, in memory otherwise."""
+
+    def deco(fn):
+        try:
+            return njit(cache=True, nogil=True, **kw)(fn)
+        except Exception:  # e.g. NUMBA_CACHE_DIR not writable: compile per process
+            return njit(cache=False, nogil=True, **kw)(fn)
+
+    return deco
+
+
+# Row helpers: plain njit functions; LLVM inlines them into each driver.
+_inline = njit(nogil=True)
+
+
+def like(v, ref):  # pragma: no cover - replaced by the overload
+    """``v`` converted to the type of ``ref`` (the compute type)."""
+    raise NotImplementedError
+
+
+@overload(like)
+def _ov_like(v, ref):
+    if ref == types.float32:
+        return lambda v, ref: np.float32(v)
+    if ref == types.float64:
+        return lambda v, ref: np.float64(v)
+    return None
+
+
+# --------------------------------------------------------------------------- row statistics
+
+
+@_inline
+def _sumsq(a, i, k, bf):
+    """float64 sum of squares of ``a[i, :k]``, four accumulators, fixed order."""
+    s0 = 0.0
+    s1 = 0.0
+    s2 = 0.0
+    s3 = 0.0
+    k4 = k - k % 4
+    for j in range(0, k4, 4):
+        v0 = np.float64(load(a[i, j], bf))
+        v1 = np.float64(load(a[i, j + 1], bf))
+        v2 = np.float64(load(a[i, j + 2], bf))
+        v3 = np.float64(load(a[i, j + 3], bf))
+        s0 += v0 * v0
+        s1 += v1 * v1
+        s2 += v2 * v2
+        s3 += v3 * v3
+    for j in range(k4, k):
+        v0 = np.float64(load(a[i, j], bf))
+        s0 += v0 * v0
+    return (s0 + s1) + (s2 + s3)
+
+
+@_inline
+def _scaled_rms(a, i, k, bf):
+    """``sqrt(mean(a[i, :k]**2))`` scaled by the largest magnitude (no overflow)."""
+    m = 0.0
+    for j in range(k):
+        v = abs(np.float64(load(a[i, j], bf)))
+        if not v <= m:  # also catches NaN
+            m = v
+    if m == 0.0:
+        return 0.0
+    if not math.isfinite(m):
+        return math.nan  # Inf or NaN in the row: the whole token is NaN
+    s = 0.0
+    for j in range(k):
+        v = np.float64(load(a[i, j], bf)) / m
+        s += v * v
+    return m * math.sqrt(s / k)
+
+
+@_inline
+def _stats(a, i, k, bf, eps, inside):
+    """``(rms, rstd)`` of row ``i`` in float64."""
+    ss = _sumsq(a, i, k, bf)
+    if ss < math.inf and ss >= _TINY:
+        ms = ss / k
+        rms = math.sqrt(ms)
+        if inside:
+            return rms, 1.0 / math.sqrt(ms + eps)
+        return rms, 1.0 / (rms + eps)
+    rms = _scaled_rms(a, i, k, bf)
+    if inside:
+        return rms, 1.0 / math.hypot(rms, math.sqrt(eps))
+    return rms, 1.0 / (rms + eps)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@_inline
+def _fwd_norm_row(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
+    d = a.shape[1]
+    has_w = (flags & HAS_W) != 0
+    has_b = (flags & HAS_B) != 0
+    wbf = (flags & BF_W) != 0
+    bbf = (flags & BF_B) != 0
+    ybf = (flags & BF_Y) != 0
+    _, r64 = _stats(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0)
+    rstd[i] = r64
+    rc = rstd[i]  # rstd in the compute type
+    yi = y[i]
+    if flags & LLAMA:
+        xcode = (flags >> XCODE_SHIFT) & 3
+        wcode = (flags >> WCODE_SHIFT) & 3
+        pcode = (flags >> PCODE_SHIFT) & 3
+        off = np.float64(offset)  # g = weight + offset, rounded once to weight's dtype
+        for j in range(d):
+            xh = round_to(load(a[i, j], abf) * rc, xcode)
+            val = xh
+            if has_w:
+                g = round_to(np.float64(load(w[j], wbf)) + off, wcode)
+                val = like(round_to(np.float64(xh) * g, pcode), rc)
+            if has_b:
+                val = val + like(load(b[j], bbf), rc)
+            store(yi, j, val, ybf)
+        return
+    oc = like(offset, rc)
+    # the common cases get their own loops, free of per-element branches
+    if has_w and not has_b:
+        for j in range(d):
+            store(yi, j, load(a[i, j], abf) * rc * (like(load(w[j], wbf), rc) + oc), ybf)
+    elif not has_w and not has_b:
+        for j in range(d):
+            store(yi, j, load(a[i, j], abf) * rc, ybf)
+    elif has_w:
+        for j in range(d):
+            val = load(a[i, j], abf) * rc * (like(load(w[j], wbf), rc) + oc)
+            store(yi, j, val + like(load(b[j], bbf), rc), ybf)
+    else:
+        for j in range(d):
+            store(yi, j, load(a[i, j], abf) * rc + like(load(b[j], bbf), rc), ybf)
+
+
+@_inline
+def _fwd_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
+    xbf = (flags & BF_X) != 0
+    if flags & HAS_R:
+        rbf = (flags & BF_R) != 0
+        hbf = (flags & BF_H) != 0
+        hi = h[i]
+        for j in range(x.shape[1]):
+            store(hi, j, load(x[i, j], xbf) + load(r[i, j], rbf), hbf)
+        _fwd_norm_row(i, h, hbf, w, b, y, rstd, flags, k, eps, offset)
+    else:
+        _fwd_norm_row(i, x, xbf, w, b, y, rstd, flags, k, eps, offset)
+
+
+@_jit()
+def forward_serial(x, r, w, b, y, h, rstd, flags, k, eps, offset):
+    for i in range(x.shape[0]):
+        _fwd_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset)
+
+
+@_jit(parallel=True)
+def forward_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset):
+    for i in prange(x.shape[0]):
+        _fwd_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@_inline
+def _ld(a, i, j, bf, rc):
+    """``a[i, j]`` in the compute type of ``rc``."""
+    return like(load(a[i, j], bf), rc)
+
+
+@_inline
+def _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset):
+    d = x.shape[1]
+    xbf = (flags & BF_X) != 0
+    wbf = (flags & BF_W) != 0
+    dybf = (flags & BF_Y) != 0
+    grbf = (flags & BF_H) != 0
+    has_w = (flags & HAS_W) != 0
+    inside = (flags & EPS_INSIDE) != 0
+    has_rstd = (flags & HAS_RSTD) != 0
+    rms = 0.0
+    r64 = 0.0
+    if not has_rstd or not inside:
+        rms, r64 = _stats(x, i, k, xbf, eps, inside)
+    if has_rstd:
+        r64 = np.float64(rstd_in[i])
+    # rc: rstd in the compute type (float64 for float64 x, else float32)
+    rc = like(r64, load(x[i, 0], xbf))
+    oc = like(offset, rc)
+    # c = sum_j g*dy*xhat over all d columns, in float64, fixed order
+    c0 = 0.0
+    c1 = 0.0
+    d2 = d - d % 2
+    if has_w:
+        for j in range(0, d2, 2):
+            g0 = like(load(w[j], wbf), rc) + oc
+            g1 = like(load(w[j + 1], wbf), rc) + oc
+            c0 += np.float64(g0 * _ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
+            c1 += np.float64(g1 * _ld(dy, i, j + 1, dybf, rc) * (load(x[i, j + 1], xbf) * rc))
+        for j in range(d2, d):
+            g0 = like(load(w[j], wbf), rc) + oc
+            c0 += np.float64(g0 * _ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
+    else:
+        for j in range(0, d2, 2):
+            c0 += np.float64(_ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
+            c1 += np.float64(_ld(dy, i, j + 1, dybf, rc) * (load(x[i, j + 1], xbf) * rc))
+        for j in range(d2, d):
+            c0 += np.float64(_ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
+    c = c0 + c1
+    coef64 = c / k
+    if not inside:
+        coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)
+    coef = like(coef64, rc)
+    has_gr = (flags & HAS_GR) != 0
+    dxi = dx[i]
+    has_part = (flags & (HAS_W | HAS_B)) != 0
+    for j in range(d):
+        xh = load(x[i, j], xbf) * rc
+        gdy = _ld(dy, i, j, dybf, rc)
+        if has_part:
+            part[blk, j] += np.float64(gdy * xh)
+            part[blk, d + j] += np.float64(gdy)
+        if has_w:
+            gdy = gdy * (like(load(w[j], wbf), rc) + oc)
+        v = gdy - xh * coef if j < k else gdy
+        v = rc * v
+        if has_gr:
+            v = v + like(load(gr[i, j], grbf), rc)
+        store(dxi, j, v, xbf)
+
+
+@_inline
+def _bwd_block(blk, rows, dy, x, w, rstd_in, gr, dx, part, flags, k, eps, offset):
+    lo = blk * rows
+    hi = min(lo + rows, x.shape[0])
+    for i in range(lo, hi):
+        _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset)
+
+
+@_jit()
+def backward_serial(dy, x, w, rstd_in, gr, dx, part, rows, flags, k, eps, offset):
+    for blk in range(part.shape[0]):
+        _bwd_block(blk, rows, dy, x, w, rstd_in, gr, dx, part, flags, k, eps, offset)
+
+
+@_jit(parallel=True)
+def backward_parallel(dy, x, w, rstd_in, gr, dx, part, rows, flags, k, eps, offset):
+    for blk in prange(part.shape[0]):
+        _bwd_block(blk, rows, dy, x, w, rstd_in, gr, dx, part, flags, k, eps, offset)
+
+
+@_inline
+def _reduce_cols(part, dw, db, lo, hi, flags):
+    d = dw.shape[0]
+    wbf = (flags & BF_W) != 0
+    bbf = (flags & BF_B) != 0
+    for j in range(lo, hi):
+        sw = 0.0
+        sb = 0.0
+        for blk in range(part.shape[0]):  # block order: the same bits for any thread count
+            sw += part[blk, j]
+            sb += part[blk, d + j]
+        if flags & HAS_W:
+            store(dw, j, sw, wbf)
+        if flags & HAS_B:
+            store(db, j, sb, bbf)
+
+
+@_jit()
+def reduce_serial(part, dw, db, flags):
+    _reduce_cols(part, dw, db, 0, dw.shape[0], flags)
+
+
+@_jit(parallel=True)
+def reduce_parallel(part, dw, db, flags):
+    d = dw.shape[0]
+    chunk = 1024
+    for c in prange((d + chunk - 1) // chunk):
+        _reduce_cols(part, dw, db, c * chunk, min(d, (c + 1) * chunk), flags)
