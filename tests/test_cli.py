@@ -281,3 +281,20 @@ def test_plot_draws_a_roof_per_device(tmp_path):
     recs += _fake_run("gpu", "gpu", 3000.0)(dtypes=["float16"])
     path = report.plot(recs, tmp_path / "p.png")
     assert path.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_check_closed_form_gradient_agrees_with_finite_differences(inside, rng):
+    """The big-shape truth of `check` is itself checked against central differences."""
+    x, g = rng.standard_normal((3, 11)), rng.standard_normal((3, 11))
+    w, b = rng.standard_normal(11), rng.standard_normal(11)
+    opts = dict(k=5, eps=1e-3, inside=inside, offset=0.5)
+    for got, want in zip(_check._exact_grads(x, w, b, g, **opts),
+                         _check._fd_grads(x, w, b, g, **opts), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-8)
+    # an all-zero row: sqrt(ms) has a kink there (no finite differences); the spec's
+    # backward takes the term with 1/s as zero, leaving dx = rstd * g * (w + offset)
+    x[2] = 0.0
+    dx = _check._exact_grads(x, w, b, g, **opts)[0]
+    rstd0 = 1 / np.sqrt(1e-3) if inside else 1 / 1e-3
+    np.testing.assert_allclose(dx[2], rstd0 * g[2] * (w + 0.5), rtol=1e-12)
