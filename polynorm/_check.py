@@ -89,9 +89,22 @@ def _arrays(backend: str) -> _Arrays:
     if backend == "cupy":
         import cupy
 
-        # cupy has no bfloat16 dtype; bfloat16 reaches the cupy kernels through torch CUDA tensors
-        dtypes = ("float16", "float32", "float64")
-        return _Arrays(cupy.asarray, lambda a: cupy.asnumpy(a), dtypes)
+        # cupy has no bfloat16 dtype: bfloat16 reaches the cupy kernels as torch CUDA tensors
+        torch = _torch_cuda()
+        if torch is None:
+            return _Arrays(cupy.asarray, cupy.asnumpy, ("float16", "float32", "float64"))
+
+        def make(a):
+            if a.dtype.name != "bfloat16":
+                return cupy.asarray(a)
+            return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).cuda()
+
+        def read(a):
+            if isinstance(a, torch.Tensor):
+                return a.cpu().view(torch.int16).numpy().view(_np_dtype("bfloat16"))
+            return cupy.asnumpy(a)
+
+        return _Arrays(make, read)
     if backend == "dask":
         import dask.array as da
 
@@ -100,6 +113,15 @@ def _arrays(backend: str) -> _Arrays:
 
         return _Arrays(make, lambda a: np.asarray(a.compute()))
     return _Arrays(lambda a: a.copy(), np.asarray)
+
+
+def _torch_cuda():
+    """torch when it is installed with a usable CUDA device, else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
 
 
 def _supported_dtypes(backend: str, arrays: _Arrays) -> tuple[str, ...]:
