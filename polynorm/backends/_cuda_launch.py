@@ -1,0 +1,317 @@
+"""Which generated CUDA kernel to launch, and how: pure Python, no cupy.
+
+Shared by the cupy backend, the NVRTC compile test and the CPU emulator
+harness (tests/emulator), so that all three exercise the same choices.  The
+kernels and their arguments are described in ``codegen/ABI.md``.
+
+Dtype rules (all exact with respect to :mod:`polynorm.backends.reference`):
+
+* The kernels are specialised for the dtype combinations in
+  :data:`FWD_TYPES` / :data:`BWD_TYPES` / :data:`COLSUM_TYPES`.
+* Residual: a ``(x, residual)`` pair without a kernel is cast to
+  ``h = promote(x, residual)`` first (exact: ``h`` holds both).
+* Weight: in ``fp32`` casting (and in the backward) the weight only enters as
+  ``astype(weight, compute)``, so an unlisted weight dtype is cast to the
+  compute dtype; ``llama`` casting with an unlisted weight dtype has no kernel
+  (``None``: the backend runs the reference on the device instead).
+* Bias always enters in the compute dtype: it is passed cast to it.
+* Output: an unlisted out dtype is written in the compute dtype, then cast
+  (one rounding either way).
+
+>>> fl = forward_launch(4096, 4096, "bfloat16", weight="float32")
+>>> fl.name, fl.block, fl.tpr
+('pn_fwd<__nv_bfloat16, __nv_bfloat16, float, __nv_bfloat16, 2>', 256, 256)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .._options import FLOAT_DTYPES, compute_dtype, promote
+
+CTYPE = {
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "float32": "float",
+    "float64": "double",
+}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+#: elements per 16-byte chunk, by x dtype
+VEC = {t: 16 // ITEMSIZE[t] for t in FLOAT_DTYPES}
+
+FWD_ITEMS = (1, 2, 4)  # register chunks per thread, pn_fwd
+BWD_ITEMS = (1, 2)  # pn_bwd holds x, dy, g*dy and two accumulators: fewer
+REG_THREADS = 512  # __launch_bounds__ of pn_fwd / pn_bwd
+BIG_THREADS = 1024  # __launch_bounds__ of the *_big kernels
+ROW_BLOCK = 256  # target threads per block when several rows share one
+#: resident backward threads per SM: more hides latency, fewer means fewer
+#: dweight/dbias partial rows to write and reduce
+BWD_THREADS_PER_SM = 1024
+DEFAULT_SMS = 132  # H100/H200 SXM; the backend passes the real count
+DEFAULT_SMEM = 227 * 1024  # opt-in dynamic shared memory per block, sm_90
+
+
+def _options(h: str) -> tuple[str, ...]:
+    """Weight / output dtypes with a kernel for normalized dtype ``h``."""
+    c = compute_dtype(h)
+    return (h,) if c == h else (h, c)
+
+
+#: (x, residual, weight, out) dtypes of pn_fwd / pn_fwd_big.  The plain
+#: forward uses residual == x with a null residual pointer.
+FWD_TYPES: tuple[tuple[str, str, str, str], ...] = tuple(
+    [(t, t, w, o) for t in FLOAT_DTYPES for w in _options(t) for o in _options(t)]
+    + [(t, "float32", "float32", "float32") for t in ("bfloat16", "float16")]
+)
+#: (x, dy, weight) dtypes of pn_bwd / pn_bwd_big (grad_residual has dy's dtype)
+BWD_TYPES: tuple[tuple[str, str, str], ...] = tuple(
+    (t, g, w) for t in FLOAT_DTYPES for g in _options(t) for w in _options(t)
+)
+#: (compute, out) dtypes of pn_colsum
+COLSUM_TYPES: tuple[tuple[str, str], ...] = (
+    ("float32", "float16"), ("float32", "bfloat16"), ("float32", "float32"),
+    ("float64", "float32"), ("float64", "float64"),
+)
+
+
+def _ct(*names: str) -> str:
+    return ", ".join(CTYPE[n] for n in names)
+
+
+def fwd_name(x: str, res: str, w: str, out: str, items: int | None) -> str:
+    if items is None:
+        return f"pn_fwd_big<{_ct(x, res, w, out)}>"
+    return f"pn_fwd<{_ct(x, res, w, out)}, {items}>"
+
+
+def bwd_name(x: str, dy: str, w: str, items: int | None) -> str:
+    if items is None:
+        return f"pn_bwd_big<{_ct(x, dy, w)}>"
+    return f"pn_bwd<{_ct(x, dy, w)}, {items}>"
+
+
+def colsum_name(ct: str, out: str) -> str:
+    return f"pn_colsum<{_ct(ct, out)}>"
+
+
+def specialisations() -> list[str]:
+    """Every kernel name expression the dispatcher can request.
+
+    >>> names = specialisations()
+    >>> len(names) == len(set(names)), "pn_colsum<float, __nv_bfloat16>" in names
+    (True, True)
+    """
+    names = []
+    for t in FWD_TYPES:
+        names += [fwd_name(*t, items) for items in (*FWD_ITEMS, None)]
+    for t in BWD_TYPES:
+        names += [bwd_name(*t, items) for items in (*BWD_ITEMS, None)]
+    names += [colsum_name(*t) for t in COLSUM_TYPES]
+    return names
+
+
+# ------------------------------------------------------------------ dtype decisions
+
+
+@dataclass(frozen=True)
+class FwdTypes:
+    """Kernel dtypes for one forward call; ``cast_*`` say what to convert first."""
+
+    x: str  # kernel x dtype (cast x to it when different)
+    res: str  # kernel residual dtype (== x when there is no residual)
+    weight: str  # kernel weight dtype (== h when there is no weight)
+    out: str  # dtype the kernel writes y in (cast to the requested one after)
+    h: str  # normalized dtype = promote(x, residual)
+
+
+def forward_types(x: str, res: str | None, weight: str | None, out: str, llama: bool) -> FwdTypes | None:
+    """Kernel dtypes for a forward, or ``None`` when no kernel computes it exactly.
+
+    >>> forward_types("bfloat16", None, "float32", "bfloat16", False)
+    FwdTypes(x='bfloat16', res='bfloat16', weight='float32', out='bfloat16', h='bfloat16')
+    >>> forward_types("float32", "bfloat16", None, "float32", False).x
+    'float32'
+    >>> forward_types("bfloat16", None, "float16", "bfloat16", True) is None
+    True
+    """
+    h = x if res is None else promote(x, res)
+    kx, kr = x, (x if res is None else res)
+    if (kx, kr) not in {(t[0], t[1]) for t in FWD_TYPES}:
+        kx = kr = h
+    opts = _options(h)
+    if weight is None or weight in opts:
+        kw = h if weight is None else weight
+    elif not llama:
+        kw = compute_dtype(h)
+    else:
+        return None
+    ko = out if out in opts else compute_dtype(h)
+    return FwdTypes(x=kx, res=kr, weight=kw, out=ko, h=h)
+
+
+@dataclass(frozen=True)
+class BwdTypes:
+    x: str
+    dy: str  # dtype of dy and grad_residual in the kernel
+    weight: str  # kernel weight dtype (== x when there is no weight)
+    compute: str
+
+
+def backward_types(x: str, dy: str, grad_residual: str | None, weight: str | None) -> BwdTypes:
+    """Kernel dtypes for a backward (every combination has one, after casts).
+
+    >>> backward_types("bfloat16", "bfloat16", None, "float32")
+    BwdTypes(x='bfloat16', dy='bfloat16', weight='float32', compute='float32')
+    >>> backward_types("bfloat16", "float16", None, None).dy
+    'float32'
+    """
+    c = compute_dtype(x)
+    kdy = x if dy == x and grad_residual in (None, x) else c
+    if weight is None:
+        kw = x
+    else:
+        kw = weight if weight in _options(x) else c
+    return BwdTypes(x=x, dy=kdy, weight=kw, compute=c)
+
+
+def colsum_out(compute: str, out: str) -> str:
+    """The dtype pn_colsum writes for a requested ``out`` (cast after if different)."""
+    return out if (compute, out) in COLSUM_TYPES else compute
+
+
+# ------------------------------------------------------------------ launch shapes
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: name expression, grid, block, dynamic shared bytes and
+    the launch-dependent scalar arguments (``tpr`` or ``stash``; ``ldp`` and
+    ``partial_rows`` for the backward's partial-sum buffers)."""
+
+    name: str
+    grid: int
+    block: int
+    shared: int
+    tpr: int
+    big: bool
+    stash: int = 0
+    partial_rows: int = 0
+    ldp: int = 0
+
+
+def _pow2ceil(v: int) -> int:
+    return 1 if v <= 1 else 1 << (v - 1).bit_length()
+
+
+def _reg_shape(d: int, vec: int, items_choices: tuple[int, ...]) -> tuple[int, int] | None:
+    """(items, tpr) for the register kernels, or None when the row is too long."""
+    chunks = d // vec
+    for items in items_choices:
+        tpr = max(vec, _pow2ceil(math.ceil(chunks / items)))
+        limit = ROW_BLOCK if items == items_choices[0] else REG_THREADS
+        if tpr <= limit:
+            return items, tpr
+    return None
+
+
+def _row_block(n: int, tpr: int) -> int:
+    rpb = max(1, min(ROW_BLOCK // tpr, _pow2ceil(n)))
+    block = tpr * rpb
+    while block < 32:  # whole warps: the shuffles use a full mask
+        block *= 2
+    return block
+
+
+def forward_launch(
+    n: int,
+    d: int,
+    x: str,
+    res: str | None = None,
+    weight: str | None = None,
+    out: str | None = None,
+    *,
+    max_smem: int = DEFAULT_SMEM,
+    force_big: bool = False,
+) -> Launch:
+    """Launch of pn_fwd / pn_fwd_big for ``n`` rows of ``d`` (kernel dtypes given).
+
+    ``res``/``weight``/``out`` default to ``x`` (as the kernels need a type
+    even when the array is absent).
+
+    >>> forward_launch(8, 3, "float32").block, forward_launch(8, 3, "float32").tpr
+    (32, 4)
+    >>> forward_launch(2, 262144, "bfloat16").big
+    True
+    """
+    res = res or x
+    weight = weight or promote(x, res)
+    out = out or promote(x, res)
+    vec = VEC[x]
+    shape = None if force_big else _reg_shape(d, vec, FWD_ITEMS)
+    if shape is not None:
+        items, tpr = shape
+        block = _row_block(n, tpr)
+        rows = block // tpr
+        return Launch(fwd_name(x, res, weight, out, items), grid=math.ceil(n / rows),
+                      block=block, shared=0, tpr=tpr, big=False)
+    h = promote(x, res)
+    chunks = d // vec
+    per_chunk = vec * ITEMSIZE[h]
+    stash = max(0, min(chunks, max_smem // per_chunk))
+    block = BIG_THREADS if chunks >= BIG_THREADS else max(32, _pow2ceil(chunks))
+    return Launch(fwd_name(x, res, weight, out, None), grid=n, block=block,
+                  shared=stash * per_chunk, tpr=block, big=True, stash=stash)
+
+
+def backward_launch(
+    n: int,
+    d: int,
+    x: str,
+    dy: str | None = None,
+    weight: str | None = None,
+    *,
+    partials: bool = True,
+    num_sms: int = DEFAULT_SMS,
+    max_smem: int = DEFAULT_SMEM,
+    force_big: bool = False,
+) -> Launch:
+    """Launch of pn_bwd / pn_bwd_big (persistent grid) for ``n`` rows of ``d``.
+
+    ``partials``: whether dweight or dbias partial sums are wanted (the
+    caller allocates ``partial_rows x ldp`` buffers of the compute dtype,
+    zero-filled for the big kernel).
+
+    >>> bl = backward_launch(4096, 4096, "bfloat16", num_sms=132)
+    >>> bl.name, bl.grid, bl.partial_rows, bl.ldp
+    ('pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2>', 528, 528, 4096)
+    """
+    dy = dy or x
+    weight = weight or x
+    vec = VEC[x]
+    ct = compute_dtype(x)
+    ldp = math.ceil(d / vec) * vec
+    shape = None if force_big else _reg_shape(d, vec, BWD_ITEMS)
+    if shape is not None:
+        items, tpr = shape
+        block = _row_block(n, tpr)
+        rows = block // tpr
+        grid = max(1, min(math.ceil(n / rows), num_sms * max(1, BWD_THREADS_PER_SM // block)))
+        shared = 2 * d * ITEMSIZE[ct] if partials and rows > 1 else 0
+        return Launch(bwd_name(x, dy, weight, items), grid=grid, block=block, shared=shared,
+                      tpr=tpr, big=False, partial_rows=grid if partials else 0, ldp=ldp)
+    chunks = d // vec
+    per_chunk = vec * (ITEMSIZE[x] + ITEMSIZE[dy])
+    # the dy stash starts at the next 16-byte boundary after the x stash
+    stash = max(0, min(chunks, (max_smem - 16) // per_chunk))
+    shared = -(-stash * vec * ITEMSIZE[x] // 16) * 16 + stash * vec * ITEMSIZE[dy]
+    block = BIG_THREADS if chunks >= BIG_THREADS else max(32, _pow2ceil(chunks))
+    grid = max(1, min(n, num_sms))
+    return Launch(bwd_name(x, dy, weight, None), grid=grid, block=block, shared=shared,
+                  tpr=block, big=True, stash=stash, partial_rows=grid if partials else 0, ldp=ldp)
+
+
+def colsum_launch(rows: int, d: int, compute: str, out: str) -> Launch:
+    """Launch of pn_colsum (``out`` as returned by :func:`colsum_out`)."""
+    return Launch(colsum_name(compute, out), grid=math.ceil(d / 32), block=256, shared=0,
+                  tpr=0, big=False)
