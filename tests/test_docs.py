@@ -50,3 +50,36 @@ def test_public_function_has_numpydoc_with_an_example(modname, obj):
 def test_the_package_exports_what_the_spec_names():
     for name in ("rms_norm", "add_rms_norm", "rms_norm_backward", "backends"):
         assert name in pn.__all__
+
+
+# ------------------------------------------------------------------ claims the README makes
+
+
+def test_readme_claim_default_casting_is_bitwise_torch_rms_norm():
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 1024, generator=g).to(torch.bfloat16)
+    w = (1 + 0.3 * torch.randn(1024, generator=g)).to(torch.bfloat16)
+    want = torch.nn.functional.rms_norm(x, (1024,), w, 1e-6)
+    got = pn.rms_norm(x, w, eps=1e-6)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+
+
+def test_readme_claim_llama_casting_is_hugging_face_order():
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 1024, generator=g).to(torch.bfloat16)
+    w = (1 + 0.3 * torch.randn(1024, generator=g)).to(torch.bfloat16)
+    # transformers' LlamaRMSNorm.forward
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    want = w * h.to(x.dtype)
+    got = pn.rms_norm(x, w, eps=1e-6, casting="llama")
+    # same rounding steps; torch's float32 rsqrt may differ from a correctly rounded rstd
+    # in the last float32 bit, which can flip a bfloat16 rounding now and then
+    off = (got.float() - want.float()).abs() > 0
+    assert off.float().mean() < 0.01
+    assert torch.all((got.float() - want.float()).abs() <= 2**-7 * want.float().abs())
+    default = pn.rms_norm(x, w, eps=1e-6)
+    assert ((default.float() - want.float()).abs() > 0).float().mean() > 0.05  # default differs
