@@ -164,9 +164,32 @@ def cmd_check(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ bench
 
 
+def _check_output(flag: str, path: str | None) -> None:
+    """Fail before minutes of benchmarking, not after, on an unwritable output path."""
+    import os
+    from pathlib import Path
+
+    if path is None:
+        return
+    parent = Path(path).resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot create its folder ({exc.strerror})") from None
+    if Path(path).is_dir() or not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: not a writable file path")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from ._bench import common, report
 
+    for flag in ("json", "plot", "markdown"):
+        _check_output(f"--{flag}", getattr(args, flag))
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install 'polynorm[bench]'") from None
     info = common.machine_info()
     machine = f"{info.get('cpu_model', info['processor'])}, {info['cpu_count']} CPUs"
     gpu = _gpu()

@@ -252,6 +252,20 @@ def test_bench_runs_what_it_can_and_writes_everything(fake_suites, tmp_path, cap
     assert all(r["gbps"] > 0 and r["ratios"]["copy"] > 0 for r in ref)
 
 
+@pytest.mark.parametrize("flag", ["--json", "--plot", "--markdown"])
+def test_bench_unwritable_output_is_exit_2_before_running(flag, tmp_path, fake_suites, capsys,
+                                                          monkeypatch):
+    ran = []
+    monkeypatch.setattr(report, "run_suites", lambda **kw: ran.append(kw))
+    assert main(["bench", "--quick", flag, str(tmp_path)]) == 2  # a folder, not a file
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "--quick", flag, str(blocker / "sub" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
+    assert ran == []
+
+
 def test_bench_backend_selects_suites(fake_suites, capsys):
     assert main(["bench", "--quick", "--no-progress", "--backend", "numba"]) == 0
     out = capsys.readouterr().out
