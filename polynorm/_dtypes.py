@@ -58,23 +58,28 @@ def namespace_dtype(xp: ModuleType, name: str, like: Any = None) -> Any:
     dt = getattr(xp, name, None)
     if dt is not None:
         return dt
-    if name != "bfloat16":
-        raise TypeError(f"the array library {xp.__name__} has no dtype {name}")
+    # Not in the namespace itself: bfloat16 is outside the standard, and some
+    # compat namespaces (array_api_compat.dask.array) omit float16 too.
     module = type(like).__module__.split(".")[0] if like is not None else ""
     if module == "torch":
         import torch
 
-        return torch.bfloat16
+        return getattr(torch, name)
     if module in ("jax", "jaxlib"):
         import jax.numpy as jnp
 
-        return jnp.bfloat16
+        return getattr(jnp, name)
+    if "strict" in xp.__name__:
+        raise TypeError(f"array-api-strict has no {name} dtype")
+    # numpy-backed namespaces (numpy, dask, cupy) use numpy dtype objects
+    if name != "bfloat16":
+        import numpy as np
+
+        return np.dtype(name)
     try:
         import ml_dtypes
-    except ImportError:  # pragma: no cover - ml_dtypes ships with jax and is a dependency
+    except ImportError:  # pragma: no cover - ml_dtypes is a dependency
         raise TypeError(
             f"bfloat16 needs ml_dtypes for the array library {xp.__name__}: pip install ml_dtypes"
         ) from None
-    if "strict" in xp.__name__:
-        raise TypeError("array-api-strict has no bfloat16 dtype")
     return ml_dtypes.bfloat16

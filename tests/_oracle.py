@@ -42,6 +42,7 @@ LD = np.longdouble
 class Tol(NamedTuple):
     rtol: float
     atol: float  # relative to the largest magnitude of the expected array (see assert_close)
+    floor: float = 0.0  # absolute: one smallest subnormal, the spacing below the normal range
 
 
 #: Per output dtype.  A correct backend computes in float32 (float64 for
@@ -62,12 +63,14 @@ class Tol(NamedTuple):
 #: ``atol`` is relative to ``max|expected|`` of the compared array, so that
 #: entries that nearly cancel (``y`` near 0, ``dx`` where both terms of the
 #: backward are equal) are judged against the array's scale, and the test
-#: works unchanged for values of 1e-25 or 1e25.
+#: works unchanged for values of 1e-25 or 1e25.  ``floor`` is the dtype's
+#: smallest subnormal: a result correctly rounded into the subnormal range
+#: (float16 below 6.1e-5) is only that accurate in absolute terms.
 TOL: dict[str, Tol] = {
-    "float16": Tol(2 * 2.0**-10, 2 * 2.0**-10),
-    "bfloat16": Tol(2 * 2.0**-7, 2 * 2.0**-7),
-    "float32": Tol(1e-5, 1e-5),
-    "float64": Tol(1e-12, 1e-12),
+    "float16": Tol(2 * 2.0**-10, 2 * 2.0**-10, 2.0**-24),
+    "bfloat16": Tol(2 * 2.0**-7, 2 * 2.0**-7, 2.0**-133),
+    "float32": Tol(1e-5, 1e-5, 2.0**-149),
+    "float64": Tol(1e-12, 1e-12, 2.0**-1074),
 }
 
 _RANK = {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}
@@ -91,11 +94,11 @@ def dtype_name(a: np.ndarray) -> str:
 
 def looser(*dtypes: str) -> Tol:
     """The loosest tolerance among ``dtypes`` (e.g. x's dtype and the output dtype)."""
-    return max((TOL[d] for d in dtypes), key=lambda t: t.rtol)
+    return max((TOL[d] for d in dtypes), key=lambda t: (t.rtol, t.floor))
 
 
 def assert_close(got, want, dtype: str | Tol, what: str = "", scale: float | None = None) -> None:
-    """``|got - want| <= rtol*|want| + atol*scale`` elementwise; NaN/Inf must match.
+    """``|got - want| <= rtol*|want| + atol*scale + floor`` elementwise; NaN/Inf must match.
 
     ``scale`` defaults to ``max|want|`` over the finite entries (1 if all are 0).
     """
@@ -114,7 +117,7 @@ def assert_close(got, want, dtype: str | Tol, what: str = "", scale: float | Non
         scale = float(np.max(np.abs(want[fin]))) if fin.any() else 1.0
         scale = scale if scale > 0 else 1.0
     err = np.abs(got[fin] - want[fin])
-    bound = tol.rtol * np.abs(want[fin]) + tol.atol * scale
+    bound = tol.rtol * np.abs(want[fin]) + tol.atol * scale + tol.floor
     bad = err > bound
     if bad.any():
         i = int(np.argmax(err - bound))
