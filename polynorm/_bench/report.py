@@ -285,7 +285,8 @@ def plot(records: list[Record], path: str | Path, title: str = "") -> Path:
     ops = list(dict.fromkeys(r.op for r in records))
     fig, axes = plt.subplots(1, max(1, len(ops)), figsize=(5.5 * max(1, len(ops)), 4.2),
                              squeeze=False, sharey=True)
-    styles = ["-", "--", "-.", ":"]
+    styles = ["-", (0, (5, 1)), "-.", ":"]  # plain "--" is kept for the roof
+    colours: dict[tuple[str, str], str] = {}
     for ax, op in zip(axes[0], ops, strict=False):
         recs = [r for r in records if r.op == op]
         best: dict[tuple[str, str, str, int], Record] = {}
@@ -300,17 +301,19 @@ def plot(records: list[Record], path: str | Path, title: str = "") -> Path:
         for (suite, be, dt), rs in sorted(lines.items()):
             rs.sort(key=lambda r: r.d)
             label = f"{be} {dt}" if suite in ("cpu", "gpu", "reference") else f"{be} {dt} ({suite})"
+            # colour: who (suite, backend); line style: dtype
             ax.plot([r.d for r in rs], [r.gbps for r in rs], marker="o", ms=3,
+                    color=colours.setdefault((suite, be), f"C{len(colours) % 10}"),
                     ls=styles[dtypes.index(dt) % len(styles)], label=label)
         roofs: dict[str, dict[int, list[float]]] = {}
         for r in best.values():
             roof = _roof(r)
             if roof:
                 roofs.setdefault(_device(r), {}).setdefault(r.d, []).append(roof)
-        for dev, by_d in sorted(roofs.items()):
+        for i, (dev, by_d) in enumerate(sorted(roofs.items())):
             ds = sorted(by_d)
-            ax.plot(ds, [statistics.median(by_d[d]) for d in ds], color="black", lw=1.5,
-                    ls="--", label=f"copy roof ({dev})")
+            ax.plot(ds, [statistics.median(by_d[d]) for d in ds], color=("black", "gray")[i % 2],
+                    lw=1.5, ls="--", label=f"copy roof ({dev})")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("hidden size d")
