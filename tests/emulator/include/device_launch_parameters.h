@@ -1,0 +1,2 @@
+// stub: cuda_emul.h (force-included) provides what the real device_launch_parameters.h does
+#pragma once
