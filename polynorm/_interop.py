@@ -16,20 +16,218 @@ from typing import Any
 import numpy as np
 
 
+def _lib(a: Any) -> str:
+    return type(a).__module__.partition(".")[0]
+
+
 def is_host_array(a: Any) -> bool:
-    """True for arrays in CPU memory that :func:`to_numpy` can view without a copy."""
-    return type(a) is np.ndarray
+    """True for arrays in CPU memory that :func:`to_numpy` can view without a copy:
+    numpy arrays, torch CPU tensors and (concrete, single-device) jax CPU arrays.
+
+    >>> import numpy as np
+    >>> is_host_array(np.zeros(3)), is_host_array([0.0])
+    (True, False)
+    """
+    if type(a) is np.ndarray:
+        return True
+    lib = _lib(a)
+    if lib == "torch":
+        import torch
+
+        # the default (strided) layout only; sparse, meta and CUDA tensors are not views
+        return isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.layout == torch.strided
+    if lib in ("jax", "jaxlib"):
+        return _is_jax_host(a)
+    return False
+
+
+def _is_jax_host(a: Any) -> bool:
+    import jax
+
+    # tracers (inside jit/grad) have no buffer; they take the reference path
+    if not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer):
+        return False
+    try:
+        devs = a.devices()
+    except Exception:  # deleted or not yet materialised arrays
+        return False
+    return len(devs) == 1 and next(iter(devs)).platform == "cpu"
 
 
 def to_numpy(a: Any) -> np.ndarray | None:
-    """A numpy view of a host array (``None`` passes through)."""
+    """A numpy view of a host array (``None`` passes through); never a copy.
+
+    torch tensors are detached first (the view carries no autograd history)
+    and bfloat16 comes back as an ``ml_dtypes.bfloat16`` view of the same
+    memory.  jax arrays come back read-only.
+
+    >>> import torch
+    >>> t = torch.ones(2, 3, dtype=torch.bfloat16, requires_grad=True)
+    >>> v = to_numpy(t)
+    >>> v.dtype.name, v.ctypes.data == t.data_ptr()
+    ('bfloat16', True)
+    """
     if a is None or type(a) is np.ndarray:
         return a
-    raise TypeError(f"cannot view {type(a).__name__} as a numpy array")
+    lib = _lib(a)
+    if lib == "torch":
+        return _torch_to_numpy(a)
+    if lib in ("jax", "jaxlib") and _is_jax_host(a):
+        # jax CPU arrays export their buffer (read-only); ml_dtypes covers bfloat16
+        v = np.asarray(a)
+        return v
+    raise TypeError(f"cannot view {type(a).__module__}.{type(a).__name__} as a numpy array")
+
+
+def _torch_to_numpy(t: Any) -> np.ndarray:
+    import torch
+
+    if t.device.type != "cpu":
+        raise TypeError(f"cannot view a torch tensor on {t.device} as a numpy array")
+    t = t.detach()
+    # Tensor.numpy() shares the storage like DLPack does, at a third of the cost
+    # per call (it matters for one-token calls); numpy has no bfloat16, so bf16
+    # goes through an int16 view and comes back as ml_dtypes.bfloat16.
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(_bf16())
+    return t.numpy()
+
+
+_BF16: list[np.dtype] = []
+
+
+def _bf16() -> np.dtype:
+    if not _BF16:
+        import ml_dtypes
+
+        _BF16.append(np.dtype(ml_dtypes.bfloat16))
+    return _BF16[0]
 
 
 def from_numpy(a: np.ndarray | None, like: Any) -> Any:
-    """Wrap numpy result ``a`` into the array type of ``like`` (zero-copy)."""
+    """Wrap numpy result ``a`` into the array type of ``like``.
+
+    torch: a CPU tensor sharing ``a``'s memory (bfloat16 included).  jax: a
+    CPU array through DLPack, zero-copy when ``a`` is 64-byte aligned (see
+    :func:`empty`) and a copy otherwise; bfloat16 takes one device-side
+    bit-cast copy, since jax has no zero-copy dtype view.
+
+    >>> import numpy as np, torch
+    >>> y = np.arange(3, dtype=np.float32)
+    >>> t = from_numpy(y, torch.zeros(1))
+    >>> t, t.data_ptr() == y.ctypes.data
+    (tensor([0., 1., 2.]), True)
+    """
     if a is None or type(like) is np.ndarray:
         return a
-    raise TypeError(f"cannot wrap a numpy array as {type(like).__name__}")
+    lib = _lib(like)
+    if lib == "torch":
+        import torch
+
+        if a.dtype == _bf16():
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+    if lib in ("jax", "jaxlib"):
+        import jax
+        import jax.numpy as jnp
+
+        if a.dtype == _bf16():
+            return jax.lax.bitcast_convert_type(jnp.from_dlpack(a.view(np.uint16)), jnp.bfloat16)
+        return jnp.from_dlpack(a)
+    raise TypeError(f"cannot wrap a numpy array as {type(like).__module__}.{type(like).__name__}")
+
+
+#: jax takes host memory without a copy only at this alignment.
+ALIGN = 64
+
+
+def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous numpy array whose data is ``ALIGN``-byte aligned.
+
+    numpy's own allocations are 16-byte aligned; results meant for jax
+    (:func:`from_numpy`) avoid a copy when allocated here.
+
+    >>> empty((3, 5), np.float32).ctypes.data % ALIGN
+    0
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = np.empty(nbytes + ALIGN, np.uint8)
+    start = -buf.ctypes.data % ALIGN
+    return buf[start:start + nbytes].view(dtype).reshape(shape)
+
+
+# ------------------------------------------------------------------ CUDA arrays (cupy backend)
+# cupy has no bfloat16 dtype: bfloat16 data travels as an int16 view of the
+# same memory and the kernels get its address; `dtype` names the real dtype.
+
+
+def is_cuda_array(a: Any) -> bool:
+    """True for cupy arrays and torch/jax arrays in CUDA memory.
+
+    >>> import numpy as np
+    >>> is_cuda_array(np.zeros(3))
+    False
+    """
+    mod = type(a).__module__.split(".")[0]
+    if mod == "cupy":
+        return True
+    if mod == "torch":
+        return getattr(a, "is_cuda", False)
+    if mod in ("jax", "jaxlib"):
+        try:
+            return all(dev.platform in ("gpu", "cuda") for dev in a.devices())
+        except Exception:
+            return False
+    return False
+
+
+def to_cupy(a: Any) -> Any:
+    """A zero-copy cupy view (DLPack) of a CUDA array (``None`` passes through).
+
+    bfloat16 torch tensors come back as int16 views of the same memory; jax
+    bfloat16 arrays as an int16 bit-cast made on the device.
+    """
+    if a is None:
+        return None
+    import cupy
+
+    if isinstance(a, cupy.ndarray):
+        return a
+    mod = type(a).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+
+        if a.dtype == torch.bfloat16:
+            a = a.view(torch.int16)
+        return cupy.from_dlpack(a)
+    if mod in ("jax", "jaxlib"):
+        import jax
+        import jax.numpy as jnp
+
+        if a.dtype == jnp.bfloat16:
+            a = jax.lax.bitcast_convert_type(a, jnp.int16)
+        return cupy.from_dlpack(a)
+    raise TypeError(f"cannot view {type(a).__name__} as a cupy array")
+
+
+def from_cupy(a: Any, like: Any, dtype: str | None = None) -> Any:
+    """Wrap cupy result ``a`` into the array type of ``like`` (DLPack, zero-copy
+    for cupy and torch).  ``dtype="bfloat16"``: ``a`` holds bfloat16 bits."""
+    if a is None:
+        return None
+    mod = type(like).__module__.split(".")[0]
+    if mod == "cupy":
+        return a
+    if mod == "torch":
+        import torch
+
+        t = torch.from_dlpack(a)
+        return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+    if mod in ("jax", "jaxlib"):
+        import jax
+        import jax.numpy as jnp
+
+        j = jnp.from_dlpack(a)
+        return jax.lax.bitcast_convert_type(j, jnp.bfloat16) if dtype == "bfloat16" else j
+    raise TypeError(f"cannot wrap a cupy array as {type(like).__name__}")
