@@ -14,7 +14,7 @@ from typing import Any
 import array_api_compat as aac
 
 from . import backends as _backends
-from ._dtypes import float_dtype_name, parse_dtype
+from ._dtypes import float_dtype_name, namespace_dtype, parse_dtype
 from ._options import Plan, make_plan, promote
 
 __all__ = ["rms_norm", "add_rms_norm", "rms_norm_backward", "backends"]
@@ -263,6 +263,12 @@ def _prepare(
         casting=casting,
         out_dtype=parse_dtype("out_dtype", out_dtype),
     )
+    if plan.out_dtype != norm_dtype:
+        # e.g. out_dtype="bfloat16" for array-api-strict, which has none: say so now
+        try:
+            namespace_dtype(xp, plan.out_dtype, x)
+        except TypeError as exc:
+            raise TypeError(f"out_dtype={out_dtype!r} is not available here: {exc}") from None
     mod = _choose_backend(backend, x)
     return _Call(lay=lay, plan=plan, backend=mod)
 

@@ -131,7 +131,6 @@ def _check_real(name: str, value: Any) -> float:
     return float(value)
 
 
-@lru_cache(maxsize=1024)
 def make_plan(
     d: int,
     x_dtype: str,
@@ -146,20 +145,44 @@ def make_plan(
     """Validate the scalar options and resolve them into a :class:`Plan`.
 
     Cached: a repeated call with the same options costs one dict lookup,
-    which keeps the per-call overhead of the front end small.
+    which keeps the per-call overhead of the front end small.  The scalars
+    are checked and converted to ``float`` before the cache lookup: a numpy
+    scalar counts by its value, and a non-number (an unhashable 0-d array
+    included) is a ``TypeError`` naming the argument, not the cache's own
+    "unhashable type" error.
 
     >>> p = make_plan(10, "bfloat16", eps=1e-6, partial=0.3, offset=0.0,
     ...               eps_mode="inside", casting="fp32", out_dtype=None)
     >>> (p.k, p.compute_dtype, p.out_dtype)
     (3, 'float32', 'bfloat16')
     """
-    eps = _check_real("eps", eps)
+    if not isinstance(eps_mode, str):
+        raise TypeError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
+    if not isinstance(casting, str):
+        raise TypeError(f"casting must be one of {CASTINGS}, got {casting!r}")
+    return _make_plan(
+        d, x_dtype, eps=_check_real("eps", eps), partial=_check_real("partial", partial),
+        offset=_check_real("offset", offset), eps_mode=eps_mode, casting=casting,
+        out_dtype=out_dtype,
+    )
+
+
+@lru_cache(maxsize=1024)
+def _make_plan(
+    d: int,
+    x_dtype: str,
+    *,
+    eps: float,
+    partial: float,
+    offset: float,
+    eps_mode: str,
+    casting: str,
+    out_dtype: str | None,
+) -> Plan:
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
-    partial = _check_real("partial", partial)
     if not (0.0 < partial <= 1.0):
         raise ValueError(f"partial must be in (0, 1], got {partial!r}")
-    offset = _check_real("offset", offset)
     if not math.isfinite(offset):
         raise ValueError(f"offset must be finite, got {offset!r}")
     if eps_mode not in EPS_MODES:

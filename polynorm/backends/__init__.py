@@ -64,6 +64,8 @@ def get(name: str) -> ModuleType:
         raise ValueError(f"backend must be 'auto' or one of {tuple(MODULES)}, got {name!r}")
     usable, reason = status(name)
     if not usable:
+        if INSTALL_HINT[name] not in reason:  # a backend's own reason may not say how
+            reason = f"{reason}; to install: {INSTALL_HINT[name]}"
         raise ValueError(f"backend {name!r} is not usable here: {reason}")
     return _loaded[name]  # type: ignore[return-value]
 
