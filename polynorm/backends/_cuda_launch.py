@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from .._options import FLOAT_DTYPES, compute_dtype, promote
 
@@ -315,3 +316,34 @@ def colsum_launch(rows: int, d: int, compute: str, out: str) -> Launch:
     """Launch of pn_colsum (``out`` as returned by :func:`colsum_out`)."""
     return Launch(colsum_name(compute, out), grid=math.ceil(d / 32), block=256, shared=0,
                   tpr=0, big=False)
+
+
+# ------------------------------------------------------------------ source and compiler options
+
+#: the generated translation unit (see codegen/)
+SOURCE_PATH = Path(__file__).resolve().parent.parent / "_cuda" / "polynorm.cu"
+#: NVRTC options every compile uses (plus -I include_dirs() and the arch)
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+def source() -> str:
+    """The generated CUDA source, exactly as compiled."""
+    return SOURCE_PATH.read_text()
+
+
+def include_dirs() -> list[str]:
+    """Directories holding cuda_fp16.h / cuda_bf16.h from the ``nvidia-cuda-runtime``
+    wheel, if installed (NVRTC needs them; CUDA toolkits have them too)."""
+    import importlib.util
+
+    found = []
+    for mod in ("nvidia.cuda_runtime", "nvidia.cuda_nvrtc"):
+        try:
+            spec = importlib.util.find_spec(mod)
+        except (ImportError, ValueError):
+            spec = None
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            inc = Path(loc) / "include"
+            if (inc / "cuda_fp16.h").exists():
+                found.append(str(inc))
+    return found

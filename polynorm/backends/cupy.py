@@ -1,0 +1,252 @@
+"""CuPy backend: the generated CUDA kernels of ``polynorm/_cuda`` on CUDA arrays.
+
+Takes cupy arrays and torch/jax arrays in CUDA memory (through DLPack, no
+host round trip; bfloat16 travels as an int16 view because cupy has no
+bfloat16).  Kernels run on the caller's current stream: torch's current
+stream for torch tensors, cupy's current stream otherwise.
+
+Which kernel, grid, block and shared memory: :mod:`polynorm.backends._cuda_launch`.
+Each kernel instantiation is compiled on first use (``RawModule`` with one
+name expression; CuPy caches the binary on disk) and kept per device.
+
+Dtype combinations without a kernel are first cast exactly (see
+``_cuda_launch``); ``casting="llama"`` with a weight dtype that has no kernel
+runs the array-API reference on the same device instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+
+from .. import _interop
+from .._dtypes import dtype_name, namespace_dtype
+from .._options import Plan, compute_dtype
+from . import _cuda_launch as cl
+
+name = "cupy"
+
+_NP_STORAGE = {"float16": np.float16, "bfloat16": np.int16, "float32": np.float32, "float64": np.float64}
+
+
+def available() -> tuple[bool, str]:
+    """Usable when cupy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return False, f"cupy is not installed ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError without a driver
+        return False, f"no usable CUDA driver/GPU ({type(exc).__name__}: {exc})"
+    if count < 1:
+        return False, "no CUDA GPU found"
+    return True, "ok"
+
+
+def accepts(x: Any) -> bool:
+    """CUDA arrays only: cupy, and torch/jax arrays in CUDA memory."""
+    return _interop.is_cuda_array(x)
+
+
+# ------------------------------------------------------------------ kernels
+
+_kernels: dict[tuple[int, str], Any] = {}
+_device_info: dict[int, tuple[int, int]] = {}
+
+
+def _kernel(launch: cl.Launch):
+    import cupy
+
+    dev = cupy.cuda.Device().id
+    key = (dev, launch.name)
+    kern = _kernels.get(key)
+    if kern is None:
+        options = (*cl.NVRTC_OPTIONS, *(f"-I{d}" for d in cl.include_dirs()))
+        mod = cupy.RawModule(code=cl.source(), options=options, name_expressions=[launch.name])
+        kern = mod.get_function(launch.name)
+        _kernels[key] = kern
+    if launch.shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < launch.shared:
+        kern.max_dynamic_shared_size_bytes = launch.shared
+    return kern
+
+
+def _device() -> tuple[int, int]:
+    """(multiprocessor count, opt-in shared memory per block) of the current device."""
+    import cupy
+
+    dev = cupy.cuda.Device()
+    info = _device_info.get(dev.id)
+    if info is None:
+        attrs = dev.attributes
+        info = (int(attrs["MultiProcessorCount"]), int(attrs["MaxSharedMemoryPerBlockOptin"]))
+        _device_info[dev.id] = info
+    return info
+
+
+def _launch(launch: cl.Launch, args: tuple) -> None:
+    _kernel(launch)((launch.grid,), (launch.block,), args, shared_mem=launch.shared)
+
+
+@contextlib.contextmanager
+def _on_callers_stream(x: Any):
+    """The device of ``x`` and its library's current stream, for the whole call."""
+    import cupy
+
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+
+        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        with cupy.cuda.Device(dev):
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev)
+            with stream:
+                yield
+        return
+    if mod == "cupy":
+        with x.device:
+            yield
+        return
+    dev = next(iter(x.devices())).id  # jax
+    with cupy.cuda.Device(dev):
+        yield
+
+
+# ------------------------------------------------------------------ array helpers
+
+
+def _name(a: Any) -> str | None:
+    return None if a is None else dtype_name(a.dtype)
+
+
+def _cast(a: Any, dtype: str) -> Any:
+    """``a`` cast to ``dtype`` in its own library (on its device)."""
+    if a is None or _name(a) == dtype:
+        return a
+    from array_api_compat import array_namespace
+
+    xp = array_namespace(a)
+    return xp.astype(a, namespace_dtype(xp, dtype, a))
+
+
+def _view(a: Any) -> Any:
+    """cupy view with contiguous last axis (copying only when it is not)."""
+    c = _interop.to_cupy(a)
+    if c is None:
+        return None
+    if c.ndim == 2 and c.shape[1] > 1 and c.strides[1] != c.itemsize:
+        import cupy
+
+        c = cupy.ascontiguousarray(c)
+    elif c.ndim == 1 and c.shape[0] > 1 and c.strides[0] != c.itemsize:
+        import cupy
+
+        c = cupy.ascontiguousarray(c)
+    return c
+
+
+def _ptr(c: Any) -> np.uint64:
+    return np.uint64(0 if c is None else c.data.ptr)
+
+
+def _rs(c: Any) -> np.int64:
+    """Row stride in elements (0 for absent arrays)."""
+    return np.int64(0 if c is None else c.strides[0] // c.itemsize)
+
+
+def _empty(shape: tuple[int, ...], dtype: str, zero: bool = False):
+    import cupy
+
+    return (cupy.zeros if zero else cupy.empty)(shape, dtype=_NP_STORAGE[dtype])
+
+
+# ------------------------------------------------------------------ the contract
+
+
+def forward(x, residual, weight, bias, plan: Plan, out=None):
+    """Forward on 2-D rows (see :mod:`polynorm.backends.reference`)."""
+    types = cl.forward_types(_name(x), _name(residual), _name(weight), plan.out_dtype, plan.llama)
+    if types is None:  # llama casting with a weight dtype that has no kernel
+        from . import reference
+
+        return reference.forward(x, residual, weight, bias, plan, out)
+    ct = compute_dtype(types.h)
+    with _on_callers_stream(x):
+        xk = _cast(x, types.x)
+        rk = _cast(residual, types.res)
+        wk = _cast(weight, types.weight)
+        bk = _cast(bias, ct)
+        xc, rc, wc, bc = _view(xk), _view(rk), _view(wk), _view(bk)
+        n, d = xc.shape
+        yc = None
+        direct = out is not None and types.out == plan.out_dtype
+        if direct:
+            yc = _interop.to_cupy(out)
+            if yc.shape[1] > 1 and yc.strides[1] != yc.itemsize:
+                yc, direct = None, False
+        if yc is None:
+            yc = _empty((n, d), types.out)
+        hc = _empty((n, d), types.h) if rc is not None else None
+        rstd = _empty((n,), ct)
+        num_sms, max_smem = _device()
+        launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out, max_smem=max_smem)
+        args = (
+            _ptr(xc), _rs(xc), _ptr(rc), _rs(rc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
+            _ptr(yc), _rs(yc), _ptr(rstd),
+            np.int64(n), np.int32(d), np.int32(plan.k),
+            np.int32(launch.stash if launch.big else launch.tpr),
+            np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
+            np.int32(plan.llama),
+        )
+        _launch(launch, args)
+        if direct:
+            y = out
+        else:
+            y = _interop.from_cupy(yc, x, types.out)
+            y = _cast(y, plan.out_dtype)
+        h = _interop.from_cupy(hc, x, types.h)
+        return y, h, _interop.from_cupy(rstd, x)
+
+
+def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
+    """Backward on 2-D rows (see :mod:`polynorm.backends.reference`)."""
+    xd, wd, bd = _name(x), _name(weight), _name(bias)
+    types = cl.backward_types(xd, _name(dy), _name(grad_residual), wd)
+    ct = types.compute
+    with _on_callers_stream(x):
+        xc = _view(x)
+        dyc = _view(_cast(dy, types.dy))
+        gc = _view(_cast(grad_residual, types.dy))
+        wc = _view(_cast(weight, types.weight))
+        rc = _view(_cast(rstd, ct))
+        n, d = xc.shape
+        dxc = _empty((n, d), xd)
+        num_sms, max_smem = _device()
+        want = weight is not None or bias is not None
+        launch = cl.backward_launch(n, d, xd, types.dy, types.weight, partials=want,
+                                    num_sms=num_sms, max_smem=max_smem)
+        shape = (launch.partial_rows, launch.ldp)
+        dwp = _empty(shape, ct, zero=launch.big) if weight is not None else None
+        dbp = _empty(shape, ct, zero=launch.big) if bias is not None else None
+        args = (
+            _ptr(dyc), _rs(dyc), _ptr(xc), _rs(xc), _ptr(wc), _ptr(rc), _ptr(gc), _rs(gc),
+            _ptr(dxc), _rs(dxc), _ptr(dwp), _ptr(dbp), np.int64(launch.ldp),
+            np.int64(n), np.int32(d), np.int32(plan.k),
+            np.int32(launch.stash if launch.big else launch.tpr),
+            np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
+        )
+        _launch(launch, args)
+        dx = _interop.from_cupy(dxc, x, xd)
+        dweight = _colsum(dwp, d, ct, wd, x) if weight is not None else None
+        dbias = _colsum(dbp, d, ct, bd, x) if bias is not None else None
+        return dx, dweight, dbias
+
+
+def _colsum(part, d: int, ct: str, want: str, like: Any):
+    kout = cl.colsum_out(ct, want)
+    out = _empty((d,), kout)
+    launch = cl.colsum_launch(part.shape[0], d, ct, kout)
+    _launch(launch, (_ptr(part), np.int64(part.shape[0]), np.int64(part.shape[1]), np.int32(d), _ptr(out)))
+    return _cast(_interop.from_cupy(out, like, kout), want)
