@@ -69,6 +69,7 @@
 
 // --------------------------------------------------------------------------- keywords
 
+#define CUDA_EMUL_EXPORT __attribute__((visibility("default")))
 #define __CUDACC__ 1
 #define __CUDACC_RTC__ 1
 #define __CUDA_EMUL__ 1
@@ -1075,8 +1076,8 @@ inline const char* signature(void (*)(A...)) {
 }  // namespace cuda_emul
 
 // Exported to the harness (the prelude is included by exactly one translation unit).
-extern "C" const char* cuda_emul_last_error() { return cuda_emul::g_last_error; }
-extern "C" int cuda_emul_set_poison(const unsigned long long* offsets, const unsigned long long* sizes, int n,
+extern "C" CUDA_EMUL_EXPORT const char* cuda_emul_last_error() { return cuda_emul::g_last_error; }
+extern "C" CUDA_EMUL_EXPORT int cuda_emul_set_poison(const unsigned long long* offsets, const unsigned long long* sizes, int n,
                                     unsigned long long anchor_offset) {
   cuda_emul::g_poison.clear();
   for (int i = 0; i < n; ++i) cuda_emul::g_poison.emplace_back(offsets[i], sizes[i]);

@@ -72,7 +72,11 @@ _VERSION = "3"  # bump to invalidate every cached library
 #: Flags of the issue (``g++ -std=c++20 -O1 -pthread -shared -fPIC``) plus:
 #: ``-fno-extern-tls-init`` (``extern __shared__`` becomes ``extern
 #: thread_local``; without it g++ calls a TLS init function nobody defines) and
-#: ``-fno-strict-aliasing`` (CUDA code type-puns through vector pointers).
+#: ``-fno-strict-aliasing`` (CUDA code type-puns through vector pointers),
+#: ``-fvisibility=hidden -fno-gnu-unique`` (every library keeps its own copy of
+#: the prelude's inline variables -- ``threadIdx``, the scheduler state --
+#: even with several libraries loaded in one process; GNU_UNIQUE symbols would
+#: be merged process-wide despite ``RTLD_LOCAL``).
 CXXFLAGS = (
     "-std=c++20",
     "-O1",
@@ -80,6 +84,8 @@ CXXFLAGS = (
     "-fPIC",
     "-fno-extern-tls-init",
     "-fno-strict-aliasing",
+    "-fvisibility=hidden",
+    "-fno-gnu-unique",
 )
 
 #: Dynamic shared memory the emulator provides per block (the H100/H200 limit).
@@ -183,9 +189,10 @@ def _launcher_tu(source_path: Path, kernels: Sequence[str]) -> str:
     for i, expr in enumerate(kernels):
         lines += [
             f"// {i}: {expr}",
-            f'extern "C" int cuda_emul_launch_{i}(const cuda_emul::LaunchCfg* c, void** a) '
-            f"{{ return cuda_emul::launch(&{expr}, c, a); }}",
-            f'extern "C" const char* cuda_emul_sig_{i}() {{ return cuda_emul::signature(&{expr}); }}',
+            f'extern "C" CUDA_EMUL_EXPORT int cuda_emul_launch_{i}(const cuda_emul::LaunchCfg* c, '
+            f"void** a) {{ return cuda_emul::launch(&{expr}, c, a); }}",
+            f'extern "C" CUDA_EMUL_EXPORT const char* cuda_emul_sig_{i}() '
+            f"{{ return cuda_emul::signature(&{expr}); }}",
         ]
     return "\n".join(lines) + "\n"
 
@@ -387,7 +394,7 @@ def _byte_bounds(a: np.ndarray) -> tuple[int, int]:
     try:
         from numpy.lib.array_utils import byte_bounds
     except ImportError:  # numpy < 2
-        byte_bounds = np.byte_bounds
+        byte_bounds = np.byte_bounds  # noqa: NPY201
     lo, hi = byte_bounds(a)
     return int(lo), int(hi)
 
