@@ -1,0 +1,280 @@
+"""Differentiable RMSNorm for torch: autograd functions and an ``nn.Module``.
+
+:func:`polynorm.rms_norm` on a tensor computes on its data and records no
+autograd history.  For training use this module: :func:`rms_norm` and
+:func:`add_rms_norm` are ``torch.autograd.Function``\\ s whose backward is
+polynorm's hand-written one (:func:`polynorm.rms_norm_backward`, fed the
+``rstd`` saved by the forward), and :class:`RMSNorm` is a drop-in for
+``torch.nn.RMSNorm``.
+
+CPU tensors run on the Numba kernels through zero-copy views; CUDA tensors on
+the CuPy kernels through DLPack (that path is not tested on a machine without
+a GPU).  The backward is not itself differentiable (no double backward), and
+``torch.compile`` sees these functions as opaque calls (a graph break).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from . import _api
+
+__all__ = ["rms_norm", "add_rms_norm", "RMSNorm"]
+
+
+def _options(eps, axis, partial, offset, eps_mode, casting, backend) -> dict[str, Any]:
+    return dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
+                casting=casting, backend=backend)
+
+
+def _grads(ctx, dx, dw, db, first: int):
+    """Gradients for the saved inputs, None where autograd does not need one."""
+    need = ctx.needs_input_grad
+    return (dw if need[first] else None, db if need[first + 1] else None)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, opts, out_dtype):
+        y, rstd = _api.rms_norm(x, weight, bias, out_dtype=out_dtype, return_rstd=True, **opts)
+        ctx.save_for_backward(x, weight, bias, rstd)
+        ctx.opts = opts
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, weight, bias, rstd = ctx.saved_tensors
+        dx, dw, db = _api.rms_norm_backward(
+            dy.contiguous(), x, weight, bias, rstd=rstd, **ctx.opts
+        )
+        return (dx, *_grads(ctx, dx, dw, db, 1), None, None)
+
+
+class _AddRMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, opts, out_dtype):
+        y, h, rstd = _api.add_rms_norm(
+            x, residual, weight, bias, out_dtype=out_dtype, return_rstd=True, **opts
+        )
+        ctx.save_for_backward(h, weight, bias, rstd)
+        ctx.opts = opts
+        ctx.dtypes = (x.dtype, residual.dtype)
+        return y, h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dh):
+        h, weight, bias, rstd = ctx.saved_tensors
+        # dh: the gradient reaching h through the residual stream, fused into dx
+        dxh, dw, db = _api.rms_norm_backward(
+            dy.contiguous(), h, weight, bias, rstd=rstd,
+            grad_residual=None if dh is None else dh.contiguous(), **ctx.opts,
+        )
+        x_dtype, r_dtype = ctx.dtypes
+        need = ctx.needs_input_grad
+        gx = dxh.to(x_dtype) if need[0] else None
+        gr = dxh.to(r_dtype) if need[1] else None
+        return (gx, gr, *_grads(ctx, dxh, dw, db, 2), None, None)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    axis: int | tuple[int, ...] = -1,
+    partial: float = 1.0,
+    offset: float = 0.0,
+    eps_mode: str = "inside",
+    casting: str = "fp32",
+    out_dtype: Any = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Differentiable :func:`polynorm.rms_norm` for torch tensors.
+
+    Same arguments and result as :func:`polynorm.rms_norm` (without ``out``
+    and ``return_rstd``); gradients flow to ``x``, ``weight`` and ``bias``
+    through polynorm's hand-written backward.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from polynorm.torch import rms_norm
+    >>> x = torch.tensor([[3.0, 4.0]], requires_grad=True)
+    >>> y = rms_norm(x, eps=0.0)
+    >>> y
+    tensor([[0.8485, 1.1314]], grad_fn=<_RMSNormFnBackward>)
+    >>> y.sum().backward()
+    >>> x.grad
+    tensor([[ 0.0453, -0.0339]])
+    """
+    opts = _options(eps, axis, partial, offset, eps_mode, casting, backend)
+    return _RMSNormFn.apply(x, weight, bias, opts, out_dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    axis: int | tuple[int, ...] = -1,
+    partial: float = 1.0,
+    offset: float = 0.0,
+    eps_mode: str = "inside",
+    casting: str = "fp32",
+    out_dtype: Any = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable :func:`polynorm.add_rms_norm`: ``h = x + residual``, ``y = rms_norm(h)``.
+
+    Returns ``(y, h)``; both carry gradients (``h`` is the residual stream a
+    transformer block passes on), and the backward fuses the gradient
+    arriving at ``h`` into the one it computes for ``x`` and ``residual``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from polynorm.torch import add_rms_norm
+    >>> x = torch.tensor([[1.0, 2.0]], requires_grad=True)
+    >>> y, h = add_rms_norm(x, torch.tensor([[2.0, 2.0]]), eps=0.0)
+    >>> h.detach(), y.detach()
+    (tensor([[3., 4.]]), tensor([[0.8485, 1.1314]]))
+    >>> (y.sum() + h.sum()).backward()
+    >>> x.grad
+    tensor([[1.0453, 0.9661]])
+    """
+    if residual is None:
+        raise TypeError("residual must be a tensor, got None")
+    opts = _options(eps, axis, partial, offset, eps_mode, casting, backend)
+    return _AddRMSNormFn.apply(x, residual, weight, bias, opts, out_dtype)
+
+
+class RMSNorm(torch.nn.Module):
+    """Drop-in replacement for ``torch.nn.RMSNorm`` running polynorm's kernels.
+
+    Parameters
+    ----------
+    normalized_shape : int or sequence of int
+        The trailing shape normalized over, as in ``torch.nn.RMSNorm``.
+    eps : float, optional
+        ``None`` (the default, as in torch) uses ``torch.finfo(x.dtype).eps``
+        of each input.
+    elementwise_affine : bool
+        Learn a ``weight`` of ``normalized_shape``.
+    device, dtype
+        For the parameters, as in torch.
+    bias : bool
+        Also learn an additive ``bias`` (the RMSNorm paper's code has one;
+        torch's module does not).  Keyword only, like everything after.
+    partial : float
+        pRMSNorm: the statistic uses the first ``floor(d * partial)`` elements.
+    offset : float
+        Scale by ``weight + offset``; ``offset=1.0`` is Gemma's ``1 + w``.
+        The weight is initialised to ``1 - offset`` so that a fresh module
+        scales by one.
+    eps_mode : {"inside", "outside"}
+    casting : {"fp32", "llama"}
+        See :func:`polynorm.rms_norm`.
+    backend : str
+        Forced backend, default ``"auto"``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from polynorm.torch import RMSNorm
+    >>> m = RMSNorm(4)
+    >>> m
+    RMSNorm((4,), eps=None, elementwise_affine=True)
+    >>> x = torch.randn(2, 4)
+    >>> torch.allclose(m(x), torch.nn.RMSNorm(4)(x), atol=1e-6)
+    True
+    """
+
+    normalized_shape: tuple[int, ...]
+    eps: float | None
+    elementwise_affine: bool
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device: Any = None,
+        dtype: Any = None,
+        *,
+        bias: bool = False,
+        partial: float = 1.0,
+        offset: float = 0.0,
+        eps_mode: str = "inside",
+        casting: str = "fp32",
+        backend: str = "auto",
+    ) -> None:
+        factory = {"device": device, "dtype": dtype}
+        super().__init__()
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.partial = partial
+        self.offset = offset
+        self.eps_mode = eps_mode
+        self.casting = casting
+        self.backend = backend
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
+        else:
+            self.register_parameter("weight", None)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
+        else:
+            self.register_parameter("bias", None)
+        # fail at construction, not at the first forward, for a bad option
+        _check_options(math.prod(self.normalized_shape), eps, partial, offset, eps_mode, casting)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weight ``1 - offset`` (a scale of one), bias zero."""
+        with torch.no_grad():
+            if self.weight is not None:
+                self.weight.fill_(1.0 - self.offset)
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        nd = len(self.normalized_shape)
+        if tuple(x.shape[x.ndim - nd:]) != self.normalized_shape:
+            raise ValueError(
+                f"x must end in normalized_shape {self.normalized_shape}, got shape {tuple(x.shape)}"
+            )
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return rms_norm(
+            x, self.weight, self.bias, eps=eps, axis=tuple(range(-nd, 0)), partial=self.partial,
+            offset=self.offset, eps_mode=self.eps_mode, casting=self.casting, backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        s = f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        if self.bias is not None:
+            s += ", bias=True"
+        for name, default in (("partial", 1.0), ("offset", 0.0), ("eps_mode", "inside"),
+                              ("casting", "fp32")):
+            if getattr(self, name) != default:
+                s += f", {name}={getattr(self, name)!r}"
+        return s
+
+
+def _check_options(d, eps, partial, offset, eps_mode, casting) -> None:
+    from ._options import make_plan
+
+    make_plan(d, "float32", eps=1e-6 if eps is None else eps, partial=partial, offset=offset,
+              eps_mode=eps_mode, casting=casting, out_dtype=None)

@@ -1,0 +1,278 @@
+"""torch: zero-copy dispatch of CPU tensors, autograd functions, the nn.Module."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import polynorm as pn  # noqa: E402
+from polynorm import _api, _interop  # noqa: E402
+from polynorm.torch import RMSNorm, add_rms_norm, rms_norm  # noqa: E402
+
+TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+BEST = "numba" if pn.backends()["numba"][0] else "array_api"
+
+
+def _randn(*shape, dtype=torch.float32, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(
+        kw.get("requires_grad", False)
+    )
+
+
+# ------------------------------------------------------------------ zero-copy interop
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_to_numpy_is_a_view_of_the_tensor(dtype):
+    t = _randn(5, 7, dtype=TORCH_DTYPES[dtype], requires_grad=True)[:, 1:6]
+    v = _interop.to_numpy(t)
+    assert _interop.is_host_array(t)
+    assert v.dtype.name == dtype
+    assert v.ctypes.data == t.data_ptr()
+    assert v.strides == tuple(s * t.element_size() for s in t.stride())
+    np.testing.assert_array_equal(v.astype(np.float64), t.detach().double().numpy())
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_from_numpy_shares_memory(dtype):
+    a = _interop.to_numpy(_randn(3, 4, dtype=TORCH_DTYPES[dtype])).copy()
+    t = _interop.from_numpy(a, torch.empty(0))
+    assert t.dtype == TORCH_DTYPES[dtype]
+    assert t.data_ptr() == a.ctypes.data
+    np.testing.assert_array_equal(t.double().numpy(), a.astype(np.float64))
+
+
+def test_non_host_tensors_are_not_host_arrays():
+    assert not _interop.is_host_array(torch.zeros(2, device="meta"))
+    assert not _interop.is_host_array(torch.zeros(2, 2).to_sparse())
+    with pytest.raises(TypeError, match="numpy"):
+        _interop.to_numpy(torch.zeros(2, device="meta"))
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_auto_dispatch_reaches_the_kernel_without_copies(dtype, monkeypatch):
+    """The backend sees numpy views of the tensor's memory and its result is wrapped, not copied."""
+    tdt = TORCH_DTYPES[dtype]
+    x = _randn(6, 32, dtype=tdt, requires_grad=True)
+    w = _randn(32, dtype=torch.float32, seed=1)
+    assert _api._choose_backend("auto", x).name == BEST
+    seen_in, seen_out = [], []
+    to_numpy, from_numpy = _interop.to_numpy, _interop.from_numpy
+
+    def spy_to(a):
+        v = to_numpy(a)
+        if isinstance(a, torch.Tensor):
+            seen_in.append(v.ctypes.data == a.data_ptr())
+        return v
+
+    def spy_from(a, like):
+        t = from_numpy(a, like)
+        if a is not None:
+            seen_out.append(t.data_ptr() == a.ctypes.data)
+        return t
+
+    monkeypatch.setattr(_interop, "to_numpy", spy_to)
+    monkeypatch.setattr(_interop, "from_numpy", spy_from)
+    y, rstd = pn.rms_norm(x, w, return_rstd=True)
+    if BEST == "numba":
+        assert seen_in and all(seen_in)
+        assert seen_out and all(seen_out)
+    assert isinstance(y, torch.Tensor) and y.dtype == tdt and y.device == x.device
+    assert not y.requires_grad  # the functional API records no history
+    assert rstd.dtype == (torch.float64 if dtype == "float64" else torch.float32)
+
+
+@pytest.mark.parametrize("dtype", list(TORCH_DTYPES))
+def test_tensor_result_equals_numpy_result_bitwise(dtype):
+    x = _randn(9, 48, dtype=TORCH_DTYPES[dtype], requires_grad=True)
+    r = _randn(9, 48, dtype=TORCH_DTYPES[dtype], seed=2)
+    w = _randn(48, dtype=torch.float32, seed=1)
+    xn, rn, wn = (_interop.to_numpy(a) for a in (x, r, w))
+    y, h = pn.add_rms_norm(x, r, w, partial=0.5)
+    yn, hn = pn.add_rms_norm(xn, rn, wn, partial=0.5)
+    assert y.dtype == x.dtype and h.dtype == x.dtype
+    np.testing.assert_array_equal(_interop.to_numpy(y).view(np.uint8), yn.view(np.uint8))
+    np.testing.assert_array_equal(_interop.to_numpy(h).view(np.uint8), hn.view(np.uint8))
+    dy = _randn(9, 48, dtype=TORCH_DTYPES[dtype], seed=3)
+    dx, dw, _ = pn.rms_norm_backward(dy, h, w)
+    dxn, dwn, _ = pn.rms_norm_backward(_interop.to_numpy(dy), hn, wn)
+    np.testing.assert_array_equal(_interop.to_numpy(dx).view(np.uint8), dxn.view(np.uint8))
+    np.testing.assert_array_equal(dw.numpy(), dwn)
+
+
+def test_out_writes_into_the_tensor():
+    x = _randn(4, 64)
+    out = torch.empty_like(x)
+    ptr = out.data_ptr()
+    y = pn.rms_norm(x, out=out)
+    assert y is out and out.data_ptr() == ptr
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (64,), eps=1e-6))
+
+
+# ------------------------------------------------------------------ autograd
+
+OPTION_SETS = {
+    "plain": dict(),
+    "no-weight": dict(weight=False),
+    "bias": dict(bias=True),
+    "partial": dict(partial=0.5),
+    "offset": dict(offset=1.0),
+    "outside": dict(eps_mode="outside", eps=1e-3),
+    "llama": dict(casting="llama"),
+    "axis-tuple": dict(axis=(1, 2)),
+    "axis-middle": dict(axis=1),
+    "all": dict(bias=True, partial=0.75, offset=0.5, eps_mode="outside", eps=1e-2),
+}
+
+
+def _args(opts, shape=(3, 4, 6), seed=0):
+    opts = dict(opts)
+    axis = opts.pop("axis", -1)
+    axes = (axis,) if isinstance(axis, int) else axis
+    norm_shape = tuple(shape[a] for a in axes)
+    x = _randn(*shape, dtype=torch.float64, seed=seed, requires_grad=True)
+    w = None
+    if opts.pop("weight", True):
+        w = (1 + 0.3 * _randn(*norm_shape, dtype=torch.float64, seed=seed + 1)).requires_grad_()
+    b = _randn(*norm_shape, dtype=torch.float64, seed=seed + 2, requires_grad=True) if opts.pop(
+        "bias", False) else None
+    return x, w, b, dict(opts, axis=axis)
+
+
+@pytest.mark.parametrize("name", list(OPTION_SETS))
+def test_gradcheck_rms_norm(name):
+    x, w, b, opts = _args(OPTION_SETS[name])
+    inputs = tuple(a for a in (x, w, b) if a is not None)
+
+    def f(*args):
+        it = iter(args)
+        xx = next(it)
+        ww = next(it) if w is not None else None
+        bb = next(it) if b is not None else None
+        return rms_norm(xx, ww, bb, **opts)
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["plain", "bias", "partial", "outside", "axis-tuple"])
+def test_gradcheck_add_rms_norm(name):
+    x, w, b, opts = _args(OPTION_SETS[name])
+    r = _randn(*x.shape, dtype=torch.float64, seed=7, requires_grad=True)
+    inputs = tuple(a for a in (x, r, w, b) if a is not None)
+
+    def f(*args):
+        it = iter(args)
+        xx, rr = next(it), next(it)
+        ww = next(it) if w is not None else None
+        bb = next(it) if b is not None else None
+        y, h = add_rms_norm(xx, rr, ww, bb, **opts)
+        return y, h  # both outputs carry gradients: the residual stream is fused into dx
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7)
+
+
+def test_gradcheck_on_the_reference_backend():
+    x, w, b, opts = _args(OPTION_SETS["all"])
+    assert torch.autograd.gradcheck(
+        lambda xx, ww, bb: rms_norm(xx, ww, bb, backend="array_api", **opts), (x, w, b)
+    )
+
+
+def _torch_rms(x, w, eps):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * w.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_low_precision_grads_match_torch_autograd(dtype):
+    tdt = TORCH_DTYPES[dtype]
+    x = _randn(16, 64, dtype=tdt, requires_grad=True)
+    w = (1 + 0.1 * _randn(64, dtype=torch.float32, seed=1)).requires_grad_()
+    dy = _randn(16, 64, dtype=tdt, seed=2)
+    rms_norm(x, w, eps=1e-5).backward(dy)
+    gx, gw = x.grad, w.grad
+    x.grad = w.grad = None
+    _torch_rms(x, w, 1e-5).backward(dy)
+    assert gx.dtype == tdt and gw.dtype == torch.float32
+    tol = 2e-2 if dtype != "float32" else 1e-5
+    torch.testing.assert_close(gx.float(), x.grad.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(gw, w.grad, atol=tol * 4, rtol=tol)
+
+
+def test_add_rms_norm_mixed_dtypes_grads():
+    """bf16 activations into an f32 residual stream: each input gets its own dtype's grad."""
+    x = _randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    r = _randn(4, 32, dtype=torch.float32, seed=1, requires_grad=True)
+    y, h = add_rms_norm(x, r)
+    assert h.dtype == torch.float32
+    (y.float().sum() + h.sum()).backward()
+    assert x.grad.dtype == torch.bfloat16 and r.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad.float(), r.grad.to(torch.bfloat16).float())
+
+
+def test_only_requested_grads_are_computed():
+    x = _randn(3, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.ones(8, dtype=torch.float64)  # frozen weight
+    rms_norm(x, w).sum().backward()
+    assert x.grad is not None and w.grad is None
+
+
+# ------------------------------------------------------------------ nn.Module
+
+
+@pytest.mark.parametrize("shape", [8, (4, 8)])
+def test_module_is_a_drop_in_for_torch_rmsnorm(shape):
+    ours, theirs = RMSNorm(shape), torch.nn.RMSNorm(shape)
+    assert set(ours.state_dict()) == set(theirs.state_dict()) == {"weight"}
+    with torch.no_grad():
+        theirs.weight.copy_(1 + 0.1 * _randn(*theirs.weight.shape, seed=3))
+    ours.load_state_dict(theirs.state_dict())
+    x1 = _randn(5, 4, 8, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    y1, y2 = ours(x1), theirs(x2)
+    torch.testing.assert_close(y1, y2)
+    dy = _randn(5, 4, 8, seed=4)
+    y1.backward(dy)
+    y2.backward(dy)
+    torch.testing.assert_close(x1.grad, x2.grad, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, atol=1e-4, rtol=1e-5)
+
+
+def test_module_default_eps_follows_the_input_dtype_like_torch():
+    x = _randn(3, 16, dtype=torch.bfloat16)
+    ours, theirs = RMSNorm(16, dtype=torch.bfloat16), torch.nn.RMSNorm(16, dtype=torch.bfloat16)
+    torch.testing.assert_close(ours(x), theirs(x), atol=1e-2, rtol=1e-2)
+    assert ours.weight.dtype == torch.bfloat16
+
+
+def test_module_extra_options():
+    m = RMSNorm(8, eps=1e-5, bias=True, partial=0.5, offset=1.0, eps_mode="outside",
+                casting="llama", dtype=torch.float64)
+    assert m.weight.abs().max() == 0 and m.bias.abs().max() == 0  # a scale of one, no shift
+    assert "partial=0.5" in repr(m) and "bias=True" in repr(m)
+    x = _randn(3, 8, dtype=torch.float64, requires_grad=True)
+    y = m(x)
+    expected = pn.rms_norm(x.detach(), m.weight.detach(), m.bias.detach(), eps=1e-5, partial=0.5,
+                           offset=1.0, eps_mode="outside", casting="llama")
+    torch.testing.assert_close(y.detach(), expected)
+    assert torch.autograd.gradcheck(m, (x,))
+    m2 = RMSNorm(8, elementwise_affine=False)
+    assert m2.weight is None and list(m2.parameters()) == []
+
+
+def test_module_rejects_bad_options_and_shapes():
+    with pytest.raises(ValueError, match="partial"):
+        RMSNorm(8, partial=0.0)
+    with pytest.raises(ValueError, match="eps_mode"):
+        RMSNorm(8, eps_mode="between")
+    with pytest.raises(ValueError, match="normalized_shape"):
+        RMSNorm(8)(torch.zeros(2, 7))
