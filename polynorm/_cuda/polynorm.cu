@@ -560,6 +560,20 @@ __device__ __forceinline__ double pn_bwd_coef(double c, double rms, int k, doubl
     return coef;
 }
 
+// g*dy for one chunk at column j: (w + offset) * dy, or dy without a weight
+template <int N, typename WT, typename CT>
+__device__ __forceinline__ void pn_geff(const WT* w, int j, bool vw, CT off, const CT (&dy)[N], CT (&g)[N]) {
+    if (w != nullptr) {
+        CT wv[N];
+        pn_ld<N>(w + j, vw, wv);
+#pragma unroll
+        for (int e = 0; e < N; ++e) g[e] = (wv[e] + off) * dy[e];
+    } else {
+#pragma unroll
+        for (int e = 0; e < N; ++e) g[e] = dy[e];
+    }
+}
+
 // pn_bwd: rows in registers (same layout rules as pn_fwd); a persistent grid
 // walks groups of blockDim.x/tpr rows.  With more than one row per block the
 // per-thread partial sums are combined in dynamic shared memory (sub-row 0, 1,
@@ -613,26 +627,18 @@ __global__ void __launch_bounds__(512) pn_bwd(
         const XT* xr = x + rr * sx;
         const DYT* dyr = dy + rr * sdy;
 
-        CT xv[ITEMS][VEC], gv[ITEMS][VEC], dyv[ITEMS][VEC];  // gv: g*dy
-        CT xe[2], ge[2], dye[2];
+        // x and dy stay in registers; g = w + offset is re-read (L1) where needed
+        CT xv[ITEMS][VEC], dyv[ITEMS][VEC];
+        CT xe[2], ge[2], dye[2];  // ge: g*dy
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
             const int c = tr + i * tpr;
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) { xv[i][e] = (CT)0; dyv[i][e] = (CT)0; gv[i][e] = (CT)0; }
+            for (int e = 0; e < VEC; ++e) { xv[i][e] = (CT)0; dyv[i][e] = (CT)0; }
             if (active && c < L.body) {
                 const int j = L.head + c * VEC;
                 pn_ld<VEC>(xr + j, L.vec, xv[i]);
                 pn_ld<VEC>(dyr + j, vdy, dyv[i]);
-                if (has_w) {
-                    CT wv[VEC];
-                    pn_ld<VEC>(w + j, vw, wv);
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) gv[i][e] = (wv[e] + off) * dyv[i][e];
-                } else {
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) gv[i][e] = dyv[i][e];
-                }
             }
         }
         for (int s = 0; s < 2; ++s) {
@@ -686,9 +692,15 @@ __global__ void __launch_bounds__(512) pn_bwd(
         // ---- c = sum g*dy*xhat over all columns
         double cs = 0.0;
 #pragma unroll
-        for (int i = 0; i < ITEMS; ++i)
+        for (int i = 0; i < ITEMS; ++i) {
+            const int c = tr + i * tpr;
+            if (active && c < L.body) {
+                CT g[VEC];
+                pn_geff<VEC>(w, L.head + c * VEC, vw, off, dyv[i], g);
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) cs += (double)gv[i][e] * (double)(xv[i][e] * r);
+                for (int e = 0; e < VEC; ++e) cs += (double)g[e] * (double)(xv[i][e] * r);
+            }
+        }
         for (int s = 0; s < 2; ++s) cs += (double)ge[s] * (double)(xe[s] * r);
         cs = pn_row_reduce<false>(cs, tpr, red);
         const CT coef = (CT)pn_bwd_coef(cs, rms, k, eps, eps_inside);
@@ -701,12 +713,13 @@ __global__ void __launch_bounds__(512) pn_bwd(
             const int c = tr + i * tpr;
             if (active && c < L.body) {
                 const int j = L.head + c * VEC;
-                CT o[VEC], t[VEC];
+                CT o[VEC], t[VEC], g[VEC];
                 if (has_g) pn_ld<VEC>(gr + j, vg, t);
+                pn_geff<VEC>(w, j, vw, off, dyv[i], g);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) {
                     const CT xh = xv[i][e] * r;
-                    CT q = gv[i][e];
+                    CT q = g[e];
                     if (j + e < k) q = q - xh * coef;
                     o[e] = r * q;
                     if (has_g) o[e] = o[e] + t[e];

@@ -48,7 +48,7 @@ BIG_THREADS = 1024  # __launch_bounds__ of the *_big kernels
 ROW_BLOCK = 256  # target threads per block when several rows share one
 #: resident backward threads per SM: more hides latency, fewer means fewer
 #: dweight/dbias partial rows to write and reduce
-BWD_THREADS_PER_SM = 1024
+BWD_THREADS_PER_SM = 512
 DEFAULT_SMS = 132  # H100/H200 SXM; the backend passes the real count
 DEFAULT_SMEM = 227 * 1024  # opt-in dynamic shared memory per block, sm_90
 
@@ -285,7 +285,7 @@ def backward_launch(
 
     >>> bl = backward_launch(4096, 4096, "bfloat16", num_sms=132)
     >>> bl.name, bl.grid, bl.partial_rows, bl.ldp
-    ('pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2>', 528, 528, 4096)
+    ('pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2>', 264, 264, 4096)
     """
     dy = dy or x
     weight = weight or x
