@@ -1,0 +1,501 @@
+"""The generated CUDA kernels (polynorm/_cuda/polynorm.cu), run on the CPU by the emulator.
+
+The exact source CuPy compiles is built with g++ and tests/emulator's prelude
+(one library per x dtype family, cached by content hash) and launched the way
+the cupy backend launches it: kernel, grid, block and dynamic shared memory
+from :mod:`polynorm.backends._cuda_launch`, the dtype decisions
+(``forward_types`` / ``backward_types`` / ``colsum_out``) from there too, and
+the arguments packed as ``polynorm/backends/cupy.py`` packs them (the same
+numpy scalar types, in the ABI order of codegen/ABI.md; the harness checks
+each one against the compiled parameter type).  Results are compared with
+polynorm's reference backend at the per-dtype tolerances of tests/_oracle.py,
+and the backward in float64 with central differences of the emulated forward.
+
+Needs g++; without it these tests fail (EmulatorUnavailable), they do not skip.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+from _oracle import TOL, Tol, assert_close, looser
+from emulator import compile_source
+
+from polynorm._options import compute_dtype, make_plan
+from polynorm.backends import _cuda_launch as cl
+from polynorm.backends import reference
+
+NP = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+}
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _name(a) -> str | None:
+    if a is None:
+        return None
+    return next(k for k, v in NP.items() if a.dtype == v)
+
+
+def _family(name: str) -> str:
+    """x dtype of a kernel name expression (the first template argument)."""
+    first = name.split("<", 1)[1].split(",")[0].strip()
+    return {v: k for k, v in cl.CTYPE.items()}[first]
+
+
+@functools.cache
+def module(family: str):
+    """One emulated library per x dtype: its fwd/bwd specialisations and every colsum."""
+    names = [n for n in cl.specialisations() if not n.startswith("pn_colsum") and _family(n) == family]
+    names += [n for n in cl.specialisations() if n.startswith("pn_colsum")]
+    return compile_source(cl.SOURCE_PATH, names)
+
+
+def _launch(launch: cl.Launch, args: tuple, family: str) -> None:
+    module(family).launch(launch.name, launch.grid, launch.block, args, launch.shared)
+
+
+def _garbage(shape, dtype: str) -> np.ndarray:
+    """An output buffer full of NaN bytes: anything the kernel fails to write shows."""
+    a = np.empty(shape, NP[dtype])
+    a.view(np.uint8)[...] = 0xFF
+    return a
+
+
+def _cast_keep(a, dtype: str):
+    return None if a is None else (a if _name(a) == dtype else a.astype(NP[dtype]))
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def _rs(a) -> np.int64:
+    return np.int64(0 if a is None else a.strides[0] // a.itemsize)
+
+
+# ----------------------------------------------------------------------------- the cupy backend, on numpy
+
+
+def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=cl.DEFAULT_SMEM):
+    """``polynorm.backends.cupy.forward`` with numpy buffers for device memory.
+
+    Returns ``(y, h, rstd, launch)``, or ``None`` where the backend has no
+    kernel (llama casting with a weight dtype without one: it runs the
+    reference instead)."""
+    types = cl.forward_types(_name(x), _name(residual), _name(weight), plan.out_dtype, plan.llama)
+    if types is None:
+        return None
+    ct = compute_dtype(types.h)
+    xk = _cast_keep(x, types.x)
+    rk = _cast_keep(residual, types.res)
+    wk = _cast_keep(weight, types.weight)
+    bk = _cast_keep(bias, ct)
+    n, d = xk.shape
+    yc = _garbage((n, d), types.out)
+    hc = _garbage((n, d), types.h) if rk is not None else None
+    rstd = _garbage((n,), ct)
+    launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out,
+                               max_smem=max_smem, force_big=force_big)
+    args = (
+        xk, _rs(xk), rk, _rs(rk), hc, _rs(hc), wk, bk,
+        yc, _rs(yc), rstd,
+        np.int64(n), np.int32(d), np.int32(plan.k),
+        np.int32(launch.stash if launch.big else launch.tpr),
+        np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
+        np.int32(plan.llama),
+    )  # fmt: skip
+    _launch(launch, args, types.x)
+    y = yc if types.out == plan.out_dtype else yc.astype(NP[plan.out_dtype])
+    return y, hc, rstd, launch
+
+
+def _colsum(part, d: int, ct: str, want: str):
+    kout = cl.colsum_out(ct, want)
+    out = _garbage((d,), kout)
+    launch = cl.colsum_launch(part.shape[0], d, ct, kout)
+    args = (part, np.int64(part.shape[0]), np.int64(part.shape[1]), np.int32(d), out)
+    _launch(launch, args, "float32")
+    return out if kout == want else out.astype(NP[want])
+
+
+def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=False,
+                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS):  # fmt: skip
+    """``polynorm.backends.cupy.backward`` with numpy buffers; returns (dx, dw, db, launch)."""
+    xd, wd, bd = _name(x), _name(weight), _name(bias)
+    types = cl.backward_types(xd, _name(dy), _name(grad_residual), wd)
+    ct = types.compute
+    dyk = _cast_keep(dy, types.dy)
+    gk = _cast_keep(grad_residual, types.dy)
+    wk = _cast_keep(weight, types.weight)
+    rk = _cast_keep(rstd, ct)
+    n, d = x.shape
+    dx = _garbage((n, d), xd)
+    want = weight is not None or bias is not None
+    launch = cl.backward_launch(n, d, xd, types.dy, types.weight, partials=want, num_sms=num_sms,
+                                max_smem=max_smem, force_big=force_big)
+    shape = (launch.partial_rows, launch.ldp)
+
+    def part():
+        return np.zeros(shape, NP[ct]) if launch.big else _garbage(shape, ct)
+
+    dwp = part() if weight is not None else None
+    dbp = part() if bias is not None else None
+    args = (
+        dyk, _rs(dyk), x, _rs(x), wk, rk, gk, _rs(gk),
+        dx, _rs(dx), dwp, dbp, np.int64(launch.ldp),
+        np.int64(n), np.int32(d), np.int32(plan.k),
+        np.int32(launch.stash if launch.big else launch.tpr),
+        np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
+    )  # fmt: skip
+    _launch(launch, args, xd)
+    dw = _colsum(dwp, d, ct, wd) if weight is not None else None
+    db = _colsum(dbp, d, ct, bd) if bias is not None else None
+    return dx, dw, db, launch
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _plan(d, h_dtype, *, eps=1e-6, partial=1.0, offset=0.0, eps_mode="inside", casting="fp32", out_dtype=None):
+    return make_plan(d, h_dtype, eps=eps, partial=partial, offset=offset, eps_mode=eps_mode,
+                     casting=casting, out_dtype=out_dtype)  # fmt: skip
+
+
+def _data(rng, n, d, dtype, scale=1.0):
+    return (rng.standard_normal((n, d)) * scale).astype(NP[dtype])
+
+
+def _check_forward(x, residual, weight, bias, plan, **kw):
+    got = emul_forward(x, residual, weight, bias, plan, **kw)
+    assert got is not None, "no kernel for this combination"
+    y, h, rstd, launch = got
+    ry, rh, rr = reference.forward(x, residual, weight, bias, plan)
+    tag = f"{launch.name} grid={launch.grid} block={launch.block} shared={launch.shared}"
+    assert y.dtype == NP[plan.out_dtype]
+    assert_close(y, ry, looser(plan.x_dtype, plan.out_dtype), f"y of {tag}")
+    assert_close(rstd, rr, Tol(2e-6, 0.0) if plan.compute_dtype == "float32" else Tol(1e-13, 0.0), f"rstd of {tag}")
+    if residual is not None:
+        np.testing.assert_array_equal(h.astype(np.float64), np.asarray(rh).astype(np.float64), err_msg=f"h of {tag}")
+    return launch
+
+
+#: hidden sizes: not multiples of any vector width, one that is, and one past the register kernels
+D_SMALL = (1, 3, 31, 127, 1000, 4101)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", D_SMALL)
+def test_emul_forward_every_dtype_and_size(dtype, d):
+    rng = np.random.default_rng(d)
+    n = 37 if d < 1000 else 5  # several tokens per block for small d, ragged last block
+    x = _data(rng, n, d, dtype)
+    w = _data(rng, 1, d, dtype)[0]
+    launch = _check_forward(x, None, w, None, _plan(d, dtype))
+    if d <= 31:
+        assert launch.block // launch.tpr > 1, "expected several tokens per block"
+
+
+OPTIONS = {
+    "no_weight": dict(weight=False),
+    "bias": dict(bias=True),
+    "partial": dict(partial=0.3),
+    "offset": dict(offset=1.0),
+    "eps_outside": dict(eps=0.5, eps_mode="outside"),
+    "eps_inside_large": dict(eps=0.5),
+    "llama": dict(casting="llama"),
+    "llama_offset_bias": dict(casting="llama", offset=1.0, bias=True),
+    "residual": dict(residual=True),
+    "residual_f32": dict(residual="float32"),
+    "weight_f32": dict(weight="float32"),
+    "out_f32": dict(out_dtype="float32"),
+    "everything": dict(residual=True, bias=True, partial=0.5, offset=1.0, eps=0.5, eps_mode="outside"),
+}
+
+
+def _option_case(rng, n, d, dtype, opt):
+    x = _data(rng, n, d, dtype)
+    res = None
+    if opt.get("residual"):
+        res = _data(rng, n, d, dtype if opt["residual"] is True else opt["residual"])
+    h_dtype = dtype if res is None else cl.promote(dtype, _name(res))
+    wdt = opt.get("weight", True)
+    w = None if wdt is False else _data(rng, 1, d, dtype if wdt is True else wdt)[0]
+    b = _data(rng, 1, d, dtype)[0] if opt.get("bias") else None
+    kw = {k: v for k, v in opt.items() if k in ("eps", "partial", "offset", "eps_mode", "casting", "out_dtype")}
+    return x, res, w, b, _plan(d, h_dtype, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("opt", list(OPTIONS), ids=list(OPTIONS))
+@pytest.mark.parametrize("d,force_big", [(31, False), (1000, False), (1000, True)], ids=["d31", "d1000", "d1000big"])
+def test_emul_forward_options(dtype, opt, d, force_big):
+    rng = np.random.default_rng(_seed(dtype, opt, d))
+    x, res, w, b, plan = _option_case(rng, 19, d, dtype, OPTIONS[opt])
+    if cl.forward_types(_name(x), _name(res), _name(w), plan.out_dtype, plan.llama) is None:
+        pytest.skip("no kernel: the cupy backend runs the reference for this combination")
+    _check_forward(x, res, w, b, plan, force_big=force_big)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_emul_forward_big_kernel_sizes_and_stash(dtype):
+    """The one-row-per-block kernel: past the register kernels' limit, and with the
+    row stash in shared memory full, partial and empty (any stash is correct)."""
+    rng = np.random.default_rng(4)
+    vec = cl.VEC[dtype]
+    d_big = 2 * cl.REG_THREADS * cl.FWD_ITEMS[-1] * vec + 5  # past pn_fwd's reach
+    x = _data(rng, 2, d_big, dtype)
+    w = _data(rng, 1, d_big, dtype)[0]
+    launch = _check_forward(x, None, w, None, _plan(d_big, dtype))
+    assert launch.big and launch.block == 1024
+    x = _data(rng, 3, 4101, dtype)
+    w = _data(rng, 1, 4101, dtype)[0]
+    for max_smem in (cl.DEFAULT_SMEM, 100 * vec * NP[dtype].itemsize + 3, 0):
+        launch = _check_forward(x, None, w, None, _plan(4101, dtype), force_big=True, max_smem=max_smem)
+        assert launch.big
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emul_forward_layouts(dtype):
+    """Misaligned rows (scalar head), row strides that are not a multiple of the
+    vector width, negative strides, and an output written in place over x."""
+    rng = np.random.default_rng(5)
+    d = 203
+    wide = _data(rng, 9, d + 3, dtype)
+    w = _data(rng, 1, d, dtype)[0]
+    plan = _plan(d, dtype)
+    for x in (wide[:, 1 : d + 1], wide[:, :d], wide[::-1, 2 : d + 2], wide[::2, :d]):
+        _check_forward(x, None, w, None, plan)
+    x = wide[:, 1 : d + 1]
+    before = x.copy()
+    ry, _, _ = reference.forward(before, None, w, None, plan)
+    y, _, _, _ = emul_forward(x, None, w, None, plan)  # inputs untouched (harness checks const arrays)
+    np.testing.assert_array_equal(x, before)
+    assert_close(y, ry, dtype, "y")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_emul_forward_nan_and_zero_rows_stay_local(dtype):
+    rng = np.random.default_rng(6)
+    for d, force_big in ((64, False), (2000, True)):
+        x = _data(rng, 6, d, dtype)
+        x[1, 3] = np.nan
+        x[2, :] = 0
+        x[4, 5] = np.inf
+        w = _data(rng, 1, d, dtype)[0]
+        y, _, _, _ = emul_forward(x, None, w, None, _plan(d, dtype), force_big=force_big)
+        assert np.isnan(y[1].astype(np.float32)).all() and np.isnan(y[4].astype(np.float32)).all()
+        assert (y[2].astype(np.float32) == 0).all()
+        assert np.isfinite(y[[0, 3, 5]].astype(np.float32)).all()
+
+
+def test_emul_forward_no_overflow():
+    """float32 rows of 1e25 (x**2 overflows float32) and bfloat16 rows of 1e30."""
+    rng = np.random.default_rng(7)
+    for dtype, scale in (("float32", 1e25), ("bfloat16", 1e30), ("float32", 1e-30)):
+        x = _data(rng, 4, 300, dtype, scale)
+        _check_forward(x, None, None, None, _plan(300, dtype, eps=0.0))
+
+
+def test_emul_forward_deterministic_across_workers():
+    rng = np.random.default_rng(8)
+    x = _data(rng, 64, 100, "bfloat16")
+    plan = _plan(100, "bfloat16")
+    types = cl.forward_types("bfloat16", None, None, "bfloat16", False)
+    outs = []
+    for workers in (1, 3):
+        launch = cl.forward_launch(64, 100, types.x)
+        y = _garbage((64, 100), "bfloat16")
+        r = _garbage((64,), "float32")
+        args = (x, _rs(x), None, np.int64(0), None, np.int64(0), None, None, y, _rs(y), r,
+                np.int64(64), np.int32(100), np.int32(plan.k), np.int32(launch.tpr),
+                np.float64(plan.eps), np.int32(1), np.float64(0.0), np.int32(0))  # fmt: skip
+        module("bfloat16").launch(launch.name, launch.grid, launch.block, args, launch.shared, workers=workers)
+        outs.append(y.view(np.uint16).copy())
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _check_backward(dy, x, w, b, rstd, gres, plan, *, tol=None, **kw):
+    dx, dw, db, launch = emul_backward(dy, x, w, b, rstd, gres, plan, **kw)
+    rdx, rdw, rdb = reference.backward(dy, x, w, b, rstd, gres, plan)
+    tag = f"{launch.name} grid={launch.grid} block={launch.block} shared={launch.shared}"
+    xd = _name(x)
+    assert dx.dtype == x.dtype
+    assert_close(dx, rdx, tol or TOL[xd], f"dx of {tag}")
+    if w is not None:
+        assert dw.dtype == w.dtype
+        assert_close(dw, rdw, tol or looser(xd, _name(w)), f"dweight of {tag}")
+    else:
+        assert dw is None
+    if b is not None:
+        assert db.dtype == b.dtype
+        assert_close(db, rdb, tol or looser(xd, _name(b)), f"dbias of {tag}")
+    return launch
+
+
+BWD_OPTIONS = {
+    "plain": dict(),
+    "no_weight": dict(weight=False),
+    "bias": dict(bias=True),
+    "bias_no_weight": dict(bias=True, weight=False),
+    "partial": dict(partial=0.3),
+    "offset": dict(offset=1.0),
+    "eps_outside": dict(eps=0.5, eps_mode="outside"),
+    "rstd_given": dict(rstd=True),
+    "grad_residual": dict(grad_residual=True),
+    "weight_f32": dict(weight="float32"),
+    "dy_f32": dict(dy="float32"),
+    "everything": dict(bias=True, partial=0.5, offset=1.0, eps=0.5, eps_mode="outside", rstd=True,
+                       grad_residual=True),
+}  # fmt: skip
+
+
+def _bwd_case(rng, n, d, dtype, opt):
+    x = _data(rng, n, d, dtype)
+    dy = _data(rng, n, d, opt.get("dy", dtype))
+    wdt = opt.get("weight", True)
+    w = None if wdt is False else _data(rng, 1, d, dtype if wdt is True else wdt)[0]
+    b = _data(rng, 1, d, dtype)[0] if opt.get("bias") else None
+    g = _data(rng, n, d, dtype) if opt.get("grad_residual") else None
+    kw = {k: v for k, v in opt.items() if k in ("eps", "partial", "offset", "eps_mode")}
+    plan = _plan(d, dtype, **kw)
+    rstd = reference.rstd(x, plan) if opt.get("rstd") else None
+    return dy, x, w, b, rstd, g, plan
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", D_SMALL)
+def test_emul_backward_every_dtype_and_size(dtype, d):
+    rng = np.random.default_rng(100 + d)
+    n = 37 if d < 1000 else 5
+    dy, x, w, b, rstd, g, plan = _bwd_case(rng, n, d, dtype, dict(bias=True))
+    _check_backward(dy, x, w, b, rstd, g, plan)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("opt", list(BWD_OPTIONS), ids=list(BWD_OPTIONS))
+@pytest.mark.parametrize("d,force_big", [(31, False), (1000, False), (1000, True)], ids=["d31", "d1000", "d1000big"])
+def test_emul_backward_options(dtype, opt, d, force_big):
+    rng = np.random.default_rng(_seed(dtype, opt, d, 1))
+    dy, x, w, b, rstd, g, plan = _bwd_case(rng, 23, d, dtype, BWD_OPTIONS[opt])
+    _check_backward(dy, x, w, b, rstd, g, plan, force_big=force_big)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_emul_backward_persistent_grid_and_stash(dtype):
+    """More row groups than blocks (each block strides over several; partial rows
+    summed per block), and the big kernel with full / partial / no stash."""
+    rng = np.random.default_rng(9)
+    dy, x, w, b, rstd, g, plan = _bwd_case(rng, 300, 40, dtype, dict(bias=True))
+    launch = _check_backward(dy, x, w, b, rstd, g, plan, num_sms=2)
+    assert launch.grid * (launch.block // launch.tpr) < 300
+    vec = cl.VEC[dtype]
+    dy, x, w, b, rstd, g, plan = _bwd_case(rng, 7, 3001, dtype, dict(bias=True, grad_residual=True))
+    for max_smem in (cl.DEFAULT_SMEM, 50 * vec * 8 + 16, 0):
+        launch = _check_backward(dy, x, w, b, rstd, g, plan, force_big=True, max_smem=max_smem, num_sms=3)
+        assert launch.big and launch.grid == 3
+
+
+# ----------------------------------------------------------------------------- backward: finite differences
+
+H = 1e-6
+#: Central differences in float64: truncation h**2/6*|L'''| ~ 1e-12 * O(10),
+#: rounding ~ 2.2e-16 * |L| / h ~ 2e-9 for |L| = O(10); a formula error is
+#: O(eps) = O(0.05) or more (eps is chosen that large so that the placement of
+#: eps matters).  rtol = atol = 1e-6 (atol relative to the largest gradient)
+#: leaves a factor ~500 over the fd error and is ~1e4 below any real error.
+FD_TOL = Tol(1e-6, 1e-6)
+FD_OPTIONS = {
+    "plain": dict(),
+    "partial_offset": dict(partial=0.4, offset=1.0),
+    "eps_outside": dict(eps_mode="outside"),
+    "eps_outside_partial": dict(eps_mode="outside", partial=0.6),
+    "no_weight": dict(weight=False),
+}
+
+
+def _loss_grads_fd(x, w, b, g_y, plan, force_big):
+    """Central differences of L = sum(y * g_y) through the EMULATED forward."""
+
+    def fwd(xx, ww, bb):
+        y, _, _, _ = emul_forward(xx, None, ww, bb, plan, force_big=force_big)
+        return y
+
+    n, d = x.shape
+    # perturb column p of every token at once: tokens are independent
+    xs = np.concatenate([x + s * H * (np.arange(d) == p) for p in range(d) for s in (1, -1)])
+    ys = fwd(xs, w, b).reshape(d, 2, n, d)
+    dx = ((ys[:, 0] - ys[:, 1]) * g_y).sum(axis=2).T / (2 * H)  # (n, d)
+    dw = None
+    if w is not None:
+        dw = np.array([((fwd(x, w + H * e, b) - fwd(x, w - H * e, b)) * g_y).sum() / (2 * H) for e in np.eye(d)])
+    db = g_y.sum(axis=0) if b is not None else None  # L is linear in b: exact
+    return dx, dw, db
+
+
+@pytest.mark.parametrize("opt", list(FD_OPTIONS), ids=list(FD_OPTIONS))
+@pytest.mark.parametrize("force_big", [False, True], ids=["reg", "big"])
+def test_emul_backward_finite_differences_float64(opt, force_big):
+    rng = np.random.default_rng(_seed(opt, force_big))
+    n, d = 3, 11
+    o = FD_OPTIONS[opt]
+    x = rng.standard_normal((n, d))
+    w = None if o.get("weight") is False else rng.standard_normal(d)
+    b = rng.standard_normal(d)
+    g_y = rng.standard_normal((n, d))
+    plan = _plan(d, "float64", eps=0.05, **{k: v for k, v in o.items() if k != "weight"})
+    fdx, fdw, fdb = _loss_grads_fd(x, w, b, g_y, plan, force_big)
+    for rstd in (None, emul_forward(x, None, w, b, plan)[2]):
+        dx, dw, db, _ = emul_backward(g_y, x, w, b, rstd, None, plan, force_big=force_big)
+        assert_close(dx, fdx, FD_TOL, "dx vs finite differences")
+        if w is not None:
+            assert_close(dw, fdw, FD_TOL, "dweight vs finite differences")
+        assert_close(db, fdb, FD_TOL, "dbias vs sum of dy")
+
+
+# ----------------------------------------------------------------------------- every specialisation
+
+
+#: ABI.md parameter types (pointer -> "*", const pointer -> "c*", scalar code:size)
+_FWD_SIG = ["c*X", "i8:8", "c*R", "i8:8", "*H", "i8:8", "c*W", "c*C", "*O", "i8:8", "*C",
+            "i8:8", "i4:4", "i4:4", "i4:4", "f8:8", "i4:4", "f8:8", "i4:4"]  # fmt: skip
+_BWD_SIG = ["c*G", "i8:8", "c*X", "i8:8", "c*W", "c*C", "c*G", "i8:8", "*X", "i8:8", "*C", "*C",
+            "i8:8", "i8:8", "i4:4", "i4:4", "i4:4", "f8:8", "i4:4", "f8:8"]  # fmt: skip
+_CODE = {"float16": "f2", "bfloat16": "bf16", "float32": "f4", "float64": "f8"}
+
+
+@pytest.mark.parametrize("family", DTYPES)
+def test_emul_every_specialisation_compiles_with_the_abi_signature(family):
+    mod = module(family)
+    rev = {v: k for k, v in cl.CTYPE.items()}
+    for name in mod.kernels:
+        expr = next(n for n in cl.specialisations() if n.replace(" ", "") == name)
+        targs = [a.strip() for a in expr.split("<", 1)[1].rstrip(">").split(",")]
+        sig = mod.signature(expr)
+        got = [("c*" if p.const else "*") + p.code if p.pointer else f"{p.code}:{p.size}" for p in sig]
+        if expr.startswith("pn_colsum"):
+            ct, out = (_CODE[rev[t]] for t in targs)
+            assert got == [f"c*{ct}", "i8:8", "i8:8", "i4:4", f"*{out}"], expr
+            continue
+        x = rev[targs[0]]
+        if expr.startswith("pn_fwd"):
+            r, w, o = (rev[t] for t in targs[1:4])
+            h = cl.promote(x, r)
+            sub = {"X": x, "R": r, "H": h, "W": w, "O": o, "C": compute_dtype(h)}
+            want = _FWD_SIG
+        else:
+            g, w = (rev[t] for t in targs[1:3])
+            sub = {"X": x, "G": g, "W": w, "C": compute_dtype(x)}
+            want = _BWD_SIG
+        want = [s[:-1] + _CODE[sub[s[-1]]] if "*" in s else s for s in want]
+        assert got == want, expr
