@@ -1,0 +1,211 @@
+"""Dask backend: lazy per-chunk dispatch to the best in-memory backend.
+
+Nothing is computed here: every function only builds a task graph.  The rows
+``(n, d)`` are rechunked so that the normalized axis ``d`` lies in one chunk
+(tokens stay chunked as the caller chunked them); each row chunk then runs
+the Numba kernels when Numba is usable (the reference backend otherwise) on
+the worker that holds it, so a chunk's ``y``/``h``/``rstd``/``dx`` have the
+same bits as an in-memory call on the same rows.
+
+One task per chunk computes all of a call's outputs at once (a tuple);
+``y``, ``h`` and ``rstd`` are light ``getitem`` tasks on it, so computing
+them together (``dask.compute(y, h)``) runs the kernel once per chunk.
+
+The backward's ``dweight``/``dbias`` are per-chunk partial sums, kept in
+float64 (the chunk's weight is handed to the kernel as float64, which
+changes nothing else: the kernels convert the weight to the compute dtype
+themselves), summed across chunks by dask's tree reduction and rounded once
+to the weight's dtype.  The grouping of the sums differs from the in-memory
+kernel's, so ``dweight`` agrees with it to float64 rounding before the final
+rounding, not always bit for bit.
+
+``out=`` is not supported in place: dask arrays are immutable graphs; the
+front end assigns the lazy result into ``out``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._options import Plan
+
+name = "dask"
+
+#: Partial sums of dweight/dbias reduced this many at a time (the tree's fan-in).
+SPLIT_EVERY = 8
+
+
+def available() -> tuple[bool, str]:
+    try:
+        import dask.array  # noqa: F401
+    except ImportError as exc:
+        return False, f"dask is not installed ({exc})"
+    return True, "ok"
+
+
+def accepts(x: Any) -> bool:
+    return type(x).__module__.startswith("dask.")
+
+
+def _inner_name() -> str:
+    """The in-memory backend the chunks run on, decided where the graph is built."""
+    from . import usable
+
+    return "numba" if usable("numba") else "array_api"
+
+
+def _inner(name_: str):
+    # on a worker without numba the reference gives the same answer, less fast
+    from . import get, usable
+
+    return get(name_ if usable(name_) else "array_api")
+
+
+def _np_dtype(dtype_name: str) -> np.dtype:
+    if dtype_name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype_name)
+
+
+def _rows(a, chunks0):
+    """2-D ``a`` with the row chunks ``chunks0`` and one chunk over ``d``."""
+    if a is None:
+        return None
+    import dask.array as da
+
+    a = da.asarray(a)
+    want = (chunks0, (a.shape[1],))
+    return a if a.chunks == want else a.rechunk(want)
+
+
+def _vec(a, chunks=None):
+    """1-D ``a`` (weight, bias, rstd) in one chunk, or with the given chunks."""
+    if a is None:
+        return None
+    import dask.array as da
+
+    a = da.asarray(a)
+    want = chunks or (a.shape[0],)
+    want = want if isinstance(want[0], tuple) else (want,)
+    return a if a.chunks == want else a.rechunk(want)
+
+
+def _args(pairs):
+    """blockwise's (array, index) pairs; ``None`` stays a plain argument."""
+    out = []
+    for a, idx in pairs:
+        out += [a, idx if a is not None else None]
+    return out
+
+
+def _pick(t, i):
+    return t[i]
+
+
+def _pick_partial(t, i):
+    return t[i][None, :]
+
+
+# ------------------------------------------------------------------ chunk functions (run on workers)
+
+
+def _forward_chunk(x, residual, weight, bias, *, plan: Plan, inner: str):
+    if x.shape[0] == 0:  # backends never see zero tokens
+        n, d = x.shape
+        h = None if residual is None else np.empty((0, d), _np_dtype(plan.x_dtype))
+        return (np.empty((0, d), _np_dtype(plan.out_dtype)), h,
+                np.empty(0, _np_dtype(plan.compute_dtype)))
+    return _inner(inner).forward(x, residual, weight, bias, plan, None)
+
+
+def _backward_chunk(dy, x, weight, bias, rstd, grad_residual, *, plan: Plan, inner: str):
+    d = x.shape[1]
+    if x.shape[0] == 0:
+        zeros = np.zeros(d, np.float64)
+        return (np.empty_like(x), None if weight is None else zeros,
+                None if bias is None else zeros)
+    # float64 weight/bias: the chunk's dweight/dbias come back as float64 partial sums
+    w64 = None if weight is None else weight.astype(np.float64)
+    b64 = None if bias is None else bias.astype(np.float64)
+    return _inner(inner).backward(dy, x, w64, b64, rstd, grad_residual, plan)
+
+
+# ------------------------------------------------------------------ the backend contract
+
+
+def forward(x, residual, weight, bias, plan: Plan, out=None):
+    """Forward on 2-D dask rows; lazy.  See :mod:`polynorm.backends.reference`.
+
+    Returns dask arrays ``y`` (n, d), ``h`` (n, d) or None, ``rstd`` (n,),
+    chunked like ``x``'s rows.  ``out`` is ignored (the front end assigns).
+    """
+    import dask.array as da
+
+    x = _rows(x, da.asarray(x).chunks[0])
+    rows = x.chunks[0]
+    residual = _rows(residual, rows)
+    weight, bias = _vec(weight), _vec(bias)
+    ydt, xdt, cdt = (_np_dtype(plan.out_dtype), _np_dtype(plan.x_dtype),
+                     _np_dtype(plan.compute_dtype))
+    # one task per row chunk; its block is the tuple (y, h, rstd), indexed by
+    # rows only (dask cannot concatenate tuples over a dropped axis)
+    parts = da.blockwise(
+        _forward_chunk, "i",
+        *_args([(x, "ij"), (residual, "ij"), (weight, "j"), (bias, "j")]),
+        plan=plan, inner=_inner_name(),
+        dtype=object, meta=np.empty((0,), object), concatenate=True,
+    )
+    chunks2 = (rows, (x.shape[1],))
+    y = da.map_blocks(_pick, parts, 0, new_axis=1, chunks=chunks2, dtype=ydt,
+                      meta=np.empty((0, 0), ydt))
+    h = None
+    if residual is not None:
+        h = da.map_blocks(_pick, parts, 1, new_axis=1, chunks=chunks2, dtype=xdt,
+                          meta=np.empty((0, 0), xdt))
+    rstd = da.map_blocks(_pick, parts, 2, dtype=cdt, meta=np.empty((0,), cdt))
+    return y, h, rstd
+
+
+def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
+    """Backward on 2-D dask rows; lazy.  See :mod:`polynorm.backends.reference`.
+
+    ``dx`` is chunked like ``x``'s rows; ``dweight``/``dbias`` are the tree
+    reduction (fan-in :data:`SPLIT_EVERY`) of float64 per-chunk partial sums,
+    rounded once to the dtype of ``weight``/``bias``.
+    """
+    import dask.array as da
+
+    x = _rows(x, da.asarray(x).chunks[0])
+    rows = x.chunks[0]
+    dy = _rows(dy, rows)
+    grad_residual = _rows(grad_residual, rows)
+    rstd = _vec(rstd, rows)
+    wdt = None if weight is None else weight.dtype
+    bdt = None if bias is None else bias.dtype
+    weight, bias = _vec(weight), _vec(bias)
+    parts = da.blockwise(
+        _backward_chunk, "i",
+        *_args([(dy, "ij"), (x, "ij"), (weight, "j"), (bias, "j"), (rstd, "i"),
+                (grad_residual, "ij")]),
+        plan=plan, inner=_inner_name(),
+        dtype=object, meta=np.empty((0,), object), concatenate=True,
+    )
+    d = x.shape[1]
+    dx = da.map_blocks(_pick, parts, 0, new_axis=1, chunks=(rows, (d,)), dtype=x.dtype,
+                       meta=np.empty((0, 0), x.dtype))
+    nchunks = len(rows)
+
+    def reduce(i, dtype):
+        partial = da.map_blocks(
+            _pick_partial, parts, i, new_axis=1, chunks=((1,) * nchunks, (d,)),
+            dtype=np.float64, meta=np.empty((0, 0), np.float64),
+        )
+        return partial.sum(axis=0, split_every=SPLIT_EVERY).astype(dtype)
+
+    dweight = None if weight is None else reduce(1, wdt)
+    dbias = None if bias is None else reduce(2, bdt)
+    return dx, dweight, dbias

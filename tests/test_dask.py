@@ -1,0 +1,147 @@
+"""dask: lazy per-chunk dispatch, checked on a real distributed cluster.
+
+The cluster (two worker processes) starts once for the module.  Every result
+is compared with the in-memory backend that the chunks run on (Numba when
+usable, else the reference) on the same numpy data: y, h, rstd and dx bit for
+bit; dweight/dbias to float64-accumulation accuracy, because the chunks'
+float64 partial sums are grouped differently than inside one kernel call
+(see polynorm/backends/dask.py).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array")
+dask = pytest.importorskip("dask")
+distributed = pytest.importorskip("distributed")
+
+import polynorm as pn  # noqa: E402
+from polynorm.backends import dask as dask_backend  # noqa: E402
+
+BEST = "numba" if pn.backends()["numba"][0] else "array_api"
+DTYPES = {
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+    "float32": np.float32,
+    "float64": np.float64,
+}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+        worker_dashboard_address=None,
+    ) as cluster, distributed.Client(cluster) as c:
+        yield c
+
+
+def _no_compute(*args, **kwargs):
+    raise AssertionError("polynorm computed something while building the graph")
+
+
+def _bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint8)
+
+
+def _same_bits(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def _sum_close(got, want):
+    """Both are float64 sums rounded once to the weight dtype: at most one rounding apart."""
+    assert got.dtype == want.dtype
+    tol = float(np.finfo(got.dtype).eps) * 2
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=1e-12)
+
+
+def test_graph_building_computes_nothing():
+    rng = np.random.default_rng(0)
+    x = da.from_array(rng.standard_normal((40, 16)).astype(np.float32), chunks=(10, 8))
+    w = da.from_array(np.ones(16, np.float32))
+    with dask.config.set(scheduler=_no_compute):
+        y, h, rstd = pn.add_rms_norm(x, x, w, return_rstd=True)
+        dx, dw, _ = pn.rms_norm_backward(y, h, w, rstd=rstd)
+    for a in (y, h, rstd, dx, dw):
+        assert isinstance(a, da.Array)
+    # one kernel task per row chunk, whatever the column chunking was
+    assert y.chunks == ((10, 10, 10, 10), (16,))
+    assert rstd.chunks == ((10, 10, 10, 10),)
+    assert dask_backend.accepts(x) and not dask_backend.accepts(np.zeros(3))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_cluster_forward_and_backward_match_in_memory(client, dtype):
+    rng = np.random.default_rng(1)
+    n, d = 203, 96
+    dt = DTYPES[dtype]
+    x = rng.standard_normal((n, d)).astype(dt)
+    r = rng.standard_normal((n, d)).astype(dt)
+    dy = rng.standard_normal((n, d)).astype(dt)
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    b = rng.standard_normal(d).astype(np.float32)
+    opts = dict(partial=0.5, offset=0.25, eps=1e-5)
+    # tokens chunked unevenly, d split across chunks (the backend rechunks it whole)
+    xd = da.from_array(x, chunks=(50, 48))
+    rd = da.from_array(r, chunks=(70, 96))
+    dyd = da.from_array(dy, chunks=(64, 96))
+    wd, bd = da.from_array(w, chunks=32), da.from_array(b)
+    y, h, rstd = pn.add_rms_norm(xd, rd, wd, bd, return_rstd=True, **opts)
+    dx, dw, db = pn.rms_norm_backward(dyd, h, wd, bd, rstd=rstd, grad_residual=dyd, **opts)
+    got = client.compute([y, h, rstd, dx, dw, db], sync=True)
+
+    ym, hm, rstdm = pn.add_rms_norm(x, r, w, b, return_rstd=True, backend=BEST, **opts)
+    dxm, dwm, dbm = pn.rms_norm_backward(dy, hm, w, b, rstd=rstdm, grad_residual=dy,
+                                          backend=BEST, **opts)
+    for g, want in zip(got[:4], (ym, hm, rstdm, dxm), strict=True):
+        _same_bits(g, want)
+    _sum_close(got[4], dwm)
+    _sum_close(got[5], dbm)
+
+
+def test_cluster_nd_input_axis_tuple_and_llama(client):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((6, 5, 4, 8)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((4, 8)).astype(ml_dtypes.bfloat16)
+    xd = da.from_array(x, chunks=(2, 5, 4, 4))
+    opts = dict(axis=(2, 3), casting="llama", eps_mode="outside")
+    y = pn.rms_norm(xd, da.from_array(w), **opts)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    _same_bits(client.compute(y, sync=True), pn.rms_norm(x, w, backend=BEST, **opts))
+
+
+def test_many_chunks_tree_reduction_and_empty_chunks(client):
+    rng = np.random.default_rng(3)
+    n, d = 330, 32
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    dy = rng.standard_normal((n, d)).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float64)
+    chunks = ((0,) + (10,) * 33, (d,))  # 33 chunks: three levels of fan-in 8; one empty
+    xd, dyd = da.from_array(x, chunks=chunks), da.from_array(dy, chunks=chunks)
+    dx, dw, _ = pn.rms_norm_backward(dyd, xd, da.from_array(w))
+    assert dask_backend.SPLIT_EVERY < 33
+    dxg, dwg = client.compute([dx, dw], sync=True)
+    dxm, dwm, _ = pn.rms_norm_backward(dy, x, w, backend=BEST)
+    _same_bits(dxg, dxm)
+    _sum_close(dwg, dwm)
+
+
+def test_results_are_deterministic(client):
+    rng = np.random.default_rng(4)
+    x = da.from_array(rng.standard_normal((120, 40)).astype(np.float32), chunks=(7, 40))
+    w = da.from_array(np.linspace(0.5, 1.5, 40).astype(np.float32))
+    dy = x[::-1]
+    _, dw1, _ = pn.rms_norm_backward(dy, x, w)
+    _, dw2, _ = pn.rms_norm_backward(dy, x, w)
+    a, b = client.compute([dw1, dw2], sync=True)
+    _same_bits(a, b)
+
+
+def test_forced_dask_backend_rejects_numpy():
+    with pytest.raises(TypeError, match="dask"):
+        pn.rms_norm(np.ones((2, 3), np.float32), backend="dask")
