@@ -1,0 +1,178 @@
+"""The cupy backend on a real GPU, checked against the numpy reference backend.
+
+Skipped cleanly without cupy, without a CUDA driver or without a GPU.  The
+kernels' numerics are also checked without a GPU by the emulator tests
+(``pytest -k emul``); these tests add what only a device shows: the real
+compiler, real alignment, streams, DLPack with torch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import polynorm as pn
+
+pytestmark = pytest.mark.gpu
+
+if importlib.util.find_spec("cupy") is None:
+    pytest.skip("cupy is not installed", allow_module_level=True)
+_usable, _why = pn.backends()["cupy"]
+if not _usable:
+    pytest.skip(f"cupy backend unusable: {_why}", allow_module_level=True)
+
+import cupy  # noqa: E402
+
+NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
+TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 2e-6, "float64": 1e-13}
+
+
+def _close(got, want, dtype, scale=1.0):
+    got = np.asarray(got, dtype=np.float64)
+    want = np.asarray(want, dtype=np.float64)
+    tol = TOL[dtype] * scale
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def _ref(fn, *arrays, **kw):
+    return fn(*arrays, backend="array_api", **kw)
+
+
+def _data(rng, shape, dtype, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(NP[dtype])
+
+
+FWD_CASES = [
+    # (n, d, dtype)
+    (1, 1, "float32"), (3, 7, "float16"), (5, 8, "float32"), (9, 100, "float64"),
+    (64, 1024, "float16"), (33, 4097, "float32"), (8, 8192, "float16"), (4, 20000, "float32"),
+    (3, 65536, "float16"), (2, 262144, "float32"), (2, 9000, "float64"),
+]
+OPTIONS = [
+    {},
+    {"partial": 0.3},
+    {"eps_mode": "outside", "eps": 1e-3},
+    {"offset": 1.0},
+    {"casting": "llama"},
+]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize(("n", "d", "dtype"), FWD_CASES)
+def test_gpu_forward_matches_reference(n, d, dtype, opts):
+    rng = np.random.default_rng(n * 1000 + d)
+    x, w, b = _data(rng, (n, d), dtype), _data(rng, d, dtype), _data(rng, d, dtype)
+    y, rstd = pn.rms_norm(cupy.asarray(x), cupy.asarray(w), cupy.asarray(b), return_rstd=True,
+                          backend="cupy", **opts)
+    yr, rr = _ref(pn.rms_norm, x, w, b, return_rstd=True, **opts)
+    assert y.dtype == yr.dtype and rstd.dtype == rr.dtype
+    _close(y.get(), yr, dtype, scale=4)
+    _close(rstd.get(), rr, "float64" if dtype == "float64" else "float32", scale=4)
+
+
+@pytest.mark.parametrize(("xd", "rd"), [("float16", "float16"), ("float32", "float32"),
+                                        ("float16", "float32"), ("float32", "float16")])
+@pytest.mark.parametrize("d", [5, 1024, 30000])
+def test_gpu_add_forward(xd, rd, d):
+    rng = np.random.default_rng(d)
+    x, r, w = _data(rng, (6, d), xd), _data(rng, (6, d), rd), _data(rng, d, "float32")
+    y, h = pn.add_rms_norm(cupy.asarray(x), cupy.asarray(r), cupy.asarray(w), backend="cupy")
+    yr, hr = _ref(pn.add_rms_norm, x, r, w)
+    assert h.dtype == hr.dtype and y.dtype == yr.dtype
+    np.testing.assert_array_equal(h.get(), hr)
+    _close(y.get(), yr, str(yr.dtype), scale=4)
+
+
+@pytest.mark.parametrize("with_rstd", [False, True])
+@pytest.mark.parametrize("opts", [{}, {"partial": 0.5, "eps_mode": "outside", "offset": 1.0}])
+@pytest.mark.parametrize(("n", "d", "dtype"), [(7, 33, "float32"), (300, 512, "float16"),
+                                                (5, 9000, "float32"), (3, 40000, "float16"),
+                                                (4, 3000, "float64"), (3, 70000, "float64")])
+def test_gpu_backward(n, d, dtype, opts, with_rstd):
+    rng = np.random.default_rng(d)
+    x, dy, w, b = (_data(rng, (n, d), dtype), _data(rng, (n, d), dtype),
+                   _data(rng, d, "float32"), _data(rng, d, dtype))
+    g = _data(rng, (n, d), dtype)
+    rstd = _ref(pn.rms_norm, x, w, return_rstd=True, **opts)[1] if with_rstd else None
+    got = pn.rms_norm_backward(
+        cupy.asarray(dy), cupy.asarray(x), cupy.asarray(w), cupy.asarray(b),
+        rstd=None if rstd is None else cupy.asarray(rstd), grad_residual=cupy.asarray(g),
+        backend="cupy", **opts)
+    want = _ref(pn.rms_norm_backward, dy, x, w, b, rstd=rstd, grad_residual=g, **opts)
+    for a, e in zip(got, want, strict=True):
+        assert a.dtype == e.dtype
+    _close(got[0].get(), want[0], dtype, scale=8)
+    # dweight/dbias sum n rows: allow for the different summation order
+    _close(got[1].get(), want[1], "float32", scale=8 * n)
+    _close(got[2].get(), want[2], dtype, scale=8 * n)
+
+
+def test_gpu_deterministic_and_nan_isolated():
+    rng = np.random.default_rng(1)
+    x = _data(rng, (4096, 1024), "float32")
+    x[17, 5] = np.nan
+    x[18, 0] = np.inf
+    xc, w = cupy.asarray(x), cupy.asarray(_data(rng, 1024, "float32"))
+    y1 = pn.rms_norm(xc, w, backend="cupy").get()
+    y2 = pn.rms_norm(xc, w, backend="cupy").get()
+    np.testing.assert_array_equal(y1.view(np.uint32), y2.view(np.uint32))
+    assert np.isnan(y1[17]).all() and not np.isfinite(y1[18]).all()
+    assert np.isfinite(np.delete(y1, [17, 18], axis=0)).all()
+    dy = cupy.asarray(_data(rng, (4096, 1024), "float32"))
+    xf = cupy.asarray(np.nan_to_num(x))
+    d1 = pn.rms_norm_backward(dy, xf, w, backend="cupy")[1].get()
+    d2 = pn.rms_norm_backward(dy, xf, w, backend="cupy")[1].get()
+    np.testing.assert_array_equal(d1.view(np.uint32), d2.view(np.uint32))
+
+
+@pytest.mark.parametrize("scale", [1e25, 1e-30])
+def test_gpu_no_overflow_or_underflow_float32(scale):
+    rng = np.random.default_rng(2)
+    x = _data(rng, (3, 300), "float32", scale=scale)
+    y = pn.rms_norm(cupy.asarray(x), backend="cupy").get()
+    _close(y, _ref(pn.rms_norm, x.astype(np.float64)), "float32", scale=4)
+
+
+def test_gpu_strided_and_inplace():
+    rng = np.random.default_rng(3)
+    base = _data(rng, (12, 520), "float16")
+    xs = base[::-2, 3:515]  # negative row stride, unaligned start
+    y = pn.rms_norm(cupy.asarray(base)[::-2, 3:515], backend="cupy").get()
+    _close(y, _ref(pn.rms_norm, np.ascontiguousarray(xs)), "float16", scale=4)
+    xc = cupy.asarray(base)
+    want = _ref(pn.rms_norm, base)
+    out = pn.rms_norm(xc, out=xc, backend="cupy")
+    assert out is xc
+    _close(xc.get(), want, "float16", scale=4)
+
+
+torch = None
+if importlib.util.find_spec("torch") is not None:
+    import torch
+
+needs_torch_cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_available(),
+                                      reason="torch with CUDA is not available")
+
+
+@needs_torch_cuda
+@pytest.mark.parametrize("d", [4096, 65536])
+def test_gpu_torch_bfloat16_on_side_stream(d):
+    rng = np.random.default_rng(4)
+    x = _data(rng, (64, d), "bfloat16")
+    w = _data(rng, d, "float32")
+    xt = torch.from_numpy(x.astype(np.float32)).to("cuda", torch.bfloat16)
+    wt = torch.from_numpy(w).cuda()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = pn.rms_norm(xt, wt, backend="auto")
+        dx, dw, _ = pn.rms_norm_backward(torch.ones_like(xt), xt, wt)
+    s.synchronize()
+    assert y.is_cuda and y.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    yr = _ref(pn.rms_norm, x, w)
+    _close(y.float().cpu().numpy(), yr.astype(np.float32), "bfloat16", scale=2)
+    dxr, dwr, _ = _ref(pn.rms_norm_backward, np.ones_like(x), x, w)
+    _close(dx.float().cpu().numpy(), dxr.astype(np.float32), "bfloat16", scale=4)
+    _close(dw.cpu().numpy(), dwr, "float32", scale=64 * 64)
