@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import array_api_compat as aac
+import numpy as _np
 
 from . import backends as _backends
 from ._dtypes import float_dtype_name, namespace_dtype, parse_dtype
@@ -211,6 +212,147 @@ def _check_out(out: Any, x: Any, plan: Plan) -> None:
         raise TypeError(f"out must have dtype {plan.out_dtype} (the output dtype), got {got}")
 
 
+# --------------------------------------------------------------------------- numpy fast path
+# Plain numpy arrays, axis=-1, backend="auto": go straight to the numba
+# backend with a cached Plan, skipping the array-API namespace machinery
+# (~10 us of a (1, 4096) call).  Only the valid, simple case is handled here:
+# anything unusual -- another axis, a non-float dtype, a wrong shape, bad
+# options, zero tokens -- returns None and the generic path below runs, so
+# every check and every error message stays the generic path's own.
+
+_FAST_NAMES: dict[Any, str] = {}  # numpy dtype -> float dtype name
+_fast_plans: dict[tuple, Plan] = {}
+_SCALARS = (float, int)  # exact types: bool, numpy scalars etc. take the generic path
+
+
+def _fast_names() -> dict[Any, str]:
+    if not _FAST_NAMES:
+        import ml_dtypes
+
+        for name in ("float16", "float32", "float64"):
+            _FAST_NAMES[_np.dtype(name)] = name
+        _FAST_NAMES[_np.dtype(ml_dtypes.bfloat16)] = "bfloat16"
+    return _FAST_NAMES
+
+
+def _fast_module(backend: Any, axis: Any):
+    """The numba backend module if this call may take the fast path."""
+    if backend.__class__ is not str or backend != "auto" or axis.__class__ is not int or axis != -1:
+        return None
+    if not _backends.usable("numba"):
+        return None
+    return _backends._loaded["numba"]
+
+
+def _fast_plan(d, dtype, eps, partial, offset, eps_mode, casting, out_dtype) -> Plan | None:
+    if (
+        eps.__class__ not in _SCALARS or partial.__class__ not in _SCALARS
+        or offset.__class__ not in _SCALARS or eps_mode.__class__ is not str
+        or casting.__class__ is not str or not (out_dtype is None or out_dtype.__class__ is str)
+    ):
+        return None
+    key = (d, dtype, eps, partial, offset, eps_mode, casting, out_dtype)
+    plan = _fast_plans.get(key)
+    if plan is not None:
+        return plan
+    try:
+        plan = make_plan(d, dtype, eps=eps, partial=partial, offset=offset, eps_mode=eps_mode,
+                         casting=casting, out_dtype=parse_dtype("out_dtype", out_dtype))
+    except (TypeError, ValueError):
+        return None  # the generic path raises it, in its own order
+    if len(_fast_plans) < 1024:
+        _fast_plans[key] = plan
+    return plan
+
+
+def _fast_forward(mod, x, residual, weight, bias, out, return_rstd, eps, partial, offset,
+                  eps_mode, casting, out_dtype, fused):
+    """``rms_norm``/``add_rms_norm`` on numpy arrays, or None for the generic path."""
+    if type(x) is not _np.ndarray or x.ndim == 0:
+        return None
+    for a in (residual, weight, bias, out):
+        if a is not None and type(a) is not _np.ndarray:
+            return None
+    names = _FAST_NAMES or _fast_names()
+    shape = x.shape
+    d = shape[-1]
+    dtype = names.get(x.dtype)
+    if dtype is None or d == 0:
+        return None
+    if weight is not None and (weight.shape != (d,) or weight.dtype not in names):
+        return None
+    if bias is not None and (bias.shape != (d,) or bias.dtype not in names):
+        return None
+    if residual is not None:
+        rdt = names.get(residual.dtype)
+        if rdt is None or residual.shape != shape:
+            return None
+        dtype = promote(dtype, rdt)
+    plan = _fast_plan(d, dtype, eps, partial, offset, eps_mode, casting, out_dtype)
+    if plan is None:
+        return None
+    two_d = len(shape) == 2
+    if out is not None and (
+        not two_d or out.shape != shape or names.get(out.dtype) != plan.out_dtype
+    ):
+        return None
+    n = shape[0] if two_d else x.size // d
+    if n == 0:
+        return None
+    if two_d:
+        y, h, rstd = mod.forward(x, residual, weight, bias, plan, out)
+    else:
+        r2 = None if residual is None else residual.reshape(n, d)
+        y, h, rstd = mod.forward(x.reshape(n, d), r2, weight, bias, plan, None)
+        y = y.reshape(shape)
+        h = None if h is None else h.reshape(shape)
+        rstd = rstd.reshape(shape[:-1])
+    if out is not None:
+        y = out
+    if fused:
+        return (y, h, rstd) if return_rstd else (y, h)
+    return (y, rstd) if return_rstd else y
+
+
+def _fast_backward(mod, dy, x, weight, bias, rstd, grad_residual, eps, partial, offset,
+                   eps_mode, casting):
+    """``rms_norm_backward`` on numpy arrays, or None for the generic path."""
+    if type(x) is not _np.ndarray or type(dy) is not _np.ndarray or x.ndim == 0:
+        return None
+    for a in (weight, bias, rstd, grad_residual):
+        if a is not None and type(a) is not _np.ndarray:
+            return None
+    names = _FAST_NAMES or _fast_names()
+    shape = x.shape
+    d = shape[-1]
+    dtype = names.get(x.dtype)
+    if dtype is None or d == 0 or dy.shape != shape or dy.dtype not in names:
+        return None
+    if weight is not None and (weight.shape != (d,) or weight.dtype not in names):
+        return None
+    if bias is not None and (bias.shape != (d,) or bias.dtype not in names):
+        return None
+    if grad_residual is not None and (
+        grad_residual.shape != shape or grad_residual.dtype not in names
+    ):
+        return None
+    plan = _fast_plan(d, dtype, eps, partial, offset, eps_mode, casting, None)
+    if plan is None:
+        return None
+    if rstd is not None and (rstd.shape != shape[:-1] or names.get(rstd.dtype) != plan.rstd_dtype):
+        return None
+    two_d = len(shape) == 2
+    n = shape[0] if two_d else x.size // d
+    if n == 0:
+        return None
+    if two_d:
+        return mod.backward(dy, x, weight, bias, rstd, grad_residual, plan)
+    gr = None if grad_residual is None else grad_residual.reshape(n, d)
+    r1 = None if rstd is None else rstd.reshape(n)
+    dx, dw, db = mod.backward(dy.reshape(n, d), x.reshape(n, d), weight, bias, r1, gr, plan)
+    return dx.reshape(shape), dw, db
+
+
 # --------------------------------------------------------------------------- front end
 
 
@@ -387,6 +529,12 @@ def rms_norm(
     array([[ 0.84852815,  1.1313709 ],
            [ 1.        , -1.        ]], dtype=float32)
     """
+    mod = _fast_module(backend, axis)
+    if mod is not None:
+        r = _fast_forward(mod, x, None, weight, bias, out, return_rstd, eps, partial, offset,
+                          eps_mode, casting, out_dtype, False)
+        if r is not None:
+            return r
     options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
                    casting=casting, out_dtype=out_dtype, backend=backend)
     return _forward(x, None, weight, bias, out, return_rstd, options, fused=False)
@@ -433,6 +581,12 @@ def add_rms_norm(
     """
     if residual is None:
         raise TypeError("residual must be an array, got None")
+    mod = _fast_module(backend, axis)
+    if mod is not None:
+        r = _fast_forward(mod, x, residual, weight, bias, out, return_rstd, eps, partial, offset,
+                          eps_mode, casting, out_dtype, True)
+        if r is not None:
+            return r
     options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
                    casting=casting, out_dtype=out_dtype, backend=backend)
     return _forward(x, residual, weight, bias, out, return_rstd, options, fused=True)
@@ -512,6 +666,12 @@ def rms_norm_backward(
     if out is not None or return_rstd or out_dtype is not None:
         bad = "out" if out is not None else ("return_rstd" if return_rstd else "out_dtype")
         raise ValueError(f"{bad} is not used by rms_norm_backward; leave it at its default")
+    mod = _fast_module(backend, axis)
+    if mod is not None:
+        r = _fast_backward(mod, dy, x, weight, bias, rstd, grad_residual, eps, partial, offset,
+                           eps_mode, casting)
+        if r is not None:
+            return r
     options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
                    casting=casting, out_dtype=None, backend=backend)
     call = _prepare(

@@ -75,13 +75,13 @@ _jit = njit(nogil=True)
 
 
 @_jit
-def bf16_to_f32(b):
+def _bf16_to_f32_sw(b):
     """bfloat16 bits -> float32 (exact: bfloat16 is float32's top half)."""
     return _u32_as_f32(np.uint32(b) << np.uint32(16))
 
 
 @_jit
-def f16_to_f32(b):
+def _f16_to_f32_sw(b):
     """float16 bits -> float32, exact for every pattern (F. Giesen's method)."""
     h = np.uint32(b)
     sign = (h & np.uint32(0x8000)) << np.uint32(16)
@@ -102,7 +102,7 @@ def f16_to_f32(b):
 
 
 @_jit
-def f32_to_bf16(f):
+def _f32_to_bf16_sw(f):
     """float32 -> bfloat16 bits, round to nearest even."""
     u = _f32_as_u32(f)
     nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
@@ -112,7 +112,7 @@ def f32_to_bf16(f):
 
 
 @_jit
-def f32_to_f16(f):
+def _f32_to_f16_sw(f):
     """float32 -> float16 bits, round to nearest even (F. Giesen's method)."""
     u = _f32_as_u32(f)
     sign = u & np.uint32(0x80000000)
@@ -127,6 +127,98 @@ def f32_to_f16(f):
     nrm = (u + np.uint32(((15 - 127) << 23) + 0xFFF) + odd) >> np.uint32(13)
     o = big if u >= np.uint32((127 + 16) << 23) else (sub if u < np.uint32(113 << 23) else nrm)
     return np.uint16(o | (sign >> np.uint32(16)))
+
+
+# --------------------------------------------------------------------------- fast versions
+# The same conversions written as LLVM IR on 32-bit integers (Numba widens
+# integer arithmetic to 64 bits, which keeps LLVM from vectorizing the
+# software versions above), and float16 through LLVM's own ``half`` type,
+# which becomes the F16C instructions (vcvtph2ps / vcvtps2ph, round to
+# nearest even) on x86 and native conversions on aarch64.  Where neither is
+# known to exist the software versions are used: an LLVM ``half`` conversion
+# could otherwise turn into a runtime-library call the JIT cannot resolve.
+
+
+def _hw_half() -> bool:
+    import platform
+
+    from llvmlite import binding
+
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine in ("x86_64", "amd64"):
+        try:
+            return bool(binding.get_host_cpu_features().get("f16c", False))
+        except Exception:  # pragma: no cover - feature query unsupported
+            return False
+    return False  # pragma: no cover
+
+
+HW_HALF = _hw_half()
+_I16, _I32 = ir.IntType(16), ir.IntType(32)
+
+
+def _as_i16(builder, v, ty):
+    return builder.trunc(v, _I16) if ty.bitwidth > 16 else v
+
+
+@intrinsic
+def _bf16_to_f32_ir(typingctx, b):
+    if not isinstance(b, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        u = builder.zext(_as_i16(builder, args[0], b), _I32)
+        return builder.bitcast(builder.shl(u, ir.Constant(_I32, 16)), ir.FloatType())
+
+    return types.float32(b), codegen
+
+
+@intrinsic
+def _f32_to_bf16_ir(typingctx, f):
+    if f != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        c = lambda v: ir.Constant(_I32, v)  # noqa: E731
+        u = builder.bitcast(args[0], _I32)
+        lsb = builder.and_(builder.lshr(u, c(16)), c(1))
+        r = builder.lshr(builder.add(builder.add(u, c(0x7FFF)), lsb), c(16))
+        nan = builder.icmp_unsigned(">", builder.and_(u, c(0x7FFFFFFF)), c(0x7F800000))
+        q = builder.or_(builder.lshr(u, c(16)), c(0x40))
+        return builder.trunc(builder.select(nan, q, r), _I16)
+
+    return types.uint16(f), codegen
+
+
+@intrinsic
+def _f16_to_f32_hw(typingctx, b):
+    if not isinstance(b, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = builder.bitcast(_as_i16(builder, args[0], b), ir.HalfType())
+        return builder.fpext(h, ir.FloatType())
+
+    return types.float32(b), codegen
+
+
+@intrinsic
+def _f32_to_f16_hw(typingctx, f):
+    if f != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), _I16)
+
+    return types.uint16(f), codegen
+
+
+bf16_to_f32 = _bf16_to_f32_ir
+f32_to_bf16 = _f32_to_bf16_ir
+f16_to_f32 = _f16_to_f32_hw if HW_HALF else _f16_to_f32_sw
+f32_to_f16 = _f32_to_f16_hw if HW_HALF else _f32_to_f16_sw
 
 
 @_jit

@@ -77,41 +77,56 @@ def _np_dtype(dtype_name: str) -> np.dtype:
 
 _DUMMY2 = np.zeros((1, 1), np.float32)
 _DUMMY1 = np.zeros(1, np.float32)
+_U16 = np.dtype(np.uint16)
 
 
-def _is_bf16(a: np.ndarray) -> bool:
-    return a.dtype.itemsize == 2 and a.dtype != np.float16
+def _kview(a: np.ndarray) -> np.ndarray:
+    """What the kernels take: ``uint16`` bits for the 16-bit floats, else ``a`` itself."""
+    return a.view(_U16) if a.dtype.itemsize == 2 else a
 
 
-def _view16(a: np.ndarray) -> np.ndarray:
-    return a.view(np.uint16) if a.dtype.itemsize == 2 else a
+def _bf(a: np.ndarray) -> bool:
+    # among the four float dtypes only ml_dtypes' bfloat16 is not of kind "f"
+    return a.dtype.kind == "V"
 
 
 def _parallel(n: int, d: int) -> bool:
-    if n < 2 or n * d < SERIAL_MAX_ELEMENTS:
-        return False
-    import numba
-
-    return numba.get_num_threads() > 1
+    # by size only: the thread count must never change which code runs
+    return n >= 2 and n * d >= SERIAL_MAX_ELEMENTS
 
 
-def _base_flags(plan: Plan, weight: np.ndarray | None) -> int:
+_plan_info: dict[int, tuple] = {}
+
+
+def _info(plan: Plan) -> tuple:
+    """``(flags, y dtype, h dtype, rstd dtype, plan)`` for a plan; cached.
+
+    Keyed by ``id(plan)`` (hashing a Plan hashes all its fields, ~0.15 us);
+    the entry keeps the plan alive and is checked to be the same object.
+    """
+    info = _plan_info.get(id(plan))
+    if info is None or info[4] is not plan:
+        K = _k()
+        flags = (K.EPS_INSIDE if plan.eps_inside else 0) | (K.LLAMA if plan.llama else 0)
+        info = (flags, _np_dtype(plan.out_dtype), _np_dtype(plan.x_dtype),
+                _np_dtype(plan.compute_dtype), plan)
+        if len(_plan_info) >= 4096:
+            _plan_info.clear()
+        _plan_info[id(plan)] = info
+    return info
+
+
+def _llama_codes(plan: Plan, weight: np.ndarray | None) -> int:
+    """Rounding formats of llama casting: xhat to x's dtype, g to weight's, product to both's."""
+    from .._options import promote
+
     K = _k()
-    flags = K.EPS_INSIDE if plan.eps_inside else 0
-    if plan.llama:
-        wcode = _CODE[_dtype_name(weight)] if weight is not None else 3
-        from .._options import promote
-
-        pcode = _CODE[promote(plan.x_dtype, _dtype_name(weight))] if weight is not None else 3
-        flags |= K.LLAMA
-        flags |= _CODE[plan.x_dtype] << K.XCODE_SHIFT
-        flags |= wcode << K.WCODE_SHIFT
-        flags |= pcode << K.PCODE_SHIFT
+    flags = _CODE[plan.x_dtype] << K.XCODE_SHIFT
+    if weight is not None:
+        wname = "bfloat16" if _bf(weight) else weight.dtype.name
+        flags |= _CODE[wname] << K.WCODE_SHIFT
+        flags |= _CODE[promote(plan.x_dtype, wname)] << K.PCODE_SHIFT
     return flags
-
-
-def _dtype_name(a: np.ndarray) -> str:
-    return "bfloat16" if _is_bf16(a) else a.dtype.name
 
 
 def forward(x, residual, weight, bias, plan: Plan, out=None):
@@ -121,44 +136,47 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     itself) receives ``y`` in place; then no token-sized array is allocated
     besides ``h`` for the fused add.
     """
-    K = _k()
+    K = _kernels or _k()
     like = x
-    x = _interop.to_numpy(x)
+    to_numpy = _interop.to_numpy
+    x = to_numpy(x)
     n, d = x.shape
-    flags = _base_flags(plan, _interop.to_numpy(weight))
-    y = _interop.to_numpy(out) if out is not None else np.empty((n, d), _np_dtype(plan.out_dtype))
-    rstd = np.empty(n, _np_dtype(plan.compute_dtype))
+    flags, y_dt, h_dt, r_dt, _ = _info(plan)
+    y = np.empty((n, d), y_dt) if out is None else to_numpy(out)
+    rstd = np.empty(n, r_dt)
+    if plan.llama:
+        flags |= _llama_codes(plan, None if weight is None else to_numpy(weight))
     h = None
-    r = _DUMMY2
-    hk = _DUMMY2
+    r = hk = _DUMMY2
     if residual is not None:
-        rn = _interop.to_numpy(residual)
-        h = np.empty((n, d), _np_dtype(plan.x_dtype))
-        flags |= K.HAS_R | (K.BF_R if _is_bf16(rn) else 0) | (K.BF_H if _is_bf16(h) else 0)
-        r = _view16(rn)
-        hk = _view16(h)
+        rn = to_numpy(residual)
+        h = np.empty((n, d), h_dt)
+        flags |= K.HAS_R | (K.BF_R if _bf(rn) else 0) | (K.BF_H if _bf(h) else 0)
+        r = _kview(rn)
+        hk = _kview(h)
     w = _DUMMY1
     if weight is not None:
-        wn = _interop.to_numpy(weight)
-        flags |= K.HAS_W | (K.BF_W if _is_bf16(wn) else 0)
-        w = _view16(wn)
+        w = to_numpy(weight)
+        flags |= K.HAS_W | (K.BF_W if _bf(w) else 0)
+        w = _kview(w)
     b = _DUMMY1
     if bias is not None:
-        bn = _interop.to_numpy(bias)
-        flags |= K.HAS_B | (K.BF_B if _is_bf16(bn) else 0)
-        b = _view16(bn)
-    if _is_bf16(x):
+        b = to_numpy(bias)
+        flags |= K.HAS_B | (K.BF_B if _bf(b) else 0)
+        b = _kview(b)
+    if _bf(x):
         flags |= K.BF_X
-    if _is_bf16(y):
+    if _bf(y):
         flags |= K.BF_Y
-    args = (_view16(x), r, w, b, _view16(y), hk, rstd, flags, plan.k, plan.eps, plan.offset)
-    if _parallel(n, d):
+    args = (_kview(x), r, w, b, _kview(y), hk, rstd, flags, plan.k, plan.eps, plan.offset)
+    if n >= 2 and n * d >= SERIAL_MAX_ELEMENTS:
         with _launch_lock:
             K.forward_parallel(*args)
     else:
         K.forward_serial(*args)
-    y_out = out if out is not None else _interop.from_numpy(y, like)
-    return y_out, _interop.from_numpy(h, like), _interop.from_numpy(rstd, like)
+    from_numpy = _interop.from_numpy
+    return (out if out is not None else from_numpy(y, like),
+            None if h is None else from_numpy(h, like), from_numpy(rstd, like))
 
 
 def _blocks(n: int, d: int) -> tuple[int, int]:
@@ -169,42 +187,46 @@ def _blocks(n: int, d: int) -> tuple[int, int]:
 
 
 def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
-    """Hand-written backward on 2-D rows (formula in :mod:`polynorm._options`)."""
-    K = _k()
+    """Hand-written backward on 2-D rows (formula in :mod:`polynorm._options`).
+
+    ``dweight``/``dbias`` are summed per block of rows (the blocks depend on
+    ``(n, d)`` only) into float64 partials, then over the blocks in order:
+    the bits do not depend on the thread count.
+    """
+    K = _kernels or _k()
     like = x
-    xn = _interop.to_numpy(x)
-    dyn = _interop.to_numpy(dy)
+    to_numpy = _interop.to_numpy
+    xn = to_numpy(x)
+    dyn = to_numpy(dy)
     n, d = xn.shape
-    flags = _base_flags(plan, None) & ~K.LLAMA  # casting does not change the backward
-    if _is_bf16(xn):
-        flags |= K.BF_X
-    if _is_bf16(dyn):
-        flags |= K.BF_Y
+    # casting does not change the backward: no llama bit
+    flags = _info(plan)[0] & ~K.LLAMA
+    flags |= (K.BF_X if _bf(xn) else 0) | (K.BF_Y if _bf(dyn) else 0)
     w = _DUMMY1
     wn = None
     if weight is not None:
-        wn = _interop.to_numpy(weight)
-        flags |= K.HAS_W | (K.BF_W if _is_bf16(wn) else 0)
-        w = _view16(wn)
+        wn = to_numpy(weight)
+        flags |= K.HAS_W | (K.BF_W if _bf(wn) else 0)
+        w = _kview(wn)
     bn = None
     if bias is not None:
-        bn = _interop.to_numpy(bias)
-        flags |= K.HAS_B | (K.BF_B if _is_bf16(bn) else 0)
+        bn = to_numpy(bias)
+        flags |= K.HAS_B | (K.BF_B if _bf(bn) else 0)
     rs = _DUMMY1
     if rstd is not None:
-        rs = _interop.to_numpy(rstd)
+        rs = to_numpy(rstd)
         flags |= K.HAS_RSTD
     gr = _DUMMY2
     if grad_residual is not None:
-        grn = _interop.to_numpy(grad_residual)
-        flags |= K.HAS_GR | (K.BF_H if _is_bf16(grn) else 0)
-        gr = _view16(grn)
+        grn = to_numpy(grad_residual)
+        flags |= K.HAS_GR | (K.BF_H if _bf(grn) else 0)
+        gr = _kview(grn)
     dx = np.empty((n, d), xn.dtype)
     rows, nblk = _blocks(n, d)
     need_part = weight is not None or bias is not None
     part = np.zeros((nblk, 2 * d)) if need_part else np.empty((nblk, 0))
     par = _parallel(n, d)
-    args = (_view16(dyn), _view16(xn), w, rs, gr, _view16(dx), part, rows, flags,
+    args = (_kview(dyn), _kview(xn), w, rs, gr, _kview(dx), part, rows, flags,
             plan.k, plan.eps, plan.offset)
     if par and nblk > 1:
         with _launch_lock:
@@ -215,12 +237,13 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     if need_part:
         dw = np.empty(d, wn.dtype) if wn is not None else None
         db = np.empty(d, bn.dtype) if bn is not None else None
-        rargs = (part, _DUMMY1 if dw is None else _view16(dw),
-                 _DUMMY1 if db is None else _view16(db), flags)
+        rargs = (part, _DUMMY1 if dw is None else _kview(dw),
+                 _DUMMY1 if db is None else _kview(db), flags)
         if par and d >= 4096:
             with _launch_lock:
                 K.reduce_parallel(*rargs)
         else:
             K.reduce_serial(*rargs)
-    return (_interop.from_numpy(dx, like), _interop.from_numpy(dw, like),
-            _interop.from_numpy(db, like))
+    from_numpy = _interop.from_numpy
+    return (from_numpy(dx, like), None if dw is None else from_numpy(dw, like),
+            None if db is None else from_numpy(db, like))
