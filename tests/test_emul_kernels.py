@@ -84,7 +84,7 @@ def _rs(a) -> np.int64:
 # ----------------------------------------------------------------------------- the cupy backend, on numpy
 
 
-def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=cl.DEFAULT_SMEM):
+def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=cl.DEFAULT_SMEM, out=None):
     """``polynorm.backends.cupy.forward`` with numpy buffers for device memory.
 
     Returns ``(y, h, rstd, launch)``, or ``None`` where the backend has no
@@ -99,7 +99,8 @@ def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=c
     wk = _cast_keep(weight, types.weight)
     bk = _cast_keep(bias, ct)
     n, d = xk.shape
-    yc = _garbage((n, d), types.out)
+    direct = out is not None and types.out == plan.out_dtype  # the backend writes into out=
+    yc = out if direct else _garbage((n, d), types.out)
     hc = _garbage((n, d), types.h) if rk is not None else None
     rstd = _garbage((n,), ct)
     launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out,
@@ -320,6 +321,47 @@ def test_emul_forward_deterministic_across_workers():
         module("bfloat16").launch(launch.name, launch.grid, launch.block, args, launch.shared, workers=workers)
         outs.append(y.view(np.uint16).copy())
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_emul_largest_hidden_size(dtype):
+    """d = 262,144 (the issue's largest): one row per block, stash at the shared-memory limit."""
+    rng = np.random.default_rng(10)
+    d = 262144
+    x = _data(rng, 1, d, dtype)
+    w = _data(rng, 1, d, dtype)[0]
+    launch = _check_forward(x, None, w, None, _plan(d, dtype))
+    assert launch.big and 0 < launch.shared <= cl.DEFAULT_SMEM
+    dy, x, w, b, rstd, g, plan = _bwd_case(rng, 2, d, dtype, dict(bias=True))
+    launch = _check_backward(dy, x, w, b, rstd, g, plan)
+    assert launch.big and 0 < launch.shared <= cl.DEFAULT_SMEM
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emul_single_misaligned_row(dtype):
+    """n == 1 takes the vector path even when the row stride would not allow it."""
+    rng = np.random.default_rng(11)
+    wide = _data(rng, 1, 1003, dtype)
+    x = wide[:, 1:1002]
+    w = _data(rng, 1, 1001, dtype)[0]
+    dy = _data(rng, 1, 1001, dtype)
+    for big in (False, True):
+        _check_forward(x, None, w, None, _plan(1001, dtype), force_big=big)
+        _check_backward(dy, x, w, None, None, None, _plan(1001, dtype), force_big=big)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d,force_big,max_smem", [(67, False, 0), (3001, True, cl.DEFAULT_SMEM), (3001, True, 0)])
+def test_emul_forward_in_place(dtype, d, force_big, max_smem):
+    """out= x (the front end allows it): y overwrites x, with and without the row stash."""
+    rng = np.random.default_rng(12)
+    x = _data(rng, 5, d, dtype)
+    w = _data(rng, 1, d, dtype)[0]
+    plan = _plan(d, dtype)
+    ry, _, rr = reference.forward(x.copy(), None, w, None, plan)
+    y, _, rstd, _ = emul_forward(x, None, w, None, plan, force_big=force_big, max_smem=max_smem, out=x)
+    assert y is x
+    assert_close(x, ry, dtype, "y written over x")
 
 
 # ----------------------------------------------------------------------------- backward
