@@ -159,6 +159,12 @@ __device__ __forceinline__ bool pn_vec_ok(const T* p, long long s, long long n, 
     return a % al == 0 && (n == 1 || s % VEC == 0);
 }
 
+// The last chunk c = tr + m*tpr < body of a thread (-1 when it has none): loops
+// `for (c = pn_last_chunk(..); c >= 0; c -= tpr)` visit its chunks in descending order.
+__device__ __forceinline__ int pn_last_chunk(int tr, int tpr, int body) {
+    return body > tr ? tr + ((body - 1 - tr) / tpr) * tpr : -1;
+}
+
 // ---------------------------------------------------------------- row reductions
 // Sum / NaN-propagating max over the `tpr` threads of a row (tpr a power of
 // two >= 1; rows are aligned groups of tpr threads).  Every thread of the block
@@ -525,7 +531,9 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
                                                        has_b ? b[j] : (CT)0, off, llama != 0));
         }
     }
-    for (int c = tr; c < L.body; c += tpr) {
+    // descending: the chunks that were not stashed (read last in pass 1) are
+    // re-read first, while they are most likely still in L2
+    for (int c = pn_last_chunk(tr, tpr, L.body); c >= 0; c -= tpr) {
         const int j = L.head + c * VEC;
         CT v[VEC];
         if (c < stash) pn_ld<VEC>(st + (long long)c * VEC, true, v);
@@ -968,7 +976,8 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
                 if (pb) pb[j] += dye[s];
             }
         }
-        for (int c = tr; c < L.body; c += tpr) {
+        // descending, as in pn_fwd_big: re-read the un-stashed chunks while in L2
+        for (int c = pn_last_chunk(tr, tpr, L.body); c >= 0; c -= tpr) {
             const int j = L.head + c * VEC;
             CT v[VEC], dv[VEC], wv[VEC], t[VEC], o[VEC];
             if (c < stash) {

@@ -50,7 +50,10 @@ ROW_BLOCK = 256  # target threads per block when several rows share one
 #: dweight/dbias partial rows to write and reduce
 BWD_THREADS_PER_SM = 512
 DEFAULT_SMS = 132  # H100/H200 SXM; the backend passes the real count
-DEFAULT_SMEM = 227 * 1024  # opt-in dynamic shared memory per block, sm_90
+DEFAULT_SMEM = 227 * 1024  # opt-in shared memory per block, sm_90
+#: static shared memory of the *_big kernels (red[32] doubles) plus slack: the
+#: opt-in limit covers static + dynamic
+STATIC_SMEM = 1024
 
 
 def _options(h: str) -> tuple[str, ...]:
@@ -259,7 +262,7 @@ def forward_launch(
     h = promote(x, res)
     chunks = d // vec
     per_chunk = vec * ITEMSIZE[h]
-    stash = max(0, min(chunks, max_smem // per_chunk))
+    stash = max(0, min(chunks, (max_smem - STATIC_SMEM) // per_chunk))
     block = BIG_THREADS if chunks >= BIG_THREADS else max(32, _pow2ceil(chunks))
     return Launch(fwd_name(x, res, weight, out, None), grid=n, block=block,
                   shared=stash * per_chunk, tpr=block, big=True, stash=stash)
@@ -304,7 +307,7 @@ def backward_launch(
     chunks = d // vec
     per_chunk = vec * (ITEMSIZE[x] + ITEMSIZE[dy])
     # the dy stash starts at the next 16-byte boundary after the x stash
-    stash = max(0, min(chunks, (max_smem - 16) // per_chunk))
+    stash = max(0, min(chunks, (max_smem - STATIC_SMEM - 16) // per_chunk))
     shared = -(-stash * vec * ITEMSIZE[x] // 16) * 16 + stash * vec * ITEMSIZE[dy]
     block = BIG_THREADS if chunks >= BIG_THREADS else max(32, _pow2ceil(chunks))
     grid = max(1, min(n, num_sms))

@@ -65,8 +65,13 @@ def _kernel(launch: cl.Launch):
     kern = _kernels.get(key)
     if kern is None:
         options = (*cl.NVRTC_OPTIONS, *(f"-I{d}" for d in cl.include_dirs()))
-        mod = cupy.RawModule(code=cl.source(), options=options, name_expressions=[launch.name])
-        kern = mod.get_function(launch.name)
+        try:
+            mod = cupy.RawModule(code=cl.source(), options=options, name_expressions=[launch.name])
+            kern = mod.get_function(launch.name)
+        except cupy.cuda.compiler.CompileException as exc:
+            hint = "" if cl.include_dirs() else (
+                " (cuda_fp16.h/cuda_bf16.h not found: pip install nvidia-cuda-runtime-cu12)")
+            raise RuntimeError(f"polynorm: compiling {launch.name} failed{hint}: {exc}") from exc
         _kernels[key] = kern
     if launch.shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < launch.shared:
         kern.max_dynamic_shared_size_bytes = launch.shared
