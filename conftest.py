@@ -1,0 +1,24 @@
+"""Collection rules for the whole tree (the doctest run covers polynorm/).
+
+Modules for optional array libraries cannot even be imported without them;
+their doctests are left out when the library is absent (their tests in
+tests/ skip themselves).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except (ImportError, ValueError):  # e.g. sys.modules[module] is None
+        return True
+
+
+collect_ignore = [
+    path
+    for module, path in (("jax", "polynorm/jax.py"), ("torch", "polynorm/torch.py"))
+    if _missing(module)
+]

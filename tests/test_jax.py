@@ -1,0 +1,141 @@
+"""jax: zero-copy host views, dispatch, and custom_vjp checked with check_grads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+from jax.test_util import check_grads  # noqa: E402
+
+import polynorm as pn  # noqa: E402
+from polynorm import _api, _interop  # noqa: E402
+from polynorm.jax import add_rms_norm, rms_norm  # noqa: E402
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+BEST = "numba" if pn.backends()["numba"][0] else "array_api"
+
+
+def _rand(shape, dtype="float64", seed=0):
+    a = np.random.default_rng(seed).standard_normal(shape)
+    return jnp.asarray(a).astype(getattr(jnp, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_host_views_are_zero_copy(dtype):
+    x = _rand((5, 8), dtype)
+    assert _interop.is_host_array(x)
+    v = _interop.to_numpy(x)
+    assert v.dtype.name == dtype
+    assert v.ctypes.data == x.unsafe_buffer_pointer()
+    # results allocated aligned come back to jax without a copy (bfloat16 takes a bit-cast)
+    a = _interop.empty((4, 8), v.dtype)
+    a[...] = 1
+    j = _interop.from_numpy(a, x)
+    assert j.dtype == x.dtype
+    if dtype != "bfloat16":
+        assert j.unsafe_buffer_pointer() == a.ctypes.data
+    np.testing.assert_array_equal(np.asarray(j, dtype=np.float64), 1.0)
+
+
+def test_tracers_are_not_host_arrays():
+    seen = []
+    jax.jit(lambda x: seen.append(_interop.is_host_array(x)) or x)(jnp.ones(3))
+    assert seen == [False]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eager_dispatch_bitwise_equals_numpy(dtype):
+    x = _rand((7, 40), dtype)
+    r = _rand((7, 40), dtype, seed=1)
+    w = _rand((40,), "float32", seed=2)
+    assert _api._choose_backend("auto", x).name == BEST
+    y, h, rstd = pn.add_rms_norm(x, r, w, partial=0.5, return_rstd=True)
+    assert isinstance(y, jax.Array) and y.dtype == x.dtype and h.dtype == x.dtype
+    yn, hn, rstdn = pn.add_rms_norm(*(np.asarray(a) for a in (x, r, w)), partial=0.5,
+                                    return_rstd=True)
+    for got, want in ((y, yn), (h, hn), (rstd, rstdn)):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+
+
+def test_jit_takes_the_reference_path_and_agrees():
+    x = _rand((6, 32), "float32")
+    w = _rand((32,), "float32", seed=1)
+    f = jax.jit(lambda x, w: pn.rms_norm(x, w, eps_mode="outside", partial=0.25))
+    np.testing.assert_allclose(
+        np.asarray(f(x, w)),
+        np.asarray(pn.rms_norm(x, w, eps_mode="outside", partial=0.25)), rtol=2e-6, atol=2e-6,
+    )
+
+
+OPTION_SETS = {
+    "plain": dict(),
+    "no-weight": dict(weight=False),
+    "bias": dict(bias=True),
+    "partial": dict(partial=0.5),
+    "offset": dict(offset=1.0),
+    "outside": dict(eps_mode="outside", eps=1e-3),
+    "llama": dict(casting="llama"),
+    "axis-tuple": dict(axis=(1, 2)),
+    "axis-middle": dict(axis=1),
+    "all": dict(bias=True, partial=0.75, offset=0.5, eps_mode="outside", eps=1e-2),
+}
+
+
+def _args(opts, shape=(3, 4, 6)):
+    opts = dict(opts)
+    axis = opts.pop("axis", -1)
+    axes = (axis,) if isinstance(axis, int) else axis
+    ns = tuple(shape[a] for a in axes)
+    x = _rand(shape)
+    w = 1 + 0.3 * _rand(ns, seed=1) if opts.pop("weight", True) else None
+    b = _rand(ns, seed=2) if opts.pop("bias", False) else None
+    return x, w, b, dict(opts, axis=axis)
+
+
+@pytest.mark.parametrize("name", list(OPTION_SETS))
+def test_check_grads_rms_norm(name):
+    x, w, b, opts = _args(OPTION_SETS[name])
+    check_grads(lambda x, w, b: rms_norm(x, w, b, **opts), (x, w, b), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("name", ["plain", "bias", "partial", "outside"])
+def test_check_grads_add_rms_norm(name):
+    x, w, b, opts = _args(OPTION_SETS[name])
+    r = _rand(x.shape, seed=5)
+    check_grads(lambda x, r, w, b: add_rms_norm(x, r, w, b, **opts), (x, r, w, b), order=1,
+                modes=["rev"])
+
+
+def test_check_grads_under_jit():
+    x, w, b, opts = _args(OPTION_SETS["all"])
+    check_grads(jax.jit(lambda x, w, b: rms_norm(x, w, b, **opts)), (x, w, b), order=1,
+                modes=["rev"])
+
+
+def test_grad_dtypes_follow_the_inputs():
+    x = _rand((4, 16), "bfloat16")
+    r = _rand((4, 16), "float32", seed=1)
+    w = _rand((16,), "float32", seed=2)
+
+    def loss(x, r, w):
+        y, h = add_rms_norm(x, r, w)
+        return y.astype(jnp.float32).sum() + h.sum()
+
+    gx, gr, gw = jax.grad(loss, argnums=(0, 1, 2))(x, r, w)
+    assert (gx.dtype, gr.dtype, gw.dtype) == (jnp.bfloat16, jnp.float32, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(gr.astype(jnp.bfloat16)))
+
+
+def test_vjp_is_the_hand_written_backward():
+    x = _rand((5, 12), "float32")
+    w = _rand((12,), "float32", seed=1)
+    dy = _rand((5, 12), "float32", seed=2)
+    _, vjp = jax.vjp(lambda x, w: rms_norm(x, w), x, w)
+    dx, dw = vjp(dy)
+    dxn, dwn, _ = pn.rms_norm_backward(*(np.asarray(a) for a in (dy, x, w)))
+    np.testing.assert_array_equal(np.asarray(dx), dxn)
+    np.testing.assert_array_equal(np.asarray(dw), dwn)
