@@ -58,8 +58,12 @@ def module(family: str):
     return compile_source(cl.SOURCE_PATH, names)
 
 
+#: how the emulator runs blocks (changed only by the schedule test)
+_RUN: dict = {"schedule": 0, "workers": None}
+
+
 def _launch(launch: cl.Launch, args: tuple, family: str) -> None:
-    module(family).launch(launch.name, launch.grid, launch.block, args, launch.shared)
+    module(family).launch(launch.name, launch.grid, launch.block, args, launch.shared, **_RUN)
 
 
 def _garbage(shape, dtype: str) -> np.ndarray:
@@ -446,6 +450,38 @@ def test_emul_backward_persistent_grid_and_stash(dtype):
     for max_smem in (cl.DEFAULT_SMEM, 50 * vec * 8 + 16, 0):
         launch = _check_backward(dy, x, w, b, rstd, g, plan, force_big=True, max_smem=max_smem, num_sms=3)
         assert launch.big and launch.grid == 3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_emul_same_bits_for_every_schedule_and_worker_count(dtype):
+    """No races, no order dependence: the threads of a block taking turns in
+    another order (reversed, shuffled) and blocks spread over other numbers of
+    OS threads give bit-identical y, h, rstd, dx, dweight, dbias."""
+    rng = np.random.default_rng(13)
+
+    def run_all():
+        outs = []
+        for d, big in ((31, False), (3001, True)):
+            x, res, w, b, plan = _option_case(rng_fixed(d), 37 if d < 100 else 3, d, dtype,
+                                              dict(residual=True, bias=True, partial=0.5))  # fmt: skip
+            y, h, r, _ = emul_forward(x, res, w, b, plan, force_big=big, max_smem=d * 2)
+            dy, x2, w2, b2, _, g, plan2 = _bwd_case(rng_fixed(d + 1), 37 if d < 100 else 3, d, dtype,
+                                                    dict(bias=True, grad_residual=True))  # fmt: skip
+            dx, dw, db, _ = emul_backward(dy, x2, w2, b2, None, g, plan2, force_big=big, max_smem=d * 4, num_sms=2)
+            outs += [a.view(np.uint8).copy() for a in (y, h, r, dx, dw, db)]
+        return outs
+
+    def rng_fixed(seed):
+        return np.random.default_rng(seed)
+
+    base = run_all()
+    try:
+        for schedule, workers in ((1, 1), (int(rng.integers(2, 1000)), 3), (0, 2)):
+            _RUN.update(schedule=schedule, workers=workers)
+            for a, b in zip(run_all(), base, strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=f"schedule={schedule} workers={workers}")
+    finally:
+        _RUN.update(schedule=0, workers=None)
 
 
 # ----------------------------------------------------------------------------- backward: finite differences

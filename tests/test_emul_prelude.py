@@ -13,8 +13,11 @@ EmulatorUnavailable -- CI machines have g++, so nothing here is skipped.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from fractions import Fraction
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -221,6 +224,12 @@ __global__ void bad_exit_while_awaited(int* out) {
   out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 1);
 }
 __global__ void bad_oob_write(float* out, int n) { out[n + threadIdx.x] = 1.0f; }
+__global__ void bad_far_read(const float* x, float* out) { out[threadIdx.x] = x[threadIdx.x + (1 << 22)]; }
+__global__ void bad_race(const int* in, int* out) {  // no __syncthreads between the write and the read
+  __shared__ int buf[64];
+  buf[threadIdx.x] = in[threadIdx.x];
+  out[threadIdx.x] = buf[(threadIdx.x + 1) % 64];
+}
 __global__ void bad_write_const(const float* x) { const_cast<float*>(x)[threadIdx.x] = 0.0f; }
 """
 
@@ -233,7 +242,7 @@ KERNELS = [
     "inplace",
     "bad_divergent_barrier", "bad_deadlock", "bad_mask_excludes_caller", "bad_partial_warp_full_mask",
     "bad_mixed_intrinsics", "bad_read_outside_mask", "bad_exit_while_awaited", "bad_oob_write",
-    "bad_write_const",
+    "bad_write_const", "bad_far_read", "bad_race",
 ]  # fmt: skip
 
 
@@ -636,6 +645,43 @@ def test_emul_argument_packing_follows_cupy(mod):
         mod.launch("inplace", 1, 8, (x,))
     with pytest.raises(KeyError):
         mod.launch("no_such_kernel", 1, 8, (x,))
+
+
+def test_emul_schedules_expose_races(mod):
+    """Threads take turns in thread order, reversed, or shuffled: a race-free kernel
+    gives the same bits under every schedule, a missing __syncthreads does not."""
+    x = np.random.default_rng(0).integers(0, 1 << 30, (3, 96)).astype(np.int32)
+    outs = []
+    for schedule in (0, 1, 2, 3):
+        out = np.zeros_like(x)
+        mod.launch("rotate<96>", 3, 96, (x, out, np.int32(5)), schedule=schedule)
+        outs.append(out)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+    v = np.arange(64, dtype=np.int32)
+    racy = []
+    for schedule in (0, 1):
+        out = np.zeros(64, np.int32)
+        mod.launch("bad_race", 1, 64, (v, out), schedule=schedule)
+        racy.append(out)
+    assert not np.array_equal(racy[0], racy[1])
+    assert (racy[0][:63] == -1).all()  # read before written: the poison (all-ones bytes)
+
+
+def test_emul_segfault_names_the_thread():
+    """A read far outside every argument hits a guard page: the process dies (as a
+    GPU launch would fail), after saying which block and thread faulted."""
+    code = (
+        "import numpy as np, test_emul_prelude as T\n"
+        "from emulator import compile_source\n"
+        "m = compile_source(T.SRC, T.KERNELS)\n"
+        "x = np.zeros(16, np.float32); y = np.zeros(16, np.float32)\n"
+        "m.launch('bad_far_read', 1, 4, (x, y), workers=1)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode != 0
+    assert "cuda_emul: SIGSEGV" in proc.stderr and "block (0,0,0) thread (0,0,0)" in proc.stderr, proc.stderr
 
 
 def test_emul_missing_compiler_fails_loudly(monkeypatch):

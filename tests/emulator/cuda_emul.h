@@ -577,6 +577,7 @@ struct Block {
   // per worker, reused across blocks
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
+  std::vector<int> order;
   unsigned char* stacks = nullptr;
   size_t stack_bytes = 0;
   size_t nstacks = 0;
@@ -811,6 +812,7 @@ struct LaunchCfg {
   unsigned long long smem;   // dynamic shared memory bytes
   int workers;               // OS threads; <= 0: automatic
   unsigned stack_kib;        // per CUDA thread
+  unsigned schedule;         // fiber order: 0 thread order, 1 reversed, >= 2 a random permutation (seed)
 };
 
 inline std::mutex& launch_mutex() { static std::mutex m; return m; }
@@ -879,7 +881,7 @@ inline bool prepare_stacks(Block* b, size_t n, size_t stack_bytes) {
 }
 
 // Runs one block to completion on the calling OS thread; false on failure.
-inline bool run_block(Block* b, uint3 bid, dim3 bdim, size_t smem) {
+inline bool run_block(Block* b, uint3 bid, dim3 bdim, size_t smem, unsigned schedule) {
   const int n = static_cast<int>(bdim.x * bdim.y * bdim.z);
   blockIdx = bid;
   b->n = n;
@@ -907,8 +909,6 @@ inline bool run_block(Block* b, uint3 bid, dim3 bdim, size_t smem) {
     f.tid = uint3{static_cast<unsigned>(i % bdim.x), static_cast<unsigned>((i / bdim.x) % bdim.y),
                   static_cast<unsigned>(i / (bdim.x * bdim.y))};
     f.done = false;
-    f.next = (i + 1) % n;
-    f.prev = (i + n - 1) % n;
     unsigned char* lo = b->stacks + static_cast<size_t>(i) * (b->stack_bytes + page) + page;
 #if defined(CUDA_EMUL_USE_UCONTEXT)
     getcontext(&f.uc);
@@ -929,12 +929,32 @@ inline bool run_block(Block* b, uint3 bid, dim3 bdim, size_t smem) {
     f.sp = s;
 #endif
   }
+  // The ring of fibers, in the order the scheduler visits them.  Between two
+  // synchronisation points a thread runs alone, so results that depend on
+  // this order reveal a race (a missing __syncthreads / __syncwarp).
+  std::vector<int>& order = b->order;
+  order.resize(n);
+  for (int i = 0; i < n; ++i) order[i] = schedule == 1 ? n - 1 - i : i;
+  if (schedule >= 2) {
+    uint64_t st = 0x9E3779B97F4A7C15ull * (schedule + 1) ^ (bid.x + 1315423911ull * (bid.y + 7 * bid.z));
+    for (int i = n - 1; i > 0; --i) {  // Fisher-Yates with splitmix64
+      uint64_t z = (st += 0x9E3779B97F4A7C15ull);
+      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+      z ^= z >> 31;
+      std::swap(order[i], order[static_cast<int>(z % static_cast<uint64_t>(i + 1))]);
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    b->fibers[order[j]].next = order[(j + 1) % n];
+    b->fibers[order[j]].prev = order[(j + n - 1) % n];
+  }
   tl_block = b;
-  set_current(b, 0);
+  set_current(b, order[0]);
 #if defined(CUDA_EMUL_USE_UCONTEXT)
-  swapcontext(&b->sched_uc, &b->fibers[0].uc);
+  swapcontext(&b->sched_uc, &b->fibers[order[0]].uc);
 #else
-  switch_to(&b->sched_sp, b->fibers[0].sp);
+  switch_to(&b->sched_sp, b->fibers[order[0]].sp);
 #endif
   asm volatile("" ::: "memory");
   if (b->failed) return false;
@@ -948,6 +968,54 @@ inline bool run_block(Block* b, uint3 bid, dim3 bdim, size_t smem) {
   }
   return true;
 }
+
+// A segmentation fault in a kernel (a read or write far outside an argument:
+// the harness puts PROT_NONE pages around each one; or a fiber stack
+// overflow) says where it happened, then lets the previous handler (Python's
+// faulthandler, or the default) take over: the process still dies.
+inline struct sigaction g_old_segv, g_old_bus;
+
+inline void fault_handler(int sig, siginfo_t* si, void*) {
+  char buf[600];
+  const int len = std::snprintf(
+      buf, sizeof(buf),
+      "\ncuda_emul: %s at address %p in block (%u,%u,%u) thread (%u,%u,%u): an access outside the "
+      "memory of every kernel argument (beyond its guard area), or a fiber stack overflow (raise "
+      "stack_kib)\n",
+      sig == SIGSEGV ? "SIGSEGV" : "SIGBUS", si->si_addr, blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x,
+      threadIdx.y, threadIdx.z);
+  if (len > 0) (void)!write(2, buf, static_cast<size_t>(len));
+  sigaction(sig, sig == SIGSEGV ? &g_old_segv : &g_old_bus, nullptr);  // re-faults into it on return
+}
+
+struct FaultGuard {
+  FaultGuard() {
+    struct sigaction sa;
+    std::memset(&sa, 0, sizeof(sa));
+    sa.sa_sigaction = fault_handler;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_old_segv);
+    sigaction(SIGBUS, &sa, &g_old_bus);
+  }
+  ~FaultGuard() {
+    sigaction(SIGSEGV, &g_old_segv, nullptr);
+    sigaction(SIGBUS, &g_old_bus, nullptr);
+  }
+};
+
+// The handler must run somewhere when a fiber overflows its stack.
+struct AltStack {
+  std::vector<char> mem = std::vector<char>(256 * 1024);
+  stack_t old{};
+  AltStack() {
+    stack_t ss{};
+    ss.ss_sp = mem.data();
+    ss.ss_size = mem.size();
+    sigaltstack(&ss, &old);
+  }
+  ~AltStack() { sigaltstack(&old, nullptr); }
+};
 
 inline int launch_impl(const LaunchCfg* cfg, void (*invoke)(void*), void* ctx) {
   std::lock_guard<std::mutex> lock(launch_mutex());
@@ -983,10 +1051,12 @@ inline int launch_impl(const LaunchCfg* cfg, void (*invoke)(void*), void* ctx) {
       return 1;
     }
   }
+  FaultGuard fault_guard;
   std::atomic<unsigned long long> next{0};
   std::atomic<bool> failed{false};
   std::mutex err_mutex;
   auto work = [&](int wi) {
+    AltStack alt;
     Block* b = blocks[wi];
     blockDim = bdim;
     gridDim = grid;
@@ -996,7 +1066,7 @@ inline int launch_impl(const LaunchCfg* cfg, void (*invoke)(void*), void* ctx) {
       if (i >= nblocks) return;
       const uint3 bid{static_cast<unsigned>(i % grid.x), static_cast<unsigned>((i / grid.x) % grid.y),
                       static_cast<unsigned>(i / (1ull * grid.x * grid.y))};
-      if (!run_block(b, bid, bdim, cfg->smem)) {
+      if (!run_block(b, bid, bdim, cfg->smem, cfg->schedule)) {
         std::lock_guard<std::mutex> g(err_mutex);
         if (!failed.exchange(true)) std::snprintf(g_last_error, sizeof(g_last_error), "%s", b->err);
         return;

@@ -334,6 +334,7 @@ class _LaunchCfg(ctypes.Structure):
         ("smem", ctypes.c_ulonglong),
         ("workers", ctypes.c_int),
         ("stack_kib", ctypes.c_uint),
+        ("schedule", ctypes.c_uint),
     ]
 
 
@@ -387,7 +388,7 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _PAGE = mmap.PAGESIZE
-_CANARY = 0xCD
+_CANARY = 0xFF  # all-ones bytes: NaN in every float format, so stray reads show too
 _TAIL = 64  # at least this many canary bytes after the data, then a guard page
 
 
@@ -502,8 +503,16 @@ class Module:
         *,
         workers: int | None = None,
         stack_kib: int = 64,
+        schedule: int = 0,
     ) -> None:
         """Run ``kernel<<<grid, block, shared_mem>>>(*args)``; arrays are updated in place.
+
+        ``schedule`` is the order in which the threads of a block take turns
+        between synchronisation points: 0 thread order, 1 reversed, ``s >= 2``
+        a pseudo-random permutation seeded by ``s`` and the block index.  A
+        correct (race-free) kernel gives bit-identical results for every
+        schedule; ``workers`` (OS threads running blocks concurrently) must not
+        matter either.
 
         Raises
         ------
@@ -577,6 +586,7 @@ class Module:
             cfg.smem = int(shared_mem)
             cfg.workers = int(workers if workers is not None else default_workers())
             cfg.stack_kib = int(stack_kib)
+            cfg.schedule = int(schedule)
             rc = fn(ctypes.byref(cfg), slots)
             if rc != 0:
                 raise KernelError(f"{kernel}: {self._lib.cuda_emul_last_error().decode()}")
