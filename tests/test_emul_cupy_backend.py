@@ -1,0 +1,268 @@
+"""polynorm/backends/cupy.py itself, end to end on the CPU: a stand-in ``cupy``
+module whose arrays are numpy arrays and whose ``RawModule`` runs the
+generated kernels in the emulator (tests/emulator).
+
+test_emul_kernels.py checks the kernels launched the way the backend launches
+them; this file runs the backend's own code -- dtype decisions, exact
+pre-casts, stride and pointer arguments, output allocation, the partial-sum
+buffers and pn_colsum, the reference fallback -- so that a slip in that glue
+shows up without a GPU.  bfloat16 is not covered here (cupy has no bfloat16
+dtype; bfloat16 reaches the backend only as torch/jax arrays).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import types
+
+import numpy as np
+import pytest
+from _oracle import TOL, Tol, assert_close
+from emulator import compile_source
+
+from polynorm._options import make_plan
+from polynorm.backends import _cuda_launch as cl
+from polynorm.backends import cupy as cupy_backend
+from polynorm.backends import reference
+
+# ------------------------------------------------------------------ the stand-in cupy
+
+_POINTERS: dict[int, list[np.ndarray]] = {}
+
+
+class ndarray(np.ndarray):  # noqa: N801 - mimics cupy.ndarray
+    """A numpy array that answers ``.data.ptr`` and ``.device`` as cupy's does."""
+
+    @property
+    def data(self):  # type: ignore[override]
+        ptr = self.ctypes.data
+        _POINTERS.setdefault(ptr, []).append(self)
+        return types.SimpleNamespace(ptr=ptr)
+
+    @property
+    def device(self):  # type: ignore[override]
+        return contextlib.nullcontext()
+
+
+ndarray.__module__ = "cupy"  # what polynorm._interop dispatches on
+
+
+def _fake(a: np.ndarray) -> ndarray:
+    return a.view(ndarray)
+
+
+_CODE_DTYPE = {"f2": np.float16, "f4": np.float32, "f8": np.float64}
+
+
+@functools.cache
+def _library(family: str):
+    """The same per-family libraries as test_emul_kernels.py (shared build cache)."""
+    first = {v: k for k, v in cl.CTYPE.items()}
+
+    def fam(n: str) -> str:
+        return first[n.split("<", 1)[1].split(",")[0].strip()]
+
+    names = [n for n in cl.specialisations() if not n.startswith("pn_colsum") and fam(n) == family]
+    names += [n for n in cl.specialisations() if n.startswith("pn_colsum")]
+    return compile_source(cl.SOURCE_PATH, names)
+
+
+class _Kernel:
+    launches: list[tuple[str, int, int, int]] = []
+
+    def __init__(self, name: str):
+        self.name = name
+        self.max_dynamic_shared_size_bytes = 48 * 1024
+        first = name.split("<", 1)[1].split(",")[0].strip()
+        family = {v: k for k, v in cl.CTYPE.items()}[first]
+        self.lib = _library("float32" if name.startswith("pn_colsum") else family)
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        assert shared_mem <= max(48 * 1024, self.max_dynamic_shared_size_bytes)
+        params = self.lib.signature(self.name)
+        real = []
+        for p, a in zip(params, args, strict=True):
+            if p.pointer:
+                assert isinstance(a, np.uint64), f"{self.name}: pointers go as numpy uint64"
+                if int(a) == 0:
+                    real.append(None)
+                    continue
+                arr = _POINTERS[int(a)][-1]
+                want = _CODE_DTYPE.get(p.code)
+                real.append(np.asarray(arr).view(want) if want is not None else np.asarray(arr))
+            else:
+                real.append(a)
+        _Kernel.launches.append((self.name, grid[0], block[0], shared_mem))
+        self.lib.launch(self.name, grid, block, tuple(real), shared_mem)
+
+
+class _RawModule:
+    def __init__(self, code, options=(), name_expressions=()):
+        assert code == cl.source() and "-std=c++17" in options
+        self.names = list(name_expressions)
+
+    def get_function(self, name):
+        assert name in self.names
+        return _Kernel(name)
+
+
+def _make_fake_cupy(sms: int, smem: int) -> types.ModuleType:
+    m = types.ModuleType("cupy")
+    m.ndarray = ndarray
+    m.RawModule = _RawModule
+    m.empty = lambda shape, dtype: _fake(np.full(shape, np.nan, dtype=dtype))  # garbage-filled
+    m.zeros = lambda shape, dtype: _fake(np.zeros(shape, dtype=dtype))
+    m.ascontiguousarray = lambda a: _fake(np.ascontiguousarray(a))
+    device = types.SimpleNamespace(
+        id=0, attributes={"MultiProcessorCount": sms, "MaxSharedMemoryPerBlockOptin": smem})
+    m.cuda = types.SimpleNamespace(
+        Device=lambda *a: device,
+        runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+        compiler=types.SimpleNamespace(CompileException=RuntimeError),
+    )
+    return m
+
+
+@pytest.fixture(params=[(3, 227 * 1024), (2, 3000)], ids=["smem227k", "smem3k"])
+def fake_cupy(request, monkeypatch):
+    sms, smem = request.param
+    monkeypatch.setitem(sys.modules, "cupy", _make_fake_cupy(sms, smem))
+    monkeypatch.setattr(cupy_backend, "_kernels", {})
+    monkeypatch.setattr(cupy_backend, "_device_info", {})
+    _POINTERS.clear()
+    _Kernel.launches.clear()
+    yield
+    _POINTERS.clear()
+
+
+# ------------------------------------------------------------------ tests
+
+
+def _rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _plan(d, x_dtype, **kw):
+    o = dict(eps=1e-5, partial=1.0, offset=0.0, eps_mode="inside", casting="fp32", out_dtype=None)
+    o.update(kw)
+    return make_plan(d, x_dtype, **o)
+
+
+def _tol(dtype: str, factor: float = 4.0) -> Tol:
+    t = TOL[dtype]
+    return Tol(t.rtol * factor, t.atol * factor, t.floor)
+
+
+def test_emul_cupy_available_and_accepts(fake_cupy):
+    assert cupy_backend.available() == (True, "ok")
+    assert cupy_backend.accepts(_fake(np.zeros(3)))
+    assert not cupy_backend.accepts(np.zeros(3))
+
+
+def test_emul_cupy_unavailable_without_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    ok, why = cupy_backend.available()
+    assert not ok and "cupy is not installed" in why
+
+
+FWD = [
+    # x, residual, weight, bias, out_dtype, options
+    ("float32", None, "float32", None, None, {}),
+    ("float16", None, "float32", "float16", None, {"partial": 0.4}),
+    ("float16", None, "float16", None, "float64", {"eps_mode": "outside", "offset": 1.0}),
+    ("float64", "float64", "float64", "float64", None, {"casting": "llama"}),
+    ("float16", "float32", "float32", None, None, {}),  # mixed pair with a kernel
+    ("float32", "float16", "float16", None, None, {}),  # pair without one: cast to h first
+    ("float16", "float16", "float64", None, "float32", {}),  # weight without a kernel: cast
+    ("float16", None, "float64", None, None, {"casting": "llama"}),  # no kernel: reference
+]
+
+
+@pytest.mark.parametrize("d", [5, 300, 9000])
+@pytest.mark.parametrize("case", FWD, ids=lambda c: "-".join(str(v) for v in c[:5]))
+def test_emul_cupy_forward(fake_cupy, case, d):
+    xd, rd, wd, bd, od, opts = case
+    rng = np.random.default_rng(d)
+    n = 6
+    x = _rand(rng, (n, d), xd)
+    r = None if rd is None else _rand(rng, (n, d), rd)
+    w = None if wd is None else _rand(rng, d, wd)
+    b = None if bd is None else _rand(rng, d, bd)
+    h_dtype = xd if rd is None else np.promote_types(xd, rd).name
+    plan = _plan(d, h_dtype, out_dtype=od, **opts)
+    fx, fr, fw, fb = (None if a is None else _fake(a.copy()) for a in (x, r, w, b))
+    y, h, rstd = cupy_backend.forward(fx, fr, fw, fb, plan)
+    yr, hr, rr = reference.forward(x, r, w, b, plan)
+    assert type(y) is ndarray and y.dtype == yr.dtype and rstd.dtype == rr.dtype
+    # y is computed in the compute dtype: a wider out dtype cannot be more exact
+    ydt = max((plan.out_dtype, plan.compute_dtype), key=lambda t: TOL[t].rtol)
+    assert_close(np.asarray(y), yr, _tol(ydt))
+    assert_close(np.asarray(rstd), rr, _tol(plan.compute_dtype))
+    if r is not None:
+        assert h.dtype == hr.dtype
+        np.testing.assert_array_equal(np.asarray(h), hr)
+    # inputs untouched
+    np.testing.assert_array_equal(np.asarray(fx), x)
+    expect_kernel = cl.forward_types(xd, rd, wd, plan.out_dtype, plan.llama) is not None
+    assert bool(_Kernel.launches) == expect_kernel
+
+
+def test_emul_cupy_forward_strided_out_and_inplace(fake_cupy):
+    rng = np.random.default_rng(7)
+    base = _rand(rng, (10, 70), "float16")
+    view = base[::-2, 3:67]  # negative row stride, unaligned start
+    plan = _plan(64, "float16")
+    y, _, _ = cupy_backend.forward(_fake(base)[::-2, 3:67], None, None, None, plan)
+    assert_close(np.asarray(y), reference.forward(np.ascontiguousarray(view), None, None, None, plan)[0],
+                 _tol("float16"))
+    cols = _fake(base)[:, ::2]  # non-contiguous columns: copied
+    y2, _, _ = cupy_backend.forward(cols, None, None, None, _plan(35, "float16"))
+    assert_close(np.asarray(y2), reference.forward(base[:, ::2], None, None, None, _plan(35, "float16"))[0],
+                 _tol("float16"))
+    x = _fake(base.copy())
+    want = reference.forward(base, None, None, None, _plan(70, "float16"))[0]
+    y3, _, _ = cupy_backend.forward(x, None, None, None, _plan(70, "float16"), out=x)
+    assert y3 is x
+    assert_close(np.asarray(x), want, _tol("float16"))
+
+
+BWD = [
+    # x, dy, grad_residual, weight, bias, options, with rstd
+    ("float32", "float32", None, "float32", "float32", {}, True),
+    ("float16", "float16", "float16", "float32", None, {"partial": 0.5}, False),
+    ("float16", "float32", None, "float16", "float16", {"eps_mode": "outside"}, True),
+    ("float16", "float16", "float32", "float64", "float64", {"offset": 1.0}, False),
+    ("float64", "float64", "float64", "float64", "float32", {"eps_mode": "outside", "partial": 0.3}, False),
+    ("float32", "float16", None, None, None, {}, False),
+]
+
+
+@pytest.mark.parametrize("n,d", [(3, 7), (40, 96), (5, 9000)])
+@pytest.mark.parametrize("case", BWD, ids=lambda c: "-".join(str(v) for v in c[:5]))
+def test_emul_cupy_backward(fake_cupy, case, n, d):
+    xd, dyd, gd, wd, bd, opts, with_rstd = case
+    rng = np.random.default_rng(n * d)
+    x, dy = _rand(rng, (n, d), xd), _rand(rng, (n, d), dyd)
+    g = None if gd is None else _rand(rng, (n, d), gd)
+    w = None if wd is None else _rand(rng, d, wd)
+    b = None if bd is None else _rand(rng, d, bd)
+    plan = _plan(d, xd, **opts)
+    rstd = reference.forward(x, None, w, None, plan)[2] if with_rstd else None
+    got = cupy_backend.backward(*(None if a is None else _fake(a.copy()) for a in (dy, x, w, b, rstd, g)),
+                                plan)
+    want = reference.backward(dy, x, w, b, rstd, g, plan)
+    for a, e in zip(got, want, strict=True):
+        if e is None:
+            assert a is None
+            continue
+        assert a.dtype == e.dtype
+        # the looser of the result dtype and the compute dtype; dweight/dbias
+        # add n rows in another order than numpy's pairwise sum
+        tdt = max((e.dtype.name, plan.compute_dtype), key=lambda t: TOL[t].rtol)
+        tol = _tol(tdt, 4.0 * (n if a.ndim == 1 else 1))
+        assert_close(np.asarray(a).astype(np.float64), np.asarray(e).astype(np.float64), tol)
+    names = [name for name, *_ in _Kernel.launches]
+    assert any(nm.startswith("pn_bwd") for nm in names)
+    assert sum(nm.startswith("pn_colsum") for nm in names) == (w is not None) + (b is not None)
