@@ -17,6 +17,7 @@ import functools
 import sys
 import types
 
+import ml_dtypes
 import numpy as np
 import pytest
 from _oracle import TOL, Tol, assert_close
@@ -53,7 +54,7 @@ def _fake(a: np.ndarray) -> ndarray:
     return a.view(ndarray)
 
 
-_CODE_DTYPE = {"f2": np.float16, "f4": np.float32, "f8": np.float64}
+_CODE_DTYPE = {"f2": np.float16, "f4": np.float32, "f8": np.float64, "bf16": ml_dtypes.bfloat16}
 
 
 @functools.cache
@@ -108,13 +109,21 @@ class _RawModule:
         return _Kernel(name)
 
 
+def _garbage(shape, dtype) -> ndarray:
+    """cupy.empty: all-ones bytes (NaN in every float format), so unwritten output shows."""
+    a = np.empty(shape, dtype=dtype)
+    a.view(np.uint8)[...] = 0xFF
+    return _fake(a)
+
+
 def _make_fake_cupy(sms: int, smem: int) -> types.ModuleType:
     m = types.ModuleType("cupy")
     m.ndarray = ndarray
     m.RawModule = _RawModule
-    m.empty = lambda shape, dtype: _fake(np.full(shape, np.nan, dtype=dtype))  # garbage-filled
+    m.empty = _garbage
     m.zeros = lambda shape, dtype: _fake(np.zeros(shape, dtype=dtype))
     m.ascontiguousarray = lambda a: _fake(np.ascontiguousarray(a))
+    m.from_dlpack = lambda t: _fake(np.from_dlpack(t))
     device = types.SimpleNamespace(
         id=0, attributes={"MultiProcessorCount": sms, "MaxSharedMemoryPerBlockOptin": smem})
     m.cuda = types.SimpleNamespace(
@@ -266,3 +275,37 @@ def test_emul_cupy_backward(fake_cupy, case, n, d):
     names = [name for name, *_ in _Kernel.launches]
     assert any(nm.startswith("pn_bwd") for nm in names)
     assert sum(nm.startswith("pn_colsum") for nm in names) == (w is not None) + (b is not None)
+
+
+# ------------------------------------------------------------------ bfloat16 through torch
+
+
+@pytest.mark.parametrize("d", [64, 20000])
+def test_emul_cupy_torch_bfloat16(fake_cupy, monkeypatch, d):
+    """torch bfloat16 tensors go through _interop.to_cupy / from_cupy (int16 views).
+
+    CPU tensors stand in for CUDA ones (DLPack works the same); the stream
+    context, which needs CUDA, is replaced.
+    """
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(cupy_backend, "_on_callers_stream", lambda x: contextlib.nullcontext())
+    rng = np.random.default_rng(d)
+    x = _rand(rng, (4, d), np.float32).astype(ml_dtypes.bfloat16)
+    w = _rand(rng, d, np.float32)
+    dy = _rand(rng, (4, d), np.float32).astype(ml_dtypes.bfloat16)
+
+    def t(a):
+        tt = torch.from_numpy(np.asarray(a, dtype=np.float32))
+        return tt.to(torch.bfloat16) if a.dtype == ml_dtypes.bfloat16 else tt
+
+    plan = _plan(d, "bfloat16", partial=0.5)
+    y, _, rstd = cupy_backend.forward(t(x), None, t(w), None, plan)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.bfloat16
+    yr, _, rr = reference.forward(x, None, w, None, plan)
+    assert_close(y.float().numpy(), yr.astype(np.float32), _tol("bfloat16"))
+    assert_close(rstd.numpy(), rr, _tol("float32"))
+    dx, dw, _ = cupy_backend.backward(t(dy), t(x), t(w), None, rstd, None, plan)
+    assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    dxr, dwr, _ = reference.backward(dy, x, w, None, rr, None, plan)
+    assert_close(dx.float().numpy(), dxr.astype(np.float32), _tol("bfloat16"))
+    assert_close(dw.numpy(), dwr, _tol("float32", 16))
