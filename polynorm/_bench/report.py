@@ -269,11 +269,12 @@ def _roof(r: Record) -> float | None:
 
 
 def plot(records: list[Record], path: str | Path, title: str = "") -> Path:
-    """PNG of GB/s against hidden size ``d``: one panel per op, one line per
+    """PNG of effective bandwidth: one column per op, one line per
     (backend, dtype), the copy bandwidth per device as a dashed roof.
 
-    Where a suite measured several token counts at one ``d``, the largest is
-    plotted (the bandwidth-bound regime).
+    Top row: against hidden size ``d`` (at each ``d`` the largest token
+    count measured, the bandwidth-bound regime).  Bottom row, when a suite
+    swept the token count: against tokens at the ``d`` measured most often.
     """
     import matplotlib
 
@@ -282,51 +283,65 @@ def plot(records: list[Record], path: str | Path, title: str = "") -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    ops = list(dict.fromkeys(r.op for r in records))
-    fig, axes = plt.subplots(1, max(1, len(ops)), figsize=(5.5 * max(1, len(ops)), 4.2),
+    ops = list(dict.fromkeys(r.op for r in records)) or ["-"]
+    d_common = statistics.mode([r.d for r in records]) if records else 0
+    sweep = [r for r in records if r.d == d_common]
+    rows = [("d", records, "hidden size d")]
+    if len({r.tokens for r in sweep}) > 1:
+        rows.append(("tokens", sweep, f"tokens (d = {d_common})"))
+    fig, axes = plt.subplots(len(rows), len(ops), figsize=(5 * len(ops), 4 * len(rows)),
                              squeeze=False, sharey=True)
-    styles = ["-", (0, (5, 1)), "-.", ":"]  # plain "--" is kept for the roof
     colours: dict[tuple[str, str], str] = {}
-    for ax, op in zip(axes[0], ops, strict=False):
-        recs = [r for r in records if r.op == op]
-        best: dict[tuple[str, str, str, int], Record] = {}
-        for r in recs:
-            key = (r.suite, r.backend, r.dtype, r.d)
-            if key not in best or r.tokens > best[key].tokens:
-                best[key] = r
-        lines: dict[tuple[str, str, str], list[Record]] = {}
-        for (suite, be, dt, _), r in best.items():
-            lines.setdefault((suite, be, dt), []).append(r)
-        dtypes = sorted({k[2] for k in lines})
-        for (suite, be, dt), rs in sorted(lines.items()):
-            rs.sort(key=lambda r: r.d)
-            label = f"{be} {dt}" if suite in ("cpu", "gpu", "reference") else f"{be} {dt} ({suite})"
-            # colour: who (suite, backend); line style: dtype
-            ax.plot([r.d for r in rs], [r.gbps for r in rs], marker="o", ms=3,
-                    color=colours.setdefault((suite, be), f"C{len(colours) % 10}"),
-                    ls=styles[dtypes.index(dt) % len(styles)], label=label)
-        roofs: dict[str, dict[int, list[float]]] = {}
-        for r in best.values():
-            roof = _roof(r)
-            if roof:
-                roofs.setdefault(_device(r), {}).setdefault(r.d, []).append(roof)
-        for i, (dev, by_d) in enumerate(sorted(roofs.items())):
-            ds = sorted(by_d)
-            ax.plot(ds, [statistics.median(by_d[d]) for d in ds], color=("black", "gray")[i % 2],
-                    lw=1.5, ls="--", label=f"copy roof ({dev})")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("hidden size d")
-        ax.set_title(op)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("effective bandwidth (GB/s)")
+    dtypes = sorted({r.dtype for r in records})
+    for i, (xkey, recs, xlabel) in enumerate(rows):
+        for j, op in enumerate(ops):
+            ax = axes[i][j]
+            _panel(ax, [r for r in recs if r.op == op], xkey, colours, dtypes)
+            ax.set_xlabel(xlabel)
+            ax.set_title(op)
+        axes[i][0].set_ylabel("effective bandwidth (GB/s)")
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _panel(ax, recs: list[Record], xkey: str, colours: dict, dtypes: list[str]) -> None:
+    """One axis: a line per (suite, backend, dtype) against ``xkey``, roofs dashed."""
+    other = "tokens" if xkey == "d" else "d"
+    best: dict[tuple[str, str, str, int], Record] = {}
+    for r in recs:  # per x value keep the largest problem in the other dimension
+        key = (r.suite, r.backend, r.dtype, getattr(r, xkey))
+        if key not in best or getattr(r, other) > getattr(best[key], other):
+            best[key] = r
+    lines: dict[tuple[str, str, str], list[Record]] = {}
+    for (suite, be, dt, _), r in best.items():
+        lines.setdefault((suite, be, dt), []).append(r)
+    styles = [("-", "o"), (":", "s"), ("-.", "^"), ((0, (1, 3)), "D")]  # "--": the roof
+    for (suite, be, dt), rs in sorted(lines.items()):
+        rs.sort(key=lambda r: getattr(r, xkey))
+        label = f"{be} {dt}" if suite in ("cpu", "gpu", "reference") else f"{be} {dt} ({suite})"
+        # colour: who (suite, backend); line style and marker: dtype
+        ls, marker = styles[dtypes.index(dt) % len(styles)]
+        ax.plot([getattr(r, xkey) for r in rs], [r.gbps for r in rs], marker=marker, ms=4,
+                color=colours.setdefault((suite, be), f"C{len(colours) % 10}"), ls=ls,
+                label=label)
+    roofs: dict[str, dict[int, list[float]]] = {}
+    for r in best.values():
+        roof = _roof(r)
+        if roof:
+            roofs.setdefault(_device(r), {}).setdefault(getattr(r, xkey), []).append(roof)
+    for i, (dev, by_x) in enumerate(sorted(roofs.items())):
+        xs = sorted(by_x)
+        ax.plot(xs, [statistics.median(by_x[x]) for x in xs], color=("black", "gray")[i % 2],
+                lw=1.5, ls="--", label=f"copy roof ({dev})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    if lines:
+        ax.legend(fontsize=7)
 
 
 # ------------------------------------------------------------------ progress
