@@ -72,6 +72,20 @@ def rms_norm(
     Same arguments and result as :func:`polynorm.rms_norm` (without ``out``
     and ``return_rstd``); the vjp is polynorm's hand-written backward.
 
+    Parameters
+    ----------
+    x : jax.Array
+        Float array (float16, bfloat16, float32, float64).
+    weight, bias : jax.Array, optional
+        Shape of ``x`` over the normalized axes.
+    eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
+        As in :func:`polynorm.rms_norm`; static (not traced).
+
+    Returns
+    -------
+    jax.Array
+        ``y``, with ``x``'s shape and ``out_dtype`` (default ``x``'s).
+
     Examples
     --------
     >>> import jax, jax.numpy as jnp
@@ -129,6 +143,19 @@ def add_rms_norm(
     backend: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Differentiable :func:`polynorm.add_rms_norm`: returns ``(y, h)``, both differentiable.
+
+    Parameters
+    ----------
+    x, residual : jax.Array
+        Same shape; ``h`` has their promoted dtype.
+    weight, bias : jax.Array, optional
+    eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
+        As in :func:`polynorm.add_rms_norm`.
+
+    Returns
+    -------
+    (y, h) : tuple of jax.Array
+        The cotangents of ``x`` and ``residual`` come back in their own dtypes.
 
     Examples
     --------

@@ -103,6 +103,20 @@ def rms_norm(
     and ``return_rstd``); gradients flow to ``x``, ``weight`` and ``bias``
     through polynorm's hand-written backward.
 
+    Parameters
+    ----------
+    x : torch.Tensor
+        Float tensor (float16, bfloat16, float32, float64), CPU or CUDA.
+    weight, bias : torch.Tensor, optional
+        Shape of ``x`` over the normalized axes; may have another float dtype.
+    eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
+        As in :func:`polynorm.rms_norm`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``y``, with ``x``'s shape and device and ``out_dtype`` (default ``x``'s).
+
     Examples
     --------
     >>> import torch
@@ -139,6 +153,19 @@ def add_rms_norm(
     Returns ``(y, h)``; both carry gradients (``h`` is the residual stream a
     transformer block passes on), and the backward fuses the gradient
     arriving at ``h`` into the one it computes for ``x`` and ``residual``.
+
+    Parameters
+    ----------
+    x, residual : torch.Tensor
+        Same shape; ``h`` has their promoted dtype.
+    weight, bias : torch.Tensor, optional
+    eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
+        As in :func:`polynorm.add_rms_norm`.
+
+    Returns
+    -------
+    (y, h) : tuple of torch.Tensor
+        The gradients of ``x`` and ``residual`` come back in their own dtypes.
 
     Examples
     --------
