@@ -225,6 +225,11 @@ __global__ void bad_exit_while_awaited(int* out) {
   out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 1);
 }
 __global__ void bad_oob_write(float* out, int n) { out[n + threadIdx.x] = 1.0f; }
+struct __align__(16) vec4 { float v[4]; };
+__global__ void bad_misaligned_vector(const float* x, float* out) {
+  const vec4 p = *reinterpret_cast<const vec4*>(x + 1);  // 16-byte load at a 4-byte offset
+  out[threadIdx.x] = p.v[0];
+}
 __global__ void bad_far_read(const float* x, float* out) { out[threadIdx.x] = x[threadIdx.x + (1 << 22)]; }
 __global__ void bad_race(const int* in, int* out) {  // no __syncthreads between the write and the read
   __shared__ int buf[64];
@@ -243,7 +248,7 @@ KERNELS = [
     "inplace",
     "bad_divergent_barrier", "bad_deadlock", "bad_mask_excludes_caller", "bad_partial_warp_full_mask",
     "bad_mixed_intrinsics", "bad_read_outside_mask", "bad_exit_while_awaited", "bad_oob_write",
-    "bad_write_const", "bad_far_read", "bad_race",
+    "bad_write_const", "bad_far_read", "bad_race", "bad_misaligned_vector",
 ]  # fmt: skip
 
 
@@ -712,6 +717,8 @@ def test_emul_reports_out_of_bounds_and_const_writes(mod):
         mod.launch("dyn_overflow", 1, 4, (out, np.int32(4)), shared_mem=10**6)
     with pytest.raises(KernelError, match="invalid launch"):
         mod.launch("inplace", 1, 2048, (out, np.int32(16)))
+    with pytest.raises(KernelError, match="misaligned address.*16-byte alignment"):
+        mod.launch("bad_misaligned_vector", 1, 4, (x, out))
 
 
 def test_emul_argument_packing_follows_cupy(mod):

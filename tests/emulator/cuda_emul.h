@@ -1155,6 +1155,35 @@ extern "C" CUDA_EMUL_EXPORT int cuda_emul_set_poison(const unsigned long long* o
   return 0;
 }
 
+// --------------------------------------------------------------------------- alignment
+
+// The kernels are compiled with -fsanitize=alignment and this handler instead
+// of libubsan: a load or store through a pointer that is not aligned for its
+// type (a 16-byte vector access at an 8-byte boundary, say) works on a CPU but
+// faults on the GPU (cudaErrorMisalignedAddress), so it fails the launch here.
+namespace cuda_emul {
+struct UbsanLoc { const char* file; unsigned line, column; };
+struct UbsanType { unsigned short kind, info; char name[1]; };
+struct UbsanMismatch { UbsanLoc loc; const UbsanType* type; unsigned char log_align; unsigned char check_kind; };
+inline void type_mismatch(UbsanMismatch* d, void* p) {
+  static const char* const what[] = {"load of", "store to", "reference binding to", "member access within",
+                                     "member call on", "constructor call on", "downcast of", "downcast of",
+                                     "upcast of", "cast to virtual base of"};
+  const char* w = d->check_kind < 10 ? what[d->check_kind] : "access to";
+  if (tl_block == nullptr) {
+    std::fprintf(stderr, "cuda_emul: misaligned %s %p (type %s) at %s:%u outside a kernel\n", w, p,
+                 d->type->name, d->loc.file, d->loc.line);
+    std::abort();
+  }
+  if (p == nullptr) fail("%s a null pointer of type %s at %s:%u:%u", w, d->type->name, d->loc.file, d->loc.line, d->loc.column);
+  fail("misaligned address: %s %p, type %s needs %u-byte alignment (%s:%u:%u); on the GPU this launch "
+       "fails with cudaErrorMisalignedAddress", w, p, d->type->name, 1u << d->log_align, d->loc.file,
+       d->loc.line, d->loc.column);
+}
+}  // namespace cuda_emul
+extern "C" void __ubsan_handle_type_mismatch_v1(cuda_emul::UbsanMismatch* d, void* p) { cuda_emul::type_mismatch(d, p); }
+extern "C" void __ubsan_handle_type_mismatch_v1_abort(cuda_emul::UbsanMismatch* d, void* p) { cuda_emul::type_mismatch(d, p); }
+
 // --------------------------------------------------------------------------- the intrinsics
 
 #define __syncthreads() ::cuda_emul::barrier(__LINE__, 0, 0)

@@ -88,6 +88,11 @@ CXXFLAGS = (
     "-fno-gnu-unique",
 )
 
+#: For the kernels' translation unit only: every typed load/store is checked for
+#: its type's alignment; the prelude's handler (not libubsan, which is not
+#: linked) fails the launch, as the GPU would with a misaligned address.
+KERNEL_ONLY_FLAGS = ("-fsanitize=alignment",)
+
 #: Dynamic shared memory the emulator provides per block (the H100/H200 limit).
 DSMEM_CAPACITY = 232448
 
@@ -224,7 +229,7 @@ def _build(source_path: Path, kernels: Sequence[str], flags: Sequence[str], out_
     base = [cxx, *CXXFLAGS, *flags]
     obj = out_dir / "kernels.o"
     _run(
-        [*base, "-include", str(PRELUDE), "-I", str(STUBS), "-c", str(tu1), "-o", str(obj)],
+        [*base, *KERNEL_ONLY_FLAGS, "-include", str(PRELUDE), "-I", str(STUBS), "-c", str(tu1), "-o", str(obj)],
         "g++ (kernels)",
     )
     extern_shared = [n for n, _v, _s, und in _tls_symbols(readelf, obj) if und]
@@ -235,6 +240,7 @@ def _build(source_path: Path, kernels: Sequence[str], flags: Sequence[str], out_
         [*base, "-shared", "-Wl,--no-undefined", str(obj), str(tu2), "-o", str(lib)],
         "g++ (link)",
     )
+    obj.unlink()  # only the library is needed from here on
     syms = _tls_symbols(readelf, lib)
     anchor = [v for n, v, _s, und in syms if n == "threadIdx" and not und]
     if not anchor:
@@ -285,6 +291,7 @@ def compile_source(
     else:
         text = source
     flags = list(flags) + [f"-D{k}={v}" for k, v in sorted((defines or {}).items())]
+    flags += os.environ.get("POLYNORM_EMUL_CXXFLAGS", "").split()  # e.g. "-mfma -ffp-contract=fast"
     h = hashlib.sha256()
     for part in (
         _VERSION,
@@ -294,7 +301,7 @@ def compile_source(
         text,
         "\0".join(kernels),
         "\0".join(flags),
-        " ".join(CXXFLAGS),
+        " ".join(CXXFLAGS + KERNEL_ONLY_FLAGS),
     ):
         h.update(part.encode())
         h.update(b"\0\1")
@@ -317,11 +324,19 @@ def compile_source(
                 os.replace(tmp, final)
             except OSError:  # another process won the race: use its copy
                 shutil.rmtree(tmp, ignore_errors=True)
+            _prune(root)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     meta = json.loads((final / "meta.json").read_text())
     return Module(final / "lib.so", meta)
+
+
+def _prune(root: Path, keep: int = 48) -> None:
+    """Drop the least recently built libraries beyond ``keep`` (each is a few MB)."""
+    entries = sorted((p for p in root.iterdir() if (p / "meta.json").exists()), key=lambda p: p.stat().st_mtime)
+    for p in entries[:-keep]:
+        shutil.rmtree(p, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- launching
