@@ -166,7 +166,7 @@ __global__ void votes(const int* pred, unsigned* out) {
   __syncwarp();
 }
 template <int BLOCK>
-__global__ void rms_rows(const float* __restrict__ x, float* __restrict__ out, int d) {
+__global__ void __launch_bounds__(1024) rms_rows(const float* __restrict__ x, float* __restrict__ out, int d) {
   __shared__ float partial[32];
   const float* xr = x + (size_t)blockIdx.x * d;
   float s = 0.f;
@@ -192,7 +192,7 @@ __global__ void counter(unsigned* c, int* order) {  // last-block pattern with a
 __global__ void alignment(const float* x, unsigned long long* out) {
   out[0] = reinterpret_cast<unsigned long long>(x) % 256;
 }
-__global__ void inplace(float* x, int n) { GRID_LOOP(n) x[i] = 2.0f * x[i]; }
+__global__ void __launch_bounds__(64) inplace(float* x, int n) { GRID_LOOP(n) x[i] = 2.0f * x[i]; }
 
 // ---- deliberately broken kernels: the emulator must report them
 __global__ void bad_divergent_barrier(int* out) {
@@ -716,7 +716,9 @@ def test_emul_reports_out_of_bounds_and_const_writes(mod):
     with pytest.raises(KernelError, match="exceeds"):
         mod.launch("dyn_overflow", 1, 4, (out, np.int32(4)), shared_mem=10**6)
     with pytest.raises(KernelError, match="invalid launch"):
-        mod.launch("inplace", 1, 2048, (out, np.int32(16)))
+        mod.launch("ids", 1, 2048, (np.zeros(16, np.uint32),))
+    with pytest.raises(KernelError, match="__launch_bounds__"):
+        mod.launch("inplace", 1, 96, (out, np.int32(16)))
     with pytest.raises(KernelError, match="misaligned address.*16-byte alignment"):
         mod.launch("bad_misaligned_vector", 1, 4, (x, out))
 

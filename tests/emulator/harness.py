@@ -329,7 +329,23 @@ def compile_source(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     meta = json.loads((final / "meta.json").read_text())
+    meta["launch_bounds"] = launch_bounds(text)
     return Module(final / "lib.so", meta)
+
+
+_BOUNDS = re.compile(r"__launch_bounds__\s*\(\s*(\d+)\s*(?:,[^)]*)?\)\s*(\w+)\s*\(")
+
+
+def launch_bounds(text: str) -> dict[str, int]:
+    """``{kernel name: max threads per block}`` from literal ``__launch_bounds__(N)``.
+
+    The prelude defines the qualifier away, so the harness enforces it: the GPU
+    refuses a launch with more threads than the kernel was compiled for.
+
+    >>> launch_bounds("__global__ void __launch_bounds__(256, 2) k(int* p) {}")
+    {'k': 256}
+    """
+    return {m.group(2): int(m.group(1)) for m in _BOUNDS.finditer(text)}
 
 
 def _prune(root: Path, keep: int = 48) -> None:
@@ -540,6 +556,13 @@ class Module:
             the launch configuration is invalid.
         """
         fn, params = self._entry(kernel)
+        threads = int(np.prod(_dim3(block)))
+        bound = self.meta.get("launch_bounds", {}).get(kernel.split("<")[0].split("::")[-1].strip())
+        if bound is not None and threads > bound:
+            raise KernelError(
+                f"{kernel}: block of {threads} threads exceeds its __launch_bounds__({bound}); "
+                "the GPU refuses this launch (too many resources requested)"
+            )
         if len(args) != len(params):
             raise TypeError(f"{kernel}: takes {len(params)} arguments, got {len(args)}")
         keep: list[Any] = []
