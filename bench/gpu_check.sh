@@ -69,6 +69,8 @@ fi
 if [ "$DRY" = 0 ]; then
     has cupy || pipi "cupy-cuda12x>=13"
     python -c "import nvidia.cuda_runtime" >/dev/null 2>&1 || pipi nvidia-cuda-runtime-cu12
+    # polynorm compiles its kernels with NVRTC (IEEE float32); without it CuPy compiles them
+    has cuda.bindings.nvrtc || pipi "cuda-bindings>=12.6,<13" nvidia-cuda-nvrtc-cu12
     if [ "${PN_GPU_TORCH:-1}" = 1 ] && ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
         # PyPI's Linux torch wheel is the CUDA build; pinned as the project requires
         PIP_TIMEOUT=300 pipi "torch==2.13.0"

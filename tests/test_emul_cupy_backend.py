@@ -25,8 +25,8 @@ from emulator import compile_source
 
 from polynorm._options import make_plan
 from polynorm.backends import _cuda_launch as cl
+from polynorm.backends import _nvrtc, reference
 from polynorm.backends import cupy as cupy_backend
-from polynorm.backends import reference
 
 # ------------------------------------------------------------------ the stand-in cupy
 
@@ -100,13 +100,34 @@ class _Kernel:
 
 
 class _RawModule:
-    def __init__(self, code, options=(), name_expressions=()):
-        assert code == cl.source() and "-std=c++17" in options
-        self.names = list(name_expressions)
+    """``RawModule(code=..., name_expressions=...)`` (CuPy compiles) or
+    ``RawModule(path=...)`` (a cubin from polynorm.backends._nvrtc, stubbed below)."""
+
+    def __init__(self, code=None, options=(), name_expressions=(), path=None):
+        if path is not None:
+            self.names = None
+            self.path = path
+        else:
+            assert code == cl.source() and "-std=c++17" in options
+            self.names = list(name_expressions)
 
     def get_function(self, name):
+        if self.names is None:  # by mangled name, as the stubbed cached_cubin returned it
+            expr = _STUB_CUBINS[self.path]
+            assert name == f"mangled<{expr}>"
+            return _Kernel(expr)
         assert name in self.names
         return _Kernel(name)
+
+
+_STUB_CUBINS: dict[str, str] = {}
+
+
+def _stub_cached_cubin(name: str, arch: str):
+    assert arch == "sm_90"
+    path = f"/nonexistent/{len(_STUB_CUBINS)}.cubin"
+    _STUB_CUBINS[path] = name
+    return path, f"mangled<{name}>"
 
 
 def _garbage(shape, dtype) -> ndarray:
@@ -125,7 +146,8 @@ def _make_fake_cupy(sms: int, smem: int) -> types.ModuleType:
     m.ascontiguousarray = lambda a: _fake(np.ascontiguousarray(a))
     m.from_dlpack = lambda t: _fake(np.from_dlpack(t))
     device = types.SimpleNamespace(
-        id=0, attributes={"MultiProcessorCount": sms, "MaxSharedMemoryPerBlockOptin": smem})
+        id=0, compute_capability="90",
+        attributes={"MultiProcessorCount": sms, "MaxSharedMemoryPerBlockOptin": smem})
     m.cuda = types.SimpleNamespace(
         Device=lambda *a: device,
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
@@ -134,10 +156,13 @@ def _make_fake_cupy(sms: int, smem: int) -> types.ModuleType:
     return m
 
 
-@pytest.fixture(params=[(3, 227 * 1024), (2, 3000)], ids=["smem227k", "smem3k"])
+@pytest.fixture(params=[(3, 227 * 1024, True), (2, 3000, False)], ids=["smem227k-nvrtc", "smem3k-cupycc"])
 def fake_cupy(request, monkeypatch):
-    sms, smem = request.param
+    """The stand-in cupy; kernels come from (stubbed) _nvrtc cubins or CuPy's compile."""
+    sms, smem, use_nvrtc = request.param
     monkeypatch.setitem(sys.modules, "cupy", _make_fake_cupy(sms, smem))
+    monkeypatch.setattr(_nvrtc, "available", lambda: (use_nvrtc, "stubbed"))
+    monkeypatch.setattr(_nvrtc, "cached_cubin", _stub_cached_cubin)
     monkeypatch.setattr(cupy_backend, "_kernels", {})
     monkeypatch.setattr(cupy_backend, "_device_info", {})
     _POINTERS.clear()

@@ -10,82 +10,59 @@ minute on two cores.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from polynorm.backends import _cuda_launch as cl
+from polynorm.backends import _nvrtc
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
 
 ARCHS = ("sm_80", "sm_90")
 
 
-def _check(result, prog=None):
-    err, *rest = result
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise RuntimeError(f"NVRTC error {err}" + (f":\n{_log(prog)}" if prog is not None else ""))
-    return rest[0] if len(rest) == 1 else rest
-
-
-def _log(prog) -> str:
-    size = _check(nvrtc.nvrtcGetProgramLogSize(prog))
-    buf = b" " * size
-    _check(nvrtc.nvrtcGetProgramLog(prog, buf))
-    return buf.decode(errors="replace").rstrip("\x00 \n")
-
-
-def compile_all(arch: str, names: list[str]) -> dict:
-    """Compile the generated source for ``arch`` with every name expression."""
-    t0 = time.perf_counter()
-    src = cl.source().encode()
-    prog = _check(nvrtc.nvrtcCreateProgram(src, b"polynorm.cu", 0, [], []))
-    try:
-        for nm in names:
-            _check(nvrtc.nvrtcAddNameExpression(prog, nm.encode()))
-        opts = [*cl.NVRTC_OPTIONS, f"--gpu-architecture={arch}", *(f"-I{d}" for d in cl.include_dirs())]
-        opts = [o.encode() for o in opts]
-        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        log = _log(prog)
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            return {"ok": False, "log": log, "seconds": time.perf_counter() - t0}
-        lowered = {nm: _check(nvrtc.nvrtcGetLoweredName(prog, nm.encode())) for nm in names}
-        size = _check(nvrtc.nvrtcGetCUBINSize(prog))
-        cubin = b" " * size
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin))
-        return {"ok": True, "log": log, "lowered": lowered, "cubin": cubin,
-                "seconds": time.perf_counter() - t0}
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    if not cl.include_dirs():
-        pytest.skip("cuda_fp16.h not found: pip install nvidia-cuda-runtime-cu12")
+    ok, why = _nvrtc.available()
+    if not ok:
+        pytest.skip(why)
     names = cl.specialisations()
     with ThreadPoolExecutor(len(ARCHS)) as pool:
-        results = dict(zip(ARCHS, pool.map(lambda a: compile_all(a, names), ARCHS), strict=True))
+        results = dict(zip(ARCHS, pool.map(lambda a: _nvrtc.compile_names(names, a), ARCHS), strict=True))
     return {"names": names, **results}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_nvrtc_every_specialisation_compiles(compiled, arch):
     res = compiled[arch]
-    assert res["ok"], f"{arch} compile failed:\n{res['log']}"
+    assert res.ok, f"{arch} compile failed:\n{res.log}"
     # every requested instantiation exists under a mangled name in the cubin
-    for nm, low in res["lowered"].items():
-        low = low.decode() if isinstance(low, bytes) else low
+    assert set(res.lowered) == set(compiled["names"])
+    for nm, low in res.lowered.items():
         assert low.startswith("_Z"), (nm, low)
-        assert low.encode() in res["cubin"], f"{nm} ({low}) missing from the {arch} cubin"
-    print(f"{arch}: {len(compiled['names'])} kernels in {res['seconds']:.1f}s, cubin {len(res['cubin'])} bytes")
+        assert low.encode() in res.cubin, f"{nm} ({low}) missing from the {arch} cubin"
+    print(f"{arch}: {len(compiled['names'])} kernels in {res.seconds:.1f}s, cubin {len(res.cubin)} bytes")
 
 
 def test_nvrtc_no_warnings(compiled):
     for arch in ARCHS:
-        log = compiled[arch]["log"]
+        log = compiled[arch].log
         assert "warning" not in log.lower(), f"{arch}:\n{log}"
+
+
+def test_nvrtc_cached_cubin(tmp_path, monkeypatch):
+    """The backend's per-kernel compile: cached on disk, IEEE float32 (no .ftz)."""
+    if not _nvrtc.available()[0]:
+        pytest.skip(_nvrtc.available()[1])
+    monkeypatch.setenv("POLYNORM_CACHE_DIR", str(tmp_path))
+    name = cl.fwd_name("bfloat16", "bfloat16", "float32", "bfloat16", 1)
+    path, lowered = _nvrtc.cached_cubin(name, "sm_90")
+    assert path.parent == tmp_path and lowered.encode() in path.read_bytes()
+    mtime = path.stat().st_mtime_ns
+    assert _nvrtc.cached_cubin(name, "sm_90") == (path, lowered)
+    assert path.stat().st_mtime_ns == mtime  # a hit: not rebuilt
+    assert "-ftz=false" in _nvrtc.OPTIONS
 
 
 def test_dispatch_only_requests_compiled_kernels():

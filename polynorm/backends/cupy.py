@@ -6,8 +6,11 @@ bfloat16).  Kernels run on the caller's current stream: torch's current
 stream for torch tensors, cupy's current stream otherwise.
 
 Which kernel, grid, block and shared memory: :mod:`polynorm.backends._cuda_launch`.
-Each kernel instantiation is compiled on first use (``RawModule`` with one
-name expression; CuPy caches the binary on disk) and kept per device.
+Each kernel instantiation is compiled on first use by NVRTC
+(:mod:`polynorm.backends._nvrtc`: IEEE float32 arithmetic, cubins cached on
+disk) and loaded with ``cupy.RawModule(path=...)``; without ``cuda-bindings``
+CuPy compiles it instead (``RawModule(code=..., name_expressions=...)``), which
+flushes float32 subnormals to zero.
 
 Dtype combinations without a kernel are first cast exactly (see
 ``_cuda_launch``); ``casting="llama"`` with a weight dtype that has no kernel
@@ -60,22 +63,38 @@ _device_info: dict[int, tuple[int, int]] = {}
 def _kernel(launch: cl.Launch):
     import cupy
 
-    dev = cupy.cuda.Device().id
-    key = (dev, launch.name)
+    dev = cupy.cuda.Device()
+    key = (dev.id, launch.name)
     kern = _kernels.get(key)
     if kern is None:
-        options = (*cl.NVRTC_OPTIONS, *(f"-I{d}" for d in cl.include_dirs()))
-        try:
-            mod = cupy.RawModule(code=cl.source(), options=options, name_expressions=[launch.name])
-            kern = mod.get_function(launch.name)
-        except cupy.cuda.compiler.CompileException as exc:
-            hint = "" if cl.include_dirs() else (
-                " (cuda_fp16.h/cuda_bf16.h not found: pip install nvidia-cuda-runtime-cu12)")
-            raise RuntimeError(f"polynorm: compiling {launch.name} failed{hint}: {exc}") from exc
+        kern = _load(launch.name, f"sm_{dev.compute_capability}")
         _kernels[key] = kern
     if launch.shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < launch.shared:
         kern.max_dynamic_shared_size_bytes = launch.shared
     return kern
+
+
+def _load(name: str, arch: str):
+    """The kernel for one name expression: our NVRTC cubin (IEEE float32), else
+    CuPy's own compile (which flushes float32 subnormals to zero)."""
+    import cupy
+
+    from . import _nvrtc
+
+    if _nvrtc.available()[0]:
+        try:
+            path, lowered = _nvrtc.cached_cubin(name, arch)
+        except RuntimeError:  # e.g. a device newer than this NVRTC: let CuPy try
+            pass
+        else:
+            return cupy.RawModule(path=str(path)).get_function(lowered)
+    options = (*cl.NVRTC_OPTIONS, *(f"-I{d}" for d in cl.include_dirs()))
+    try:
+        return cupy.RawModule(code=cl.source(), options=options, name_expressions=[name]).get_function(name)
+    except cupy.cuda.compiler.CompileException as exc:
+        hint = "" if cl.include_dirs() else (
+            " (cuda_fp16.h/cuda_bf16.h not found: pip install nvidia-cuda-runtime-cu12)")
+        raise RuntimeError(f"polynorm: compiling {name} failed{hint}: {exc}") from exc
 
 
 def _device() -> tuple[int, int]:
