@@ -84,10 +84,9 @@ def _load(name: str, arch: str):
     if _nvrtc.available()[0]:
         try:
             path, lowered = _nvrtc.cached_cubin(name, arch)
-        except RuntimeError:  # e.g. a device newer than this NVRTC: let CuPy try
-            pass
-        else:
             return cupy.RawModule(path=str(path)).get_function(lowered)
+        except Exception:  # a device newer than this NVRTC, a driver older than its cubins:
+            pass  # let CuPy compile instead
     options = (*cl.NVRTC_OPTIONS, *(f"-I{d}" for d in cl.include_dirs()))
     try:
         return cupy.RawModule(code=cl.source(), options=options, name_expressions=[name]).get_function(name)
