@@ -228,7 +228,7 @@ def test_no_spurious_overflow(dtype, value, rng):
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_nan_inf_isolated_per_token(bad, rng):
-    x = _data(rng, (5, 4100), "float32")  # big enough for the parallel kernel
+    x = _data(rng, (20, 4100), "float32")  # big enough for the parallel kernel
     x[2, 7] = bad
     y = pn.rms_norm(x, backend="numba")
     assert not np.isfinite(y[2]).any()
@@ -341,3 +341,60 @@ def test_serial_and_parallel_drivers_agree(monkeypatch, rng):
     monkeypatch.setattr(nb, "SERIAL_MAX_ELEMENTS", 1 << 62)
     ser = pn.rms_norm(x, w, partial=0.5, backend="numba")
     np.testing.assert_array_equal(par.view(np.uint16), ser.view(np.uint16))
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_software_codecs_match(name, rng):
+    """The pure-integer codecs (used where the CPU has no F16C) agree with ml_dtypes too."""
+    dec = codec._bf16_to_f32_sw if name == "bfloat16" else codec._f16_to_f32_sw
+    enc = codec._f32_to_bf16_sw if name == "bfloat16" else codec._f32_to_f16_sw
+
+    @numba.njit
+    def roundtrip(bits, values):
+        a = np.empty(bits.shape[0], np.float32)
+        b = np.empty(values.shape[0], np.uint16)
+        for i in range(bits.shape[0]):
+            a[i] = dec(bits[i])
+        for i in range(values.shape[0]):
+            b[i] = enc(values[i])
+        return a, b
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    values = _encode_sample(rng, np.float32)
+    got_dec, got_enc = roundtrip(bits, values)
+    want_dec = bits.view(HALF[name]).astype(np.float32)
+    nan = np.isnan(want_dec)
+    np.testing.assert_array_equal(np.isnan(got_dec), nan)
+    np.testing.assert_array_equal(got_dec[~nan].view(np.uint32), want_dec[~nan].view(np.uint32))
+    with np.errstate(all="ignore"):
+        want_enc = values.astype(HALF[name]).view(np.uint16)
+    vnan = np.isnan(values)
+    np.testing.assert_array_equal(got_enc[~vnan], want_enc[~vnan])
+    assert np.isnan(got_enc[vnan].view(HALF[name]).astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("fn", ["rms_norm", "add_rms_norm", "rms_norm_backward"])
+def test_fast_path_equals_generic_path(fn, rng):
+    """axis=-1 on numpy takes the front end's fast path; axis=(2,) the generic one."""
+    x = _data(rng, (3, 4, 50), "bfloat16")
+    other = _data(rng, (3, 4, 50), "float32")
+    w = _data(rng, 50, "float16")
+    rstd = None
+    if fn == "rms_norm_backward":
+        rstd = pn.rms_norm(x, w, return_rstd=True)[1]
+    kw = dict(offset=1.0, partial=0.5, casting="llama")
+    results = []
+    for axis in (-1, (2,)):
+        if fn == "rms_norm":
+            r = pn.rms_norm(x, w, axis=axis, return_rstd=True, **kw)
+        elif fn == "add_rms_norm":
+            r = pn.add_rms_norm(x, other, w, axis=axis, return_rstd=True, **kw)
+        else:
+            r = pn.rms_norm_backward(other, x, w, rstd=rstd, grad_residual=other, axis=axis, **kw)
+        results.append(r)
+    for a, b in zip(*results, strict=True):
+        if a is None:  # dbias without bias
+            assert b is None
+            continue
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))

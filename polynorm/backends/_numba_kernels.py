@@ -244,10 +244,7 @@ def _dot_row(dy, x, w, i, rc, oc, flags):
 def _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset):
     d = x.shape[1]
     xbf = (flags & BF_X) != 0
-    wbf = (flags & BF_W) != 0
     dybf = (flags & BF_Y) != 0
-    grbf = (flags & BF_H) != 0
-    has_w = (flags & HAS_W) != 0
     inside = (flags & EPS_INSIDE) != 0
     has_rstd = (flags & HAS_RSTD) != 0
     rms = 0.0
@@ -265,22 +262,54 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset):
     if not inside:
         coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)
     coef = like(coef64, rc)
-    has_gr = (flags & HAS_GR) != 0
     dxi = dx[i]
-    has_part = (flags & (HAS_W | HAS_B)) != 0
-    for j in range(d):
-        xh = load(x[i, j], xbf) * rc
-        gdy = _ld(dy, i, j, dybf, rc)
-        if has_part:
-            part[blk, j] += np.float64(gdy * xh)
-            part[blk, d + j] += np.float64(gdy)
+    # branch-free loops (so that they vectorize): the masked term only for j < k.
+    # (A non-finite x beyond k gives NaN there instead of rstd*g*dy: the token is
+    # non-finite either way.)
+    _dx_range(i, 0, k, dy, x, w, gr, dxi, rc, oc, coef, flags)
+    if k < d:
+        _dx_range(i, k, d, dy, x, w, gr, dxi, rc, oc, like(0.0, rc), flags)
+    # dweight/dbias partials of this row block, in float64; one store stream per
+    # loop, or LLVM cannot rule out that the two halves of ``part`` overlap
+    if flags & HAS_W:
+        pw = part[blk, :d]
+        for j in range(d):
+            pw[j] += np.float64(_ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
+    if flags & HAS_B:
+        pb = part[blk, d:]
+        for j in range(d):
+            pb[j] += np.float64(_ld(dy, i, j, dybf, rc))
+
+
+@_inline
+def _dx_range(i, lo, hi, dy, x, w, gr, dxi, rc, oc, coef, flags):
+    """``dx[i, lo:hi] = rstd * (g*dy - xhat*coef) (+ grad_residual)``, one loop per case."""
+    xbf = (flags & BF_X) != 0
+    wbf = (flags & BF_W) != 0
+    dybf = (flags & BF_Y) != 0
+    grbf = (flags & BF_H) != 0
+    has_w = (flags & HAS_W) != 0
+    if flags & HAS_GR:
         if has_w:
-            gdy = gdy * (like(load(w[j], wbf), rc) + oc)
-        v = gdy - xh * coef if j < k else gdy
-        v = rc * v
-        if has_gr:
-            v = v + like(load(gr[i, j], grbf), rc)
-        store(dxi, j, v, xbf)
+            for j in range(lo, hi):
+                xh = load(x[i, j], xbf) * rc
+                g = like(load(w[j], wbf), rc) + oc
+                v = rc * (_ld(dy, i, j, dybf, rc) * g - xh * coef)
+                store(dxi, j, v + _ld(gr, i, j, grbf, rc), xbf)
+        else:
+            for j in range(lo, hi):
+                xh = load(x[i, j], xbf) * rc
+                v = rc * (_ld(dy, i, j, dybf, rc) - xh * coef)
+                store(dxi, j, v + _ld(gr, i, j, grbf, rc), xbf)
+    elif has_w:
+        for j in range(lo, hi):
+            xh = load(x[i, j], xbf) * rc
+            g = like(load(w[j], wbf), rc) + oc
+            store(dxi, j, rc * (_ld(dy, i, j, dybf, rc) * g - xh * coef), xbf)
+    else:
+        for j in range(lo, hi):
+            xh = load(x[i, j], xbf) * rc
+            store(dxi, j, rc * (_ld(dy, i, j, dybf, rc) - xh * coef), xbf)
 
 
 @_inline

@@ -8,8 +8,7 @@ kernels as ``uint16`` views and converted in registers
 
 Small work runs in a serial kernel: a parallel launch costs more than it
 saves below :data:`SERIAL_MAX_ELEMENTS` elements (measured with
-``python -m polynorm._bench.cpu --threshold``; see the module docstring of
-:mod:`polynorm._bench.cpu`).  Parallel launches are serialised by a lock,
+``python bench/cpu.py --threshold``).  Parallel launches are serialised by a lock,
 because Numba's ``workqueue`` threading layer must not be entered from two
 threads at once; the serial kernels release the GIL and need no lock.
 """
@@ -26,14 +25,19 @@ from .._options import Plan
 
 name = "numba"
 
-#: Below this many elements (tokens x d) one thread does the work.
-SERIAL_MAX_ELEMENTS = 1 << 15
+#: Below this many elements (tokens x d) one thread does the work.  Measured
+#: with ``python bench/cpu.py --threshold`` (float32, 2-core AMD EPYC, numba
+#: 0.68, omp layer): serial 4.5 us at 8x4096 and 8.6 us at 16x4096, where the
+#: parallel kernel took 5.3 us; a launch costs ~3-4 us when a core is idle and
+#: milliseconds when the machine is loaded, so the crossover is taken high.
+SERIAL_MAX_ELEMENTS = 1 << 16
 
 #: Target number of row blocks for the dweight/dbias partial sums, and a cap on
 #: the float64 scratch they take (elements); both depend on (n, d) only, never
 #: on the thread count, which keeps the reduction order fixed.
 _BWD_BLOCKS = 256
 _BWD_SCRATCH = 1 << 22
+_BWD_MIN_ROWS = 16
 
 _CODE = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 _launch_lock = threading.Lock()
@@ -169,7 +173,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     if _bf(y):
         flags |= K.BF_Y
     args = (_kview(x), r, w, b, _kview(y), hk, rstd, flags, plan.k, plan.eps, plan.offset)
-    if n >= 2 and n * d >= SERIAL_MAX_ELEMENTS:
+    if _parallel(n, d):
         with _launch_lock:
             K.forward_parallel(*args)
     else:
@@ -180,8 +184,12 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
 
 
 def _blocks(n: int, d: int) -> tuple[int, int]:
-    """``(rows per block, number of blocks)`` for the backward: a function of (n, d) only."""
-    nblk = max(1, min(_BWD_BLOCKS, n, _BWD_SCRATCH // (2 * d)))
+    """``(rows per block, number of blocks)`` for the backward: a function of (n, d) only.
+
+    At least :data:`_BWD_MIN_ROWS` rows per block, so that small calls get one
+    block (and a scratch small enough for malloc's heap, not a fresh mmap).
+    """
+    nblk = max(1, min(_BWD_BLOCKS, n // _BWD_MIN_ROWS, _BWD_SCRATCH // (2 * d)))
     rows = -(-n // nblk)
     return rows, -(-n // rows)
 

@@ -1,0 +1,403 @@
+"""CPU benchmark: the Numba backend against the copy roofs and its peers.
+
+For every case of the matrix -- tokens x d in :data:`SHAPES`, dtypes in
+:data:`DTYPES`, ops ``fwd``, ``fwd-out`` (``out=`` given), ``add`` (fused
+residual add) and ``bwd`` (dx + dweight) -- polynorm's call through the
+public API is timed (median) and reported as effective bandwidth over the
+bytes the op must move (:func:`op_bytes`), beside:
+
+``copy``
+    that bandwidth over the roof measured in the same run, with a parallel
+    Numba copy of one ``(tokens, d)`` array: into a freshly allocated array
+    (page faults included, the roof of an op that allocates its output) for
+    ``fwd``/``add``/``bwd``, into an existing array (the roof with ``out=``)
+    for ``fwd-out``.  Both roofs are in ``extra``.
+``torch``
+    torch's time over polynorm's (> 1: polynorm is faster): ``F.rms_norm``
+    for ``fwd``/``fwd-out``, ``x + r`` then ``F.rms_norm`` for ``add``, the
+    autograd backward of ``F.rms_norm`` (graph retained, backward only) for
+    ``bwd``.
+``numpy``
+    the same for a plain numpy expression in float32.
+
+The issue's targets (16384 x 4096): ``fwd`` float32 >= 0.90 of the
+allocating roof and ``fwd-out`` >= 0.90 of the plain roof; bfloat16 /
+float16 ``fwd`` >= 0.85; ``bwd`` >= 0.75; ``torch`` >= 5 for float32 ``fwd``;
+and the (1, 4096) float32 call <= 0.5x torch's time (``torch`` >= 2).
+
+``--threshold`` instead times the serial and the parallel forward kernel on
+small inputs: how :data:`polynorm.backends.numba.SERIAL_MAX_ELEMENTS` was
+chosen.
+
+Run ``python bench/cpu.py`` (``--quick`` for a check in well under a
+minute); wrap it in ``flock /tmp/polynorm-bench.lock`` on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .common import Record, format_table, gbps, median_time, write_json
+
+SHAPES = ((1, 4096), (8, 4096), (512, 4096), (16384, 4096), (4096, 16384), (65536, 1024))
+QUICK_SHAPES = ((1, 4096), (8, 4096), (512, 4096), (4096, 4096))
+DTYPES = ("float32", "bfloat16", "float16")
+OPS = ("fwd", "fwd-out", "add", "bwd")
+EPS = 1e-6
+
+Progress = Callable[[int, int, str], None]
+
+
+def available() -> tuple[bool, str]:
+    import polynorm as pn
+
+    return pn.backends()["numba"]
+
+
+def _np_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def op_bytes(op: str, n: int, d: int, itemsize: int) -> int:
+    """Bytes the op must move: every token-sized array once, plus the weight.
+
+    >>> op_bytes("fwd", 2, 4, 4), op_bytes("add", 2, 4, 4), op_bytes("bwd", 2, 4, 4)
+    (72, 136, 112)
+    """
+    t = n * d * itemsize
+    w = d * itemsize
+    if op in ("fwd", "fwd-out"):
+        return 2 * t + w  # read x, write y
+    if op == "add":
+        return 4 * t + w  # read x, residual; write h, y
+    if op == "bwd":
+        return 3 * t + 2 * w  # read x, dy; write dx; read weight, write dweight
+    raise ValueError(op)
+
+
+# --------------------------------------------------------------------------- roofs
+
+
+_copy_kernel = None
+
+
+def _copier():
+    global _copy_kernel
+    if _copy_kernel is None:
+        from numba import njit, prange
+
+        @njit(parallel=True, cache=False)
+        def pcopy(src, dst):  # pragma: no cover - compiled
+            n = src.shape[0]
+            chunk = 1 << 16
+            for c in prange((n + chunk - 1) // chunk):
+                lo = c * chunk
+                hi = min(n, lo + chunk)
+                for i in range(lo, hi):
+                    dst[i] = src[i]
+
+        _copy_kernel = pcopy
+    return _copy_kernel
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    a = a.reshape(-1)
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a
+
+
+def roofs(x: np.ndarray, min_time: float) -> tuple[float, float]:
+    """GB/s of a parallel copy of ``x``: ``(into a fresh array, into an existing one)``."""
+    cp = _copier()
+    src = _flat(x)
+    dst = np.empty_like(src)
+
+    def alloc_copy():
+        out = np.empty_like(src)
+        cp(src, out)
+        return out
+
+    nb = 2 * x.nbytes
+    t_alloc = median_time(alloc_copy, min_time=min_time)
+    t_plain = median_time(lambda: cp(src, dst), min_time=min_time)
+    return gbps(nb, t_alloc), gbps(nb, t_plain)
+
+
+# --------------------------------------------------------------------------- peers
+
+
+def _numpy_fwd(x, w, r=None):
+    xf = x.astype(np.float32)
+    if r is not None:
+        xf = xf + r.astype(np.float32)
+    rstd = 1.0 / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + np.float32(EPS))
+    return (xf * rstd * w.astype(np.float32)).astype(x.dtype)
+
+
+def _numpy_bwd(dy, x, w):
+    xf = x.astype(np.float32)
+    g = dy.astype(np.float32)
+    rstd = 1.0 / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + np.float32(EPS))
+    xh = xf * rstd
+    gw = g * w.astype(np.float32)
+    c = np.sum(gw * xh, axis=-1, keepdims=True) / np.float32(x.shape[-1])
+    dx = (rstd * (gw - xh * c)).astype(x.dtype)
+    dw = np.sum(g * xh, axis=0).astype(w.dtype)
+    return dx, dw
+
+
+def _numpy_fn(op: str, x, w, r, dy) -> Callable[[], Any]:
+    if op == "bwd":
+        return lambda: _numpy_bwd(dy, x, w)
+    return lambda: _numpy_fwd(x, w, r if op == "add" else None)
+
+
+def _torch_fn(op: str, x, w, r, dy) -> Callable[[], Any] | None:
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+
+    def t(a):
+        if a.dtype.kind == "V":  # bfloat16 via ml_dtypes: through float32
+            return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+        return torch.from_numpy(a)
+
+    d = x.shape[-1]
+    tx, tw = t(x), t(w)
+    if op in ("fwd", "fwd-out"):
+        return lambda: F.rms_norm(tx, (d,), tw, EPS)
+    if op == "add":
+        tr = t(r)
+        return lambda: F.rms_norm(tx + tr, (d,), tw, EPS)
+    txg = tx.clone().requires_grad_(True)
+    twg = tw.clone().requires_grad_(True)
+    y = F.rms_norm(txg, (d,), twg, EPS)
+    tdy = t(dy)
+    return lambda: torch.autograd.grad(y, (txg, twg), tdy, retain_graph=True)
+
+
+# --------------------------------------------------------------------------- the matrix
+
+
+def cases(quick: bool = False, dtypes: list[str] | None = None) -> list[tuple[str, str, int, int]]:
+    """``(op, dtype, tokens, d)`` in measurement order.
+
+    >>> len(cases()), cases(quick=True)[0]
+    (72, ('fwd', 'float32', 1, 4096))
+    """
+    shapes = QUICK_SHAPES if quick else SHAPES
+    dts = [d for d in DTYPES if dtypes is None or d in dtypes]
+    return [(op, dt, n, d) for (n, d) in shapes for dt in dts for op in OPS]
+
+
+def _polynorm_fn(op: str, x, w, r, dy, out) -> Callable[[], Any]:
+    import polynorm as pn
+
+    if op == "fwd":
+        return lambda: pn.rms_norm(x, w, eps=EPS)
+    if op == "fwd-out":
+        return lambda: pn.rms_norm(x, w, eps=EPS, out=out)
+    if op == "add":
+        return lambda: pn.add_rms_norm(x, r, w, eps=EPS)
+    return lambda: pn.rms_norm_backward(dy, x, w, eps=EPS)
+
+
+def run(
+    *, quick: bool = False, dtypes: list[str] | None = None, progress: Progress | None = None
+) -> list[Record]:
+    """Time the whole matrix; one :class:`~polynorm._bench.common.Record` per case.
+
+    ``quick=True`` takes smaller shapes and shorter timings (well under a
+    minute); peers are timed with fewer repeats than polynorm itself.
+    """
+    todo = cases(quick, dtypes)
+    min_time = 0.03 if quick else 0.3
+    peer_time = 0.02 if quick else 0.1
+    records: list[Record] = []
+    rng = np.random.default_rng(0)
+    arrays: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for i, (op, dt, n, d) in enumerate(todo):
+        if progress:
+            progress(i, len(todo), f"{op} {dt} {n}x{d}")
+        key = (dt, n, d)
+        if key not in arrays:
+            arrays.clear()  # one shape at a time in memory
+            npd = _np_dtype(dt)
+            x = rng.standard_normal((n, d), dtype=np.float32).astype(npd)
+            a = {
+                "x": x,
+                "w": (1 + 0.1 * rng.standard_normal(d, dtype=np.float32)).astype(npd),
+                "r": rng.standard_normal((n, d), dtype=np.float32).astype(npd),
+                "dy": rng.standard_normal((n, d), dtype=np.float32).astype(npd),
+                "out": np.empty_like(x),
+            }
+            a["roofs"] = roofs(x, min_time)
+            arrays[key] = a
+        a = arrays[key]
+        x, w, r, dy = a["x"], a["w"], a["r"], a["dy"]
+        alloc_roof, plain_roof = a["roofs"]
+        t = median_time(_polynorm_fn(op, x, w, r, dy, a["out"]), min_time=min_time)
+        moved = op_bytes(op, n, d, x.dtype.itemsize)
+        rate = gbps(moved, t)
+        roof = plain_roof if op == "fwd-out" else alloc_roof
+        ratios = {"copy": rate / roof}
+        extra: dict[str, Any] = {
+            "copy_gbps": roof, "alloc_copy_gbps": alloc_roof, "plain_copy_gbps": plain_roof,
+            "roof": "plain" if op == "fwd-out" else "alloc", "device": "cpu",
+        }
+        tf = _torch_fn(op, x, w, r, dy)
+        if tf is not None:
+            ts = median_time(tf, min_time=peer_time, min_repeat=3)
+            ratios["torch"] = ts / t
+            extra["torch_s"] = ts
+        ns = median_time(_numpy_fn(op, x, w, r, dy), min_time=peer_time, min_repeat=3)
+        ratios["numpy"] = ns / t
+        extra["numpy_s"] = ns
+        records.append(Record("cpu", op, "numba", dt, n, d, t, moved, rate, ratios, extra))
+    if progress:
+        progress(len(todo), len(todo), "done")
+    return records
+
+
+# --------------------------------------------------------------------------- per-call overhead
+
+
+def call_overhead(min_time: float = 0.2) -> dict[str, float]:
+    """Microseconds per (1, 4096) float32 call, end to end and its parts.
+
+    ``fast``: ``pn.rms_norm(x, w)`` (the front end's numpy fast path);
+    ``generic``: the same through the generic front end (``axis=(1,)``);
+    ``kernel``: the serial Numba kernel called directly; ``njit``: an empty
+    ``njit`` function taking one array; ``torch``: ``F.rms_norm``.
+    """
+    from numba import njit
+
+    import polynorm as pn
+    from polynorm.backends import _numba_kernels as K
+    from polynorm.backends import numba as nb
+
+    x = np.random.default_rng(0).standard_normal((1, 4096), dtype=np.float32)
+    w = np.ones(4096, np.float32)
+    y = np.empty_like(x)
+    r = np.empty(1, np.float32)
+    out = {
+        "fast": median_time(lambda: pn.rms_norm(x, w), min_time=min_time),
+        "generic": median_time(lambda: pn.rms_norm(x, w, axis=(1,)), min_time=min_time),
+        "kernel": median_time(
+            lambda: K.forward_serial(x, nb._DUMMY2, w, nb._DUMMY1, y, nb._DUMMY2, r,
+                                     K.HAS_W | K.EPS_INSIDE, 4096, EPS, 0.0),
+            min_time=min_time),
+    }
+    empty = njit(lambda a: 0)
+    out["njit"] = median_time(lambda: empty(x), min_time=min_time)
+    tf = _torch_fn("fwd", x, w, None, None)
+    if tf is not None:
+        out["torch"] = median_time(tf, min_time=min_time)
+    return {k: v * 1e6 for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------- serial threshold
+
+
+def threshold(ds=(512, 1024, 4096), ns=(1, 2, 4, 8, 16, 32, 64, 128), min_time=0.1):
+    """Serial vs parallel forward kernel time (us) for small ``(n, d)`` float32.
+
+    Returns ``[(n, d, serial_us, parallel_us)]``; the parallel kernel pays a
+    thread-pool launch, so it wins only above some ``n * d``.
+    """
+    from polynorm.backends import _numba_kernels as K
+    from polynorm.backends import numba as nb
+
+    rows = []
+    for d in ds:
+        for n in ns:
+            x = np.random.default_rng(0).standard_normal((n, d), dtype=np.float32)
+            w = np.ones(d, np.float32)
+            y = np.empty_like(x)
+            r = np.empty(n, np.float32)
+            args = (x, nb._DUMMY2, w, nb._DUMMY1, y, nb._DUMMY2, r,
+                    K.HAS_W | K.EPS_INSIDE, d, EPS, 0.0)
+            ts = median_time(lambda a=args: K.forward_serial(*a), min_time=min_time)
+            tp = median_time(lambda a=args: K.forward_parallel(*a), min_time=min_time)
+            rows.append((n, d, ts * 1e6, tp * 1e6))
+    return rows
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m polynorm._bench.cpu [--quick] [--dtypes ...] [--json PATH] [--threshold]``."""
+    p = argparse.ArgumentParser(prog="polynorm._bench.cpu", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small shapes, short timings (< 60 s)")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None)
+    p.add_argument("--json", default="bench/results/cpu.json", help="where to write the records")
+    p.add_argument("--note", default="", help="a note stored in the JSON (e.g. 'shared machine')")
+    p.add_argument("--threshold", action="store_true",
+                   help="only time serial vs parallel kernels on small inputs")
+    args = p.parse_args(argv)
+    ok, why = available()
+    if not ok:
+        print(f"numba backend unusable: {why}", file=sys.stderr)
+        return 1
+    if args.threshold:
+        print(f"{'n':>5} {'d':>6} {'n*d':>8} {'serial us':>10} {'parallel us':>12}")
+        for n, d, ts, tp in threshold():
+            print(f"{n:>5} {d:>6} {n * d:>8} {ts:>10.2f} {tp:>12.2f}" + ("  <- parallel wins"
+                                                                          if tp < ts else ""))
+        return 0
+    import numba
+
+    t0 = time.perf_counter()
+
+    def progress(done, total, label):
+        print(f"\r[{done}/{total}] {label:<40}", end="", file=sys.stderr, flush=True)
+
+    records = run(quick=args.quick, dtypes=args.dtypes, progress=progress)
+    print(file=sys.stderr)
+    over = call_overhead(0.05 if args.quick else 0.3)
+    print(format_table(records, ["copy", "torch", "numpy"]))
+    print()
+    print("(1, 4096) float32 per call, us: " + ", ".join(f"{k} {v:.2f}" for k, v in over.items()))
+    if "torch" in over:
+        print(f"  end to end / torch F.rms_norm = {over['fast'] / over['torch']:.2f} (target <= 0.5)")
+    meta = {
+        "suite": "cpu", "quick": args.quick, "note": args.note,
+        "numba": numba.__version__, "numpy": np.__version__,
+        "threads": numba.get_num_threads(), "threading_layer": _threading_layer(),
+        "call_overhead_us": over, "seconds": time.perf_counter() - t0,
+    }
+    try:
+        import torch
+
+        meta["torch"] = torch.__version__
+        meta["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    write_json(args.json, records, meta)
+    print(f"wrote {args.json}")
+    return 0
+
+
+def _threading_layer() -> str:
+    import numba
+
+    try:
+        return numba.threading_layer()
+    except ValueError:
+        return "not started"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
