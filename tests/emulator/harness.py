@@ -26,10 +26,22 @@ dtype differs from the pointer's element type.
 Arrays are not handed to the kernel in place: each one (overlapping arrays
 together, so aliasing is kept) is copied into a buffer that keeps its
 address modulo 256 (so vector-alignment decisions are the same), sits between
-``PROT_NONE`` guard pages, and has canary bytes on both sides.  After the
+``PROT_NONE`` guard pages, and has canary bytes (all ones: NaN in every float
+format, so a stray read shows in the results) on both sides.  After the
 launch the canaries are checked (an out-of-bounds write is an error), arrays
 passed only through ``const`` pointers are checked unchanged, and the others
 are copied back.
+
+Other checks a GPU would make, or a CPU would hide: the kernels are built
+with ``-fsanitize=alignment`` (a misaligned vector load fails the launch, as
+``cudaErrorMisalignedAddress`` would), literal ``__launch_bounds__(N)`` is
+enforced, and a launch can take the threads of a block in another order
+(``schedule=``) to expose races.  See ``cuda_emul.h`` for the execution model.
+
+Environment: ``POLYNORM_EMUL_CACHE`` (library cache directory),
+``POLYNORM_EMUL_WORKERS`` (OS threads per launch), ``POLYNORM_EMUL_CXXFLAGS``
+(extra g++ flags, e.g. ``-mfma -ffp-contract=fast`` to contract like nvcc),
+``CXX`` / ``READELF`` (tools).
 
 Example
 -------
