@@ -220,7 +220,9 @@ OPTIONS = {
     "residual": dict(residual=True),
     "residual_f32": dict(residual="float32"),
     "weight_f32": dict(weight="float32"),
+    "residual_f16": dict(residual="float16"),
     "out_f32": dict(out_dtype="float32"),
+    "out_f16": dict(out_dtype="float16"),
     "everything": dict(residual=True, bias=True, partial=0.5, offset=1.0, eps=0.5, eps_mode="outside"),
 }
 
