@@ -109,7 +109,9 @@ def _arrays(backend: str) -> _Arrays:
         import dask.array as da
 
         def make(a):
-            return da.from_array(a, chunks=(max(1, a.shape[0] // 2), a.shape[1]))
+            # tokens in two chunks, the normalized axis whole; weight/bias in one chunk
+            chunks = (max(1, a.shape[0] // 2), *a.shape[1:]) if a.ndim == 2 else a.shape
+            return da.from_array(a, chunks=chunks)
 
         return _Arrays(make, lambda a: np.asarray(a.compute()))
     return _Arrays(lambda a: a.copy(), np.asarray)

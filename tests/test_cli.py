@@ -312,3 +312,13 @@ def test_check_closed_form_gradient_agrees_with_finite_differences(inside, rng):
     dx = _check._exact_grads(x, w, b, g, **opts)[0]
     rstd0 = 1 / np.sqrt(1e-3) if inside else 1 / 1e-3
     np.testing.assert_allclose(dx[2], rstd0 * g[2] * (w + 0.5), rtol=1e-12)
+
+
+def test_check_hands_dask_arrays_of_every_rank():
+    pytest.importorskip("dask.array")
+    arr = _check._arrays("dask")
+    for a in (np.arange(6.0), np.arange(12.0).reshape(4, 3)):
+        d = arr.make(a)
+        assert type(d).__module__.startswith("dask")
+        np.testing.assert_array_equal(arr.read(d), a)
+    assert arr.make(np.zeros((4, 3))).chunks == ((2, 2), (3,))  # normalized axis whole
