@@ -17,7 +17,9 @@ Needs g++; without it these tests fail (EmulatorUnavailable), they do not skip.
 from __future__ import annotations
 
 import functools
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -50,12 +52,27 @@ def _family(name: str) -> str:
     return {v: k for k, v in cl.CTYPE.items()}[first]
 
 
+def _names(family: str) -> list[str]:
+    """fwd/bwd specialisations of one x dtype; every pn_colsum goes with float32."""
+    return [
+        n
+        for n in cl.specialisations()
+        if (n.startswith("pn_colsum") and family == "float32")
+        or (not n.startswith("pn_colsum") and _family(n) == family)
+    ]
+
+
 @functools.cache
+def _modules() -> dict:
+    # the four g++ runs in parallel (each is a few seconds; cached by content hash after)
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        futures = {f: pool.submit(compile_source, cl.SOURCE_PATH, _names(f)) for f in DTYPES}
+        return {f: fut.result() for f, fut in futures.items()}
+
+
 def module(family: str):
-    """One emulated library per x dtype: its fwd/bwd specialisations and every colsum."""
-    names = [n for n in cl.specialisations() if not n.startswith("pn_colsum") and _family(n) == family]
-    names += [n for n in cl.specialisations() if n.startswith("pn_colsum")]
-    return compile_source(cl.SOURCE_PATH, names)
+    """The emulated library holding the kernels of x dtype ``family``."""
+    return _modules()[family]
 
 
 #: how the emulator runs blocks (changed only by the schedule test)
