@@ -53,13 +53,10 @@ def _family(name: str) -> str:
 
 
 def _names(family: str) -> list[str]:
-    """fwd/bwd specialisations of one x dtype; every pn_colsum goes with float32."""
-    return [
-        n
-        for n in cl.specialisations()
-        if (n.startswith("pn_colsum") and family == "float32")
-        or (not n.startswith("pn_colsum") and _family(n) == family)
-    ]
+    """fwd/bwd specialisations of one x dtype, plus every pn_colsum (the same lists as
+    test_emul_cupy_backend.py builds, so the two share the cached libraries)."""
+    names = [n for n in cl.specialisations() if not n.startswith("pn_colsum") and _family(n) == family]
+    return names + [n for n in cl.specialisations() if n.startswith("pn_colsum")]
 
 
 @functools.cache

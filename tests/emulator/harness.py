@@ -403,6 +403,16 @@ def _parse_signature(sig: str) -> list[Param]:
     return params
 
 
+@dataclass(frozen=True)
+class Ptr:
+    """A pointer ``offset`` bytes into ``array`` (which may lie on both sides of it:
+    a kernel with a negative row stride reads before the pointer).  The whole
+    array is guarded and copied; the kernel receives the interior address."""
+
+    array: np.ndarray
+    offset: int
+
+
 _NUMPY_SCALARS = tuple(np.dtype(c).type for c in "?bhilqBHILQefdFD")
 
 
@@ -579,8 +589,13 @@ class Module:
             raise TypeError(f"{kernel}: takes {len(params)} arguments, got {len(args)}")
         keep: list[Any] = []
         slots = (ctypes.c_void_p * max(len(args), 1))()
-        arrays: list[tuple[int, np.ndarray, Param]] = []
+        arrays: list[tuple[int, np.ndarray, Param, int]] = []
         for i, (a, p) in enumerate(zip(args, params, strict=True)):
+            off = 0
+            if isinstance(a, Ptr):
+                a, off = a.array, int(a.offset)
+                if not 0 <= off < max(a.nbytes, 1):
+                    raise ValueError(f"{kernel}: argument {i}: offset {off} outside the array's {a.nbytes} bytes")
             if isinstance(a, np.ndarray):
                 if not p.pointer:
                     raise TypeError(f"{kernel}: argument {i} is an array but parameter {i} is a {p.code} scalar")
@@ -588,7 +603,7 @@ class Module:
                     raise TypeError(
                         f"{kernel}: argument {i} has dtype {a.dtype} but parameter {i} points to {p.code}"
                     )
-                arrays.append((i, a, p))
+                arrays.append((i, a, p, off))
                 continue
             if a is None:
                 if not p.pointer:
@@ -610,7 +625,7 @@ class Module:
             keep.append(buf)
             slots[i] = buf.ctypes.data
         # one guarded copy per group of overlapping arrays
-        ranges = sorted({_byte_bounds(a) for _i, a, _p in arrays if a.size})
+        ranges = sorted({_byte_bounds(a) for _i, a, _p, _o in arrays if a.size})
         groups: list[list[int]] = []
         for lo, hi in ranges:
             if groups and lo < groups[-1][1]:
@@ -620,14 +635,14 @@ class Module:
         guarded = [_Guarded(lo, hi) for lo, hi in groups]
         try:
             written = [False] * len(guarded)
-            for i, a, p in arrays:
+            for i, a, p, off in arrays:
                 if a.size == 0:
                     v = ctypes.c_void_p(a.ctypes.data)  # never dereferenced by a correct kernel
                 else:
                     lo, _hi = _byte_bounds(a)
                     g = next(k for k, gg in enumerate(guarded) if gg.lo <= lo < gg.hi)
                     written[g] |= not p.const
-                    v = ctypes.c_void_p(guarded[g].ptr(a.ctypes.data))
+                    v = ctypes.c_void_p(guarded[g].ptr(a.ctypes.data + off))
                 keep.append(v)
                 slots[i] = ctypes.addressof(v)
             cfg = _LaunchCfg()
