@@ -70,6 +70,10 @@ template <> struct pn_out<double> {
     static __device__ __forceinline__ double from(double v) { return v; }
 };
 
+// Chunks per thread whose loads pn_fwd_big issues together (more requests in
+// flight per thread; 4 spills registers under 1024-thread bounds).
+#define PN_BIG_U 2
+
 // ---------------------------------------------------------------- vector access
 // A chunk of N elements moved as one aligned struct: 16-byte loads/stores
 // (or N*sizeof(T) bytes when smaller).  `vec` false moves element by element,
@@ -465,21 +469,39 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
     double ss = 0.0;
     for (int s = 0; s < 2; ++s)
         if (je[s] >= 0 && je[s] < k) ss += (double)ve[s] * (double)ve[s];
-    for (int c = tr; c < L.body; c += tpr) {
-        const int j = L.head + c * VEC;
-        CT v[VEC];
-        pn_ld<VEC>(xr + j, L.vec, v);
-        if (has_res) {
-            CT t[VEC];
-            pn_ld<VEC>(resr + j, vr, t);
+    // U chunks at a time, their loads issued together: with one row per block
+    // each thread must keep several 16-byte requests in flight
+    for (int c0 = tr; c0 < L.body; c0 += PN_BIG_U * tpr) {
+        XT xa[PN_BIG_U][VEC];
+        RT ra[PN_BIG_U][VEC];
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) v[e] = pn_conv<CT>::in(pn_out<HT>::from(v[e] + t[e]));
-            pn_st<VEC>(hr + j, vh, v);
+        for (int u = 0; u < PN_BIG_U; ++u) {
+            const int c = c0 + u * tpr;
+            if (c < L.body) {
+                pn_ld_raw<VEC>(xr + L.head + c * VEC, L.vec, xa[u]);
+                if (has_res) pn_ld_raw<VEC>(resr + L.head + c * VEC, vr, ra[u]);
+            }
         }
-        if (c < stash) pn_st<VEC>(st + (long long)c * VEC, true, v);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e)
-            if (j + e < k) ss += (double)v[e] * (double)v[e];
+        for (int u = 0; u < PN_BIG_U; ++u) {
+            const int c = c0 + u * tpr;
+            if (c < L.body) {
+                const int j = L.head + c * VEC;
+                CT v[VEC];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) v[e] = pn_conv<CT>::in(xa[u][e]);
+                if (has_res) {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        v[e] = pn_conv<CT>::in(pn_out<HT>::from(v[e] + pn_conv<CT>::in(ra[u][e])));
+                    pn_st<VEC>(hr + j, vh, v);
+                }
+                if (c < stash) pn_st<VEC>(st + (long long)c * VEC, true, v);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e)
+                    if (j + e < k) ss += (double)v[e] * (double)v[e];
+            }
+        }
     }
     ss = pn_row_reduce<false>(ss, tpr, red);
     // the normalized row, chunk c (from shared memory when stashed)
@@ -533,21 +555,33 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
     }
     // descending: the chunks that were not stashed (read last in pass 1) are
     // re-read first, while they are most likely still in L2
-    for (int c = pn_last_chunk(tr, tpr, L.body); c >= 0; c -= tpr) {
-        const int j = L.head + c * VEC;
-        CT v[VEC];
-        if (c < stash) pn_ld<VEC>(st + (long long)c * VEC, true, v);
-        else pn_ld<VEC>(src + j, vsrc, v);
-        WT wv[VEC];
-        CT bv[VEC];
-        if (has_w) pn_ld_raw<VEC>(w + j, vw, wv);
-        if (has_b) pn_ld<VEC>(b + j, vb, bv);
-        CT o[VEC];
+    for (int c0 = pn_last_chunk(tr, tpr, L.body); c0 >= 0; c0 -= PN_BIG_U * tpr) {
+        HT ha[PN_BIG_U][VEC];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e)
-            o[e] = pn_yval<HT, WT, CT>(v[e], r, has_w, has_w ? wv[e] : WT(), has_b,
-                                       has_b ? bv[e] : (CT)0, off, llama != 0);
-        pn_st<VEC>(yr + j, vy, o);
+        for (int u = 0; u < PN_BIG_U; ++u) {
+            const int c = c0 - u * tpr;
+            if (c >= 0) {
+                if (c < stash) pn_ld_raw<VEC>(st + (long long)c * VEC, true, ha[u]);
+                else pn_ld_raw<VEC>(src + L.head + c * VEC, vsrc, ha[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < PN_BIG_U; ++u) {
+            const int c = c0 - u * tpr;
+            if (c >= 0) {
+                const int j = L.head + c * VEC;
+                WT wv[VEC];
+                CT bv[VEC];
+                if (has_w) pn_ld_raw<VEC>(w + j, vw, wv);
+                if (has_b) pn_ld<VEC>(b + j, vb, bv);
+                CT o[VEC];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e)
+                    o[e] = pn_yval<HT, WT, CT>(pn_conv<CT>::in(ha[u][e]), r, has_w, has_w ? wv[e] : WT(),
+                                               has_b, has_b ? bv[e] : (CT)0, off, llama != 0);
+                pn_st<VEC>(yr + j, vy, o);
+            }
+        }
     }
 }
 
