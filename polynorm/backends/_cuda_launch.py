@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from .._options import FLOAT_DTYPES, compute_dtype, promote
@@ -129,6 +130,7 @@ class FwdTypes:
     h: str  # normalized dtype = promote(x, residual)
 
 
+@lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small
 def forward_types(x: str, res: str | None, weight: str | None, out: str, llama: bool) -> FwdTypes | None:
     """Kernel dtypes for a forward, or ``None`` when no kernel computes it exactly.
 
@@ -162,6 +164,7 @@ class BwdTypes:
     compute: str
 
 
+@lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small
 def backward_types(x: str, dy: str, grad_residual: str | None, weight: str | None) -> BwdTypes:
     """Kernel dtypes for a backward (every combination has one, after casts).
 
@@ -227,6 +230,7 @@ def _row_block(n: int, tpr: int) -> int:
     return block
 
 
+@lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small
 def forward_launch(
     n: int,
     d: int,
@@ -268,6 +272,7 @@ def forward_launch(
                   shared=stash * per_chunk, tpr=block, big=True, stash=stash)
 
 
+@lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small
 def backward_launch(
     n: int,
     d: int,
@@ -315,6 +320,7 @@ def backward_launch(
                   tpr=block, big=True, stash=stash, partial_rows=grid if partials else 0, ldp=ldp)
 
 
+@lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small
 def colsum_launch(rows: int, d: int, compute: str, out: str) -> Launch:
     """Launch of pn_colsum (``out`` as returned by :func:`colsum_out`)."""
     return Launch(colsum_name(compute, out), grid=math.ceil(d / 32), block=256, shared=0,
