@@ -14,7 +14,7 @@
 # an index is reachable (PIP_INDEX_URL / PN_WHEELHOUSE=<dir of wheels> for an
 # offline box); anything that cannot be installed is reported and skipped, not fatal.
 # Knobs: PN_GPU_VENV (default $TMPDIR/polynorm-gpu-venv), PN_GPU_TORCH=0 (do not install CUDA torch),
-# PN_GPU_PEERS=0 (do not install liger-kernel / quack-kernels), PN_BENCH_BUDGET (s, default 240).
+# PN_GPU_PEERS=0 (do not install liger-kernel / quack-kernels), PN_BENCH_BUDGET (s, default 200).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -30,7 +30,7 @@ done
 RESULTS="${OUT:-$ROOT/bench/results}"
 mkdir -p "$RESULTS"
 VENV="${PN_GPU_VENV:-${TMPDIR:-/tmp}/polynorm-gpu-venv}"
-BUDGET="${PN_BENCH_BUDGET:-240}"
+BUDGET="${PN_BENCH_BUDGET:-200}"
 T0=$(date +%s)
 log() { echo "[gpu_check +$(( $(date +%s) - T0 ))s] $*" | tee -a "$RESULTS/gpu_env.txt"; }
 : > "$RESULTS/gpu_env.txt"
@@ -47,7 +47,8 @@ pipi() {
     # pip install, offline-friendly; never fatal
     local extra=()
     [ -n "${PN_WHEELHOUSE:-}" ] && extra=(--find-links "$PN_WHEELHOUSE")
-    timeout "${PIP_TIMEOUT:-240}" python -m pip install -q --disable-pip-version-check "${extra[@]}" "$@" \
+    timeout "${PIP_TIMEOUT:-240}" python -m pip install -q --disable-pip-version-check --retries 1 --timeout 20 \
+        "${extra[@]}" "$@" \
         >>"$RESULTS/gpu_env.txt" 2>&1 && log "installed $*" || log "could not install $* (continuing)"
 }
 has() { python -c "import $1" >/dev/null 2>&1; }
@@ -98,7 +99,7 @@ log "environment ready"
 
 # ---- tests (the GPU tests skip cleanly where there is no usable GPU)
 status=0
-timeout 240 python -m pytest -q -p no:cacheprovider -o addopts="" -rs \
+timeout 180 python -m pytest -q -p no:cacheprovider -o addopts="" -rs \
     tests/test_cupy_gpu.py --junitxml "$RESULTS/gpu_tests.xml" >"$RESULTS/gpu_tests.txt" 2>&1 || status=$?
 tail -n 5 "$RESULTS/gpu_tests.txt"
 log "GPU tests exit status $status"
@@ -109,7 +110,7 @@ if [ "$DRY" = 1 ]; then
     python bench/gpu.py --dry-run 2>&1 | tee "$RESULTS/gpu_bench.txt"
     bstatus=${PIPESTATUS[0]}
 else
-    timeout $(( BUDGET + 90 )) python bench/gpu.py --budget "$BUDGET" --out "$RESULTS/gpu-$stamp.json" \
+    timeout $(( BUDGET + 60 )) python bench/gpu.py --budget "$BUDGET" --out "$RESULTS/gpu-$stamp.json" \
         >"$RESULTS/gpu_bench.txt" 2>"$RESULTS/gpu_bench.log"
     bstatus=$?
     tail -n 30 "$RESULTS/gpu_bench.txt"

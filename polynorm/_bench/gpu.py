@@ -269,6 +269,17 @@ def run(
     return records
 
 
+def _device_name() -> str:
+    try:
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        name = props["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception as exc:  # no cupy / no device: say so in the JSON
+        return f"unknown ({type(exc).__name__})"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/gpu.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="4096 tokens, d in {4096, 65536}")
@@ -302,11 +313,8 @@ def main(argv: list[str] | None = None) -> int:
 
     recs = run(quick=args.quick, dtypes=args.dtypes, progress=progress, peers=not args.no_peers,
                budget_s=args.budget, skipped=skipped)
-    import cupy
-
-    dev = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    meta = {"device": dev["name"].decode() if isinstance(dev["name"], bytes) else dev["name"],
-            "skipped": skipped, "targets": {"fwd": 0.85, "add": 0.85, "bwd": 0.75}}
+    meta = {"device": _device_name(), "skipped": skipped,
+            "targets": {"fwd": 0.85, "add": 0.85, "bwd": 0.75}}
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M")
     out = args.out or f"bench/results/gpu-{stamp}.json"
     write_json(out, recs, meta)
