@@ -179,7 +179,8 @@ def _peers(lib: _Lib, op: str, dtype: str, x, r, w, dy, compiled: dict) -> dict[
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-        fns["liger"] = lambda xx, ww: LigerRMSNormFunction.apply(xx, ww, EPS, 0.0, "llama", False)
+        # positional (X, W, eps): later parameters changed across Liger versions
+        fns["liger"] = lambda xx, ww: LigerRMSNormFunction.apply(xx, ww, EPS)
     except Exception:
         pass
     try:
@@ -191,6 +192,8 @@ def _peers(lib: _Lib, op: str, dtype: str, x, r, w, dy, compiled: dict) -> dict[
     for name, f in fns.items():
         if op == "fwd":
             out[name] = lambda f=f: f(x, w)
+        elif op == "add" and name == "quack":  # QuACK fuses the residual add too
+            out[name] = lambda: quack_rmsnorm(x, w, residual=r, eps=EPS, prenorm=True)
         elif op == "add":
             out[name] = lambda f=f: f(x + r, w)
         else:
