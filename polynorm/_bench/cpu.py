@@ -295,8 +295,8 @@ def call_overhead(min_time: float = 0.2) -> dict[str, float]:
         "fast": median_time(lambda: pn.rms_norm(x, w), min_time=min_time),
         "generic": median_time(lambda: pn.rms_norm(x, w, axis=(1,)), min_time=min_time),
         "kernel": median_time(
-            lambda: K.forward_serial(x, nb._DUMMY2, w, nb._DUMMY1, y, nb._DUMMY2, r,
-                                     K.HAS_W | K.EPS_INSIDE, 4096, EPS, 0.0),
+            lambda: K.forward_rows(0, 1, x, x, w, nb._NO_VEC[w.dtype], y, x, r,
+                                   K.HAS_W | K.EPS_INSIDE, 4096, EPS, 0.0),
             min_time=min_time),
     }
     empty = njit(lambda a: 0)
@@ -326,9 +326,8 @@ def threshold(ds=(512, 1024, 4096), ns=(1, 2, 4, 8, 16, 32, 64, 128), min_time=0
             w = np.ones(d, np.float32)
             y = np.empty_like(x)
             r = np.empty(n, np.float32)
-            args = (x, nb._DUMMY2, w, nb._DUMMY1, y, nb._DUMMY2, r,
-                    K.HAS_W | K.EPS_INSIDE, d, EPS, 0.0)
-            ts = median_time(lambda a=args: K.forward_serial(*a), min_time=min_time)
+            args = (x, x, w, nb._NO_VEC[w.dtype], y, x, r, K.HAS_W | K.EPS_INSIDE, d, EPS, 0.0)
+            ts = median_time(lambda a=args, n=n: K.forward_rows(0, n, *a), min_time=min_time)
             tp = median_time(lambda a=args: K.forward_parallel(*a), min_time=min_time)
             rows.append((n, d, ts * 1e6, tp * 1e6))
     return rows

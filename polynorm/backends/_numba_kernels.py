@@ -2,10 +2,12 @@
 
 Every option of the :class:`polynorm._options.Plan` arrives as a runtime
 scalar or a bit of ``flags``, so a kernel is specialised only on the element
-types and memory layouts of its arrays.  Absent arrays (residual, weight,
-bias, ...) are passed as a 1x1 dummy with the matching flag bit cleared.
-float16 and bfloat16 arrays arrive as ``uint16`` views; a flag bit per array
-says which of the two formats it holds.
+types and memory layouts of its arrays.  Weight and bias arrive in the
+compute type (the caller converts those ``(d,)`` arrays), and an absent
+array is replaced by a stand-in of the type it would have (x itself for a
+missing residual), with its flag bit cleared: the common calls share one
+compiled kernel per input dtype.  float16 and bfloat16 arrays arrive as
+``uint16`` views; a flag bit per array says which of the two formats it holds.
 
 Numerics (see the module docstring of :mod:`polynorm._options`):
 
@@ -146,72 +148,127 @@ def _stats(a, i, k, bf, eps, inside):
 
 @_inline
 def _fwd_norm_row(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
+    """``y[i] = a[i] * rstd * (w + offset) + b`` in the compute type, rounded once."""
     d = a.shape[1]
     has_w = (flags & HAS_W) != 0
     has_b = (flags & HAS_B) != 0
-    wbf = (flags & BF_W) != 0
-    bbf = (flags & BF_B) != 0
     ybf = (flags & BF_Y) != 0
     _, r64 = _stats(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0)
     rstd[i] = r64
     rc = rstd[i]  # rstd in the compute type
     yi = y[i]
-    if flags & LLAMA:
-        xcode = (flags >> XCODE_SHIFT) & 3
-        wcode = (flags >> WCODE_SHIFT) & 3
-        pcode = (flags >> PCODE_SHIFT) & 3
-        off = np.float64(offset)  # g = weight + offset, rounded once to weight's dtype
-        for j in range(d):
-            xh = round_to(load(a[i, j], abf) * rc, xcode)
-            val = xh
-            if has_w:
-                g = round_to(np.float64(load(w[j], wbf)) + off, wcode)
-                val = like(round_to(np.float64(xh) * g, pcode), rc)
-            if has_b:
-                val = val + like(load(b[j], bbf), rc)
-            store(yi, j, val, ybf)
-        return
     oc = like(offset, rc)
-    # the common cases get their own loops, free of per-element branches
+    # one loop per case, free of per-element branches (they vectorize)
     if has_w and not has_b:
         for j in range(d):
-            store(yi, j, load(a[i, j], abf) * rc * (like(load(w[j], wbf), rc) + oc), ybf)
+            store(yi, j, load(a[i, j], abf) * rc * (like(w[j], rc) + oc), ybf)
     elif not has_w and not has_b:
         for j in range(d):
             store(yi, j, load(a[i, j], abf) * rc, ybf)
     elif has_w:
         for j in range(d):
-            val = load(a[i, j], abf) * rc * (like(load(w[j], wbf), rc) + oc)
-            store(yi, j, val + like(load(b[j], bbf), rc), ybf)
+            val = load(a[i, j], abf) * rc * (like(w[j], rc) + oc)
+            store(yi, j, val + like(b[j], rc), ybf)
     else:
         for j in range(d):
-            store(yi, j, load(a[i, j], abf) * rc + like(load(b[j], bbf), rc), ybf)
+            store(yi, j, load(a[i, j], abf) * rc + like(b[j], rc), ybf)
+
+
+@_inline
+def _fwd_norm_row_llama(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
+    """Hugging Face Llama's order: round xhat to x's dtype, g = w + offset to
+    weight's dtype, the product to promote(x, weight), add bias, round to y's."""
+    d = a.shape[1]
+    has_w = (flags & HAS_W) != 0
+    has_b = (flags & HAS_B) != 0
+    ybf = (flags & BF_Y) != 0
+    _, r64 = _stats(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0)
+    rstd[i] = r64
+    rc = rstd[i]
+    yi = y[i]
+    xcode = (flags >> XCODE_SHIFT) & 3
+    wcode = (flags >> WCODE_SHIFT) & 3
+    pcode = (flags >> PCODE_SHIFT) & 3
+    off = np.float64(offset)
+    for j in range(d):
+        xh = round_to(load(a[i, j], abf) * rc, xcode)
+        val = xh
+        if has_w:
+            # w holds the weight's exact values (float32/float64 arrays)
+            g = round_to(np.float64(w[j]) + off, wcode)
+            val = like(round_to(np.float64(xh) * g, pcode), rc)
+        if has_b:
+            val = val + like(b[j], rc)
+        store(yi, j, val, ybf)
+
+
+@_inline
+def _add_row(i, x, r, h, flags):
+    """``h[i] = x[i] + r[i]``: summed in the compute type, rounded once to h's dtype."""
+    xbf = (flags & BF_X) != 0
+    rbf = (flags & BF_R) != 0
+    hbf = (flags & BF_H) != 0
+    hi = h[i]
+    for j in range(x.shape[1]):
+        store(hi, j, load(x[i, j], xbf) + load(r[i, j], rbf), hbf)
 
 
 @_inline
 def _fwd_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
-    xbf = (flags & BF_X) != 0
     if flags & HAS_R:
-        rbf = (flags & BF_R) != 0
-        hbf = (flags & BF_H) != 0
-        hi = h[i]
-        for j in range(x.shape[1]):
-            store(hi, j, load(x[i, j], xbf) + load(r[i, j], rbf), hbf)
-        _fwd_norm_row(i, h, hbf, w, b, y, rstd, flags, k, eps, offset)
+        _add_row(i, x, r, h, flags)
+        _fwd_norm_row(i, h, (flags & BF_H) != 0, w, b, y, rstd, flags, k, eps, offset)
     else:
-        _fwd_norm_row(i, x, xbf, w, b, y, rstd, flags, k, eps, offset)
+        _fwd_norm_row(i, x, (flags & BF_X) != 0, w, b, y, rstd, flags, k, eps, offset)
+
+
+@_inline
+def _fwd_row_llama(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
+    if flags & HAS_R:
+        _add_row(i, x, r, h, flags)
+        _fwd_norm_row_llama(i, h, (flags & BF_H) != 0, w, b, y, rstd, flags, k, eps, offset)
+    else:
+        _fwd_norm_row_llama(i, x, (flags & BF_X) != 0, w, b, y, rstd, flags, k, eps, offset)
+
+
+# Forward drivers.  x, r, y, h: (n, d) (uint16 bits for 16-bit floats); w, b:
+# (d,) in the compute type (float64 for llama weights wider than it); absent
+# arrays are stand-ins of the same types (see polynorm.backends.numba).
+# ``*_rows`` does rows [lo, hi) on one thread and is the serial path; the
+# parallel driver only splits the rows and calls it, so the row code is
+# compiled once (the parallel driver compiles in a fraction of the time) and
+# the two paths give the same bits by construction.
+
+_ROW_CHUNK = 4  # rows per prange task: enough to amortize the call
 
 
 @_jit()
-def forward_serial(x, r, w, b, y, h, rstd, flags, k, eps, offset):
-    for i in range(x.shape[0]):
+def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
+    for i in range(lo, hi):
         _fwd_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset)
+
+
+@_jit()
+def forward_llama_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
+    for i in range(lo, hi):
+        _fwd_row_llama(i, x, r, w, b, y, h, rstd, flags, k, eps, offset)
 
 
 @_jit(parallel=True)
 def forward_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset):
-    for i in prange(x.shape[0]):
-        _fwd_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset)
+    n = x.shape[0]
+    for c in prange((n + _ROW_CHUNK - 1) // _ROW_CHUNK):
+        lo = c * _ROW_CHUNK
+        forward_rows(lo, min(n, lo + _ROW_CHUNK), x, r, w, b, y, h, rstd, flags, k, eps, offset)
+
+
+@_jit(parallel=True)
+def forward_llama_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset):
+    n = x.shape[0]
+    for c in prange((n + _ROW_CHUNK - 1) // _ROW_CHUNK):
+        lo = c * _ROW_CHUNK
+        forward_llama_rows(lo, min(n, lo + _ROW_CHUNK), x, r, w, b, y, h, rstd, flags, k, eps,
+                           offset)
 
 
 # --------------------------------------------------------------------------- backward
@@ -228,11 +285,10 @@ def _dot_row(dy, x, w, i, rc, oc, flags):
     """``sum_j g_j * dy[i, j] * xhat[i, j]`` accumulated in float64."""
     xbf = (flags & BF_X) != 0
     dybf = (flags & BF_Y) != 0
-    wbf = (flags & BF_W) != 0
     c = 0.0
     if flags & HAS_W:
         for j in range(x.shape[1]):
-            g = like(load(w[j], wbf), rc) + oc
+            g = like(w[j], rc) + oc
             c += np.float64(g * _ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
     else:
         for j in range(x.shape[1]):
@@ -285,7 +341,6 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset):
 def _dx_range(i, lo, hi, dy, x, w, gr, dxi, rc, oc, coef, flags):
     """``dx[i, lo:hi] = rstd * (g*dy - xhat*coef) (+ grad_residual)``, one loop per case."""
     xbf = (flags & BF_X) != 0
-    wbf = (flags & BF_W) != 0
     dybf = (flags & BF_Y) != 0
     grbf = (flags & BF_H) != 0
     has_w = (flags & HAS_W) != 0
@@ -293,7 +348,7 @@ def _dx_range(i, lo, hi, dy, x, w, gr, dxi, rc, oc, coef, flags):
         if has_w:
             for j in range(lo, hi):
                 xh = load(x[i, j], xbf) * rc
-                g = like(load(w[j], wbf), rc) + oc
+                g = like(w[j], rc) + oc
                 v = rc * (_ld(dy, i, j, dybf, rc) * g - xh * coef)
                 store(dxi, j, v + _ld(gr, i, j, grbf, rc), xbf)
         else:
@@ -304,7 +359,7 @@ def _dx_range(i, lo, hi, dy, x, w, gr, dxi, rc, oc, coef, flags):
     elif has_w:
         for j in range(lo, hi):
             xh = load(x[i, j], xbf) * rc
-            g = like(load(w[j], wbf), rc) + oc
+            g = like(w[j], rc) + oc
             store(dxi, j, rc * (_ld(dy, i, j, dybf, rc) * g - xh * coef), xbf)
     else:
         for j in range(lo, hi):
@@ -312,46 +367,42 @@ def _dx_range(i, lo, hi, dy, x, w, gr, dxi, rc, oc, coef, flags):
             store(dxi, j, rc * (_ld(dy, i, j, dybf, rc) - xh * coef), xbf)
 
 
-@_inline
-def _bwd_block(blk, rows, dy, x, w, rstd_in, gr, dx, part, flags, k, eps, offset):
-    lo = blk * rows
-    hi = min(lo + rows, x.shape[0])
-    for i in range(lo, hi):
-        _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset)
-
-
 @_jit()
-def backward_serial(dy, x, w, rstd_in, gr, dx, part, rows, flags, k, eps, offset):
-    for blk in range(part.shape[0]):
-        _bwd_block(blk, rows, dy, x, w, rstd_in, gr, dx, part, flags, k, eps, offset)
+def backward_blocks(lo, hi, rows, dy, x, w, rstd_in, gr, dx, part, flags, k, eps, offset):
+    """Row blocks [lo, hi) on one thread: the serial path, and the parallel path's task."""
+    n = x.shape[0]
+    for blk in range(lo, hi):
+        for i in range(blk * rows, min(n, (blk + 1) * rows)):
+            _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset)
 
 
 @_jit(parallel=True)
-def backward_parallel(dy, x, w, rstd_in, gr, dx, part, rows, flags, k, eps, offset):
+def backward_parallel(rows, dy, x, w, rstd_in, gr, dx, part, flags, k, eps, offset):
     for blk in prange(part.shape[0]):
-        _bwd_block(blk, rows, dy, x, w, rstd_in, gr, dx, part, flags, k, eps, offset)
-
-
-@_inline
-def _reduce_cols(part, dw, db, lo, hi, flags):
-    d = dw.shape[0]
-    wbf = (flags & BF_W) != 0
-    bbf = (flags & BF_B) != 0
-    for j in range(lo, hi):
-        sw = 0.0
-        sb = 0.0
-        for blk in range(part.shape[0]):  # block order: the same bits for any thread count
-            sw += part[blk, j]
-            sb += part[blk, d + j]
-        if flags & HAS_W:
-            store(dw, j, sw, wbf)
-        if flags & HAS_B:
-            store(db, j, sb, bbf)
+        backward_blocks(blk, blk + 1, rows, dy, x, w, rstd_in, gr, dx, part, flags, k, eps,
+                        offset)
 
 
 @_jit()
-def reduce_serial(part, dw, db, flags):
-    _reduce_cols(part, dw, db, 0, dw.shape[0], flags)
+def reduce_cols(lo, hi, part, dw, db, flags):
+    """dweight/dbias columns [lo, hi): the block partials summed in block order
+    (the same bits for any thread count), rounded once to their dtypes."""
+    d = dw.shape[0]
+    nblk = part.shape[0]
+    wbf = (flags & BF_W) != 0
+    bbf = (flags & BF_B) != 0
+    if flags & HAS_W:
+        for j in range(lo, hi):
+            sw = 0.0
+            for blk in range(nblk):
+                sw += part[blk, j]
+            store(dw, j, sw, wbf)
+    if flags & HAS_B:
+        for j in range(lo, hi):
+            sb = 0.0
+            for blk in range(nblk):
+                sb += part[blk, d + j]
+            store(db, j, sb, bbf)
 
 
 @_jit(parallel=True)
@@ -359,4 +410,4 @@ def reduce_parallel(part, dw, db, flags):
     d = dw.shape[0]
     chunk = 1024
     for c in prange((d + chunk - 1) // chunk):
-        _reduce_cols(part, dw, db, c * chunk, min(d, (c + 1) * chunk), flags)
+        reduce_cols(c * chunk, min(d, (c + 1) * chunk), part, dw, db, flags)

@@ -79,9 +79,10 @@ def _np_dtype(dtype_name: str) -> np.dtype:
     return dt
 
 
-_DUMMY2 = np.zeros((1, 1), np.float32)
-_DUMMY1 = np.zeros(1, np.float32)
 _U16 = np.dtype(np.uint16)
+_F64 = np.dtype(np.float64)
+#: (d,) stand-ins for an absent weight/bias, per compute dtype
+_NO_VEC = {np.dtype(np.float32): np.zeros(1, np.float32), _F64: np.zeros(1, np.float64)}
 
 
 def _kview(a: np.ndarray) -> np.ndarray:
@@ -99,11 +100,25 @@ def _parallel(n: int, d: int) -> bool:
     return n >= 2 and n * d >= SERIAL_MAX_ELEMENTS
 
 
+def _vec(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarray:
+    """Weight/bias as the kernels take them: in the compute dtype.
+
+    This is the reference's own ``astype(weight, compute dtype)``; with
+    ``exact`` (llama weights, whose own rounding matters) a weight wider than
+    the compute dtype is kept as float64 instead.  A ``(d,)`` copy at most.
+    """
+    if a.dtype == cdt:
+        return a
+    if exact and a.dtype.itemsize > cdt.itemsize:
+        return a if a.dtype == _F64 else a.astype(_F64)
+    return a.astype(cdt)
+
+
 _plan_info: dict[int, tuple] = {}
 
 
 def _info(plan: Plan) -> tuple:
-    """``(flags, y dtype, h dtype, rstd dtype, plan)`` for a plan; cached.
+    """``(flags, y dtype, h dtype, compute dtype, plan)`` for a plan; cached.
 
     Keyed by ``id(plan)`` (hashing a Plan hashes all its fields, ~0.15 us);
     the entry keeps the plan alive and is checked to be the same object.
@@ -145,39 +160,44 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     to_numpy = _interop.to_numpy
     x = to_numpy(x)
     n, d = x.shape
-    flags, y_dt, h_dt, r_dt, _ = _info(plan)
+    flags, y_dt, h_dt, cdt, _ = _info(plan)
     y = np.empty((n, d), y_dt) if out is None else to_numpy(out)
-    rstd = np.empty(n, r_dt)
-    if plan.llama:
-        flags |= _llama_codes(plan, None if weight is None else to_numpy(weight))
+    rstd = np.empty(n, cdt)
+    xk = _kview(x)
+    if _bf(x):
+        flags |= K.BF_X
+    yk = _kview(y)
     h = None
-    r = hk = _DUMMY2
+    # stand-ins of the right types when there is no residual (h must be writable)
+    r, hk = xk, yk
     if residual is not None:
         rn = to_numpy(residual)
         h = np.empty((n, d), h_dt)
         flags |= K.HAS_R | (K.BF_R if _bf(rn) else 0) | (K.BF_H if _bf(h) else 0)
         r = _kview(rn)
         hk = _kview(h)
-    w = _DUMMY1
+    w = b = _NO_VEC[cdt]
     if weight is not None:
-        w = to_numpy(weight)
-        flags |= K.HAS_W | (K.BF_W if _bf(w) else 0)
-        w = _kview(w)
-    b = _DUMMY1
+        wn = to_numpy(weight)
+        flags |= K.HAS_W
+        if plan.llama:
+            flags |= _llama_codes(plan, wn)
+        w = _vec(wn, cdt, plan.llama)
+    elif plan.llama:
+        flags |= _llama_codes(plan, None)
     if bias is not None:
-        b = to_numpy(bias)
-        flags |= K.HAS_B | (K.BF_B if _bf(b) else 0)
-        b = _kview(b)
-    if _bf(x):
-        flags |= K.BF_X
+        flags |= K.HAS_B
+        b = _vec(to_numpy(bias), cdt)
     if _bf(y):
         flags |= K.BF_Y
-    args = (_kview(x), r, w, b, _kview(y), hk, rstd, flags, plan.k, plan.eps, plan.offset)
+    args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, plan.offset)
     if _parallel(n, d):
         with _launch_lock:
-            K.forward_parallel(*args)
+            (K.forward_llama_parallel if plan.llama else K.forward_parallel)(*args)
+    elif plan.llama:
+        K.forward_llama_rows(0, n, *args)
     else:
-        K.forward_serial(*args)
+        K.forward_rows(0, n, *args)
     from_numpy = _interop.from_numpy
     return (out if out is not None else from_numpy(y, like),
             None if h is None else from_numpy(h, like), from_numpy(rstd, like))
@@ -207,24 +227,26 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     xn = to_numpy(x)
     dyn = to_numpy(dy)
     n, d = xn.shape
+    info = _info(plan)
+    cdt = info[3]
     # casting does not change the backward: no llama bit
-    flags = _info(plan)[0] & ~K.LLAMA
+    flags = info[0] & ~K.LLAMA
     flags |= (K.BF_X if _bf(xn) else 0) | (K.BF_Y if _bf(dyn) else 0)
-    w = _DUMMY1
-    wn = None
+    dyk = _kview(dyn)
+    w = _NO_VEC[cdt]
+    wn = bn = None
     if weight is not None:
         wn = to_numpy(weight)
         flags |= K.HAS_W | (K.BF_W if _bf(wn) else 0)
-        w = _kview(wn)
-    bn = None
+        w = _vec(wn, cdt)
     if bias is not None:
         bn = to_numpy(bias)
         flags |= K.HAS_B | (K.BF_B if _bf(bn) else 0)
-    rs = _DUMMY1
+    rs = _NO_VEC[cdt]
     if rstd is not None:
         rs = to_numpy(rstd)
         flags |= K.HAS_RSTD
-    gr = _DUMMY2
+    gr = dyk  # stand-in of the right type
     if grad_residual is not None:
         grn = to_numpy(grad_residual)
         flags |= K.HAS_GR | (K.BF_H if _bf(grn) else 0)
@@ -234,24 +256,25 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     need_part = weight is not None or bias is not None
     part = np.zeros((nblk, 2 * d)) if need_part else np.empty((nblk, 0))
     par = _parallel(n, d)
-    args = (_kview(dyn), _kview(xn), w, rs, gr, _kview(dx), part, rows, flags,
+    args = (rows, dyk, _kview(xn), w, rs, gr, _kview(dx), part, flags,
             plan.k, plan.eps, plan.offset)
     if par and nblk > 1:
         with _launch_lock:
             K.backward_parallel(*args)
     else:
-        K.backward_serial(*args)
+        K.backward_blocks(0, nblk, *args)
     dw = db = None
     if need_part:
         dw = np.empty(d, wn.dtype) if wn is not None else None
         db = np.empty(d, bn.dtype) if bn is not None else None
-        rargs = (part, _DUMMY1 if dw is None else _kview(dw),
-                 _DUMMY1 if db is None else _kview(db), flags)
+        dwk = None if dw is None else _kview(dw)
+        dbk = None if db is None else _kview(db)
+        rargs = (part, dbk if dwk is None else dwk, dwk if dbk is None else dbk, flags)
         if par and d >= 4096:
             with _launch_lock:
                 K.reduce_parallel(*rargs)
         else:
-            K.reduce_serial(*rargs)
+            K.reduce_cols(0, d, *rargs)
     from_numpy = _interop.from_numpy
     return (from_numpy(dx, like), None if dw is None else from_numpy(dw, like),
             None if db is None else from_numpy(db, like))
