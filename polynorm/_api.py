@@ -14,6 +14,7 @@ from typing import Any
 import array_api_compat as aac
 import numpy as _np
 
+from . import _interop
 from . import backends as _backends
 from ._dtypes import float_dtype_name, namespace_dtype, parse_dtype
 from ._options import Plan, make_plan, promote
@@ -268,7 +269,22 @@ def _fast_plan(d, dtype, eps, partial, offset, eps_mode, casting, out_dtype) -> 
 def _fast_forward(mod, x, residual, weight, bias, out, return_rstd, eps, partial, offset,
                   eps_mode, casting, out_dtype, fused):
     """``rms_norm``/``add_rms_norm`` on numpy arrays, or None for the generic path."""
-    if type(x) is not _np.ndarray or x.ndim == 0:
+    if type(x) is not _np.ndarray:
+        # torch CPU tensors: the same path on zero-copy numpy views (polynorm._interop)
+        if type(x).__module__ != "torch" or x.ndim == 0:
+            return None
+        views = _interop.torch_host_views((x, residual, weight, bias, out))
+        if views is None:
+            return None
+        r = _fast_forward(mod, *views, return_rstd, eps, partial, offset, eps_mode, casting,
+                          out_dtype, fused)
+        if r is None:
+            return None
+        r = [_interop.torch_from_host(a) for a in ((r,) if type(r) is _np.ndarray else r)]
+        if out is not None:
+            r[0] = out
+        return r[0] if len(r) == 1 else tuple(r)
+    if x.ndim == 0:
         return None
     for a in (residual, weight, bias, out):
         if a is not None and type(a) is not _np.ndarray:
@@ -317,6 +333,12 @@ def _fast_forward(mod, x, residual, weight, bias, out, return_rstd, eps, partial
 def _fast_backward(mod, dy, x, weight, bias, rstd, grad_residual, eps, partial, offset,
                    eps_mode, casting):
     """``rms_norm_backward`` on numpy arrays, or None for the generic path."""
+    if type(x) is not _np.ndarray and type(x).__module__ == "torch" and x.ndim != 0:
+        views = _interop.torch_host_views((dy, x, weight, bias, rstd, grad_residual))
+        if views is None:
+            return None
+        r = _fast_backward(mod, *views, eps, partial, offset, eps_mode, casting)
+        return None if r is None else tuple(_interop.torch_from_host(a) for a in r)
     if type(x) is not _np.ndarray or type(dy) is not _np.ndarray or x.ndim == 0:
         return None
     for a in (weight, bias, rstd, grad_residual):

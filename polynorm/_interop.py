@@ -231,3 +231,64 @@ def from_cupy(a: Any, like: Any, dtype: str | None = None) -> Any:
         j = jnp.from_dlpack(a)
         return jax.lax.bitcast_convert_type(j, jnp.bfloat16) if dtype == "bfloat16" else j
     raise TypeError(f"cannot wrap a cupy array as {type(like).__name__}")
+
+
+# ------------------------------------------------------------------ the front end's fast path
+
+_TORCH: list[Any] = []  # [torch, {float dtype: None}, strided, Parameter], filled on first use
+
+
+def torch_host_views(arrays: tuple[Any, ...]) -> list[np.ndarray | None] | None:
+    """numpy views of torch CPU float tensors (``None`` kept), or ``None`` if any
+    array is something else -- then the generic front end handles the call.
+
+    Lets a (1, 4096) torch call take the front end's numpy fast path: about
+    1 us per tensor instead of the array-API machinery's ~10 us.
+
+    >>> import torch
+    >>> [v.shape for v in torch_host_views((torch.ones(2, 3), None)) if v is not None]
+    [(2, 3)]
+    >>> torch_host_views((torch.ones(2), torch.ones(2, dtype=torch.int32))) is None
+    True
+    """
+    if not _TORCH:
+        import torch
+
+        floats = dict.fromkeys((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+        _TORCH.extend((torch, floats, torch.strided, torch.nn.Parameter))
+    torch, floats, strided, param = _TORCH
+    views: list[np.ndarray | None] = []
+    for a in arrays:
+        if a is None:
+            views.append(None)
+            continue
+        # exact types: subclasses (fake/functional tensors under tracing) have no data to view
+        if not ((type(a) is torch.Tensor or type(a) is param) and a.is_cpu and a.layout is strided):
+            return None
+        dt = a.dtype
+        if dt not in floats:
+            return None
+        if a.requires_grad:
+            a = a.detach()
+        if dt is torch.bfloat16:
+            views.append(a.view(torch.int16).numpy().view(_bf16()))
+        else:
+            views.append(a.numpy())
+    return views
+
+
+def torch_from_host(a: np.ndarray | None) -> Any:
+    """:func:`from_numpy` for a torch CPU result, minus the dispatch (fast path).
+
+    >>> import numpy as np
+    >>> torch_from_host(np.zeros(2, np.float16)).dtype
+    torch.float16
+    """
+    if a is None:
+        return None
+    if not _TORCH:
+        torch_host_views(())
+    torch = _TORCH[0]
+    if a.dtype.itemsize == 2 and a.dtype.char != "e":  # bfloat16 (float16 is "e")
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)

@@ -1,0 +1,236 @@
+"""Interop benchmark: torch tensors, the torch module, and dask on a cluster.
+
+Four measurements, each a :class:`~polynorm._bench.common.Record` of suite
+``"interop"``:
+
+``dispatch`` (1 x 4096 float32 torch CPU tensor)
+    ``pn.rms_norm(x, w)`` end to end against torch's own ``F.rms_norm`` on
+    the same tensor; ratio ``torch`` = torch's time / polynorm's (target:
+    >= 1, not slower).  ``extra`` has the same call on the numpy view.
+``fwd`` (16384 x 4096 torch CPU tensor; 4096 x 4096 with ``quick``)
+    ``pn.rms_norm`` on the tensor against the parallel copy roof (ratio
+    ``copy``) and against the same call on the numpy array holding the same
+    data (ratio ``numpy_input`` = numpy-input time / tensor time; target:
+    >= 0.95, i.e. the tensor reaches the kernel's bandwidth within 5%).
+``module`` (4096 x 4096; 1024 x 4096 with ``quick``)
+    ``polynorm.torch.RMSNorm`` forward + backward (``torch.autograd.grad``
+    of x and weight) against ``torch.nn.RMSNorm`` on CPU; ratio ``torch``
+    (target >= 5).
+``dask`` (16384 x 4096 float32 in 8 row chunks; 4096 x 4096 with ``quick``)
+    ``pn.rms_norm`` on a dask array persisted on a ``LocalCluster`` of two
+    single-threaded worker processes, timed to the result being held on the
+    workers (``persist`` + ``wait``, nothing gathered), against the in-memory
+    kernel on the same data; ratio ``in_memory`` = in-memory time / cluster
+    time (< 1: the cluster is slower; on one small machine it shares the
+    same cores and adds scheduling).
+
+Run ``python bench/interop.py`` (``--quick`` stays under a minute); wrap it
+in ``flock /tmp/polynorm-bench.lock`` on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .common import Record, format_table, gbps, median_time, write_json
+
+DTYPES = ("float32", "bfloat16")
+EPS = 1e-6
+Progress = Callable[[int, int, str], None]
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def _tensor(rng, shape, dtype: str):
+    import torch
+
+    return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to(_torch_dtype(dtype))
+
+
+def dispatch(min_time: float) -> Record:
+    """(1, 4096) float32: end-to-end call on a torch tensor vs ``F.rms_norm``."""
+    import torch
+    import torch.nn.functional as F
+
+    import polynorm as pn
+    from polynorm import _interop
+
+    rng = np.random.default_rng(0)
+    x, w = _tensor(rng, (1, 4096), "float32"), 1 + 0.1 * _tensor(rng, (4096,), "float32")
+    xn, wn = _interop.to_numpy(x), _interop.to_numpy(w)
+    t = median_time(lambda: pn.rms_norm(x, w, eps=EPS), min_time=min_time)
+    with torch.no_grad():
+        tt = median_time(lambda: F.rms_norm(x, (4096,), w, EPS), min_time=min_time)
+    tn = median_time(lambda: pn.rms_norm(xn, wn, eps=EPS), min_time=min_time)
+    moved = 2 * x.numel() * 4 + w.numel() * 4
+    return Record("interop", "dispatch", "torch-cpu", "float32", 1, 4096, t, moved,
+                  gbps(moved, t), {"torch": tt / t},
+                  {"torch_s": tt, "numpy_input_s": tn, "what": "pn.rms_norm(tensor) vs F.rms_norm"})
+
+
+def bandwidth(n: int, d: int, dtype: str, min_time: float) -> Record:
+    """Large torch tensor vs the same data as numpy, both against the copy roof."""
+    import polynorm as pn
+    from polynorm import _interop
+
+    from .cpu import roofs
+
+    rng = np.random.default_rng(1)
+    x, w = _tensor(rng, (n, d), dtype), _tensor(rng, (d,), dtype)
+    xn, wn = _interop.to_numpy(x), _interop.to_numpy(w)
+    roof, _ = roofs(xn, min_time)
+    t = median_time(lambda: pn.rms_norm(x, w, eps=EPS), min_time=min_time)
+    tn = median_time(lambda: pn.rms_norm(xn, wn, eps=EPS), min_time=min_time)
+    moved = 2 * xn.nbytes + wn.nbytes
+    rate = gbps(moved, t)
+    return Record("interop", "fwd", "torch-cpu", dtype, n, d, t, moved, rate,
+                  {"copy": rate / roof, "numpy_input": tn / t},
+                  {"copy_gbps": roof, "numpy_input_s": tn,
+                   "numpy_input_copy": gbps(moved, tn) / roof})
+
+
+def module(n: int, d: int, dtype: str, min_time: float) -> Record:
+    """``polynorm.torch.RMSNorm`` forward + backward vs ``torch.nn.RMSNorm``."""
+    import torch
+
+    from polynorm.torch import RMSNorm
+
+    rng = np.random.default_rng(2)
+    tdt = _torch_dtype(dtype)
+    x = _tensor(rng, (n, d), dtype).requires_grad_()
+    dy = _tensor(rng, (n, d), dtype)
+    ours = RMSNorm(d, eps=EPS, dtype=tdt)
+    theirs = torch.nn.RMSNorm(d, eps=EPS, dtype=tdt)
+
+    def step(m):
+        def f():
+            y = m(x)
+            return torch.autograd.grad(y, (x, m.weight), dy)
+
+        return f
+
+    t = median_time(step(ours), min_time=min_time, min_repeat=3)
+    tt = median_time(step(theirs), min_time=min_time, min_repeat=3)
+    itemsize = x.element_size()
+    moved = 5 * n * d * itemsize  # fwd: x in, y out; bwd: x, dy in, dx out
+    return Record("interop", "module", "torch-cpu", dtype, n, d, t, moved, gbps(moved, t),
+                  {"torch": tt / t}, {"torch_s": tt, "what": "RMSNorm fwd+bwd vs torch.nn.RMSNorm"})
+
+
+def dask_cluster(n: int, d: int, min_time: float, chunks: int = 8) -> Record:
+    """Throughput on a 2-process LocalCluster vs the in-memory kernel on the same data."""
+    import dask.array as da
+    import distributed
+
+    import polynorm as pn
+
+    with distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+        worker_dashboard_address=None,
+    ) as cluster, distributed.Client(cluster) as client:
+        rs = da.random.RandomState(3)
+        xd = rs.standard_normal((n, d), chunks=(-(-n // chunks), d)).astype(np.float32).persist()
+        wd = da.ones(d, dtype=np.float32, chunks=d).persist()
+        distributed.wait([xd, wd])
+
+        def on_cluster():
+            y = pn.rms_norm(xd, wd, eps=EPS).persist()
+            distributed.wait(y)
+            del y
+
+        t = median_time(on_cluster, min_time=min_time, min_repeat=3)
+        x, w = client.compute([xd, wd], sync=True)
+    tm = median_time(lambda: pn.rms_norm(x, w, eps=EPS), min_time=min_time, min_repeat=3)
+    moved = 2 * x.nbytes + w.nbytes
+    return Record("interop", "dask", "dask-localcluster", "float32", n, d, t, moved,
+                  gbps(moved, t), {"in_memory": tm / t},
+                  {"in_memory_s": tm, "in_memory_gbps": gbps(moved, tm), "chunks": chunks,
+                   "workers": 2, "threads_per_worker": 1})
+
+
+def run(
+    *, quick: bool = False, dtypes: list[str] | None = None, progress: Progress | None = None
+) -> list[Record]:
+    """All four measurements; ``quick`` takes smaller shapes and shorter timings (< 60 s)."""
+    import importlib.util
+
+    dtypes = list(dtypes or DTYPES)
+    min_time = 0.05 if quick else 0.3
+    big = (4096, 4096) if quick else (16384, 4096)
+    mod_shape = (1024, 4096) if quick else (4096, 4096)
+    steps: list[tuple[str, Callable[[], Record]]] = []
+    if importlib.util.find_spec("torch") is not None:
+        steps.append(("dispatch 1x4096 float32", lambda: dispatch(min_time)))
+        for dt in dtypes:
+            steps.append((f"fwd {dt} {big[0]}x{big[1]}",
+                          lambda dt=dt: bandwidth(*big, dt, min_time)))
+        for dt in dtypes:
+            steps.append((f"module {dt} {mod_shape[0]}x{mod_shape[1]}",
+                          lambda dt=dt: module(*mod_shape, dt, min_time)))
+    if importlib.util.find_spec("distributed") is not None:
+        steps.append((f"dask {big[0]}x{big[1]}", lambda: dask_cluster(*big, min_time)))
+    records = []
+    for i, (label, step) in enumerate(steps):
+        if progress:
+            progress(i, len(steps), label)
+        records.append(step())
+    if progress:
+        progress(len(steps), len(steps), "done")
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m polynorm._bench.interop [--quick] [--dtypes ...] [--json PATH]``."""
+    p = argparse.ArgumentParser(prog="polynorm._bench.interop",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small shapes, short timings (< 60 s)")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None)
+    p.add_argument("--json", default="bench/results/interop.json",
+                   help="where to write the records")
+    p.add_argument("--note", default="", help="a note stored in the JSON (e.g. 'shared machine')")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+
+    def progress(done, total, label):
+        print(f"\r[{done}/{total}] {label:<40}", end="", file=sys.stderr, flush=True)
+
+    records = run(quick=args.quick, dtypes=args.dtypes, progress=progress)
+    print(file=sys.stderr)
+    print(format_table(records, ["torch", "copy", "numpy_input", "in_memory"]))
+    print()
+    for r in records:
+        print(_verdict(r))
+    meta: dict[str, Any] = {"suite": "interop", "quick": args.quick, "note": args.note,
+                            "seconds": time.perf_counter() - t0, "numpy": np.__version__}
+    for lib in ("torch", "dask", "distributed", "numba"):
+        try:
+            meta[lib] = __import__(lib).__version__
+        except ImportError:
+            pass
+    write_json(args.json, records, meta)
+    print(f"wrote {args.json}")
+    return 0
+
+
+_TARGETS = {"dispatch": ("torch", 1.0), "fwd": ("numpy_input", 0.95), "module": ("torch", 5.0)}
+
+
+def _verdict(r: Record) -> str:
+    """One line per record: the number the issue asks for and its target."""
+    head = f"{r.op:>8} {r.dtype:<8} {r.tokens}x{r.d}:"
+    if r.op == "dask":
+        return (f"{head} cluster {r.gbps:.1f} GB/s vs in-memory "
+                f"{r.extra['in_memory_gbps']:.1f} GB/s (ratio {r.ratios['in_memory']:.2f})")
+    key, target = _TARGETS[r.op]
+    got = r.ratios[key]
+    return f"{head} {key} = {got:.2f} (target >= {target:g}: {'met' if got >= target else 'NOT met'})"
