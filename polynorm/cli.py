@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="FILE", help="write the records and machine as JSON")
     b.add_argument("--plot", metavar="FILE", help="write a PNG: GB/s against hidden size")
     b.add_argument("--markdown", metavar="FILE", help="write the results as a Markdown table")
+    b.add_argument("--readme", metavar="FILE",
+                   help="rewrite the results block of FILE (between its polynorm bench markers)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -183,8 +185,15 @@ def _check_output(flag: str, path: str | None) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from ._bench import common, report
 
-    for flag in ("json", "plot", "markdown"):
+    for flag in ("json", "plot", "markdown", "readme"):
         _check_output(f"--{flag}", getattr(args, flag))
+    if args.readme:
+        from pathlib import Path
+
+        text = Path(args.readme).read_text() if Path(args.readme).is_file() else ""
+        if report.README_START not in text or report.README_END not in text:
+            raise ValueError(f"--readme {args.readme}: no results markers in it "
+                             f"({report.README_START} ... {report.README_END})")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -203,7 +212,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.backend and not outcome.ran and not outcome.failed:
         raise ValueError(f"--backend {' '.join(args.backend)}: nothing can run here "
                          f"({'; '.join(f'{k}: {v}' for k, v in outcome.skipped.items())})")
-    meta = {"argv": sys.argv[1:], "quick": args.quick, "ran": outcome.ran,
+    meta = {"argv": args.argv, "quick": args.quick, "ran": outcome.ran,
             "skipped": outcome.skipped, "failed": outcome.failed, "machine_summary": machine}
     if args.json:
         common.write_json(args.json, outcome.records, meta)
@@ -219,6 +228,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"wrote {args.plot}")
         else:
             print("no records: no plot written", file=sys.stderr)
+    if args.readme and outcome.records:
+        import shlex
+
+        command = "polynorm " + " ".join(shlex.quote(a) for a in args.argv)
+        report.update_readme(args.readme, outcome.records, machine, command,
+                             args.plot if args.plot and outcome.records else None)
+        print(f"updated {args.readme}")
     return 1 if outcome.failed else 0
 
 
@@ -253,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code
     except SystemExit as e:  # --help / --version
         return int(e.code or 0)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_usage(sys.stderr)
         print("polynorm: error: a command is required (info, check or bench)", file=sys.stderr)
