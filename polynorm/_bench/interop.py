@@ -7,16 +7,16 @@ Four measurements, each a :class:`~polynorm._bench.common.Record` of suite
     ``pn.rms_norm(x, w)`` end to end against torch's own ``F.rms_norm`` on
     the same tensor; ratio ``torch`` = torch's time / polynorm's (target:
     >= 1, not slower).  ``extra`` has the same call on the numpy view.
-``fwd`` (16384 x 4096 torch CPU tensor; 4096 x 4096 with ``quick``)
+``fwd`` (16384 x 4096 torch CPU tensor; 2048 x 4096 with ``quick``)
     ``pn.rms_norm`` on the tensor against the parallel copy roof (ratio
     ``copy``) and against the same call on the numpy array holding the same
     data (ratio ``numpy_input`` = numpy-input time / tensor time; target:
     >= 0.95, i.e. the tensor reaches the kernel's bandwidth within 5%).
-``module`` (4096 x 4096; 1024 x 4096 with ``quick``)
+``module`` (4096 x 4096; 512 x 4096 with ``quick``)
     ``polynorm.torch.RMSNorm`` forward + backward (``torch.autograd.grad``
     of x and weight) against ``torch.nn.RMSNorm`` on CPU; ratio ``torch``
     (target >= 5).
-``dask`` (16384 x 4096 float32 in 8 row chunks; 4096 x 4096 with ``quick``)
+``dask`` (16384 x 4096 float32 in 8 row chunks; 2048 x 4096 with ``quick``)
     ``pn.rms_norm`` on a dask array persisted on a ``LocalCluster`` of two
     single-threaded worker processes, timed to the result being held on the
     workers (``persist`` + ``wait``, nothing gathered), against the in-memory
@@ -43,6 +43,20 @@ from .common import Record, format_table, gbps, median_time, write_json
 DTYPES = ("float32", "bfloat16")
 EPS = 1e-6
 Progress = Callable[[int, int, str], None]
+
+
+def available() -> tuple[bool, str]:
+    """Needs the Numba backend (the kernel measured) and torch or dask.distributed."""
+    import importlib.util
+
+    import polynorm as pn
+
+    ok, why = pn.backends()["numba"]
+    if not ok:
+        return False, f"numba backend unusable: {why}"
+    if not any(importlib.util.find_spec(m) for m in ("torch", "distributed")):
+        return False, "neither torch nor dask.distributed is installed"
+    return True, "ok"
 
 
 def _torch_dtype(name: str):
@@ -165,9 +179,9 @@ def run(
     import importlib.util
 
     dtypes = list(dtypes or DTYPES)
-    min_time = 0.05 if quick else 0.3
-    big = (4096, 4096) if quick else (16384, 4096)
-    mod_shape = (1024, 4096) if quick else (4096, 4096)
+    min_time = 0.03 if quick else 0.3
+    big = (2048, 4096) if quick else (16384, 4096)
+    mod_shape = (512, 4096) if quick else (4096, 4096)
     steps: list[tuple[str, Callable[[], Record]]] = []
     if importlib.util.find_spec("torch") is not None:
         steps.append(("dispatch 1x4096 float32", lambda: dispatch(min_time)))
@@ -199,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="where to write the records")
     p.add_argument("--note", default="", help="a note stored in the JSON (e.g. 'shared machine')")
     args = p.parse_args(argv)
+    ok, why = available()
+    if not ok:
+        print(f"interop benchmark cannot run here: {why}", file=sys.stderr)
+        return 1
     t0 = time.perf_counter()
 
     def progress(done, total, label):
