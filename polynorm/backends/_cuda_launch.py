@@ -341,18 +341,28 @@ def source() -> str:
 
 
 def include_dirs() -> list[str]:
-    """Directories holding cuda_fp16.h / cuda_bf16.h from the ``nvidia-cuda-runtime``
-    wheel, if installed (NVRTC needs them; CUDA toolkits have them too)."""
-    import importlib.util
+    """The first directory holding cuda_fp16.h and cuda_bf16.h, as a list (empty if none).
 
-    found = []
-    for mod in ("nvidia.cuda_runtime", "nvidia.cuda_nvrtc"):
-        try:
-            spec = importlib.util.find_spec(mod)
-        except (ImportError, ValueError):
-            spec = None
-        for loc in (spec.submodule_search_locations or []) if spec else []:
-            inc = Path(loc) / "include"
-            if (inc / "cuda_fp16.h").exists():
-                found.append(str(inc))
-    return found
+    Looked for in the NVIDIA wheels (``nvidia-cuda-runtime``: ``nvidia/cu13/include``
+    for CUDA 13, ``nvidia/cuda_runtime/include`` for CUDA 12), then in
+    ``$CUDA_PATH``, ``$CUDA_HOME`` and ``/usr/local/cuda``.
+    """
+    import importlib.util
+    import os
+
+    candidates: list[Path] = []
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        for sub in ("cu13", "cuda_runtime", "cu12", "cuda_nvrtc"):
+            candidates.append(Path(loc) / sub / "include")
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            candidates.append(Path(os.environ[env]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    for inc in candidates:
+        if (inc / "cuda_fp16.h").exists() and (inc / "cuda_bf16.h").exists():
+            return [str(inc)]
+    return []
