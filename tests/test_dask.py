@@ -145,3 +145,24 @@ def test_results_are_deterministic(client):
 def test_forced_dask_backend_rejects_numpy():
     with pytest.raises(TypeError, match="dask"):
         pn.rms_norm(np.ones((2, 3), np.float32), backend="dask")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_empty_chunks_forward_and_backward(dtype):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((12, 16)).astype(DTYPES[dtype])
+    chunks = ((0, 5, 0, 7), (16,))
+    xd, rd = da.from_array(x, chunks=chunks), da.from_array(x[::-1].copy(), chunks=chunks)
+    w, b = np.ones(16, np.float32), np.zeros(16, np.float32)
+    y, h, rstd = dask.compute(*pn.add_rms_norm(xd, rd, da.from_array(w), da.from_array(b),
+                                               return_rstd=True), scheduler="sync")
+    ym, hm, rstdm = pn.add_rms_norm(x, x[::-1].copy(), w, b, return_rstd=True, backend=BEST)
+    _same_bits(y, ym)
+    _same_bits(h, hm)
+    _same_bits(rstd, rstdm)
+    dx, dw, db = dask.compute(*pn.rms_norm_backward(xd, xd, da.from_array(w), da.from_array(b)),
+                              scheduler="sync")
+    dxm, dwm, dbm = pn.rms_norm_backward(x, x, w, b, backend=BEST)
+    _same_bits(dx, dxm)
+    _sum_close(dw, dwm)
+    _sum_close(db, dbm)

@@ -2,10 +2,12 @@
 
 Nothing is computed here: every function only builds a task graph.  The rows
 ``(n, d)`` are rechunked so that the normalized axis ``d`` lies in one chunk
-(tokens stay chunked as the caller chunked them); each row chunk then runs
-the Numba kernels when Numba is usable (the reference backend otherwise) on
-the worker that holds it, so a chunk's ``y``/``h``/``rstd``/``dx`` have the
-same bits as an in-memory call on the same rows.
+(tokens stay chunked as the caller chunked them); each row chunk then runs,
+on the worker that holds it, the in-memory backend that ``backend="auto"``
+would pick for the chunk (the CuPy kernels for CUDA chunks, Numba for host
+chunks when Numba is usable there, the reference otherwise), so a chunk's
+``y``/``h``/``rstd``/``dx`` have the same bits as an in-memory call on the
+same rows.
 
 One task per chunk computes all of a call's outputs at once (a tuple);
 ``y``, ``h`` and ``rstd`` are light ``getitem`` tasks on it, so computing
@@ -49,18 +51,24 @@ def accepts(x: Any) -> bool:
     return type(x).__module__.startswith("dask.")
 
 
-def _inner_name() -> str:
-    """The in-memory backend the chunks run on, decided where the graph is built."""
-    from . import usable
-
-    return "numba" if usable("numba") else "array_api"
-
-
-def _inner(name_: str):
-    # on a worker without numba the reference gives the same answer, less fast
+def _inner(block: Any):
+    """The in-memory backend for one chunk, chosen on the worker by the chunk's memory:
+    the CuPy kernels for CUDA chunks, Numba for host chunks, else the reference."""
     from . import get, usable
 
-    return get(name_ if usable(name_) else "array_api")
+    for name_ in ("cupy", "numba"):
+        if usable(name_):
+            mod = get(name_)
+            if mod.accepts(block):
+                return mod
+    return get("array_api")
+
+
+def _meta(like, ndim: int, dtype):
+    """An empty array of ``like``'s chunk type (numpy, cupy, ...) for dask's bookkeeping."""
+    from dask.array.utils import meta_from_array
+
+    return meta_from_array(like, ndim=ndim, dtype=dtype)
 
 
 def _np_dtype(dtype_name: str) -> np.dtype:
@@ -113,25 +121,24 @@ def _pick_partial(t, i):
 # ------------------------------------------------------------------ chunk functions (run on workers)
 
 
-def _forward_chunk(x, residual, weight, bias, *, plan: Plan, inner: str):
+def _forward_chunk(x, residual, weight, bias, *, plan: Plan):
     if x.shape[0] == 0:  # backends never see zero tokens
-        n, d = x.shape
-        h = None if residual is None else np.empty((0, d), _np_dtype(plan.x_dtype))
-        return (np.empty((0, d), _np_dtype(plan.out_dtype)), h,
-                np.empty(0, _np_dtype(plan.compute_dtype)))
-    return _inner(inner).forward(x, residual, weight, bias, plan, None)
+        # empties of the chunk's own array type
+        h = None if residual is None else x.astype(_np_dtype(plan.x_dtype))
+        return (x.astype(_np_dtype(plan.out_dtype)), h,
+                x[:, 0].astype(_np_dtype(plan.compute_dtype)))
+    return _inner(x).forward(x, residual, weight, bias, plan, None)
 
 
-def _backward_chunk(dy, x, weight, bias, rstd, grad_residual, *, plan: Plan, inner: str):
-    d = x.shape[1]
+def _backward_chunk(dy, x, weight, bias, rstd, grad_residual, *, plan: Plan):
     if x.shape[0] == 0:
-        zeros = np.zeros(d, np.float64)
-        return (np.empty_like(x), None if weight is None else zeros,
+        zeros = x.astype(np.float64).sum(axis=0)  # (d,) zeros of the chunk's array type
+        return (x.copy(), None if weight is None else zeros,
                 None if bias is None else zeros)
     # float64 weight/bias: the chunk's dweight/dbias come back as float64 partial sums
     w64 = None if weight is None else weight.astype(np.float64)
     b64 = None if bias is None else bias.astype(np.float64)
-    return _inner(inner).backward(dy, x, w64, b64, rstd, grad_residual, plan)
+    return _inner(x).backward(dy, x, w64, b64, rstd, grad_residual, plan)
 
 
 # ------------------------------------------------------------------ the backend contract
@@ -156,17 +163,17 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     parts = da.blockwise(
         _forward_chunk, "i",
         *_args([(x, "ij"), (residual, "ij"), (weight, "j"), (bias, "j")]),
-        plan=plan, inner=_inner_name(),
+        plan=plan,
         dtype=object, meta=np.empty((0,), object), concatenate=True,
     )
     chunks2 = (rows, (x.shape[1],))
     y = da.map_blocks(_pick, parts, 0, new_axis=1, chunks=chunks2, dtype=ydt,
-                      meta=np.empty((0, 0), ydt))
+                      meta=_meta(x, 2, ydt))
     h = None
     if residual is not None:
         h = da.map_blocks(_pick, parts, 1, new_axis=1, chunks=chunks2, dtype=xdt,
-                          meta=np.empty((0, 0), xdt))
-    rstd = da.map_blocks(_pick, parts, 2, dtype=cdt, meta=np.empty((0,), cdt))
+                          meta=_meta(x, 2, xdt))
+    rstd = da.map_blocks(_pick, parts, 2, dtype=cdt, meta=_meta(x, 1, cdt))
     return y, h, rstd
 
 
@@ -191,18 +198,18 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         _backward_chunk, "i",
         *_args([(dy, "ij"), (x, "ij"), (weight, "j"), (bias, "j"), (rstd, "i"),
                 (grad_residual, "ij")]),
-        plan=plan, inner=_inner_name(),
+        plan=plan,
         dtype=object, meta=np.empty((0,), object), concatenate=True,
     )
     d = x.shape[1]
     dx = da.map_blocks(_pick, parts, 0, new_axis=1, chunks=(rows, (d,)), dtype=x.dtype,
-                       meta=np.empty((0, 0), x.dtype))
+                       meta=_meta(x, 2, x.dtype))
     nchunks = len(rows)
 
     def reduce(i, dtype):
         partial = da.map_blocks(
             _pick_partial, parts, i, new_axis=1, chunks=((1,) * nchunks, (d,)),
-            dtype=np.float64, meta=np.empty((0, 0), np.float64),
+            dtype=np.float64, meta=_meta(x, 2, np.float64),
         )
         return partial.sum(axis=0, split_every=SPLIT_EVERY).astype(dtype)
 
