@@ -19,8 +19,11 @@ Casting
     float64 input, float32 otherwise) and rounds once, at the end, to the
     output dtype.  ``"llama"``: Hugging Face Llama's order -- ``xhat`` is
     rounded to the input dtype, ``weight + offset`` is formed in the weight
-    dtype and the product is rounded to the weight dtype; bias is added in
-    the compute dtype and the result is rounded to the output dtype.
+    dtype and the product is rounded to ``promote(input dtype, weight dtype)``
+    (torch's ``self.weight * hidden_states.to(input_dtype)``: float32 weights
+    with bfloat16 input give a float32 product); bias is added in the compute
+    dtype and the result is rounded to the output dtype.  With
+    ``out_dtype=promote(...)`` this is HF's ``LlamaRMSNorm`` exactly.
 
 The backward, with ``g = weight + offset`` (1 when no weight),
 ``c = sum_j(g*dy*xhat)_j`` over all ``d`` columns and ``m_i = [i < k]``::

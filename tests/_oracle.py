@@ -161,7 +161,11 @@ def batch_shape(shape: tuple[int, ...], axis) -> tuple[int, ...]:
 
 
 def k_of(d: int, partial: float) -> int:
-    """``k = floor(d * partial)`` exactly as the spec writes it (a float product)."""
+    """``k = floor(d * partial)`` exactly as the spec writes it (a float product).
+
+    So ``d = 100, partial = 0.29`` gives ``floor(28.999999999999996) = 28``, as
+    the pRMSNorm paper's own ``int(d * p)`` does; a user wanting 29 passes 0.29 + tiny.
+    """
     return math.floor(d * partial)
 
 

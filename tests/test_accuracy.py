@@ -161,9 +161,9 @@ def test_out_dtype(case, xdt, odt, rng):
     y, rstd = _fwd(case, x, w, out_dtype=odt)
     assert dtype_name(y) == odt and dtype_name(rstd) == COMPUTE[xdt]
     assert_close(y, oracle.forward(x, w)[0], looser(odt, COMPUTE[xdt]), "y")
-    # a dtype object is accepted as well as its name
-    y2, _ = _fwd(case, x, w, out_dtype=NP_DTYPES[odt]) if case.name == "numpy-reference" else (y, 0)
-    np.testing.assert_array_equal(y2, y)
+    if type(case.asarray(x)) is np.ndarray:  # a numpy dtype object works as well as its name
+        y2, _ = _fwd(case, x, w, out_dtype=NP_DTYPES[odt])
+        np.testing.assert_array_equal(y2, y)
 
 
 # ----------------------------------------------------------------------- overflow / underflow
@@ -218,7 +218,13 @@ def test_no_spurious_overflow_or_underflow(case, dtype, scale, eps, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_nan_inf_stay_in_their_token(case, dtype, rng):
-    """A NaN/Inf poisons its own token's output only; every other token is bit-identical."""
+    """A NaN/Inf poisons its own token's output only; every other token is bit-identical.
+
+    The spec's "makes that token's output NaN/Inf" is read as torch does it: the
+    poisoned position is non-finite, the rest of that token may not be (an Inf makes
+    rstd 0, so torch gives ``[nan, 0, ...]``; with partial < 1 an Inf outside the
+    first k elements leaves rstd finite).  What is promised is the isolation.
+    """
     case.skip_unless_dtype(dtype)
     x = _rand(rng, (6, 10), dtype)
     w = _rand(rng, (10,), dtype)
@@ -226,7 +232,7 @@ def test_nan_inf_stay_in_their_token(case, dtype, rng):
     bad = x.copy()
     bad[1, 0] = np.nan
     bad[3, 2] = np.inf
-    bad[4, 9] = -np.inf  # beyond k for partial=0.5: not in the statistic, y there is -inf*...
+    bad[4, 9] = -np.inf  # beyond k for partial=0.5: outside the statistic, only y[4, 9] is hit
     for kw in (dict(), dict(partial=0.5, eps_mode="outside")):
         clean, _ = _fwd(case, x, w, b, **kw)
         y, rstd = _fwd(case, bad, w, b, **kw)
