@@ -41,6 +41,22 @@ def test_host_views_are_zero_copy(dtype):
     np.testing.assert_array_equal(np.asarray(j, dtype=np.float64), 1.0)
 
 
+def test_eager_call_hands_the_kernel_the_arrays_own_memory(monkeypatch):
+    x = _rand((6, 32), "bfloat16")
+    mod = _api._choose_backend("auto", x)
+    seen = {}
+    forward = mod.forward
+
+    def spy(*args):
+        seen["x"] = _interop.to_numpy(args[0]).ctypes.data
+        return forward(*args)
+
+    monkeypatch.setattr(mod, "forward", spy)
+    y = pn.rms_norm(x)
+    assert seen["x"] == x.unsafe_buffer_pointer()
+    assert isinstance(y, jax.Array) and y.dtype == jnp.bfloat16
+
+
 def test_tracers_are_not_host_arrays():
     seen = []
     jax.jit(lambda x: seen.append(_interop.is_host_array(x)) or x)(jnp.ones(3))
