@@ -78,6 +78,8 @@ def _normalize_axis(axis: Any, ndim: int) -> tuple[int, ...]:
     for a in items:
         if isinstance(a, bool) or not isinstance(a, int):
             try:
+                if isinstance(a, bool):  # True.__index__() is 1: not an axis
+                    raise AttributeError
                 a = int(a.__index__())
             except AttributeError:
                 raise TypeError(

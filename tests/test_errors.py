@@ -108,7 +108,7 @@ def test_axis_repeated(case, axis):
         pn.rms_norm(_x(case), axis=axis, backend=case.backend)
 
 
-@pytest.mark.parametrize("axis", [1.0, "0", [0, 1], None, ()], ids=repr)
+@pytest.mark.parametrize("axis", [1.0, "0", [0, 1], None, (), True, (0, False)], ids=repr)
 def test_axis_not_ints(case, axis):
     exc = ValueError if axis == () else TypeError
     with _raises(exc, "axis", repr(axis)):
