@@ -10,7 +10,8 @@ polynorm's hand-written one (:func:`polynorm.rms_norm_backward`, fed the
 CPU tensors run on the Numba kernels through zero-copy views; CUDA tensors on
 the CuPy kernels through DLPack (that path is not tested on a machine without
 a GPU).  The backward is not itself differentiable (no double backward), and
-``torch.compile`` sees these functions as opaque calls (a graph break).
+``torch.compile`` runs these functions as opaque eager calls (a graph break
+on each side), not traced.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def _options(eps, axis, partial, offset, eps_mode, casting, backend) -> dict[str
                 casting=casting, backend=backend)
 
 
-def _grads(ctx, dx, dw, db, first: int):
-    """Gradients for the saved inputs, None where autograd does not need one."""
+def _param_grads(ctx, dw, db, first: int):
+    """dweight/dbias, or None where autograd does not need one (input ``first`` is weight)."""
     need = ctx.needs_input_grad
     return (dw if need[first] else None, db if need[first + 1] else None)
 
@@ -53,7 +54,7 @@ class _RMSNormFn(torch.autograd.Function):
         dx, dw, db = _api.rms_norm_backward(
             dy.contiguous(), x, weight, bias, rstd=rstd, **ctx.opts
         )
-        return (dx, *_grads(ctx, dx, dw, db, 1), None, None)
+        return (dx, *_param_grads(ctx, dw, db, 1), None, None)
 
 
 class _AddRMSNormFn(torch.autograd.Function):
@@ -80,7 +81,19 @@ class _AddRMSNormFn(torch.autograd.Function):
         need = ctx.needs_input_grad
         gx = dxh.to(x_dtype) if need[0] else None
         gr = dxh.to(r_dtype) if need[1] else None
-        return (gx, gr, *_grads(ctx, dxh, dw, db, 2), None, None)
+        return (gx, gr, *_param_grads(ctx, dw, db, 2), None, None)
+
+
+# torch.compile must not trace into the kernels (numba's dispatcher crashes dynamo):
+# these calls are opaque to it, a graph break on each side.
+@torch.compiler.disable
+def _apply_rms_norm(x, weight, bias, opts, out_dtype):
+    return _RMSNormFn.apply(x, weight, bias, opts, out_dtype)
+
+
+@torch.compiler.disable
+def _apply_add_rms_norm(x, residual, weight, bias, opts, out_dtype):
+    return _AddRMSNormFn.apply(x, residual, weight, bias, opts, out_dtype)
 
 
 def rms_norm(
@@ -130,7 +143,7 @@ def rms_norm(
     tensor([[ 0.0453, -0.0339]])
     """
     opts = _options(eps, axis, partial, offset, eps_mode, casting, backend)
-    return _RMSNormFn.apply(x, weight, bias, opts, out_dtype)
+    return _apply_rms_norm(x, weight, bias, opts, out_dtype)
 
 
 def add_rms_norm(
@@ -182,7 +195,7 @@ def add_rms_norm(
     if residual is None:
         raise TypeError("residual must be a tensor, got None")
     opts = _options(eps, axis, partial, offset, eps_mode, casting, backend)
-    return _AddRMSNormFn.apply(x, residual, weight, bias, opts, out_dtype)
+    return _apply_add_rms_norm(x, residual, weight, bias, opts, out_dtype)
 
 
 class RMSNorm(torch.nn.Module):

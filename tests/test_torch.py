@@ -296,3 +296,16 @@ def test_fast_path_leaves_mixed_and_odd_inputs_to_the_generic_front_end():
     torch.testing.assert_close(
         pn.rms_norm(xt, w), torch.nn.functional.rms_norm(xt, (8,), w.detach(), 1e-6)
     )
+
+
+def test_torch_compile_runs_the_module_as_an_opaque_call():
+    m = RMSNorm(16, bias=True, partial=0.5)
+    x = _randn(3, 16, requires_grad=True)
+    f = torch.compile(lambda x: m(2 * x) + 1, backend="aot_eager")
+    y = f(x)
+    y.sum().backward()
+    gx = x.grad
+    x.grad = None
+    y2 = m(2 * x) + 1
+    y2.sum().backward()
+    assert torch.equal(y, y2) and torch.equal(gx, x.grad)
