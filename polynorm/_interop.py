@@ -2,11 +2,18 @@
 
 The compiled backends work on numpy arrays (CPU, the Numba kernels) and cupy
 arrays (CUDA).  These helpers turn the caller's array into such a view
-through DLPack and wrap results back into the caller's type, so that each
+without copying and wrap results back into the caller's type, so that each
 backend module converts in exactly one place.
 
-bfloat16 has no numpy dtype of its own; it is represented by
-``ml_dtypes.bfloat16`` arrays, and the Numba kernels take ``uint16`` views.
+Host memory: torch CPU tensors through torch's numpy bridge (the same
+zero-copy buffer sharing as DLPack, at a third of the per-call cost), jax CPU
+arrays through their buffer (read-only views) and results back to jax through
+DLPack.  CUDA memory: DLPack into cupy.
+
+bfloat16 has no numpy dtype of its own (numpy's DLPack import rejects it); it
+travels as an int16 view and is represented by ``ml_dtypes.bfloat16`` arrays,
+and the Numba kernels take ``uint16`` views.  Tensors that require grad are
+detached: the views carry no autograd history.
 """
 
 from __future__ import annotations
