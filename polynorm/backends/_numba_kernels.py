@@ -281,15 +281,21 @@ def _ld(a, i, j, bf, rc):
 
 
 @_reduce
-def _dot_row(dy, x, w, i, rc, oc, flags):
-    """``sum_j g_j * dy[i, j] * xhat[i, j]`` accumulated in float64."""
+def _dot_row(dy, x, w, i, rc, oc, flags, part, blk):
+    """``sum_j g_j * dy[i, j] * xhat[i, j]``, accumulated in float64.
+
+    With a weight, the same loop adds ``dy * xhat`` to this row block's
+    dweight partial (``part[blk, :d]``), saving a pass over the row.
+    """
     xbf = (flags & BF_X) != 0
     dybf = (flags & BF_Y) != 0
     c = 0.0
     if flags & HAS_W:
+        pw = part[blk, : x.shape[1]]
         for j in range(x.shape[1]):
-            g = like(w[j], rc) + oc
-            c += np.float64(g * _ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
+            p = _ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc)
+            pw[j] += np.float64(p)
+            c += np.float64((like(w[j], rc) + oc) * p)
     else:
         for j in range(x.shape[1]):
             c += np.float64(_ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
@@ -313,7 +319,7 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset):
     rc = like(r64, load(x[i, 0], xbf))
     oc = like(offset, rc)
     # c = sum_j g*dy*xhat over all d columns, in float64
-    c = _dot_row(dy, x, w, i, rc, oc, flags)
+    c = _dot_row(dy, x, w, i, rc, oc, flags, part, blk)
     coef64 = c / k
     if not inside:
         coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)
@@ -325,12 +331,8 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset):
     _dx_range(i, 0, k, dy, x, w, gr, dxi, rc, oc, coef, flags)
     if k < d:
         _dx_range(i, k, d, dy, x, w, gr, dxi, rc, oc, like(0.0, rc), flags)
-    # dweight/dbias partials of this row block, in float64; one store stream per
-    # loop, or LLVM cannot rule out that the two halves of ``part`` overlap
-    if flags & HAS_W:
-        pw = part[blk, :d]
-        for j in range(d):
-            pw[j] += np.float64(_ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
+    # dbias partial of this row block, in float64 (dweight's is done in _dot_row);
+    # its own loop: LLVM cannot rule out that the two halves of ``part`` overlap
     if flags & HAS_B:
         pb = part[blk, d:]
         for j in range(d):
