@@ -297,8 +297,9 @@ class RMSNorm(torch.nn.Module):
                 f"x must end in normalized_shape {self.normalized_shape}, got shape {tuple(x.shape)}"
             )
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        axis = -1 if nd == 1 else tuple(range(-nd, 0))  # an int axis takes the fast front end
         return rms_norm(
-            x, self.weight, self.bias, eps=eps, axis=tuple(range(-nd, 0)), partial=self.partial,
+            x, self.weight, self.bias, eps=eps, axis=axis, partial=self.partial,
             offset=self.offset, eps_mode=self.eps_mode, casting=self.casting, backend=self.backend,
         )
 
