@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -168,7 +169,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _check_output(flag: str, path: str | None) -> None:
     """Fail before minutes of benchmarking, not after, on an unwritable output path."""
-    import os
     from pathlib import Path
 
     if path is None:
@@ -201,6 +201,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError("--plot needs matplotlib: pip install 'polynorm[bench]'") from None
     info = common.machine_info()
     machine = f"{info.get('cpu_model', info['processor'])}, {info['cpu_count']} CPUs"
+    try:  # a busy machine gives noisy numbers: say how busy it was
+        machine += f" (load average {os.getloadavg()[0]:.1f} at start)"
+    except (AttributeError, OSError):  # not on every platform
+        pass
     gpu = _gpu()
     if not gpu.startswith(("cupy not", "no CUDA", "unavailable")):
         machine += f"; GPU {gpu}"

@@ -348,3 +348,11 @@ def test_check_hands_dask_arrays_of_every_rank():
         assert type(d).__module__.startswith("dask")
         np.testing.assert_array_equal(arr.read(d), a)
     assert arr.make(np.zeros((4, 3))).chunks == ((2, 2), (3,))  # normalized axis whole
+
+
+def test_plot_leaves_out_ops_measured_at_one_size(tmp_path, monkeypatch):
+    recs = _fake_run("fast", "cpu", 20.0)(dtypes=["float32"])
+    recs.append(Record("interop", "dispatch", "torch-cpu", "float32", 1, 4096, 1e-6, 1, 7.0))
+    assert report._swept_ops(recs) == ["fwd"]
+    assert report._swept_ops(recs[-1:]) == ["dispatch"]  # nothing swept: keep everything
+    report.plot(recs, tmp_path / "p.png")

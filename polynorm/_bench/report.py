@@ -246,7 +246,8 @@ def markdown_table(records: list[Record]) -> str:
     |---|---|---|---|---:|---:|---:|---:|
     | cpu | fwd | numba | float32 | 256 | 4096 | 8.4 | 0.90 |
     """
-    keys = sorted({k for r in records for k in r.ratios}, key=lambda k: (k != "copy", k))
+    first = {"copy": 0, "torch": 1, "numpy": 2}
+    keys = sorted({k for r in records for k in r.ratios}, key=lambda k: (first.get(k, 3), k))
     head = ["suite", "op", "backend", "dtype", "tokens", "d", "GB/s", *keys]
     align = ["---"] * 4 + ["---:"] * (len(head) - 4)
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(align) + "|"]
@@ -268,7 +269,7 @@ def headline(records: list[Record]) -> list[Record]:
     best: dict[tuple[str, str, str, str], Record] = {}
     for r in records:
         key = (r.suite, r.op, r.backend, r.dtype)
-        if key not in best or r.tokens * r.d > best[key].tokens * best[key].d:
+        if key not in best or (r.tokens * r.d, r.d) > (best[key].tokens * best[key].d, best[key].d):
             best[key] = r
     return list(best.values())
 
@@ -329,7 +330,7 @@ def plot(records: list[Record], path: str | Path, title: str = "") -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    ops = list(dict.fromkeys(r.op for r in records)) or ["-"]
+    ops = _swept_ops(records) or ["-"]
     d_common = statistics.mode([r.d for r in records]) if records else 0
     sweep = [r for r in records if r.d == d_common]
     rows = [("d", records, "hidden size d")]
@@ -352,6 +353,18 @@ def plot(records: list[Record], path: str | Path, title: str = "") -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _swept_ops(records: list[Record]) -> list[str]:
+    """Ops worth a panel: some (suite, backend, dtype) of it was measured at two or more
+    sizes (single-point measurements such as call overhead stay in the table); all ops
+    when none was swept."""
+    sizes: dict[tuple[str, str, str, str], set[tuple[int, int]]] = {}
+    for r in records:
+        sizes.setdefault((r.op, r.suite, r.backend, r.dtype), set()).add((r.tokens, r.d))
+    ops = list(dict.fromkeys(r.op for r in records))
+    swept = [op for op in ops if any(len(v) > 1 for k, v in sizes.items() if k[0] == op)]
+    return swept or ops
 
 
 def _panel(ax, recs: list[Record], xkey: str, colours: dict, dtypes: list[str]) -> None:
