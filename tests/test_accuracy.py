@@ -7,6 +7,8 @@ its compute precision and its final rounding.
 
 from __future__ import annotations
 
+import dataclasses
+
 import _oracle as oracle
 import numpy as np
 import pytest
@@ -366,3 +368,30 @@ def test_many_tokens_match_oracle_and_repeat_bit_for_bit(case, rng):
         assert_close(got, exp, "float32", name)
     for name, a, c in zip(names, runs[0], runs[1], strict=True):
         np.testing.assert_array_equal(a, c, err_msg=f"{name} differs between two identical calls")
+
+
+# ----------------------------------------------------------------------- the reference everywhere
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_reference_backend_on_every_library(case, dtype, rng):
+    """backend="array_api" forced on every case's arrays: the pure array-API path must run
+    unchanged on numpy, strict, torch, dask, jax and cupy, whichever backend auto would pick."""
+    ref = dataclasses.replace(case, backend="array_api")
+    x, r, dy = (_rand(rng, (2, 5, 6), dtype, 2.0) for _ in range(3))
+    w, b = _rand(rng, (2, 6), dtype), _rand(rng, (2, 6), dtype)
+    kw = dict(axis=(0, 2), partial=0.5, eps_mode="outside", offset=1.0, eps=1e-3)
+    A = ref.asarray
+    y, h, rstd = pn.add_rms_norm(A(x), A(r), A(w), A(b), return_rstd=True, backend="array_api", **kw)
+    h = ref.to_numpy(h)
+    assert_close(h, oracle.add(x, r), dtype, "h")
+    want_y, want_rstd = oracle.forward(h, w, b, **kw)
+    assert_close(ref.to_numpy(y), want_y, dtype, "y")
+    assert_close(ref.to_numpy(rstd), want_rstd, dtype, "rstd")
+    yl = pn.rms_norm(A(x), A(w), casting="llama", backend="array_api", **kw)
+    assert_close(ref.to_numpy(yl), oracle.forward(x, w, casting="llama", **kw)[0], dtype, "llama y")
+    grads = pn.rms_norm_backward(A(dy), A(h), A(w), A(b), rstd=rstd, grad_residual=A(dy),
+                                 backend="array_api", **kw)
+    want = oracle.backward(dy, h, w, b, grad_residual=dy, **kw)
+    for name, got, exp in zip(("dx", "dweight", "dbias"), grads, want, strict=True):
+        assert_close(ref.to_numpy(got), exp, dtype, name)
