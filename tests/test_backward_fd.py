@@ -62,6 +62,7 @@ CONFIGS = [
     Cfg("partial-0.3-odd-d", shape=(3, 7), weight=True, bias=True, options=dict(partial=0.3)),
     Cfg("partial-no-weight", shape=(2, 7), options=dict(partial=0.3)),
     Cfg("offset", weight=True, options=dict(offset=1.0)),
+    Cfg("offset-without-weight", options=dict(offset=1.0)),  # no weight: no scale, offset unused
     Cfg("outside", weight=True, options=dict(eps_mode="outside")),
     Cfg("outside-partial-offset-bias", shape=(2, 7), weight=True, bias=True,
         options=dict(eps_mode="outside", partial=0.3, offset=1.0)),
