@@ -56,6 +56,7 @@ class Outcome:
     ran: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    by_suite: dict[str, list[Record]] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ the built-in suite
@@ -211,6 +212,7 @@ def run_suites(
             continue
         out.ran.append(suite.name)
         out.records.extend(recs)
+        out.by_suite[suite.name] = recs
     return out
 
 
@@ -221,7 +223,7 @@ def text_report(outcome: Outcome) -> str:
     """One table per suite that ran, then what was skipped or failed."""
     parts = []
     for name in outcome.ran:
-        recs = [r for r in outcome.records if r.suite == name]
+        recs = outcome.by_suite.get(name, [])
         parts.append(f"== {name} ({len(recs)} cases)")
         parts.append(format_table(recs) if recs else "(no records)")
         parts.append("")
