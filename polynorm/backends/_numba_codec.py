@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 # --------------------------------------------------------------------------- bit casts
@@ -360,3 +361,39 @@ def encode_array(values, bfloat):
     for i in range(values.shape[0]):
         store(out, i, values[i], bfloat)
     return out
+
+
+# --------------------------------------------------------------------------- prefetch
+
+
+@intrinsic
+def prefetch_row(typingctx, a, i):
+    """Ask for row ``a[i, :]`` to be brought into L2 (``llvm.prefetch``, a hint).
+
+    Issued before a row's compute-bound pass so that the next row's memory
+    traffic overlaps it instead of following it.
+    """
+    if not isinstance(a, types.Array) or a.ndim != 2:
+        return None
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        shape = cgutils.unpack_tuple(builder, ary.shape)
+        strides = cgutils.unpack_tuple(builder, ary.strides)
+        i64 = ir.IntType(64)
+        i32 = ir.IntType(32)
+        base = builder.ptrtoint(ary.data, i64)
+        row = builder.add(base, builder.mul(args[1], strides[0]))
+        step = builder.mul(strides[1], ir.Constant(i64, 1))
+        nbytes = builder.mul(shape[1], step)
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # one prefetch per 64-byte line (contiguous rows; a strided row is only hinted)
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), nbytes, ir.Constant(i64, 64),
+                                     intp=i64) as (off, _):
+            addr = builder.inttoptr(builder.add(row, off), ir.IntType(8).as_pointer())
+            builder.call(fn, [addr, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(a, i), codegen

@@ -218,8 +218,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     """Hand-written backward on 2-D rows (formula in :mod:`polynorm._options`).
 
     ``dweight``/``dbias`` are summed per block of rows (the blocks depend on
-    ``(n, d)`` only) into float64 partials, then over the blocks in order:
-    the bits do not depend on the thread count.
+    ``(n, d)`` only) into partials in the compute dtype, then over the blocks
+    in order in float64: the bits do not depend on the thread count.
     """
     K = _kernels or _k()
     like = x
@@ -254,7 +254,7 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     dx = np.empty((n, d), xn.dtype)
     rows, nblk = _blocks(n, d)
     need_part = weight is not None or bias is not None
-    part = np.zeros((nblk, 2 * d)) if need_part else np.empty((nblk, 0))
+    part = np.zeros((nblk, 2 * d), cdt) if need_part else np.empty((nblk, 0), cdt)
     par = _parallel(n, d)
     args = (rows, dyk, _kview(xn), w, rs, gr, _kview(dx), part, flags,
             plan.k, plan.eps, plan.offset)
