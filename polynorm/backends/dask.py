@@ -18,8 +18,9 @@ float64 (the chunk's weight is handed to the kernel as float64, which
 changes nothing else: the kernels convert the weight to the compute dtype
 themselves), summed across chunks by dask's tree reduction and rounded once
 to the weight's dtype.  The grouping of the sums differs from the in-memory
-kernel's, so ``dweight`` agrees with it to float64 rounding before the final
-rounding, not always bit for bit.
+kernel's (which sums row blocks in the compute dtype, then the blocks in
+float64), so ``dweight`` agrees with it to accumulation accuracy, not bit
+for bit.
 
 ``out=`` is not supported in place: dask arrays are immutable graphs; the
 front end assigns the lazy result into ``out``.
