@@ -86,7 +86,10 @@ def _normalize_axis(axis: Any, ndim: int) -> tuple[int, ...]:
                     f"axis must be an int or a tuple of ints, got {axis!r}"
                 ) from None
         if not -ndim <= a < ndim:
-            raise ValueError(f"axis {a} is out of range for x with {ndim} dimensions")
+            raise ValueError(
+                f"axis {a} is out of range for x with {ndim} dimensions "
+                f"(allowed: {-ndim} .. {ndim - 1})"
+            )
         out.append(a % ndim)
     if len(set(out)) != len(out):
         raise ValueError(f"axis must not repeat an axis, got {axis!r}")
