@@ -240,6 +240,21 @@ def from_cupy(a: Any, like: Any, dtype: str | None = None) -> Any:
     raise TypeError(f"cannot wrap a cupy array as {type(like).__name__}")
 
 
+def host_empty(shape: tuple[int, ...], dtype: Any, like: Any) -> np.ndarray:
+    """``np.empty``, or :func:`empty` (64-byte aligned) when the result goes back to jax.
+
+    For backends allocating results for :func:`from_numpy`: jax takes only
+    aligned host memory without a copy, and numpy's allocations are 16-byte
+    aligned; other callers keep plain ``np.empty`` (cheaper by ~1 us).
+
+    >>> host_empty((2, 3), np.float32, np.zeros(1)).shape
+    (2, 3)
+    """
+    if _lib(like) in ("jax", "jaxlib"):
+        return empty(shape, dtype)
+    return np.empty(shape, dtype)
+
+
 # ------------------------------------------------------------------ the front end's fast path
 
 _TORCH: list[Any] = []  # [torch, {float dtype: None}, strided, Parameter], filled on first use

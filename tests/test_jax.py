@@ -57,6 +57,16 @@ def test_eager_call_hands_the_kernel_the_arrays_own_memory(monkeypatch):
     assert isinstance(y, jax.Array) and y.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_results_allocated_with_host_empty_return_to_jax_without_a_copy(dtype):
+    x = _rand((3, 8), dtype)
+    y = _interop.host_empty((3, 8), np.dtype(dtype), like=x)
+    y[...] = 2
+    j = _interop.from_numpy(y, x)
+    assert j.unsafe_buffer_pointer() == y.ctypes.data
+    assert type(_interop.host_empty((2,), np.float32, like=np.zeros(1))) is np.ndarray
+
+
 def test_tracers_are_not_host_arrays():
     seen = []
     jax.jit(lambda x: seen.append(_interop.is_host_array(x)) or x)(jnp.ones(3))
