@@ -398,3 +398,18 @@ def test_fast_path_equals_generic_path(fn, rng):
             continue
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_float32_rstd_beyond_float32_range(rng):
+    """rms of a float32 row ~1e-40 (subnormal) with eps=0: rstd ~1e40 overflows
+    float32, yet y and dweight are O(1) and must match the float64 answer."""
+    x = (rng.uniform(0.5, 2.0, (3, 16)) * np.array([[1e-40], [1.0], [3e-41]])).astype(np.float32)
+    w = _data(rng, 16, "float32")
+    y, rstd = pn.rms_norm(x, w, eps=0.0, return_rstd=True, backend="numba")
+    want, _ = oracle_forward(x.astype(np.float64), w, eps=0.0)
+    assert_close(y, want, "float32", "y")
+    dy = _data(rng, (3, 16), "float32")
+    for r in (None, rstd):
+        _, dw, _ = pn.rms_norm_backward(dy, x, w, eps=0.0, rstd=r, backend="numba")
+        _, wdw, _ = oracle_backward(dy, x.astype(np.float64), w, eps=0.0)
+        assert_close(dw, wdw, "float32", "dweight")

@@ -159,6 +159,9 @@ def _fwd_norm_row(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
     rc = rstd[i]  # rstd in the compute type
     yi = y[i]
     oc = like(offset, rc)
+    if r64 < math.inf and not rc < math.inf:
+        _fwd_row_wide(i, a, abf, w, b, yi, r64, flags, oc)
+        return
     if not flags & HAS_R and i + 1 < a.shape[0]:
         # the next row's reads overlap this row's compute-bound pass (measured:
         # bfloat16 16384x4096 0.72 -> 0.77 of the copy roof; float32 unchanged)
@@ -177,6 +180,21 @@ def _fwd_norm_row(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
     else:
         for j in range(d):
             store(yi, j, load(a[i, j], abf) * rc + like(b[j], rc), ybf)
+
+
+@_inline
+def _fwd_row_wide(i, a, abf, w, b, yi, r64, flags, oc):
+    """A row whose rstd overflows float32 (a float32 row of rms < ~3e-39 with a
+    tiny eps): xhat = (v * 2**64) * (rstd * 2**-64), both factors in range."""
+    rc = like(r64 * 2.0**-64, oc)
+    up = like(2.0**64, oc)
+    for j in range(a.shape[1]):
+        val = load(a[i, j], abf) * up * rc
+        if flags & HAS_W:
+            val = val * (like(w[j], oc) + oc)
+        if flags & HAS_B:
+            val = val + like(b[j], oc)
+        store(yi, j, val, (flags & BF_Y) != 0)
 
 
 @_inline
@@ -323,8 +341,13 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset):
         rms, r64 = _stats(x, i, k, xbf, eps, inside)
     if has_rstd:
         r64 = np.float64(rstd_in[i])
+        if not r64 < math.inf:  # a float32 rstd that overflowed: recompute it in float64
+            rms, r64 = _stats(x, i, k, xbf, eps, inside)
     # rc: rstd in the compute type (float64 for float64 x, else float32)
     rc = like(r64, load(x[i, 0], xbf))
+    if r64 < math.inf and not rc < math.inf:
+        _bwd_row_wide(i, dy, x, w, gr, dx, part, blk, flags, k, eps, offset, r64, rms)
+        return
     oc = like(offset, rc)
     # c = sum_j g*dy*xhat over all d columns, in float64
     c = _dot_row(dy, x, w, i, rc, oc, flags, part, blk)
@@ -348,6 +371,36 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset):
         pb = part[blk, d:]
         for j in range(d):
             pb[j] += _ld(dy, i, j, dybf, rc)
+
+
+@_inline
+def _bwd_row_wide(i, dy, x, w, gr, dx, part, blk, flags, k, eps, offset, r64, rms):
+    """The backward of a row whose rstd overflows float32, in float64 (rare: a
+    float32 row of rms < ~3e-39 with a tiny eps; dx itself is then beyond float32)."""
+    d = x.shape[1]
+    xbf = (flags & BF_X) != 0
+    dybf = (flags & BF_Y) != 0
+    has_w = (flags & HAS_W) != 0
+    c = 0.0
+    for j in range(d):
+        g = np.float64(w[j]) + offset if has_w else 1.0
+        c += g * np.float64(load(dy[i, j], dybf)) * (np.float64(load(x[i, j], xbf)) * r64)
+    coef = c / k
+    if not flags & EPS_INSIDE:
+        coef = 0.0 if rms == 0.0 else coef * ((rms + eps) / rms)
+    dxi = dx[i]
+    for j in range(d):
+        xh = np.float64(load(x[i, j], xbf)) * r64
+        dyv = np.float64(load(dy[i, j], dybf))
+        g = np.float64(w[j]) + offset if has_w else 1.0
+        v = r64 * (g * dyv - (xh * coef if j < k else 0.0))
+        if flags & HAS_GR:
+            v += np.float64(load(gr[i, j], (flags & BF_H) != 0))
+        store(dxi, j, v, xbf)
+        if has_w:
+            part[blk, j] += dyv * xh
+        if flags & HAS_B:
+            part[blk, d + j] += dyv
 
 
 @_inline
