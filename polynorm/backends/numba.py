@@ -85,6 +85,15 @@ _F64 = np.dtype(np.float64)
 _NO_VEC = {np.dtype(np.float32): np.zeros(1, np.float32), _F64: np.zeros(1, np.float64)}
 
 
+def _foreign_empty(like):
+    """Allocation for results that go back to ``like``'s library (aligned for jax)."""
+
+    def empty(shape, dtype):
+        return _interop.host_empty(shape, dtype, like)
+
+    return empty
+
+
 def _kview(a: np.ndarray) -> np.ndarray:
     """What the kernels take: ``uint16`` bits for the 16-bit floats, else ``a`` itself."""
     return a.view(_U16) if a.dtype.itemsize == 2 else a
@@ -161,8 +170,9 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     x = to_numpy(x)
     n, d = x.shape
     flags, y_dt, h_dt, cdt, _ = _info(plan)
-    y = np.empty((n, d), y_dt) if out is None else to_numpy(out)
-    rstd = np.empty(n, cdt)
+    empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+    y = empty((n, d), y_dt) if out is None else to_numpy(out)
+    rstd = empty(n, cdt)
     xk = _kview(x)
     if _bf(x):
         flags |= K.BF_X
@@ -172,7 +182,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     r, hk = xk, yk
     if residual is not None:
         rn = to_numpy(residual)
-        h = np.empty((n, d), h_dt)
+        h = empty((n, d), h_dt)
         flags |= K.HAS_R | (K.BF_R if _bf(rn) else 0) | (K.BF_H if _bf(h) else 0)
         r = _kview(rn)
         hk = _kview(h)
@@ -251,7 +261,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         grn = to_numpy(grad_residual)
         flags |= K.HAS_GR | (K.BF_H if _bf(grn) else 0)
         gr = _kview(grn)
-    dx = np.empty((n, d), xn.dtype)
+    empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+    dx = empty((n, d), xn.dtype)
     rows, nblk = _blocks(n, d)
     need_part = weight is not None or bias is not None
     part = np.zeros((nblk, 2 * d), cdt) if need_part else np.empty((nblk, 0), cdt)
@@ -265,8 +276,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         K.backward_blocks(0, nblk, *args)
     dw = db = None
     if need_part:
-        dw = np.empty(d, wn.dtype) if wn is not None else None
-        db = np.empty(d, bn.dtype) if bn is not None else None
+        dw = empty(d, wn.dtype) if wn is not None else None
+        db = empty(d, bn.dtype) if bn is not None else None
         dwk = None if dw is None else _kview(dw)
         dbk = None if db is None else _kview(db)
         rargs = (part, dbk if dwk is None else dwk, dwk if dbk is None else dbk, flags)
