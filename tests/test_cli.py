@@ -316,11 +316,26 @@ def test_bench_explicit_backend_that_cannot_run_is_exit_2(fake_suites, capsys):
     assert "nothing can run here" in capsys.readouterr().err
 
 
-def test_plot_draws_a_roof_per_device(tmp_path):
-    recs = _fake_run("fast", "cpu", 20.0)(dtypes=["float32", "bfloat16"])
+def test_plot_draws_the_main_suites_roofs(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = _fake_run("cpu", "cpu", 20.0)(dtypes=["float32", "bfloat16"])
     recs += _fake_run("gpu", "gpu", 3000.0)(dtypes=["float16"])
-    path = report.plot(recs, tmp_path / "p.png")
-    assert path.stat().st_size > 10_000
+    ref = _fake_run("reference", "cpu", 5.0)(dtypes=["float32"])
+    fig, ax = plt.subplots()
+    report._panel(ax, recs + ref, "d", {}, ["bfloat16", "float16", "float32"])
+    labels = ax.get_legend_handles_labels()[1]
+    assert [lb for lb in labels if "roof" in lb] == ["copy roof (cpu)", "copy roof (gpu)"]
+    roof = next(ln for ln in ax.get_lines() if ln.get_label() == "copy roof (gpu)")
+    np.testing.assert_allclose(roof.get_ydata(), 3000.0)  # gbps / ratios["copy"]
+    ax.clear()
+    report._panel(ax, ref, "d", {}, ["float32"])  # no main suite: the reference's own roof
+    assert "copy roof (reference)" in ax.get_legend_handles_labels()[1]
+    plt.close(fig)
+    assert report.plot(recs + ref, tmp_path / "p.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("inside", [True, False])

@@ -306,10 +306,6 @@ def update_readme(path: str | Path, records: list[Record], machine: str, command
     path.write_text(text[:i] + "\n".join(parts) + text[j:])
 
 
-def _device(r: Record) -> str:
-    return str(r.extra.get("device", "gpu" if r.suite == "gpu" else "cpu"))
-
-
 def _roof(r: Record) -> float | None:
     if "copy_gbps" in r.extra:
         return float(r.extra["copy_gbps"])
@@ -319,7 +315,8 @@ def _roof(r: Record) -> float | None:
 
 def plot(records: list[Record], path: str | Path, title: str = "") -> Path:
     """PNG of effective bandwidth: one column per op, one line per
-    (backend, dtype), the copy bandwidth per device as a dashed roof.
+    (backend, dtype), the copy bandwidth as a dashed roof (the cpu and gpu
+    suites' own copies where they ran).
 
     Top row: against hidden size ``d`` (at each ``d`` the largest token
     count measured, the bandwidth-bound regime).  Bottom row, when a suite
@@ -389,15 +386,19 @@ def _panel(ax, recs: list[Record], xkey: str, colours: dict, dtypes: list[str]) 
         ax.plot([getattr(r, xkey) for r in rs], [r.gbps for r in rs], marker=marker, ms=4,
                 color=colours.setdefault((suite, be), f"C{len(colours) % 10}"), ls=ls,
                 label=label)
+    # each suite measures its own roof (a parallel copy for cpu, a device copy for gpu, a plain
+    # numpy copy for the reference): draw the main suites' roofs, the others only without them
     roofs: dict[str, dict[int, list[float]]] = {}
     for r in best.values():
         roof = _roof(r)
         if roof:
-            roofs.setdefault(_device(r), {}).setdefault(getattr(r, xkey), []).append(roof)
-    for i, (dev, by_x) in enumerate(sorted(roofs.items())):
+            roofs.setdefault(r.suite, {}).setdefault(getattr(r, xkey), []).append(roof)
+    if set(roofs) & {"cpu", "gpu"}:
+        roofs = {k: v for k, v in roofs.items() if k in ("cpu", "gpu")}
+    for i, (suite, by_x) in enumerate(sorted(roofs.items())):
         xs = sorted(by_x)
         ax.plot(xs, [statistics.median(by_x[x]) for x in xs], color=("black", "gray")[i % 2],
-                lw=1.5, ls="--", label=f"copy roof ({dev})")
+                lw=1.5, ls="--", label=f"copy roof ({suite})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
