@@ -16,6 +16,7 @@ relative to the largest magnitude of the expected result.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import traceback
 from collections.abc import Callable
@@ -305,30 +306,51 @@ def _run_test(test: str, backend: str, dtype: str, arr: _Arrays, rng) -> float:
     return worst
 
 
-def _backend_rows(backend: str, dtypes: list[str]) -> list[Result]:
+def _torch_cpu_arrays() -> _Arrays:
+    """torch CPU tensors (bfloat16 through an int16 view): the DLPack route into Numba."""
+    import torch
+
+    def make(a):
+        if a.dtype.name == "bfloat16":
+            return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(a.copy())
+
+    def read(t):
+        t = t.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(_np_dtype("bfloat16"))
+        return t.numpy()
+
+    return _Arrays(make, read)
+
+
+def _backend_rows(backend: str, dtypes: list[str], label: str | None = None,
+                  arr: _Arrays | None = None) -> list[Result]:
+    """Every check of ``backend`` at ``dtypes``; ``label``/``arr``: another array library."""
+    label = label or backend
     try:
-        arr = _arrays(backend)
+        arr = arr or _arrays(backend)
     except ImportError as exc:  # e.g. the dask backend without dask.array
-        return [Result(backend, dt, t, None, detail=f"cannot make arrays: {exc}")
+        return [Result(label, dt, t, None, detail=f"cannot make arrays: {exc}")
                 for dt in dtypes for t in TESTS]
     supported = _supported_dtypes(backend, arr)
     rows = []
     for dt in dtypes:
         if dt not in supported:
-            rows += [Result(backend, dt, t, None, detail=f"{backend} has no {dt} here")
+            rows += [Result(label, dt, t, None, detail=f"{backend} has no {dt} here")
                      for t in TESTS]
             continue
         for t in TESTS:
             rng = np.random.default_rng([20261130, TESTS.index(t), FLOAT_DTYPES.index(dt)])
             try:
                 err = _run_test(t, backend, dt, arr, rng)
-                rows.append(Result(backend, dt, t, True, err, TOL[dt]))
+                rows.append(Result(label, dt, t, True, err, TOL[dt]))
             except _Mismatch as m:
-                rows.append(Result(backend, dt, t, False, m.err, TOL[dt],
+                rows.append(Result(label, dt, t, False, m.err, TOL[dt],
                                    f"{m.what}: error {m.err:.3g} > tolerance {TOL[dt]:.3g}"))
             except Exception as exc:  # a crash is a failure with its message, not a traceback
                 where = traceback.extract_tb(exc.__traceback__)[-1]
-                rows.append(Result(backend, dt, t, False, detail=(
+                rows.append(Result(label, dt, t, False, detail=(
                     f"raised {type(exc).__name__}: {exc} "
                     f"(at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})")))
     return rows
@@ -340,7 +362,9 @@ def _backend_rows(backend: str, dtypes: list[str]) -> list[Result]:
 def run(backends: list[str] | None = None, dtypes: list[str] | None = None) -> list[Result]:
     """Check ``backends`` (default: all) at ``dtypes`` (default: all four).
 
-    Unusable backends give one skipped row with the reason.
+    Unusable backends give one skipped row with the reason.  The Numba backend
+    is also checked on torch CPU tensors (row ``numba+torch``) when torch is
+    installed: the zero-copy route most torch users take.
 
     Examples
     --------
@@ -358,6 +382,8 @@ def run(backends: list[str] | None = None, dtypes: list[str] | None = None) -> l
             rows.append(Result(name, "-", "-", None, detail=reason))
             continue
         rows += _backend_rows(name, dts)
+        if name == "numba" and importlib.util.find_spec("torch") is not None:
+            rows += _backend_rows(name, dts, "numba+torch", _torch_cpu_arrays())
     return rows
 
 

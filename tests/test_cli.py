@@ -371,3 +371,15 @@ def test_plot_leaves_out_ops_measured_at_one_size(tmp_path, monkeypatch):
     assert report._swept_ops(recs) == ["fwd"]
     assert report._swept_ops(recs[-1:]) == ["dispatch"]  # nothing swept: keep everything
     report.plot(recs, tmp_path / "p.png")
+
+
+def test_check_runs_on_torch_tensors_under_its_own_label():
+    torch = pytest.importorskip("torch")
+    arr = _check._torch_cpu_arrays()
+    a = np.arange(6.0, dtype=np.float32).reshape(2, 3).astype(_check._np_dtype("bfloat16"))
+    t = arr.make(a)
+    assert t.dtype == torch.bfloat16 and t.shape == (2, 3)
+    np.testing.assert_array_equal(arr.read(t), a)
+    rows = _check._backend_rows("array_api", ["bfloat16"], "array_api+torch", arr)
+    assert {r.backend for r in rows} == {"array_api+torch"}
+    assert all(r.ok for r in rows), [r.detail for r in rows if not r.ok]
