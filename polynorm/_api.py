@@ -7,6 +7,7 @@ Nothing here computes: arrays are checked, brought into canonical 2-D form
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -449,9 +450,10 @@ def _forward(x, residual, weight, bias, out, return_rstd, options, *, fused: boo
     if lay.n == 0:
         y2, h2, rstd = _empty_forward(lay, x, residual, plan)
     else:
-        y2, h2, rstd = call.backend.forward(
-            lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias), plan, out2
-        )
+        with _no_autograd(x):
+            y2, h2, rstd = call.backend.forward(
+                lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias), plan, out2
+            )
     if out is not None and out2 is not None and y2 is out2:
         y = out
     else:
@@ -465,6 +467,15 @@ def _forward(x, residual, weight, bias, out, return_rstd, options, *, fused: boo
     if return_rstd:
         result.append(lay.xp.reshape(rstd, lay.batch_shape))
     return result[0] if len(result) == 1 else tuple(result)
+
+
+def _no_autograd(x):
+    """torch records no history for the functional API (polynorm.torch is for training)."""
+    if aac.is_torch_array(x):
+        import torch
+
+        return torch.no_grad()
+    return contextlib.nullcontext()
 
 
 def _empty_forward(lay: _Layout, x, residual, plan: Plan):
@@ -716,8 +727,9 @@ def rms_norm_backward(
         dw = None if weight is None else xp.zeros(weight.shape, dtype=weight.dtype, device=aac.device(x))
         db = None if bias is None else xp.zeros(bias.shape, dtype=bias.dtype, device=aac.device(x))
         return dx, dw, db
-    dx2, dw, db = call.backend.backward(
-        lay.rows(dy), lay.rows(x), lay.flat(weight), lay.flat(bias), rstd1,
-        lay.rows(grad_residual), plan,
-    )
+    with _no_autograd(x):
+        dx2, dw, db = call.backend.backward(
+            lay.rows(dy), lay.rows(x), lay.flat(weight), lay.flat(bias), rstd1,
+            lay.rows(grad_residual), plan,
+        )
     return lay.unrows(dx2), lay.unflat(dw), lay.unflat(db)

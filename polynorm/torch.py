@@ -206,8 +206,9 @@ class RMSNorm(torch.nn.Module):
     normalized_shape : int or sequence of int
         The trailing shape normalized over, as in ``torch.nn.RMSNorm``.
     eps : float, optional
-        ``None`` (the default, as in torch) uses ``torch.finfo(x.dtype).eps``
-        of each input.
+        ``None`` (the default, as in torch) uses the machine epsilon of the
+        dtype torch computes in: ``torch.finfo(torch.float32).eps`` for
+        float16/bfloat16/float32 input, float64's for float64 input.
     elementwise_affine : bool
         Learn a ``weight`` of ``normalized_shape``.
     device, dtype
@@ -296,7 +297,9 @@ class RMSNorm(torch.nn.Module):
             raise ValueError(
                 f"x must end in normalized_shape {self.normalized_shape}, got shape {tuple(x.shape)}"
             )
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        eps = self.eps
+        if eps is None:  # torch takes the eps of its opmath dtype, not of x's dtype
+            eps = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
         axis = -1 if nd == 1 else tuple(range(-nd, 0))  # an int axis takes the fast front end
         return rms_norm(
             x, self.weight, self.bias, eps=eps, axis=axis, partial=self.partial,
