@@ -39,39 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from .common import Record, format_table, gbps, median_time, write_json
+from .common import Record, format_table, gbps, median_time, paired_median, write_json
 
 DTYPES = ("float32", "bfloat16")
 EPS = 1e-6
 Progress = Callable[[int, int, str], None]
-
-
-def paired_times(
-    a: Callable[[], Any], b: Callable[[], Any], *, min_time: float, min_repeat: int = 5
-) -> tuple[float, float]:
-    """Median wall times of ``a()`` and ``b()``, called alternately (after one warm-up each).
-
-    Alternating keeps a ratio of the two honest on a shared, noisy machine:
-    both see the same load, where two separate timing loops may not.
-    """
-    a()
-    b()
-    ta: list[float] = []
-    tb: list[float] = []
-    start = time.perf_counter()
-    while len(ta) < min_repeat or time.perf_counter() - start < 2 * min_time:
-        t0 = time.perf_counter()
-        a()
-        t1 = time.perf_counter()
-        b()
-        t2 = time.perf_counter()
-        ta.append(t1 - t0)
-        tb.append(t2 - t1)
-        if len(ta) >= 10_000:
-            break
-    ta.sort()
-    tb.sort()
-    return ta[len(ta) // 2], tb[len(tb) // 2]
 
 
 def available() -> tuple[bool, str]:
@@ -112,7 +84,7 @@ def dispatch(min_time: float) -> Record:
     x, w = _tensor(rng, (1, 4096), "float32"), 1 + 0.1 * _tensor(rng, (4096,), "float32")
     xn, wn = _interop.to_numpy(x), _interop.to_numpy(w)
     with torch.no_grad():
-        t, tt = paired_times(lambda: pn.rms_norm(x, w, eps=EPS),
+        t, tt = paired_median(lambda: pn.rms_norm(x, w, eps=EPS),
                              lambda: F.rms_norm(x, (4096,), w, EPS), min_time=min_time)
     tn = median_time(lambda: pn.rms_norm(xn, wn, eps=EPS), min_time=min_time)
     moved = 2 * x.numel() * 4 + w.numel() * 4
@@ -132,7 +104,7 @@ def bandwidth(n: int, d: int, dtype: str, min_time: float) -> Record:
     x, w = _tensor(rng, (n, d), dtype), _tensor(rng, (d,), dtype)
     xn, wn = _interop.to_numpy(x), _interop.to_numpy(w)
     roof, _ = roofs(xn, min_time)
-    t, tn = paired_times(lambda: pn.rms_norm(x, w, eps=EPS),
+    t, tn = paired_median(lambda: pn.rms_norm(x, w, eps=EPS),
                          lambda: pn.rms_norm(xn, wn, eps=EPS), min_time=min_time)
     moved = 2 * xn.nbytes + wn.nbytes
     rate = gbps(moved, t)
@@ -162,7 +134,7 @@ def module(n: int, d: int, dtype: str, min_time: float) -> Record:
 
         return f
 
-    t, tt = paired_times(step(ours), step(theirs), min_time=min_time, min_repeat=3)
+    t, tt = paired_median(step(ours), step(theirs), min_time=min_time, min_repeat=3)
     itemsize = x.element_size()
     moved = 5 * n * d * itemsize  # fwd: x in, y out; bwd: x, dy in, dx out
     return Record("interop", "module", "torch-cpu", dtype, n, d, t, moved, gbps(moved, t),
