@@ -101,11 +101,21 @@ def _ov_like(v, ref):
 #: overlaps: without it, float32 16384x4096 bwd took 29.1 instead of 32.2 ms,
 #: fwd 17.8 instead of 18.5 ms (2-core AMD EPYC); bfloat16 4096x16384 no worse.
 _PREFETCH_MAX_BYTES = 8192
+#: The backward prefetches rows of at most this many bytes before the row's
+#: first pass instead of before its last: float32 65536x1024 bwd 31.5-32.4 ->
+#: 27.1-27.7 ms; 16-bit 65536x1024 no worse; bfloat16 16384x4096 (8 KB rows)
+#: was slower that way (21.2 -> 24.1 ms), so longer rows keep the late prefetch.
+_PREFETCH_EARLY_BYTES = 4096
+
+
+@_inline
+def _row_bytes(a):
+    return a.shape[1] * a.itemsize
 
 
 @_inline
 def _prefetches(a):
-    return a.shape[1] * a.itemsize <= _PREFETCH_MAX_BYTES
+    return _row_bytes(a) <= _PREFETCH_MAX_BYTES
 
 
 # --------------------------------------------------------------------------- row statistics
@@ -347,6 +357,10 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset):
     dybf = (flags & BF_Y) != 0
     inside = (flags & EPS_INSIDE) != 0
     has_rstd = (flags & HAS_RSTD) != 0
+    if i + 1 < x.shape[0] and _row_bytes(x) <= _PREFETCH_EARLY_BYTES:
+        # short rows: the next row's x and dy stream in during both passes of this one
+        prefetch_row(x, i + 1)
+        prefetch_row(dy, i + 1)
     rms = 0.0
     r64 = 0.0
     if not has_rstd or not inside:
@@ -368,7 +382,7 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, part, blk, flags, k, eps, offset):
         coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)
     coef = like(coef64, rc)
     dxi = dx[i]
-    if i + 1 < x.shape[0] and _prefetches(x):
+    if i + 1 < x.shape[0] and _PREFETCH_EARLY_BYTES < _row_bytes(x) <= _PREFETCH_MAX_BYTES:
         prefetch_row(x, i + 1)
         prefetch_row(dy, i + 1)
     # branch-free loops (so that they vectorize): the masked term only for j < k.
