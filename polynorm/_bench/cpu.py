@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import Record, format_table, gbps, median_time, write_json
+from .common import Record, format_table, gbps, median_time, paired_median, write_json
 
 SHAPES = ((1, 4096), (8, 4096), (512, 4096), (16384, 4096), (4096, 16384), (65536, 1024))
 QUICK_SHAPES = ((1, 4096), (8, 4096), (512, 4096), (2048, 4096))
@@ -160,37 +160,6 @@ def roofs(x: np.ndarray, min_time: float) -> tuple[float, float]:
     """GB/s of copying ``x``: ``(into a fresh array, into an existing one)``; see :func:`roof_fns`."""
     r = roof_fns(x, min_time)
     return r["alloc_gbps"], r["plain_gbps"]
-
-
-def paired_median(fa: Callable[[], Any], fb: Callable[[], Any], *, min_time: float,
-                  min_repeat: int = 5) -> tuple[float, float]:
-    """Median times of ``fa`` and ``fb`` called alternately.
-
-    On a shared machine the load changes from second to second; timing an op
-    and its roof interleaved exposes both to the same load, so their ratio is
-    far steadier than that of two separate medians.
-    """
-    fa()
-    fb()
-    ta: list[float] = []
-    tb: list[float] = []
-    start = time.perf_counter()
-    while len(ta) < min_repeat or time.perf_counter() - start < 2 * min_time:
-        t0 = time.perf_counter()
-        fa()
-        t1 = time.perf_counter()
-        fb()
-        t2 = time.perf_counter()
-        ta.append(t1 - t0)
-        tb.append(t2 - t1)
-        if len(ta) >= 10_000:
-            break
-    ta.sort()
-    tb.sort()
-    return ta[len(ta) // 2], tb[len(tb) // 2]
-
-
-# --------------------------------------------------------------------------- peers
 
 
 def _numpy_fwd(x, w, r=None):
