@@ -51,7 +51,7 @@ import numpy as np
 from .common import Record, format_table, gbps, median_time, paired_median, write_json
 
 SHAPES = ((1, 4096), (8, 4096), (512, 4096), (16384, 4096), (4096, 16384), (65536, 1024))
-QUICK_SHAPES = ((1, 4096), (8, 4096), (512, 4096), (2048, 4096))
+QUICK_SHAPES = ((1, 4096), (8, 4096), (512, 4096), (2048, 4096), (8192, 1024), (512, 16384))
 DTYPES = ("float32", "bfloat16", "float16")
 OPS = ("fwd", "fwd-out", "add", "bwd")
 EPS = 1e-6
