@@ -272,6 +272,11 @@ def _fast_plan(d, dtype, eps, partial, offset, eps_mode, casting, out_dtype) -> 
     return plan
 
 
+def _fast_vector_ok(a, d: int, names: dict) -> bool:
+    """weight/bias the fast path can take: absent, or shape (d,) with a float dtype."""
+    return a is None or (a.shape == (d,) and a.dtype in names)
+
+
 def _fast_forward(mod, x, residual, weight, bias, out, return_rstd, eps, partial, offset,
                   eps_mode, casting, out_dtype, fused):
     """``rms_norm``/``add_rms_norm`` on numpy arrays, or None for the generic path."""
@@ -301,9 +306,7 @@ def _fast_forward(mod, x, residual, weight, bias, out, return_rstd, eps, partial
     dtype = names.get(x.dtype)
     if dtype is None or d == 0:
         return None
-    if weight is not None and (weight.shape != (d,) or weight.dtype not in names):
-        return None
-    if bias is not None and (bias.shape != (d,) or bias.dtype not in names):
+    if not (_fast_vector_ok(weight, d, names) and _fast_vector_ok(bias, d, names)):
         return None
     if residual is not None:
         rdt = names.get(residual.dtype)
@@ -356,9 +359,7 @@ def _fast_backward(mod, dy, x, weight, bias, rstd, grad_residual, eps, partial, 
     dtype = names.get(x.dtype)
     if dtype is None or d == 0 or dy.shape != shape or dy.dtype not in names:
         return None
-    if weight is not None and (weight.shape != (d,) or weight.dtype not in names):
-        return None
-    if bias is not None and (bias.shape != (d,) or bias.dtype not in names):
+    if not (_fast_vector_ok(weight, d, names) and _fast_vector_ok(bias, d, names)):
         return None
     if grad_residual is not None and (
         grad_residual.shape != shape or grad_residual.dtype not in names
