@@ -272,6 +272,10 @@ def _fast_plan(d, dtype, eps, partial, offset, eps_mode, casting, out_dtype) -> 
     return plan
 
 
+def _all_numpy_or_none(*arrays) -> bool:
+    return all(a is None or type(a) is _np.ndarray for a in arrays)
+
+
 def _fast_vector_ok(a, d: int, names: dict) -> bool:
     """weight/bias the fast path can take: absent, or shape (d,) with a float dtype."""
     return a is None or (a.shape == (d,) and a.dtype in names)
@@ -297,9 +301,8 @@ def _fast_forward(mod, x, residual, weight, bias, out, return_rstd, eps, partial
         return r[0] if len(r) == 1 else tuple(r)
     if x.ndim == 0:
         return None
-    for a in (residual, weight, bias, out):
-        if a is not None and type(a) is not _np.ndarray:
-            return None
+    if not _all_numpy_or_none(residual, weight, bias, out):
+        return None
     names = _FAST_NAMES or _fast_names()
     shape = x.shape
     d = shape[-1]
@@ -350,9 +353,8 @@ def _fast_backward(mod, dy, x, weight, bias, rstd, grad_residual, eps, partial, 
         return None if r is None else tuple(_interop.torch_from_host(a) for a in r)
     if type(x) is not _np.ndarray or type(dy) is not _np.ndarray or x.ndim == 0:
         return None
-    for a in (weight, bias, rstd, grad_residual):
-        if a is not None and type(a) is not _np.ndarray:
-            return None
+    if not _all_numpy_or_none(weight, bias, rstd, grad_residual):
+        return None
     names = _FAST_NAMES or _fast_names()
     shape = x.shape
     d = shape[-1]
