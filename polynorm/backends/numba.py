@@ -41,7 +41,8 @@ _BWD_MIN_ROWS = 16
 
 _CODE = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 _launch_lock = threading.Lock()
-_kernels = None  # the compiled-kernel module, imported on first use
+_kernels = None  # the compiled-kernel modules, imported on first use
+_bwd_kernels = None
 _np_dtypes: dict[str, np.dtype] = {}
 
 
@@ -64,6 +65,15 @@ def _k():
 
         _kernels = _numba_kernels
     return _kernels
+
+
+def _kb():
+    global _bwd_kernels
+    if _bwd_kernels is None:
+        from . import _numba_backward
+
+        _bwd_kernels = _numba_backward
+    return _bwd_kernels
 
 
 def _np_dtype(dtype_name: str) -> np.dtype:
@@ -232,6 +242,7 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     in order in float64: the bits do not depend on the thread count.
     """
     K = _kernels or _k()
+    KB = _bwd_kernels or _kb()
     like = x
     to_numpy = _interop.to_numpy
     xn = to_numpy(x)
@@ -271,9 +282,9 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
             plan.k, plan.eps, plan.offset)
     if par and nblk > 1:
         with _launch_lock:
-            K.backward_parallel(*args)
+            KB.backward_parallel(*args)
     else:
-        K.backward_blocks(0, nblk, *args)
+        KB.backward_blocks(0, nblk, *args)
     dw = db = None
     if need_part:
         dw = empty(d, wn.dtype) if wn is not None else None
@@ -283,9 +294,9 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         rargs = (part, dbk if dwk is None else dwk, dwk if dbk is None else dbk, flags)
         if par and d >= 4096:
             with _launch_lock:
-                K.reduce_parallel(*rargs)
+                KB.reduce_parallel(*rargs)
         else:
-            K.reduce_cols(0, d, *rargs)
+            KB.reduce_cols(0, d, *rargs)
     from_numpy = _interop.from_numpy
     return (from_numpy(dx, like), None if dw is None else from_numpy(dw, like),
             None if db is None else from_numpy(db, like))
