@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import polynorm as pn  # noqa: E402
+import polynorm.torch as pnt  # noqa: E402
 from polynorm import _api, _interop  # noqa: E402
 from polynorm.torch import RMSNorm, add_rms_norm, rms_norm  # noqa: E402
 
@@ -153,8 +156,16 @@ def _args(opts, shape=(3, 4, 6), seed=0):
     return x, w, b, dict(opts, axis=axis)
 
 
+@pytest.fixture(params=["eager", "op"])
+def path(request, monkeypatch):
+    """eager: the autograd.Functions; op: the custom ops torch.compile uses, forced in eager."""
+    if request.param == "op":
+        monkeypatch.setattr(pnt, "_eager", lambda x: False)
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(OPTION_SETS))
-def test_gradcheck_rms_norm(name):
+def test_gradcheck_rms_norm(name, path):
     x, w, b, opts = _args(OPTION_SETS[name])
     inputs = tuple(a for a in (x, w, b) if a is not None)
 
@@ -169,7 +180,7 @@ def test_gradcheck_rms_norm(name):
 
 
 @pytest.mark.parametrize("name", ["plain", "bias", "partial", "outside", "axis-tuple"])
-def test_gradcheck_add_rms_norm(name):
+def test_gradcheck_add_rms_norm(name, path):
     x, w, b, opts = _args(OPTION_SETS[name])
     r = _randn(*x.shape, dtype=torch.float64, seed=7, requires_grad=True)
     inputs = tuple(a for a in (x, r, w, b) if a is not None)
@@ -308,14 +319,114 @@ def test_fast_path_leaves_mixed_and_odd_inputs_to_the_generic_front_end():
     )
 
 
-def test_torch_compile_runs_the_module_as_an_opaque_call():
-    m = RMSNorm(16, bias=True, partial=0.5)
-    x = _randn(3, 16, requires_grad=True)
-    f = torch.compile(lambda x: m(2 * x) + 1, backend="aot_eager")
-    y = f(x)
-    y.sum().backward()
-    gx = x.grad
-    x.grad = None
-    y2 = m(2 * x) + 1
-    y2.sum().backward()
-    assert torch.equal(y, y2) and torch.equal(gx, x.grad)
+def _compile(f, backend="aot_eager"):
+    torch._dynamo.reset()
+    return torch.compile(f, backend=backend, fullgraph=True)  # fullgraph: a graph break fails
+
+
+def _grads(f, *inputs):
+    """f's outputs and the gradients of their sum of squares (every output gets a cotangent)."""
+    outs = f(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    sum(o.float().square().sum() for o in outs).backward()
+    grads = [a.grad for a in inputs]
+    for a in inputs:
+        a.grad = None
+    return [o.detach() for o in outs], grads
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b, strict=True):
+        assert u.dtype == v.dtype and u.shape == v.shape
+        assert torch.equal(u, v)
+
+
+def test_torch_compile_fullgraph_module_fwd_bwd_equals_eager():
+    m = RMSNorm(16, bias=True, partial=0.5, eps=1e-5)
+    x = _randn(3, 5, 16, requires_grad=True)
+
+    def f(x):
+        return m(2 * x) + 1
+
+    runs = []
+    for g in (_compile(f), f):
+        (y,), (gx,) = _grads(g, x)
+        runs.append([y, gx, m.weight.grad, m.bias.grad])
+        m.zero_grad(set_to_none=True)
+    _same(*runs)
+
+
+def test_torch_compile_fullgraph_functional_options():
+    """Optional args, kwargs and out_dtype survive the custom op; the graph has no break."""
+    x = _randn(4, 3, 8, dtype=torch.bfloat16, requires_grad=True)
+    r = _randn(4, 3, 8, seed=1, requires_grad=True)
+    w = (1 + 0.1 * _randn(3, 8, seed=2)).requires_grad_()
+
+    def f(x, r, w):
+        y1 = rms_norm(x, eps=1e-3, eps_mode="outside", partial=0.75)            # no weight
+        y2 = rms_norm(x * 2, w, axis=(1, 2), offset=1.0, out_dtype="float32")
+        y3, h = add_rms_norm(x, r, w[0], None, casting="llama", out_dtype=torch.float16)
+        return y1, y2, y3, h
+
+    got, want = _grads(_compile(f), x, r, w), _grads(f, x, r, w)
+    assert [o.dtype for o in got[0]] == [torch.bfloat16, torch.float32, torch.float16,
+                                         torch.float32]
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor on the CPU needs a C++ compiler")
+def test_torch_compile_inductor():
+    m = RMSNorm(32, dtype=torch.float32)
+    x = _randn(4, 32, requires_grad=True)
+
+    def f(x):
+        y, h = add_rms_norm(x.sin(), x, m.weight)
+        return m(y) * 3 + h
+
+    runs = []
+    for g in (_compile(f, "inductor"), f):
+        (y,), (gx,) = _grads(g, x)
+        runs.append([y, gx, m.weight.grad])
+        m.zero_grad(set_to_none=True)
+    # inductor's own sin and fused elementwise code may differ from eager's in the last bit
+    for u, v in zip(*runs, strict=True):
+        torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["plain", "no-weight", "all", "axis-middle"])
+def test_opcheck_forward_ops(name):
+    x, w, b, opts = _args(OPTION_SETS[name])
+    x = x.detach().float().requires_grad_()
+    w = None if w is None else w.detach().float().requires_grad_()
+    b = None if b is None else b.detach().float().requires_grad_()
+    o = pnt._op_opts(**dict(dict(eps=1e-6, partial=1.0, offset=0.0, eps_mode="inside",
+                                 casting="fp32", backend="auto"), **opts))
+    torch.library.opcheck(torch.ops.polynorm.rms_norm.default, (x, w, b, *o, None))
+    r = _randn(*x.shape, seed=9, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.polynorm.add_rms_norm.default,
+                          (x, r, w, b, *o, torch.float16))
+
+
+def test_opcheck_backward_op():
+    x, w, b, opts = _args(OPTION_SETS["all"])
+    x, w, b = (a.detach() for a in (x, w, b))
+    dy = _randn(*x.shape, seed=5, dtype=torch.float64)
+    o = pnt._op_opts(**dict(dict(casting="fp32", backend="auto"), **opts))
+    for rstd, gr in ((None, None), (pn.rms_norm(x, w, b, return_rstd=True, **opts)[1], dy)):
+        torch.library.opcheck(torch.ops.polynorm.rms_norm_backward.default,
+                              (dy, x, w, b, rstd, gr, *o))
+
+
+def test_eager_without_grad_records_nothing_and_matches():
+    x = _randn(3, 8)
+    w = torch.nn.Parameter(torch.ones(8))
+    y = rms_norm(x, w)
+    assert y.requires_grad  # a parameter needs grad: recorded
+    with torch.no_grad():
+        y2 = rms_norm(x, w)
+        y3, _ = add_rms_norm(x, x, w)
+    assert not y2.requires_grad and not y3.requires_grad
+    assert torch.equal(y.detach(), y2)
