@@ -1,13 +1,30 @@
 """Differentiable RMSNorm for jax: ``jax.custom_vjp`` on polynorm's hand-written backward.
 
-:func:`polynorm.rms_norm` on jax arrays computes on their data; these
+:func:`polynorm.rms_norm` on jax arrays computes on their data and records no
+derivative (and under ``jax.jit`` it runs the pure array-API reference); these
 functions add the derivative, so ``jax.grad``/``jax.vjp`` use
 :func:`polynorm.rms_norm_backward` instead of differentiating the forward.
 
-Concrete CPU arrays run on the Numba kernels through zero-copy views; traced
-arrays (inside ``jax.jit``) take the pure array-API reference path, which jax
-compiles like any other jnp code.  Only reverse mode is defined (a
-``custom_vjp`` has no forward-mode rule).  Needs ``pip install 'polynorm[jax]'``.
+What runs where (forward and backward alike):
+
+- eager, concrete CPU arrays: the Numba kernels on zero-copy views of the
+  arrays; results come back to jax without a copy (see
+  :func:`polynorm._interop.from_numpy`).
+- traced arrays on the CPU (``jax.jit``, ``grad`` of ``jit``, ``vmap``,
+  ``scan``, ...): the same Numba kernels through ``jax.pure_callback``, so
+  jitted code gets the same bits as an eager call.  jax copies each result
+  into its own buffer (a callback cannot write into XLA's), and under
+  ``vmap`` the kernels are called once per batch element
+  (``vmap_method="sequential"``: a batched weight, or the per-element
+  ``dweight`` of the backward, needs a call of its own).
+- traced arrays on other platforms, ``backend="array_api"``, or no numba
+  installed: the pure array-API reference, which jax compiles like any jnp
+  code (``lax.platform_dependent`` picks per lowering platform).
+- concrete CUDA arrays: the CuPy kernels through DLPack when cupy is
+  installed (not tested on a machine without a GPU).
+
+Only reverse mode is defined (a ``custom_vjp`` has no forward-mode rule).
+Needs ``pip install 'polynorm[jax]'``.
 """
 
 from __future__ import annotations
@@ -17,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _api
 
@@ -30,24 +48,86 @@ def _static(eps, axis, partial, offset, eps_mode, casting, backend) -> tuple:
             ("eps_mode", eps_mode), ("casting", casting), ("backend", backend))
 
 
+# ------------------------------------------------------------------ where the work runs
+# Concrete arrays go to polynorm's front end as they are (CPU: the Numba kernels on
+# zero-copy views).  Traced arrays (jit, grad of jit, vmap, scan...) have no data yet:
+# on the CPU they reach the same kernels through jax.pure_callback, so jitted code runs
+# the kernels and gets the same bits as an eager call; on other platforms, or without
+# numba, they take the pure array-API reference, which jax compiles like any jnp code.
+# lax.platform_dependent picks per lowering platform (only the chosen branch is lowered).
+
+
+def _traced(arrays) -> bool:
+    return any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def _via_host(static, arrays) -> bool:
+    """Whether traced ``arrays`` should reach the Numba kernels through a host callback."""
+    if not _traced(arrays) or dict(static)["backend"] not in ("auto", "numba"):
+        return False
+    return _api._backends.usable("numba")
+
+
+def _host(fn):
+    """``fn`` on numpy views of the callback's (CPU, concrete) arrays: the front end's fast path."""
+
+    def call(*arrays):
+        return fn(*(None if a is None else np.asarray(a) for a in arrays))
+
+    return call
+
+
+def _dispatch(fn, *arrays):
+    """``fn(*arrays)``: directly, or under tracing on the CPU through ``jax.pure_callback``.
+
+    ``fn`` is polynorm's front end with the options bound; on tracers it traces the
+    reference, which also gives the callback its result shapes and dtypes (and raises the
+    front end's errors at trace time).
+    """
+    if not _via_host(fn.keywords["static"], arrays):
+        return fn(*arrays)
+    shapes = jax.eval_shape(fn, *arrays)
+
+    def on_cpu(*arrays):
+        # sequential: under vmap one call per batch element (a batched weight/bias or
+        # a per-element dweight needs its own call; the kernels take one weight)
+        return jax.pure_callback(_host(fn), shapes, *arrays, vmap_method="sequential")
+
+    return jax.lax.platform_dependent(*arrays, cpu=on_cpu, default=fn)
+
+
+def _forward(x, residual, weight, bias, *, static, out_dtype):
+    opts = dict(static)
+    if residual is None:
+        return _api.rms_norm(x, weight, bias, out_dtype=out_dtype, return_rstd=True, **opts)
+    return _api.add_rms_norm(x, residual, weight, bias, out_dtype=out_dtype, return_rstd=True,
+                             **opts)
+
+
+def _backward(dy, x, weight, bias, rstd, grad_residual, *, static):
+    return _api.rms_norm_backward(dy, x, weight, bias, rstd=rstd, grad_residual=grad_residual,
+                                  **dict(static))
+
+
 # ------------------------------------------------------------------ rms_norm
 
 
 @_partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _rms_norm(static, out_dtype, x, weight, bias):
-    return _api.rms_norm(x, weight, bias, out_dtype=out_dtype, **dict(static))
+    return _rms_norm_fwd(static, out_dtype, x, weight, bias)[0]
 
 
 def _rms_norm_fwd(static, out_dtype, x, weight, bias):
-    y, rstd = _api.rms_norm(x, weight, bias, out_dtype=out_dtype, return_rstd=True,
-                            **dict(static))
+    fn = _partial(_forward, static=static, out_dtype=out_dtype)
+    y, rstd = _dispatch(fn, x, None, weight, bias)
     return y, (x, weight, bias, rstd)
 
 
 def _rms_norm_bwd(static, out_dtype, res, dy):
     x, weight, bias, rstd = res
     # cotangents may arrive as numpy arrays (jax.test_util does that)
-    return _api.rms_norm_backward(jnp.asarray(dy), x, weight, bias, rstd=rstd, **dict(static))
+    return _dispatch(_partial(_backward, static=static), jnp.asarray(dy), x, weight, bias, rstd,
+                     None)
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
@@ -105,12 +185,12 @@ def rms_norm(
 
 @_partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _add_rms_norm(static, out_dtype, in_dtypes, x, residual, weight, bias):
-    return _api.add_rms_norm(x, residual, weight, bias, out_dtype=out_dtype, **dict(static))
+    return _add_fwd(static, out_dtype, in_dtypes, x, residual, weight, bias)[0]
 
 
 def _add_fwd(static, out_dtype, in_dtypes, x, residual, weight, bias):
-    y, h, rstd = _api.add_rms_norm(x, residual, weight, bias, out_dtype=out_dtype,
-                                   return_rstd=True, **dict(static))
+    fn = _partial(_forward, static=static, out_dtype=out_dtype)
+    y, h, rstd = _dispatch(fn, x, residual, weight, bias)
     return (y, h), (h, weight, bias, rstd)
 
 
@@ -119,8 +199,7 @@ def _add_bwd(static, out_dtype, in_dtypes, res, cts):
     x_dtype, r_dtype = in_dtypes
     dy, dh = (None if c is None else jnp.asarray(c) for c in cts)
     # the gradient reaching h through the residual stream is fused into dx
-    dxh, dw, db = _api.rms_norm_backward(dy, h, weight, bias, rstd=rstd, grad_residual=dh,
-                                         **dict(static))
+    dxh, dw, db = _dispatch(_partial(_backward, static=static), dy, h, weight, bias, rstd, dh)
     return dxh.astype(x_dtype), dxh.astype(r_dtype), dw, db
 
 

@@ -87,7 +87,7 @@ def test_eager_dispatch_bitwise_equals_numpy(dtype):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
 
 
-def test_jit_takes_the_reference_path_and_agrees():
+def test_functional_api_under_jit_takes_the_reference_path_and_agrees():
     x = _rand((6, 32), "float32")
     w = _rand((32,), "float32", seed=1)
     f = jax.jit(lambda x, w: pn.rms_norm(x, w, eps_mode="outside", partial=0.25))
@@ -95,6 +95,96 @@ def test_jit_takes_the_reference_path_and_agrees():
         np.asarray(f(x, w)),
         np.asarray(pn.rms_norm(x, w, eps_mode="outside", partial=0.25)), rtol=2e-6, atol=2e-6,
     )
+
+
+def _bits(a):
+    return np.asarray(a).view(np.uint8)
+
+
+def _assert_same_bits(got, want):
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+JIT_OPTIONS = {
+    "plain": dict(),
+    "all": dict(partial=0.5, offset=0.5, eps_mode="outside", eps=1e-2, out_dtype="float32"),
+    "llama-axis": dict(casting="llama", axis=(1, 2)),
+}
+
+
+@pytest.mark.skipif(BEST != "numba", reason="needs numba")
+@pytest.mark.parametrize("name", list(JIT_OPTIONS))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jit_runs_the_kernels_with_the_eager_bits(dtype, name, monkeypatch):
+    """Under jit the custom_vjp reaches the Numba kernels (a host callback), not the reference."""
+    opts = dict(JIT_OPTIONS[name])
+    x = _rand((3, 5, 16), dtype)
+    r = _rand((3, 5, 16), dtype, seed=1)
+    ns = (16,) if "axis" not in opts else (5, 16)
+    w = _rand(ns, "float32", seed=2)
+    b = _rand(ns, dtype, seed=3)
+
+    def loss(x, r, w, b):
+        y1 = rms_norm(x, w, b, **opts)
+        y2, h = add_rms_norm(x, r, w, **opts)
+        return sum((a.astype(jnp.float32) ** 2).sum() for a in (y1, y2, h))
+
+    def fwd(x, r, w, b):
+        return rms_norm(x, w, b, **opts), add_rms_norm(x, r, None, b, **opts)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    want_y, want_g = fwd(x, r, w, b), grad(x, r, w, b)
+    kernel = _api._backends.get("numba")
+    calls = []
+    for fn in ("forward", "backward"):
+        orig = getattr(kernel, fn)
+        monkeypatch.setattr(kernel, fn, lambda *a, _f=orig, _n=fn: calls.append(_n) or _f(*a))
+    got_y, got_g = jax.jit(fwd)(x, r, w, b), jax.jit(grad)(x, r, w, b)
+    assert calls.count("forward") == 4 and calls.count("backward") == 2
+    _assert_same_bits(got_y, want_y)
+    _assert_same_bits(got_g, want_g)
+    _assert_same_bits(jax.grad(jax.jit(loss), argnums=(0, 1, 2, 3))(x, r, w, b), want_g)
+
+
+@pytest.mark.skipif(BEST != "numba", reason="needs numba")
+def test_jit_lowers_only_the_callback_on_the_cpu():
+    x = _rand((4, 8), "float32")
+    lowered = jax.jit(lambda x: rms_norm(x)).lower(x).as_text()
+    assert "callback" in lowered and "stablehlo.reduce" not in lowered  # no reference branch
+    ref = jax.jit(lambda x: rms_norm(x, backend="array_api")).lower(x).as_text()
+    assert "callback" not in ref and "stablehlo.reduce" in ref
+
+
+def test_jit_without_numba_takes_the_reference(monkeypatch):
+    monkeypatch.setitem(_api._backends._status, "numba", (False, "hidden by the test"))
+    x, w, b, opts = _args(OPTION_SETS["all"])
+    f = jax.jit(lambda x, w, b: rms_norm(x, w, b, **opts))
+    assert "callback" not in f.lower(x, w, b).as_text()
+    check_grads(f, (x, w, b), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("where", ["x", "x-axis1", "x-and-weight"])
+def test_vmap_equals_a_loop_bitwise(where):
+    x = _rand((3, 5, 16), "float32")
+    w = _rand((3, 16), "float32", seed=1)
+    if where == "x":
+        args, axes, loop = (x, w[0]), (0, None), [(x[i], w[0]) for i in range(3)]
+    elif where == "x-axis1":
+        args, axes, loop = (x, w[0]), (1, None), [(x[:, i], w[0]) for i in range(5)]
+    else:
+        args, axes, loop = (x, w), (0, 0), [(x[i], w[i]) for i in range(3)]
+
+    def f(x, w):
+        y = rms_norm(x, w, partial=0.5)
+        return y, jax.grad(lambda x, w: (rms_norm(x, w) ** 2).sum(), argnums=(0, 1))(x, w)
+
+    got = jax.jit(jax.vmap(f, in_axes=axes))(*args)
+    want = jax.tree.map(lambda *a: jnp.stack(a), *[f(*a) for a in loop])
+    _assert_same_bits(got, want)
 
 
 OPTION_SETS = {
