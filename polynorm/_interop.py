@@ -116,8 +116,8 @@ def from_numpy(a: np.ndarray | None, like: Any) -> Any:
 
     torch: a CPU tensor sharing ``a``'s memory (bfloat16 included).  jax: a
     CPU array through DLPack, zero-copy when ``a`` is 64-byte aligned (see
-    :func:`empty`) and a copy otherwise; bfloat16 takes one device-side
-    bit-cast copy, since jax has no zero-copy dtype view.
+    :func:`empty`) and a copy otherwise (jax's rule); bfloat16 included, by a
+    DLPack capsule of the ``uint16`` view retyped as bfloat16.
 
     >>> import numpy as np, torch
     >>> y = np.arange(3, dtype=np.float32)
@@ -139,9 +139,61 @@ def from_numpy(a: np.ndarray | None, like: Any) -> Any:
         import jax.numpy as jnp
 
         if a.dtype == _bf16():
-            return jax.lax.bitcast_convert_type(jnp.from_dlpack(a.view(np.uint16)), jnp.bfloat16)
+            try:
+                return jnp.from_dlpack(_BF16DLPack(a))
+            except Exception:  # a DLPack layout we do not know: one bit-cast copy
+                return jax.lax.bitcast_convert_type(jnp.from_dlpack(a.view(np.uint16)),
+                                                    jnp.bfloat16)
         return jnp.from_dlpack(a)
     raise TypeError(f"cannot wrap a numpy array as {type(like).__module__}.{type(like).__name__}")
+
+
+class _BF16DLPack:
+    """DLPack export of an ``ml_dtypes.bfloat16`` array, which numpy refuses to export.
+
+    numpy exports the ``uint16`` view of the same memory; the capsule's DLTensor
+    then gets the bfloat16 type code before the consumer (jax) reads it.  The
+    capsule's deleter is numpy's own and keeps the array alive as usual.
+    """
+
+    def __init__(self, a: np.ndarray) -> None:
+        self._u16 = a.view(np.uint16)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._u16.__dlpack_device__()
+
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        cap = self._u16.__dlpack__()  # the unversioned capsule, "dltensor"
+        dtype = _dl_dtype(cap)
+        if (dtype.code, dtype.bits, dtype.lanes) != (1, 16, 1):  # kDLUInt, 16 bits
+            raise TypeError(f"unexpected DLPack dtype {(dtype.code, dtype.bits, dtype.lanes)}")
+        dtype.code = 4  # kDLBfloat
+        return cap
+
+
+_DL: list[Any] = []  # [DLTensor ctypes class, PyCapsule_GetPointer], made on first use
+
+
+def _dl_dtype(capsule: Any) -> Any:
+    """The ``DLDataType`` field of the DLTensor in an unversioned DLPack capsule (ctypes)."""
+    if not _DL:
+        import ctypes
+
+        class DLDataType(ctypes.Structure):
+            _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                        ("lanes", ctypes.c_uint16)]
+
+        class DLTensor(ctypes.Structure):  # a DLManagedTensor starts with its DLTensor
+            _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                        ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                        ("dtype", DLDataType)]
+
+        # a prototype of our own: setting argtypes on ctypes.pythonapi's would be global
+        proto = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)
+        get = proto(("PyCapsule_GetPointer", ctypes.pythonapi))
+        _DL.extend((DLTensor, get))
+    tensor, get = _DL
+    return tensor.from_address(get(capsule, b"dltensor")).dtype
 
 
 #: jax takes host memory without a copy only at this alignment.
