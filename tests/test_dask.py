@@ -2,10 +2,10 @@
 
 The cluster (two worker processes) starts once for the module.  Every result
 is compared with the in-memory backend that the chunks run on (Numba when
-usable, else the reference) on the same numpy data: y, h, rstd and dx bit for
-bit; dweight/dbias to accumulation accuracy, because the chunks' partial sums
-are grouped differently than inside one kernel call (see
-polynorm/backends/dask.py).
+usable, else the reference) on the same numpy data, bit for bit: y, h, rstd,
+dx, and dweight/dbias too on Numba, whose row tree fixes the order of the
+sums over tokens whatever the chunks (polynorm/backends/_rowtree.py).
+Without Numba, dweight/dbias agree to accumulation accuracy.
 """
 
 from __future__ import annotations
@@ -54,10 +54,13 @@ def _same_bits(got, want):
 
 
 def _sum_close(got, want):
-    """The in-memory kernel sums row blocks in the compute dtype (float32 here), then
-    the blocks in float64; chunks split the rows into other blocks, so the two sums
-    agree to float32 accumulation accuracy (or the weight dtype's rounding, if coarser)."""
+    """dweight/dbias: the same bits on Numba (the row tree); without it the
+    reference's sums are grouped by chunk, so they agree to float32
+    accumulation accuracy (or the weight dtype's rounding, if coarser)."""
     assert got.dtype == want.dtype
+    if BEST == "numba":
+        _same_bits(got, want)
+        return
     rtol = max(float(np.finfo(got.dtype).eps) * 2, 1e-5)
     got, want = got.astype(np.float64), want.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
@@ -132,6 +135,27 @@ def test_many_chunks_tree_reduction_and_empty_chunks(client):
     dxm, dwm, _ = pn.rms_norm_backward(dy, x, w, backend=BEST)
     _same_bits(dxg, dxm)
     _sum_close(dwg, dwm)
+
+
+@pytest.mark.skipif(BEST != "numba", reason="bit-exact dweight needs the Numba row tree")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_dweight_bits_do_not_depend_on_the_chunks(client, dtype):
+    rng = np.random.default_rng(6)
+    n, d = 1000, 40
+    x = rng.standard_normal((n, d)).astype(DTYPES[dtype])
+    dy = rng.standard_normal((n, d)).astype(DTYPES[dtype])
+    w = rng.standard_normal(d).astype(DTYPES[dtype])
+    b = rng.standard_normal(d).astype(np.float32)
+    want = pn.rms_norm_backward(dy, x, w, b)
+    wd, bd = da.from_array(w), da.from_array(b)
+    chunkings = [(1000,), (1,) * 7 + (993,), (333, 334, 333), (17,) * 58 + (14,),
+                 tuple(np.diff([0, *sorted(rng.choice(np.arange(1, n), 11, replace=False)), n]))]
+    graphs = [pn.rms_norm_backward(da.from_array(dy, chunks=(c, d)),
+                                   da.from_array(x, chunks=(c, d)), wd, bd)
+              for c in chunkings]
+    for got in client.compute(graphs, sync=True):
+        for g, m in zip(got, want, strict=True):
+            _same_bits(g, m)
 
 
 def test_results_are_deterministic(client):

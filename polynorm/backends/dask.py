@@ -13,14 +13,15 @@ One task per chunk computes all of a call's outputs at once (a tuple);
 ``y``, ``h`` and ``rstd`` are light ``getitem`` tasks on it, so computing
 them together (``dask.compute(y, h)``) runs the kernel once per chunk.
 
-The backward's ``dweight``/``dbias`` are per-chunk partial sums, kept in
-float64 (the chunk's weight is handed to the kernel as float64, which
-changes nothing else: the kernels convert the weight to the compute dtype
-themselves), summed across chunks by dask's tree reduction and rounded once
-to the weight's dtype.  The grouping of the sums differs from the in-memory
-kernel's (which sums row blocks in the compute dtype, then the blocks in
-float64), so ``dweight`` agrees with it to accumulation accuracy, not bit
-for bit.
+The backward's ``dweight``/``dbias`` on host chunks run on Numba follow the
+row tree of :mod:`polynorm.backends._rowtree`: each chunk returns the tree
+nodes of its rows (it knows its global row offset), dask's tree reduction
+(fan-in :data:`SPLIT_EVERY`) merges adjacent chunks' nodes, and the root is
+rounded once.  The tree is fixed by the global row index, so the result has
+the same bits as the in-memory Numba call on the same rows, however the rows
+are chunked.  Other chunks (CuPy, or no Numba) send float64 per-chunk partial
+sums through the same fan-in; those agree with the in-memory result to
+accumulation accuracy only.
 
 ``out=`` is not supported in place: dask arrays are immutable graphs; the
 front end assigns the lazy result into ``out``.
@@ -142,6 +143,56 @@ def _backward_chunk(dy, x, weight, bias, rstd, grad_residual, *, plan: Plan):
     return _inner(x).backward(dy, x, w64, b64, rstd, grad_residual, plan)
 
 
+def _backward_chunk_tree(dy, x, weight, bias, rstd, grad_residual, row_ids, *, plan: Plan,
+                         ntot: int):
+    """dx of a host chunk and the row-tree state of its dweight/dbias terms."""
+    from . import numba as nb
+    from ._rowtree import empty_state
+
+    if x.shape[0] == 0:
+        width = x.shape[1] * ((weight is not None) + (bias is not None))
+        return x.copy(), empty_state(width)
+    return nb.backward_range(dy, x, weight, bias, rstd, grad_residual, plan, int(row_ids[0]),
+                             ntot)
+
+
+def _merge_states(states, ntot: int, compute_dtype):
+    from ._rowtree import merge
+
+    return merge(list(states), ntot, compute_dtype)
+
+
+def _finish_tree(state, ntot: int, d: int, wdt, bdt):
+    from . import numba as nb
+    from ._rowtree import root
+
+    return nb.finish(root(state, ntot), d, wdt, bdt)
+
+
+def _uses_rowtree(x) -> bool:
+    """Host chunks of known sizes, with Numba usable: the bit-exact row tree."""
+    from . import usable
+
+    return (isinstance(x._meta, np.ndarray) and usable("numba")
+            and not any(np.isnan(c) for c in x.chunks[0]))
+
+
+def _tree_reduce(parts, ntot: int, d: int, wdt, bdt, cdt):
+    """``(dweight, dbias)`` as dask arrays: the chunks' row-tree states merged
+    ``SPLIT_EVERY`` adjacent ones at a time, then rounded."""
+    import dask
+    import dask.array as da
+
+    level = [dask.delayed(_pick)(blk, 1) for blk in parts.to_delayed().ravel()]
+    while len(level) > 1:
+        level = [dask.delayed(_merge_states)(level[i:i + SPLIT_EVERY], ntot, cdt)
+                 for i in range(0, len(level), SPLIT_EVERY)]
+    fin = dask.delayed(_finish_tree, nout=2)(level[0], ntot, d, wdt, bdt)
+    return tuple(None if dt is None else da.from_delayed(fin[i], (d,), dtype=dt,
+                                                         meta=np.empty((0,), dt))
+                 for i, dt in enumerate((wdt, bdt)))
+
+
 # ------------------------------------------------------------------ the backend contract
 
 
@@ -182,8 +233,9 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     """Backward on 2-D dask rows; lazy.  See :mod:`polynorm.backends.reference`.
 
     ``dx`` is chunked like ``x``'s rows; ``dweight``/``dbias`` are the tree
-    reduction (fan-in :data:`SPLIT_EVERY`) of float64 per-chunk partial sums,
-    rounded once to the dtype of ``weight``/``bias``.
+    reduction (fan-in :data:`SPLIT_EVERY`) of the chunks' row-tree states
+    (host chunks on Numba: the in-memory bits), or of float64 per-chunk
+    partial sums (other chunks), rounded once to the dtype of ``weight``/``bias``.
     """
     import dask.array as da
 
@@ -195,6 +247,25 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     wdt = None if weight is None else weight.dtype
     bdt = None if bias is None else bias.dtype
     weight, bias = _vec(weight), _vec(bias)
+    d = x.shape[1]
+    if _uses_rowtree(x):
+        ntot = x.shape[0]
+        # each chunk learns its global row offset from its slice of the row numbers
+        row0 = da.arange(ntot, chunks=(rows,), dtype=np.int64)
+        parts = da.blockwise(
+            _backward_chunk_tree, "i",
+            *_args([(dy, "ij"), (x, "ij"), (weight, "j"), (bias, "j"), (rstd, "i"),
+                    (grad_residual, "ij"), (row0, "i")]),
+            plan=plan, ntot=ntot,
+            dtype=object, meta=np.empty((0,), object), concatenate=True,
+        )
+        dx = da.map_blocks(_pick, parts, 0, new_axis=1, chunks=(rows, (d,)), dtype=x.dtype,
+                           meta=_meta(x, 2, x.dtype))
+        if wdt is None and bdt is None:
+            return dx, None, None
+        cdt = _np_dtype(plan.compute_dtype)
+        dweight, dbias = _tree_reduce(parts, ntot, d, wdt, bdt, cdt)
+        return dx, dweight, dbias
     parts = da.blockwise(
         _backward_chunk, "i",
         *_args([(dy, "ij"), (x, "ij"), (weight, "j"), (bias, "j"), (rstd, "i"),
@@ -202,7 +273,6 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         plan=plan,
         dtype=object, meta=np.empty((0,), object), concatenate=True,
     )
-    d = x.shape[1]
     dx = da.map_blocks(_pick, parts, 0, new_axis=1, chunks=(rows, (d,)), dtype=x.dtype,
                        meta=_meta(x, 2, x.dtype))
     nchunks = len(rows)

@@ -32,12 +32,11 @@ name = "numba"
 #: milliseconds when the machine is loaded, so the crossover is taken high.
 SERIAL_MAX_ELEMENTS = 1 << 16
 
-#: Target number of row blocks for the dweight/dbias partial sums, and a cap on
-#: the float64 scratch they take (elements); both depend on (n, d) only, never
-#: on the thread count, which keeps the reduction order fixed.
+#: Target number of row blocks of the backward (the parallel tasks), and a cap
+#: on the float64 partials they leave (elements).  Speed only: the sums'
+#: order is the row tree's (polynorm/backends/_rowtree.py), whatever the blocks.
 _BWD_BLOCKS = 256
 _BWD_SCRATCH = 1 << 22
-_BWD_MIN_ROWS = 16
 
 _CODE = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 _launch_lock = threading.Lock()
@@ -223,26 +222,23 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
             None if h is None else from_numpy(h, like), from_numpy(rstd, like))
 
 
-def _blocks(n: int, d: int) -> tuple[int, int]:
-    """``(rows per block, number of blocks)`` for the backward: a function of (n, d) only.
+def _block_level(n: int, width: int) -> int:
+    """log2 of the rows per backward block: a function of (n, width) only.
 
-    At least :data:`_BWD_MIN_ROWS` rows per block, so that small calls get one
-    block (and a scratch small enough for malloc's heap, not a fresh mmap).
+    About :data:`_BWD_BLOCKS` blocks, at least ``2**TREE_G`` rows each, and
+    at most :data:`_BWD_SCRATCH` float64 partials in all.  The block size is
+    a matter of speed only: the row tree (:mod:`._rowtree`) fixes the sums'
+    order whatever the blocks are.
     """
-    nblk = max(1, min(_BWD_BLOCKS, n // _BWD_MIN_ROWS, _BWD_SCRATCH // (2 * d)))
-    rows = -(-n // nblk)
-    return rows, -(-n // rows)
+    from ._rowtree import TREE_G
+
+    per_block = max(n // _BWD_BLOCKS, n * width // _BWD_SCRATCH, 1)
+    return max(TREE_G, (per_block - 1).bit_length())
 
 
-def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
-    """Hand-written backward on 2-D rows (formula in :mod:`polynorm._options`).
-
-    ``dweight``/``dbias`` are summed per block of rows (the blocks depend on
-    ``(n, d)`` only) into partials in the compute dtype, then over the blocks
-    in order in float64: the bits do not depend on the thread count.
-    """
+def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
+    """Kernel arguments for the backward: ``(like, xn, dx, wn, bn, width, flags, args)``."""
     K = _kernels or _k()
-    KB = _bwd_kernels or _kb()
     like = x
     to_numpy = _interop.to_numpy
     xn = to_numpy(x)
@@ -274,29 +270,115 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         gr = _kview(grn)
     empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
     dx = empty((n, d), xn.dtype)
-    rows, nblk = _blocks(n, d)
-    need_part = weight is not None or bias is not None
-    part = np.zeros((nblk, 2 * d), cdt) if need_part else np.empty((nblk, 0), cdt)
+    width = d * ((wn is not None) + (bn is not None))
+    args = (dyk, _kview(xn), w, rs, gr, _kview(dx), flags, plan.k, plan.eps, plan.offset)
+    return like, xn, dx, wn, bn, width, args
+
+
+def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
+    """Hand-written backward on 2-D rows (formula in :mod:`polynorm._options`).
+
+    ``dweight``/``dbias`` are summed over the row tree of :mod:`._rowtree`:
+    aligned blocks of ``2**m`` rows in parallel (one tree node each), then the
+    block nodes pairwise.  The bits depend neither on the thread count nor
+    on the blocks, and equal those of any split of the rows into ranges
+    (:func:`backward_range`, used by the dask backend).
+    """
+    KB = _bwd_kernels or _kb()
+    like, xn, dx, wn, bn, width, args = _backward_prepare(
+        dy, x, weight, bias, rstd, grad_residual, plan)
+    n, d = xn.shape
+    m = _block_level(n, width)
+    nb = ((n - 1) >> m) + 1
+    lvl = np.empty(nb, np.int64)
+    idx = np.empty(nb, np.int64)
+    vals = np.empty((nb, width), np.float64)
     par = _parallel(n, d)
-    args = (rows, dyk, _kview(xn), w, rs, gr, _kview(dx), part, flags,
-            plan.k, plan.eps, plan.offset)
-    if par and nblk > 1:
+    if par and nb > 1:
         with _launch_lock:
-            KB.backward_parallel(*args)
+            KB.backward_blocks_parallel(0, nb, m, 0, n, n, *args, lvl, idx, vals)
     else:
-        KB.backward_blocks(0, nblk, *args)
+        KB.backward_range(0, n, 0, n, m, *args, lvl, idx, vals, 0)
     dw = db = None
-    if need_part:
-        dw = empty(d, wn.dtype) if wn is not None else None
-        db = empty(d, bn.dtype) if bn is not None else None
-        dwk = None if dw is None else _kview(dw)
-        dbk = None if db is None else _kview(db)
-        rargs = (part, dbk if dwk is None else dwk, dwk if dbk is None else dbk, flags)
-        if par and d >= 4096:
+    if width:
+        if par and width >= 4096 and nb > 1:
             with _launch_lock:
-                KB.reduce_parallel(*rargs)
+                KB.tree_parallel(vals, nb)
         else:
-            KB.reduce_cols(0, d, *rargs)
+            KB.tree_cols(0, width, vals, nb)
+        empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+        dw, db = finish(vals[0], d, None if wn is None else wn.dtype,
+                        None if bn is None else bn.dtype, empty)
     from_numpy = _interop.from_numpy
     return (from_numpy(dx, like), None if dw is None else from_numpy(dw, like),
             None if db is None else from_numpy(db, like))
+
+
+def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: int, ntot: int):
+    """The backward of rows ``row0 .. row0 + n - 1`` of ``ntot`` rows in all.
+
+    Returns ``(dx, state)``: ``dx`` as :func:`backward` gives it, and the
+    row-tree state (:mod:`._rowtree`) of this range's ``[dweight | dbias]``
+    terms, which :func:`polynorm.backends._rowtree.merge` joins with the
+    other ranges' and :func:`finish` rounds: the same bits as one
+    :func:`backward` call on all rows.
+    """
+    from ._rowtree import TREE_G, empty_state, merge
+
+    if weight is None and bias is None:  # nothing to sum
+        return backward(dy, x, None, None, rstd, grad_residual, plan)[0], empty_state(0)
+    KB = _bwd_kernels or _kb()
+    like, xn, dx, wn, bn, width, args = _backward_prepare(
+        dy, x, weight, bias, rstd, grad_residual, plan)
+    n, d = xn.shape
+    m = _block_level(n, width)
+    mask = (1 << m) - 1
+    lo, hi = row0, row0 + n
+    # blocks wholly inside [lo, hi) (the last block ends at ntot), and the partial ends
+    ib0 = (lo + mask) >> m
+    ib1 = max(ib0, (hi >> m) if hi < ntot else ((hi + mask) >> m))
+    head = (lo, min(hi, ib0 << m))
+    tail = (max(ib1 << m, head[1]), hi)
+    cap = 2 * (max(m, TREE_G) + 2) + 2
+    states = []
+    for a, b in (head, tail):
+        if b > a:
+            lv = np.empty(cap, np.int64)
+            ix = np.empty(cap, np.int64)
+            va = np.empty((cap, width), np.float64)
+            cnt = KB.backward_range(a, b, row0, ntot, m, *args, lv, ix, va, 0)
+            states.append((lv[:cnt], ix[:cnt], va[:cnt]))
+    nb = ib1 - ib0
+    if nb:
+        lv = np.empty(nb, np.int64)
+        ix = np.empty(nb, np.int64)
+        va = np.empty((nb, width), np.float64)
+        if _parallel(n, d) and nb > 1:
+            with _launch_lock:
+                KB.backward_blocks_parallel(ib0, nb, m, row0, n, ntot, *args, lv, ix, va)
+        else:
+            for t in range(nb):
+                b = ib0 + t
+                KB.backward_range(b << m, min(hi, (b + 1) << m), row0, ntot, m, *args,
+                                  lv, ix, va, t)
+        states.append((lv, ix, va))
+    state = merge(states, ntot, _info(plan)[3])
+    return _interop.from_numpy(dx, like), state
+
+
+def finish(total: np.ndarray, d: int, weight_dtype, bias_dtype, empty=np.empty):
+    """``(dweight, dbias)`` from the row tree's root ``[dweight | dbias]`` (float64),
+    each rounded once (by the Numba codec: no double rounding) to the given
+    numpy dtype; None for an absent one."""
+    KB = _bwd_kernels or _kb()
+    out = []
+    col = 0
+    for dt in (weight_dtype, bias_dtype):
+        if dt is None:
+            out.append(None)
+            continue
+        a = empty(d, dt)
+        KB.round_into(total[col:col + d], _kview(a), _bf(a))
+        out.append(a)
+        col += d
+    return tuple(out)
