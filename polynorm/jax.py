@@ -1,25 +1,25 @@
 """Differentiable RMSNorm for jax: ``jax.custom_vjp`` on polynorm's hand-written backward.
 
 :func:`polynorm.rms_norm` on jax arrays computes on their data and records no
-derivative (and under ``jax.jit`` it runs the pure array-API reference); these
+derivative (under ``jax.jit`` it runs the pure array-API reference); these
 functions add the derivative, so ``jax.grad``/``jax.vjp`` use
 :func:`polynorm.rms_norm_backward` instead of differentiating the forward.
 
 What runs where (forward and backward alike):
 
-- eager, concrete CPU arrays: the Numba kernels on zero-copy views of the
-  arrays; results come back to jax without a copy (see
-  :func:`polynorm._interop.from_numpy`).
-- traced arrays on the CPU (``jax.jit``, ``grad`` of ``jit``, ``vmap``,
-  ``scan``, ...): the same Numba kernels through ``jax.pure_callback``, so
-  jitted code gets the same bits as an eager call.  jax copies each result
-  into its own buffer (a callback cannot write into XLA's), and under
-  ``vmap`` the kernels are called once per batch element
-  (``vmap_method="sequential"``: a batched weight, or the per-element
-  ``dweight`` of the backward, needs a call of its own).
-- traced arrays on other platforms, ``backend="array_api"``, or no numba
-  installed: the pure array-API reference, which jax compiles like any jnp
-  code (``lax.platform_dependent`` picks per lowering platform).
+- eager, concrete CPU arrays (also the primal and backward computations of
+  an eager ``jax.grad``/``jax.vjp``): the Numba kernels on zero-copy views of
+  the arrays; results come back to jax without a copy.
+- traced arrays (``jax.jit``, ``vmap``, ``scan``, ``grad`` of ``jit``...),
+  ``backend="auto"``: the pure array-API reference, which XLA compiles and
+  fuses like any jnp code (other bits than the kernels: within the dtype's
+  tolerance).
+- traced arrays, ``backend="numba"``: the Numba kernels through
+  ``jax.pure_callback``, with the same bits as an eager call.  jax copies
+  every operand and result of a callback, so this costs ~65 us more per call
+  and is ~4x slower than the reference at 16384 x 4096 (float32, 2 cores):
+  use it for bit-identical results, not for speed.  Under ``vmap`` the
+  kernels run once per batch element (``vmap_method="sequential"``).
 - concrete CUDA arrays: the CuPy kernels through DLPack when cupy is
   installed (not tested on a machine without a GPU).
 
@@ -50,11 +50,12 @@ def _static(eps, axis, partial, offset, eps_mode, casting, backend) -> tuple:
 
 # ------------------------------------------------------------------ where the work runs
 # Concrete arrays go to polynorm's front end as they are (CPU: the Numba kernels on
-# zero-copy views).  Traced arrays (jit, grad of jit, vmap, scan...) have no data yet:
-# on the CPU they reach the same kernels through jax.pure_callback, so jitted code runs
-# the kernels and gets the same bits as an eager call; on other platforms, or without
-# numba, they take the pure array-API reference, which jax compiles like any jnp code.
-# lax.platform_dependent picks per lowering platform (only the chosen branch is lowered).
+# zero-copy views).  Traced arrays (jit, grad of jit, vmap, scan...) have no data yet.
+# With backend="auto" they take the pure array-API reference, which XLA compiles and
+# fuses like any jnp code.  With backend="numba" they reach the Numba kernels through
+# jax.pure_callback: the same bits as an eager call, but jax copies every operand and
+# result on the way (measured: ~65 us per call at (1, 4096) and ~4x the reference's
+# time at 16384 x 4096 f32), so the kernels under jit are an opt-in, not the default.
 
 
 def _traced(arrays) -> bool:
@@ -62,10 +63,9 @@ def _traced(arrays) -> bool:
 
 
 def _via_host(static, arrays) -> bool:
-    """Whether traced ``arrays`` should reach the Numba kernels through a host callback."""
-    if not _traced(arrays) or dict(static)["backend"] not in ("auto", "numba"):
-        return False
-    return _api._backends.usable("numba")
+    """Whether traced ``arrays`` go to the Numba kernels through a host callback."""
+    return dict(static)["backend"] == "numba" and _traced(arrays) and _api._backends.usable(
+        "numba")
 
 
 def _host(fn):
@@ -78,22 +78,24 @@ def _host(fn):
 
 
 def _dispatch(fn, *arrays):
-    """``fn(*arrays)``: directly, or under tracing on the CPU through ``jax.pure_callback``.
+    """``fn(*arrays)``: directly, or for ``backend="numba"`` under tracing through a callback.
 
     ``fn`` is polynorm's front end with the options bound; on tracers it traces the
-    reference, which also gives the callback its result shapes and dtypes (and raises the
+    reference, which gives the callback its result shapes and dtypes (and raises the
     front end's errors at trace time).
     """
     if not _via_host(fn.keywords["static"], arrays):
         return fn(*arrays)
-    shapes = jax.eval_shape(fn, *arrays)
+    ref = _partial(fn.func, **dict(fn.keywords, static=_with_backend(fn.keywords["static"])))
+    shapes = jax.eval_shape(ref, *arrays)
+    # sequential: under vmap one call per batch element (a batched weight/bias or the
+    # per-element dweight of the backward needs a call of its own; the kernels take one
+    # weight per call)
+    return jax.pure_callback(_host(fn), shapes, *arrays, vmap_method="sequential")
 
-    def on_cpu(*arrays):
-        # sequential: under vmap one call per batch element (a batched weight/bias or
-        # a per-element dweight needs its own call; the kernels take one weight)
-        return jax.pure_callback(_host(fn), shapes, *arrays, vmap_method="sequential")
 
-    return jax.lax.platform_dependent(*arrays, cpu=on_cpu, default=fn)
+def _with_backend(static, backend="array_api") -> tuple:
+    return tuple((k, backend if k == "backend" else v) for k, v in static)
 
 
 def _forward(x, residual, weight, bias, *, static, out_dtype):
@@ -177,6 +179,10 @@ def rms_norm(
     Array([[ 0.045255, -0.033941]], dtype=float32)
     """
     static = _static(eps, axis, partial, offset, eps_mode, casting, backend)
+    if not _traced((x, weight, bias)):
+        # concrete arrays: no transformation is differentiating this call, and the
+        # custom_vjp machinery would cost ~200 us in eager mode
+        return _api.rms_norm(x, weight, bias, out_dtype=out_dtype, **dict(static))
     return _rms_norm(static, out_dtype, x, weight, bias)
 
 
@@ -252,5 +258,7 @@ def add_rms_norm(
     if residual is None:
         raise TypeError("residual must be an array, got None")
     static = _static(eps, axis, partial, offset, eps_mode, casting, backend)
+    if not _traced((x, residual, weight, bias)):
+        return _api.add_rms_norm(x, residual, weight, bias, out_dtype=out_dtype, **dict(static))
     in_dtypes = (x.dtype, residual.dtype)  # each input's gradient comes back in its dtype
     return _add_rms_norm(static, out_dtype, in_dtypes, x, residual, weight, bias)

@@ -127,10 +127,11 @@ def _assert_same_bits(got, want):
         np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
-JIT_OPTIONS = {
-    "plain": dict(),
-    "all": dict(partial=0.5, offset=0.5, eps_mode="outside", eps=1e-2, out_dtype="float32"),
-    "llama-axis": dict(casting="llama", axis=(1, 2)),
+JIT_OPTIONS = {  # backend="numba": the kernels under jit (a host callback)
+    "plain": dict(backend="numba"),
+    "all": dict(partial=0.5, offset=0.5, eps_mode="outside", eps=1e-2, out_dtype="float32",
+                backend="numba"),
+    "llama-axis": dict(casting="llama", axis=(1, 2), backend="numba"),
 }
 
 
@@ -138,7 +139,7 @@ JIT_OPTIONS = {
 @pytest.mark.parametrize("name", list(JIT_OPTIONS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_jit_runs_the_kernels_with_the_eager_bits(dtype, name, monkeypatch):
-    """Under jit the custom_vjp reaches the Numba kernels (a host callback), not the reference."""
+    """backend="numba" under jit: the custom_vjp reaches the kernels (a host callback)."""
     opts = dict(JIT_OPTIONS[name])
     x = _rand((3, 5, 16), dtype)
     r = _rand((3, 5, 16), dtype, seed=1)
@@ -169,22 +170,37 @@ def test_jit_runs_the_kernels_with_the_eager_bits(dtype, name, monkeypatch):
 
 
 @pytest.mark.skipif(BEST != "numba", reason="needs numba")
-def test_jit_lowers_only_the_callback_on_the_cpu():
+def test_jit_lowers_the_reference_by_default_and_the_callback_for_numba():
     x = _rand((4, 8), "float32")
-    lowered = jax.jit(lambda x: rms_norm(x)).lower(x).as_text()
-    assert "callback" in lowered and "stablehlo.reduce" not in lowered  # no reference branch
-    ref = jax.jit(lambda x: rms_norm(x, backend="array_api")).lower(x).as_text()
-    assert "callback" not in ref and "stablehlo.reduce" in ref
+    auto = jax.jit(lambda x: rms_norm(x)).lower(x).as_text()
+    assert "callback" not in auto and "stablehlo.reduce" in auto
+    numba = jax.jit(lambda x: rms_norm(x, backend="numba")).lower(x).as_text()
+    assert "callback" in numba and "stablehlo.reduce" not in numba
+    grad = jax.jit(jax.grad(lambda x: rms_norm(x, backend="numba").sum())).lower(x).as_text()
+    assert grad.count("callback") >= 2 and "stablehlo.reduce" not in grad  # fwd and bwd
 
 
-def test_jit_without_numba_takes_the_reference(monkeypatch):
-    monkeypatch.setitem(_api._backends._status, "numba", (False, "hidden by the test"))
+@pytest.mark.parametrize("backend", ["auto", "numba"])
+def test_check_grads_under_jit_and_vmap(backend):
+    if backend == "numba" and BEST != "numba":
+        pytest.skip("needs numba")
     x, w, b, opts = _args(OPTION_SETS["all"])
-    f = jax.jit(lambda x, w, b: rms_norm(x, w, b, **opts))
-    assert "callback" not in f.lower(x, w, b).as_text()
+    f = jax.jit(lambda x, w, b: rms_norm(x, w, b, backend=backend, **opts))
     check_grads(f, (x, w, b), order=1, modes=["rev"])
+    fv = jax.jit(jax.vmap(lambda x, w, b: rms_norm(x, w, b, backend=backend, **opts),
+                          in_axes=(1, None, None)))
+    check_grads(fv, (x, w, b), order=1, modes=["rev"])
 
 
+def test_jit_with_numba_forced_but_missing_says_so(monkeypatch):
+    monkeypatch.setitem(_api._backends._status, "numba", (False, "hidden by the test"))
+    x = _rand((4, 8), "float32")
+    with pytest.raises(ValueError, match="numba"):
+        jax.jit(lambda x: rms_norm(x, backend="numba"))(x)
+    np.testing.assert_allclose(jax.jit(rms_norm)(x), pn.rms_norm(np.asarray(x)), rtol=1e-6)
+
+
+@pytest.mark.skipif(BEST != "numba", reason="needs numba")
 @pytest.mark.parametrize("where", ["x", "x-axis1", "x-and-weight"])
 def test_vmap_equals_a_loop_bitwise(where):
     x = _rand((3, 5, 16), "float32")
@@ -197,8 +213,9 @@ def test_vmap_equals_a_loop_bitwise(where):
         args, axes, loop = (x, w), (0, 0), [(x[i], w[i]) for i in range(3)]
 
     def f(x, w):
-        y = rms_norm(x, w, partial=0.5)
-        return y, jax.grad(lambda x, w: (rms_norm(x, w) ** 2).sum(), argnums=(0, 1))(x, w)
+        y = rms_norm(x, w, partial=0.5, backend="numba")
+        loss = lambda x, w: (rms_norm(x, w, backend="numba") ** 2).sum()  # noqa: E731
+        return y, jax.grad(loss, argnums=(0, 1))(x, w)
 
     got = jax.jit(jax.vmap(f, in_axes=axes))(*args)
     want = jax.tree.map(lambda *a: jnp.stack(a), *[f(*a) for a in loop])
@@ -241,12 +258,6 @@ def test_check_grads_add_rms_norm(name):
     x, w, b, opts = _args(OPTION_SETS[name])
     r = _rand(x.shape, seed=5)
     check_grads(lambda x, r, w, b: add_rms_norm(x, r, w, b, **opts), (x, r, w, b), order=1,
-                modes=["rev"])
-
-
-def test_check_grads_under_jit():
-    x, w, b, opts = _args(OPTION_SETS["all"])
-    check_grads(jax.jit(lambda x, w, b: rms_norm(x, w, b, **opts)), (x, w, b), order=1,
                 modes=["rev"])
 
 
