@@ -14,12 +14,16 @@ What runs where (forward and backward alike):
   ``backend="auto"``: the pure array-API reference, which XLA compiles and
   fuses like any jnp code (other bits than the kernels: within the dtype's
   tolerance).
-- traced arrays, ``backend="numba"``: the Numba kernels through
-  ``jax.pure_callback``, with the same bits as an eager call.  jax copies
-  every operand and result of a callback, so this costs ~65 us more per call
-  and is ~4x slower than the reference at 16384 x 4096 (float32, 2 cores):
-  use it for bit-identical results, not for speed.  Under ``vmap`` the
-  kernels run once per batch element (``vmap_method="sequential"``).
+- traced arrays, ``backend="numba"``: the Numba kernels inside the
+  compiled computation, with the same bits as an eager call: an XLA FFI
+  custom call whose handler (:mod:`polynorm._jax_ffi`) hands the kernels
+  XLA's own buffers (``y`` is written in place; ``rstd``, ``h`` and the
+  gradients are copied into XLA's buffers), or ``jax.pure_callback`` where
+  this jax cannot take the FFI handler.  Measured on 2 cores, float32: as
+  fast as a jitted jnp RMSNorm at 16384 x 4096 (~60 ms, most of it the first
+  touch of XLA's fresh output buffer; the kernel alone: ~10 ms), but
+  ~50 us more per call at (1, 4096): use it for bit-identical results.
+  Under ``vmap`` the kernels run once per batch element (``"sequential"``).
 - concrete CUDA arrays: the CuPy kernels through DLPack when cupy is
   installed (not tested on a machine without a GPU).
 
@@ -36,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _api
+from . import _api, _jax_ffi
 
 __all__ = ["rms_norm", "add_rms_norm"]
 
@@ -52,10 +56,10 @@ def _static(eps, axis, partial, offset, eps_mode, casting, backend) -> tuple:
 # Concrete arrays go to polynorm's front end as they are (CPU: the Numba kernels on
 # zero-copy views).  Traced arrays (jit, grad of jit, vmap, scan...) have no data yet.
 # With backend="auto" they take the pure array-API reference, which XLA compiles and
-# fuses like any jnp code.  With backend="numba" they reach the Numba kernels through
-# jax.pure_callback: the same bits as an eager call, but jax copies every operand and
-# result on the way (measured: ~65 us per call at (1, 4096) and ~4x the reference's
-# time at 16384 x 4096 f32), so the kernels under jit are an opt-in, not the default.
+# fuses like any jnp code.  With backend="numba" they reach the Numba kernels through an
+# XLA FFI host call (polynorm._jax_ffi): the eager bits, but a fixed ~50 us per call and
+# no faster than XLA at 16384 x 4096 (both pay for XLA's fresh output buffer), so the
+# kernels under jit are an opt-in, not the default (numbers in the module docstring).
 
 
 def _traced(arrays) -> bool:
@@ -77,33 +81,58 @@ def _host(fn):
     return call
 
 
+def _host_kernel(fn, present: tuple[bool, ...], writes_y: bool):
+    """``fn`` as an FFI host function: XLA's buffers in, results written into XLA's buffers."""
+
+    def run(args, rets):
+        it = iter(args)
+        arrays = [next(it) if p else None for p in present]
+        res = fn(*arrays, out=rets[0]) if writes_y else fn(*arrays)
+        for r, dst in zip(jax.tree.leaves(res), rets, strict=True):
+            if r is not dst:  # y is written in place (out=); the rest is copied in
+                np.copyto(dst, r)
+
+    return run
+
+
 def _dispatch(fn, *arrays):
-    """``fn(*arrays)``: directly, or for ``backend="numba"`` under tracing through a callback.
+    """``fn(*arrays)``: directly, or for ``backend="numba"`` under tracing on the host kernels.
 
     ``fn`` is polynorm's front end with the options bound; on tracers it traces the
-    reference, which gives the callback its result shapes and dtypes (and raises the
-    front end's errors at trace time).
+    reference, which gives the host call its result shapes and dtypes (and raises the
+    front end's errors at trace time).  The host call is an XLA FFI custom call
+    (:mod:`polynorm._jax_ffi`: XLA's buffers, no copies but of the results the front
+    end cannot write in place), or ``jax.pure_callback`` where jax cannot take it.
     """
     if not _via_host(fn.keywords["static"], arrays):
         return fn(*arrays)
     ref = _partial(fn.func, **dict(fn.keywords, static=_with_backend(fn.keywords["static"])))
     shapes = jax.eval_shape(ref, *arrays)
-    # sequential: under vmap one call per batch element (a batched weight/bias or the
-    # per-element dweight of the backward needs a call of its own; the kernels take one
-    # weight per call)
-    return jax.pure_callback(_host(fn), shapes, *arrays, vmap_method="sequential")
+    if not _jax_ffi.available():
+        # sequential: under vmap one call per batch element (a batched weight/bias or the
+        # per-element dweight of the backward needs a call of its own; the kernels take
+        # one weight per call)
+        return jax.pure_callback(_host(fn), shapes, *arrays, vmap_method="sequential")
+    leaves, tree = jax.tree.flatten(shapes)
+    present = tuple(a is not None for a in arrays)
+    writes_y = fn.func is _forward
+    index = _jax_ffi.function_index((fn.func, tuple(fn.keywords.items()), present),
+                                    _host_kernel(fn, present, writes_y))
+    outs = _jax_ffi.call(index, [a for a in arrays if a is not None], leaves)
+    return jax.tree.unflatten(tree, outs)
 
 
 def _with_backend(static, backend="array_api") -> tuple:
     return tuple((k, backend if k == "backend" else v) for k, v in static)
 
 
-def _forward(x, residual, weight, bias, *, static, out_dtype):
+def _forward(x, residual, weight, bias, *, static, out_dtype, out=None):
     opts = dict(static)
     if residual is None:
-        return _api.rms_norm(x, weight, bias, out_dtype=out_dtype, return_rstd=True, **opts)
-    return _api.add_rms_norm(x, residual, weight, bias, out_dtype=out_dtype, return_rstd=True,
+        return _api.rms_norm(x, weight, bias, out_dtype=out_dtype, return_rstd=True, out=out,
                              **opts)
+    return _api.add_rms_norm(x, residual, weight, bias, out_dtype=out_dtype, return_rstd=True,
+                             out=out, **opts)
 
 
 def _backward(dy, x, weight, bias, rstd, grad_residual, *, static):

@@ -139,7 +139,7 @@ JIT_OPTIONS = {  # backend="numba": the kernels under jit (a host callback)
 @pytest.mark.parametrize("name", list(JIT_OPTIONS))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_jit_runs_the_kernels_with_the_eager_bits(dtype, name, monkeypatch):
-    """backend="numba" under jit: the custom_vjp reaches the kernels (a host callback)."""
+    """backend="numba" under jit: the custom_vjp reaches the kernels (an XLA FFI host call)."""
     opts = dict(JIT_OPTIONS[name])
     x = _rand((3, 5, 16), dtype)
     r = _rand((3, 5, 16), dtype, seed=1)
@@ -162,7 +162,7 @@ def test_jit_runs_the_kernels_with_the_eager_bits(dtype, name, monkeypatch):
     for fn in ("forward", "backward"):
         orig = getattr(kernel, fn)
         monkeypatch.setattr(kernel, fn, lambda *a, _f=orig, _n=fn: calls.append(_n) or _f(*a))
-    got_y, got_g = jax.jit(fwd)(x, r, w, b), jax.jit(grad)(x, r, w, b)
+    got_y, got_g = jax.block_until_ready((jax.jit(fwd)(x, r, w, b), jax.jit(grad)(x, r, w, b)))
     assert calls.count("forward") == 4 and calls.count("backward") == 2
     _assert_same_bits(got_y, want_y)
     _assert_same_bits(got_g, want_g)
@@ -170,14 +170,56 @@ def test_jit_runs_the_kernels_with_the_eager_bits(dtype, name, monkeypatch):
 
 
 @pytest.mark.skipif(BEST != "numba", reason="needs numba")
-def test_jit_lowers_the_reference_by_default_and_the_callback_for_numba():
+def test_jit_lowers_the_reference_by_default_and_the_host_kernel_for_numba():
     x = _rand((4, 8), "float32")
     auto = jax.jit(lambda x: rms_norm(x)).lower(x).as_text()
-    assert "callback" not in auto and "stablehlo.reduce" in auto
+    assert "custom_call" not in auto and "stablehlo.reduce" in auto
     numba = jax.jit(lambda x: rms_norm(x, backend="numba")).lower(x).as_text()
-    assert "callback" in numba and "stablehlo.reduce" not in numba
+    assert "@polynorm_host_kernel" in numba and "stablehlo.reduce" not in numba
     grad = jax.jit(jax.grad(lambda x: rms_norm(x, backend="numba").sum())).lower(x).as_text()
-    assert grad.count("callback") >= 2 and "stablehlo.reduce" not in grad  # fwd and bwd
+    assert grad.count("@polynorm_host_kernel") == 2 and "stablehlo.reduce" not in grad
+
+
+@pytest.mark.skipif(BEST != "numba", reason="needs numba")
+def test_jit_host_kernel_works_on_xlas_own_buffers(monkeypatch):
+    """Operands are read and y is written in place: no copy on either side of the kernel."""
+    kernel = _api._backends.get("numba")
+    seen = {}
+    forward = kernel.forward
+
+    def spy(x, residual, weight, bias, plan, out=None):
+        seen["x"], seen["out"] = x.ctypes.data, out.ctypes.data
+        return forward(x, residual, weight, bias, plan, out)
+
+    monkeypatch.setattr(kernel, "forward", spy)
+    x = _rand((64, 128), "bfloat16")
+    y = jax.block_until_ready(jax.jit(lambda x: rms_norm(x, backend="numba"))(x))
+    assert seen["x"] == x.unsafe_buffer_pointer() and seen["out"] == y.unsafe_buffer_pointer()
+
+
+@pytest.mark.skipif(BEST != "numba", reason="needs numba")
+def test_jit_host_kernel_errors_reach_the_caller(monkeypatch):
+    def boom(*args):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(_api._backends.get("numba"), "forward", boom)
+    with pytest.raises(Exception, match="kernel exploded"):
+        jax.block_until_ready(jax.jit(lambda x: rms_norm(x, backend="numba"))(jnp.ones((2, 8))))
+
+
+@pytest.mark.skipif(BEST != "numba", reason="needs numba")
+def test_jit_without_the_ffi_falls_back_to_pure_callback(monkeypatch):
+    from polynorm import _jax_ffi
+
+    monkeypatch.setattr(_jax_ffi, "available", lambda: False)
+    x, w, b, opts = _args(OPTION_SETS["all"])
+
+    def f(x, w, b):
+        return rms_norm(x, w, b, backend="numba", **opts)
+
+    assert "callback" in jax.jit(f).lower(x, w, b).as_text()
+    _assert_same_bits(jax.jit(f)(x, w, b), f(x, w, b))
+    check_grads(jax.jit(f), (x, w, b), order=1, modes=["rev"])
 
 
 @pytest.mark.parametrize("backend", ["auto", "numba"])
