@@ -22,7 +22,7 @@ What runs where (forward and backward alike):
   this jax cannot take the FFI handler.  Measured on 2 cores, float32: as
   fast as a jitted jnp RMSNorm at 16384 x 4096 (~60 ms, most of it the first
   touch of XLA's fresh output buffer; the kernel alone: ~10 ms), but
-  ~50 us more per call at (1, 4096): use it for bit-identical results.
+  ~20 us more per call at (1, 4096): use it for bit-identical results.
   Under ``vmap`` the kernels run once per batch element (``"sequential"``).
 - concrete CUDA arrays: the CuPy kernels through DLPack when cupy is
   installed (not tested on a machine without a GPU).
@@ -57,7 +57,7 @@ def _static(eps, axis, partial, offset, eps_mode, casting, backend) -> tuple:
 # zero-copy views).  Traced arrays (jit, grad of jit, vmap, scan...) have no data yet.
 # With backend="auto" they take the pure array-API reference, which XLA compiles and
 # fuses like any jnp code.  With backend="numba" they reach the Numba kernels through an
-# XLA FFI host call (polynorm._jax_ffi): the eager bits, but a fixed ~50 us per call and
+# XLA FFI host call (polynorm._jax_ffi): the eager bits, but ~20 us more per call and
 # no faster than XLA at 16384 x 4096 (both pay for XLA's fresh output buffer), so the
 # kernels under jit are an opt-in, not the default (numbers in the module docstring).
 
@@ -106,8 +106,11 @@ def _dispatch(fn, *arrays):
     """
     if not _via_host(fn.keywords["static"], arrays):
         return fn(*arrays)
-    ref = _partial(fn.func, **dict(fn.keywords, static=_with_backend(fn.keywords["static"])))
+    static = fn.keywords["static"]
+    ref = _partial(fn.func, **dict(fn.keywords, static=_with_backend(static)))
     shapes = jax.eval_shape(ref, *arrays)
+    # on numpy arrays "auto" is the Numba backend, through the front end's fast path
+    fn = _partial(fn.func, **dict(fn.keywords, static=_with_backend(static, "auto")))
     if not _jax_ffi.available():
         # sequential: under vmap one call per batch element (a batched weight/bias or the
         # per-element dweight of the backward needs a call of its own; the kernels take
