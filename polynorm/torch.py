@@ -279,9 +279,13 @@ def _add_rms_norm_op_bwd(ctx, dy, dh, _drstd):
 _add_rms_norm_op.register_autograd(_add_rms_norm_op_bwd, setup_context=_setup_add_rms_norm)
 
 
-def _records(*tensors) -> bool:
+def _records(x, a, b, c=None) -> bool:
     """Whether autograd would record this call (else the functional API does the same work)."""
-    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
+    # unrolled: this runs on every eager call (a generator costs ~0.5 us)
+    return torch.is_grad_enabled() and (
+        getattr(x, "requires_grad", False) or getattr(a, "requires_grad", False)
+        or getattr(b, "requires_grad", False) or getattr(c, "requires_grad", False)
+    )
 
 
 def _eager(x) -> bool:
