@@ -17,7 +17,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic, models, overload, register_model
 
 # --------------------------------------------------------------------------- bit casts
 
@@ -397,3 +397,278 @@ def prefetch_row(typingctx, a, i):
         return context.get_dummy_value()
 
     return types.void(a, i), codegen
+
+
+
+# --------------------------------------------------------------------------- sums of squares in lanes
+# A row's sum of squares in an order fixed by this code, not by the optimizer:
+# element j goes to lane ``j % SUM_LANES``; each block of SUM_BLOCK elements is
+# summed per lane in float32 (SUM_GROUPS vectors; exact squares for 16-bit
+# input, one rounding each for float32), the block's lanes are added to float64
+# lanes, and the float64 lanes are added in a fixed tree at the end.  No
+# fast-math flag touches these operations, so every loop that calls these
+# intrinsics in the same sequence (a row on its own, or a row pipelined under
+# the previous row's output pass) gets the same bits.  float64 input is summed
+# in float64 lanes directly.  A float32 partial that overflows or loses bits
+# is caught by the caller (an Inf/NaN total, or one below 2**-100, sends the
+# row to the scaled float64 path; see ``_numba_kernels``).
+
+SUM_LANES = 16
+SUM_GROUPS = 8
+SUM_BLOCK = SUM_LANES * SUM_GROUPS
+
+_F32T, _F64T, _I64 = ir.FloatType(), ir.DoubleType(), ir.IntType(64)
+_VD = ir.VectorType(_F64T, SUM_LANES)
+_VF = ir.VectorType(_F32T, SUM_LANES)
+_VI1 = ir.VectorType(ir.IntType(1), SUM_LANES)
+
+
+def _host_has(feature: str) -> bool:
+    from llvmlite import binding
+
+    try:
+        return bool(binding.get_host_cpu_features().get(feature, False))
+    except Exception:  # pragma: no cover - feature query unsupported
+        return False
+
+
+#: llvm.fma where the CPU has it; elsewhere an fmul + fadd (a libm call would be slow)
+_HAS_FMA = _host_has("fma")
+
+
+class SumLanes(types.Type):
+    """Numba type of the float64 lanes: an LLVM ``<SUM_LANES x double>`` value."""
+
+    def __init__(self):
+        super().__init__(name=f"SumLanes{SUM_LANES}")
+
+
+sum_lanes = SumLanes()
+
+
+@register_model(SumLanes)
+class _SumLanesModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VD)
+
+
+@intrinsic
+def lanes_zero(typingctx):
+    """float64 lanes, all zero."""
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VD, [0.0] * SUM_LANES)
+
+    return sum_lanes(), codegen
+
+
+def _row_at(context, builder, aty, aval, i, j):
+    """``(address of a[i, j] as i64, byte stride between a row's elements)``."""
+    ary = context.make_array(aty)(context, builder, aval)
+    shape = cgutils.unpack_tuple(builder, ary.shape)
+    strides = cgutils.unpack_tuple(builder, ary.strides)
+    ptr = cgutils.get_item_pointer2(context, builder, ary.data, shape, strides, aty.layout, [i, j])
+    return builder.ptrtoint(ptr, _I64), strides[1]
+
+
+def _vname(elt) -> str:
+    return f"i{elt.width}" if isinstance(elt, ir.IntType) else ("f32" if elt == _F32T else "f64")
+
+
+def _vec_load(builder, elt, size, base, stride, first, count, contiguous):
+    """Elements ``first .. first + SUM_LANES - 1`` after ``base`` as one vector; with
+    ``count``, lanes at or past it are 0 (and not read)."""
+    vty = ir.VectorType(elt, SUM_LANES)
+    zero_e = ir.Constant(elt, 0 if isinstance(elt, ir.IntType) else 0.0)
+    zero = ir.Constant(vty, [zero_e.constant] * SUM_LANES)
+    if contiguous:
+        p = builder.inttoptr(builder.add(base, ir.Constant(_I64, first * size)), vty.as_pointer())
+        if count is None:
+            return builder.load(p, align=size)
+        lanes = ir.Constant(ir.VectorType(_I64, SUM_LANES), list(range(first, first + SUM_LANES)))
+        cnt = builder.insert_element(ir.Constant(ir.VectorType(_I64, SUM_LANES), ir.Undefined),
+                                     count, ir.Constant(_I32, 0))
+        cnt = builder.shuffle_vector(cnt, cnt, ir.Constant(ir.VectorType(_I32, SUM_LANES),
+                                                           [0] * SUM_LANES))
+        mask = builder.icmp_signed("<", lanes, cnt)
+        fnty = ir.FunctionType(vty, [vty.as_pointer(), _I32, _VI1, vty])
+        fn = cgutils.get_or_insert_function(
+            builder.module, fnty, f"llvm.masked.load.v{SUM_LANES}{_vname(elt)}.p0")
+        return builder.call(fn, [p, ir.Constant(_I32, size), mask, zero])
+    # strided row elements (rare): one scalar load per lane, none past ``count``
+    v = zero
+    for lane in range(SUM_LANES):
+        off = builder.mul(stride, ir.Constant(_I64, first + lane))
+        p = builder.inttoptr(builder.add(base, off), elt.as_pointer())
+        if count is None:
+            e = builder.load(p)
+        else:
+            inb = builder.icmp_signed("<", ir.Constant(_I64, first + lane), count)
+            with builder.if_else(inb) as (then, other):
+                with then:
+                    e1 = builder.load(p)
+                    b1 = builder.block
+                with other:
+                    b2 = builder.block
+            e = builder.phi(elt)
+            e.add_incoming(e1, b1)
+            e.add_incoming(zero_e, b2)
+        v = builder.insert_element(v, e, ir.Constant(_I32, lane))
+    return v
+
+
+def _vec_bf16(builder, v):
+    i32v = ir.VectorType(_I32, SUM_LANES)
+    return builder.bitcast(builder.shl(builder.zext(v, i32v), ir.Constant(i32v, [16] * SUM_LANES)),
+                           _VF)
+
+
+def _vec_f16(context, builder, v):
+    if HW_HALF:
+        return builder.fpext(builder.bitcast(v, ir.VectorType(ir.HalfType(), SUM_LANES)), _VF)
+    out = ir.Constant(_VF, ir.Undefined)
+    for lane in range(SUM_LANES):
+        e = builder.extract_element(v, ir.Constant(_I32, lane))
+        f = context.compile_internal(builder, lambda b: _f16_to_f32_sw(b),
+                                     types.float32(types.uint16), [e])
+        out = builder.insert_element(out, f, ir.Constant(_I32, lane))
+    return out
+
+
+def _block_squares(builder, acc, dt, load, decode):
+    """``acc`` plus one block's squares, in the documented order."""
+    if dt == types.float64:
+        for t in range(SUM_GROUPS):
+            x = load(t)
+            acc = builder.fadd(acc, builder.fmul(x, x))
+        return acc
+    p = ir.Constant(_VF, [0.0] * SUM_LANES)
+    fma = None
+    if _HAS_FMA:
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3),
+                                             f"llvm.fma.v{SUM_LANES}f32")
+    for t in range(SUM_GROUPS):
+        x = decode(load(t))
+        p = builder.call(fma, [x, x, p]) if fma else builder.fadd(builder.fmul(x, x), p)
+    return builder.fadd(acc, builder.fpext(p, _VD))
+
+
+def _lanes_codegen(context, builder, sig, args, count):
+    accv, av, iv, jv = args[:4]
+    bfv = args[-1]
+    aty = sig.args[1]
+    dt = aty.dtype
+    elt = context.get_data_type(dt)
+    size = context.get_abi_sizeof(elt)
+    base, stride = _row_at(context, builder, aty, av, iv, jv)
+
+    def with_layout(contiguous):
+        def load(t):
+            return _vec_load(builder, elt, size, base, stride, t * SUM_LANES, count, contiguous)
+
+        if not isinstance(dt, types.Integer):
+            return _block_squares(builder, accv, dt, load, lambda v: v)
+        # 16-bit bits: one block per format, chosen once (not per element)
+        with builder.if_else(bfv) as (then, other):
+            with then:
+                r1 = _block_squares(builder, accv, dt, load, lambda v: _vec_bf16(builder, v))
+                b1 = builder.block
+            with other:
+                r2 = _block_squares(builder, accv, dt, load, lambda v: _vec_f16(context, builder, v))
+                b2 = builder.block
+        r = builder.phi(_VD)
+        r.add_incoming(r1, b1)
+        r.add_incoming(r2, b2)
+        return r
+
+    if aty.layout == "C":
+        return with_layout(True)
+    contig = builder.icmp_signed("==", stride, ir.Constant(_I64, size))
+    with builder.if_else(contig, likely=True) as (then, other):
+        with then:
+            r1 = with_layout(True)
+            b1 = builder.block
+        with other:
+            r2 = with_layout(False)
+            b2 = builder.block
+    r = builder.phi(_VD)
+    r.add_incoming(r1, b1)
+    r.add_incoming(r2, b2)
+    return r
+
+
+def _sum_array(a) -> bool:
+    return (isinstance(a, types.Array) and a.ndim == 2
+            and a.dtype in (types.float32, types.float64, types.uint16))
+
+
+@intrinsic
+def lanes_add_block(typingctx, acc, a, i, j, bf):
+    """``acc`` plus the squares of ``a[i, j : j + SUM_BLOCK]`` (float, or 16-bit bits)."""
+    if acc != sum_lanes or not _sum_array(a):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _lanes_codegen(context, builder, sig, args, None)
+
+    return sum_lanes(acc, a, types.intp, types.intp, types.boolean), codegen
+
+
+@intrinsic
+def lanes_add_part(typingctx, acc, a, i, j, count, bf):
+    """Like :func:`lanes_add_block` for the first ``count < SUM_BLOCK`` elements only
+    (the end of a row); the missing lanes add exact zeros."""
+    if acc != sum_lanes or not _sum_array(a):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _lanes_codegen(context, builder, sig, args, args[4])
+
+    return sum_lanes(acc, a, types.intp, types.intp, types.intp, types.boolean), codegen
+
+
+@intrinsic
+def lanes_total(typingctx, acc):
+    """The float64 sum of the lanes: halves added lane-wise until one lane is left."""
+    if acc != sum_lanes:
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        m = SUM_LANES
+        while m > 1:
+            h = m // 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h),
+                                                          list(range(h, m))))
+            v = builder.fadd(lo, hi)
+            m = h
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    return types.float64(acc), codegen
+
+
+@intrinsic
+def prefetch_span(typingctx, a, i, j, count):
+    """Ask for the lines of ``a[i, j : j + count]`` to be brought into cache (a hint).
+
+    The pipelined forward reads the row after next this way, a chunk at a
+    time, so that its DRAM traffic is spread over the current row's pass.
+    """
+    if not isinstance(a, types.Array) or a.ndim != 2:
+        return None
+
+    def codegen(context, builder, sig, args):
+        av, iv, jv, cv = args
+        base, stride = _row_at(context, builder, sig.args[0], av, iv, jv)
+        nbytes = builder.mul(cv, stride)
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        with cgutils.for_range_slice(builder, ir.Constant(_I64, 0), nbytes, ir.Constant(_I64, 64),
+                                     intp=_I64) as (off, _):
+            addr = builder.inttoptr(builder.add(base, off), i8p)
+            builder.call(fn, [addr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(a, types.intp, types.intp, types.intp), codegen
