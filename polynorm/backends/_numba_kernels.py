@@ -203,18 +203,6 @@ def _ov_ss_floor(a):
     return lambda a: _TINY
 
 
-def _pipelined(a):  # pragma: no cover - replaced by the overload
-    """Whether ``a``'s rows are summed in lanes and pipelined (16-bit bits), a constant."""
-    raise NotImplementedError
-
-
-@overload(_pipelined)
-def _ov_pipelined(a):
-    if a.dtype == types.uint16:
-        return lambda a: True
-    return lambda a: False
-
-
 @_inline
 def _lanes_rest(acc, a, i, k, j0, bf):
     """Finish row ``i``'s lanes sum: the blocks from ``j0`` on, the partial block, the total."""
@@ -232,12 +220,30 @@ def _sumsq_lanes(a, i, k, bf):
     return _lanes_rest(lanes_zero(), a, i, k, 0, bf)
 
 
-@_inline
-def _row_sumsq(a, i, k, bf):
-    """The forward's sum of squares of ``a[i, :k]``: lanes for 16-bit rows, else ``_sumsq``."""
-    if _pipelined(a):
-        return _sumsq_lanes(a, i, k, bf)
-    return _sumsq(a, i, k, bf)
+def _row_sumsq(a, i, k, bf):  # pragma: no cover - replaced by the overload
+    """The forward's sum of squares of ``a[i, :k]``: lanes for 16-bit rows, else ``_sumsq``.
+
+    Chosen at typing time, so float rows never compile the lanes code.
+    """
+    raise NotImplementedError
+
+
+def _is_bits(a):  # pragma: no cover - replaced by the overload
+    """Whether ``a`` holds 16-bit float bits (uint16): a compile-time constant."""
+    raise NotImplementedError
+
+
+@overload(_is_bits)
+def _ov_is_bits(a):
+    flag = a.dtype == types.uint16
+    return lambda a: flag
+
+
+@overload(_row_sumsq)
+def _ov_row_sumsq(a, i, k, bf):
+    if a.dtype == types.uint16:
+        return lambda a, i, k, bf: _sumsq_lanes(a, i, k, bf)
+    return lambda a, i, k, bf: _sumsq(a, i, k, bf)
 
 
 @_inline
@@ -298,7 +304,6 @@ def _fwd_norm_row(i, hi, a, abf, w, b, y, rstd, flags, k, eps, offset, ss):
     With ``i + 1 < hi`` (16-bit rows only) row ``i + 1``'s lanes sum is
     accumulated during this row's output pass and returned; else 0.
     """
-    d = a.shape[1]
     r64 = _rstd_from(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0, ss)
     rstd[i] = r64
     rc = rstd[i]  # rstd in the compute type
@@ -308,13 +313,35 @@ def _fwd_norm_row(i, hi, a, abf, w, b, y, rstd, flags, k, eps, offset, ss):
     if r64 < math.inf and not rc < math.inf:
         _fwd_row_wide(i, a, abf, w, b, yi, r64, flags, oc)
         return _row_sumsq(a, nxt, k, abf) if nxt < hi else 0.0
-    if nxt >= hi or not _pipelined(a):
-        _out_span(a, i, 0, d, abf, w, b, yi, rc, oc, flags)
-        return 0.0
+    return _out_and_next(i, hi, a, abf, w, b, yi, rc, oc, flags, k)
+
+
+def _out_and_next(i, hi, a, abf, w, b, yi, rc, oc, flags, k):  # pragma: no cover - overload
+    """Row ``i``'s output pass; for 16-bit rows with ``i + 1 < hi`` it also sums
+    row ``i + 1`` (returned; else 0).  Chosen at typing time, like _row_sumsq."""
+    raise NotImplementedError
+
+
+@overload(_out_and_next)
+def _ov_out_and_next(i, hi, a, abf, w, b, yi, rc, oc, flags, k):
+    if a.dtype != types.uint16:
+        def plain(i, hi, a, abf, w, b, yi, rc, oc, flags, k):
+            _out_span(a, i, 0, a.shape[1], abf, w, b, yi, rc, oc, flags)
+            return 0.0
+        return plain
+    return lambda i, hi, a, abf, w, b, yi, rc, oc, flags, k: _out_and_next_lanes(
+        i, hi, a, abf, w, b, yi, rc, oc, flags, k)
+
+
+@_inline
+def _out_and_next_lanes(i, hi, a, abf, w, b, yi, rc, oc, flags, k):
     # software pipeline: row i's output pass and row i+1's sum in one loop,
     # with the row after next prefetched a chunk at a time (without it the
-    # pipeline is slower than two passes)
-    kc = k - k % _CHUNK
+    # pipeline is slower than two passes).  One output loop in the pipelined
+    # part and one after it: each inlines every codec and case (compile time).
+    nxt = i + 1
+    pipe = nxt < hi
+    kc = k - k % _CHUNK if pipe else 0
     acc = lanes_zero()
     ahead = i + 2 < a.shape[0]
     for jc in range(0, kc, _CHUNK):
@@ -323,8 +350,8 @@ def _fwd_norm_row(i, hi, a, abf, w, b, y, rstd, flags, k, eps, offset, ss):
         _out_span(a, i, jc, jc + _CHUNK, abf, w, b, yi, rc, oc, flags)
         for j in range(jc, jc + _CHUNK, SUM_BLOCK):
             acc = lanes_add_block(acc, a, nxt, j, abf)
-    _out_span(a, i, kc, d, abf, w, b, yi, rc, oc, flags)
-    return _lanes_rest(acc, a, nxt, k, kc, abf)
+    _out_span(a, i, kc, a.shape[1], abf, w, b, yi, rc, oc, flags)
+    return _lanes_rest(acc, a, nxt, k, kc, abf) if pipe else 0.0
 
 
 @_inline
@@ -427,14 +454,14 @@ def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
     if flags & HAS_R:
         for i in range(lo, hi):
             _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset)
-    elif _pipelined(x):
+    elif _is_bits(x):  # 16-bit rows: pipelined (see _out_and_next)
         xbf = (flags & BF_X) != 0
-        ss = _sumsq_lanes(x, lo, k, xbf) if lo < hi else 0.0
+        ss = _row_sumsq(x, lo, k, xbf) if lo < hi else 0.0
         for i in range(lo, hi):
             ss = _fwd_norm_row(i, hi, x, xbf, w, b, y, rstd, flags, k, eps, offset, ss)
     else:
         for i in range(lo, hi):
-            ss = _sumsq(x, i, k, False)
+            ss = _row_sumsq(x, i, k, False)
             if i + 1 < x.shape[0] and _prefetches(x):
                 # the next row's reads overlap this row's output pass
                 prefetch_row(x, i + 1)
