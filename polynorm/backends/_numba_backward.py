@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import get_thread_id, prange
 
 from ._numba_codec import load, prefetch_row, store
 from ._numba_kernels import (
@@ -30,6 +30,7 @@ from ._numba_kernels import (
     HAS_W,
     _inline,
     _jit,
+    _reduce,
     _row_bytes,
     _stats,
     like,
@@ -52,21 +53,12 @@ _PAD = 64
 TREE_G = 4
 
 
-# "reassoc" only (no "contract"): a leaf's add ``addend + dy*xhat`` must be the
-# plain add that the tree's other adds are (an FMA would round differently);
-# c's float64 add of a float32 product cannot be contracted anyway.
-_dot_reduce = njit(nogil=True, fastmath={"reassoc"})
+@_reduce
+def _dot_row(dy, x, w, i, rc, oc, flags):
+    """``c = sum_j g_j * dy[i, j] * xhat[i, j]``, accumulated in float64.
 
-
-@_dot_reduce
-def _dot_row(dy, x, w, i, rc, oc, flags, leaf, addend):
-    """``sum_j g_j * dy[i, j] * xhat[i, j]``, accumulated in float64.
-
-    With a weight, the same loop writes ``addend[:d] + dy * xhat`` (compute
-    dtype) into ``leaf[:d]``: the row's dweight leaf joined with its left
-    sibling (the tree's first add), or alone when ``addend`` is -0.0 (which
-    adds nothing, not even to a zero's sign).  One loop for both, so that ``c``
-    has the same bits whichever it is.
+    A pure reduction (no stores): LLVM vectorizes it the same way for every
+    row, so a row's ``c`` has the same bits wherever the row falls.
     """
     xbf = (flags & BF_X) != 0
     dybf = (flags & BF_Y) != 0
@@ -74,7 +66,6 @@ def _dot_row(dy, x, w, i, rc, oc, flags, leaf, addend):
     if flags & HAS_W:
         for j in range(x.shape[1]):
             p = _ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc)
-            leaf[j] = addend[j] + p
             c += np.float64((like(w[j], rc) + oc) * p)
     else:
         for j in range(x.shape[1]):
@@ -83,14 +74,27 @@ def _dot_row(dy, x, w, i, rc, oc, flags, leaf, addend):
 
 
 @_inline
-def _bwd_row(i, dy, x, w, rstd_in, gr, dx, leaf, addend, flags, k, eps, offset):
-    """dx of row ``i``; its dweight/dbias leaf (``dy*xhat`` then ``dy``, for
-    whichever of weight/bias there is) plus ``addend`` goes to ``leaf``."""
+def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro, rw, rneg,
+             rtmp):
+    """dx of row ``i``, and its node of the row tree.
+
+    The row's terms (``[dy*xhat | dy]``, for whichever of weight/bias there
+    is) joined with the ``depth`` (< TREE_G) waiting left siblings in pool
+    rows ``rw[0..depth-1]`` -- the tree's adds, in its order -- go to pool
+    row ``ro``.  Absent siblings read row ``rneg``, -0.0, which adds nothing:
+    one loop serves every depth.  dweight's adds are fused into the dx pass.
+
+    Pool rows are indices, not array views: a view per row costs Numba
+    reference-count calls (measured ~300 ns per row).
+    """
     d = x.shape[1]
     xbf = (flags & BF_X) != 0
     dybf = (flags & BF_Y) != 0
     inside = (flags & EPS_INSIDE) != 0
     has_rstd = (flags & HAS_RSTD) != 0
+    e0 = rw[0] if depth >= 1 else rneg
+    e1 = rw[1] if depth >= 2 else rneg
+    e2 = rw[2] if depth >= 3 else rneg
     if i + 1 < x.shape[0] and _row_bytes(x) <= _PREFETCH_EARLY_BYTES:
         # short rows: the next row's x and dy stream in during both passes of this one
         prefetch_row(x, i + 1)
@@ -106,33 +110,41 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, leaf, addend, flags, k, eps, offset):
     # rc: rstd in the compute type (float64 for float64 x, else float32)
     rc = like(r64, load(x[i, 0], xbf))
     if r64 < math.inf and not rc < math.inf:
-        _bwd_row_wide(i, dy, x, w, gr, dx, leaf, addend, flags, k, eps, offset, r64, rms)
-        return
-    oc = like(offset, rc)
-    # c = sum_j g*dy*xhat over all d columns, in float64
-    c = _dot_row(dy, x, w, i, rc, oc, flags, leaf, addend)
-    coef64 = c / k
-    if not inside:
-        coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)
-    coef = like(coef64, rc)
-    dxi = dx[i]
-    if i + 1 < x.shape[0] and _PREFETCH_EARLY_BYTES < _row_bytes(x) <= _PREFETCH_MAX_BYTES:
-        prefetch_row(x, i + 1)
-        prefetch_row(dy, i + 1)
-    # branch-free loops (so that they vectorize): the masked term only for j < k.
-    # (A non-finite x beyond k gives NaN there instead of rstd*g*dy: the token is
-    # non-finite either way.)
-    _dx_range(i, 0, k, dy, x, w, gr, dxi, rc, oc, coef, flags)
-    if k < d:
-        _dx_range(i, k, d, dy, x, w, gr, dxi, rc, oc, like(0.0, rc), flags)
+        _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, e0, e1, e2,
+                      rtmp)
+    else:
+        oc = like(offset, rc)
+        c = _dot_row(dy, x, w, i, rc, oc, flags)
+        coef64 = c / k
+        if not inside:
+            coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)
+        coef = like(coef64, rc)
+        if i + 1 < x.shape[0] and _PREFETCH_EARLY_BYTES < _row_bytes(x) <= _PREFETCH_MAX_BYTES:
+            prefetch_row(x, i + 1)
+            prefetch_row(dy, i + 1)
+        # the masked term only for j < k: two ranges, each a branch-free loop
+        # (a non-finite x beyond k gives NaN there instead of rstd*g*dy: the
+        # token is non-finite either way)
+        zero = like(0.0, rc)
+        if flags & HAS_W:
+            _dx_pass(i, 0, k, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e2)
+            if k < d:
+                _dx_pass(i, k, d, dy, x, w, gr, dx, rc, oc, zero, flags, pc, ro, e0, e1, e2)
+        else:
+            _dx_plain(i, 0, k, dy, x, w, gr, dx, rc, oc, coef, flags)
+            if k < d:
+                _dx_plain(i, k, d, dy, x, w, gr, dx, rc, oc, zero, flags)
     if flags & HAS_B:
         ob = d if flags & HAS_W else 0
+        P = _PAD
         for j in range(d):
-            leaf[ob + j] = addend[ob + j] + _ld(dy, i, j, dybf, rc)
+            pc[rtmp, P + j] = like(load(dy[i, j], dybf), pc[rtmp, P])
+        _fold(pc, ro, e0, e1, e2, rtmp, ob, d)
 
 
 @_inline
-def _bwd_row_wide(i, dy, x, w, gr, dx, leaf, addend, flags, k, eps, offset, r64, rms):
+def _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, e0, e1, e2,
+                  rtmp):
     """The backward of a row whose rstd overflows float32, in float64 (rare: a
     float32 row of rms < ~3e-39 with a tiny eps; dx itself is then beyond float32)."""
     d = x.shape[1]
@@ -147,7 +159,6 @@ def _bwd_row_wide(i, dy, x, w, gr, dx, leaf, addend, flags, k, eps, offset, r64,
     if not flags & EPS_INSIDE:
         coef = 0.0 if rms == 0.0 else coef * ((rms + eps) / rms)
     dxi = dx[i]
-    ob = d if has_w else 0
     for j in range(d):
         xh = np.float64(load(x[i, j], xbf)) * r64
         dyv = np.float64(load(dy[i, j], dybf))
@@ -156,40 +167,66 @@ def _bwd_row_wide(i, dy, x, w, gr, dx, leaf, addend, flags, k, eps, offset, r64,
         if flags & HAS_GR:
             v += np.float64(load(gr[i, j], (flags & BF_H) != 0))
         store(dxi, j, v, xbf)
-        if has_w:
-            leaf[j] = addend[j] + like(dyv * xh, leaf[0])
-        if flags & HAS_B:
-            leaf[ob + j] = addend[ob + j] + like(dyv, leaf[0])
+        pc[rtmp, _PAD + j] = like(dyv * xh, pc[rtmp, _PAD])
+    if has_w:
+        _fold(pc, ro, e0, e1, e2, rtmp, 0, d)
 
 
 @_inline
-def _dx_range(i, lo, hi, dy, x, w, gr, dxi, rc, oc, coef, flags):
-    """``dx[i, lo:hi] = rstd * (g*dy - xhat*coef) (+ grad_residual)``, one loop per case."""
+def _fold(pc, ro, e0, e1, e2, rsrc, lo, m):
+    """Pool row ``ro[lo:lo+m] = e2 + (e1 + (e0 + src))``: terms (pool row
+    ``rsrc[:m]``) joined with their waiting left siblings, in the tree's order."""
+    for j in range(m):
+        c = _PAD + lo + j
+        pc[ro, c] = pc[e2, c] + (pc[e1, c] + (pc[e0, c] + pc[rsrc, _PAD + j]))
+
+
+@_inline
+def _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf, grbf, has_gr, has_w):
+    """``(dx, dy * xhat)`` of element ``(i, j)``.  gr is always loadable (dy
+    stands in for an absent grad_residual) and -0.0 adds nothing: no branch."""
+    xh = load(x[i, j], xbf) * rc
+    dyc = like(load(dy[i, j], dybf), rc)
+    g = like(w[j], rc) + oc if has_w else like(1.0, rc)
+    grv = like(load(gr[i, j], grbf), rc)
+    v = rc * (dyc * g - xh * coef) + (grv if has_gr else like(-0.0, rc))
+    return v, dyc * xh
+
+
+@_inline
+def _dx_plain(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, flags):
+    """``dx[i, lo:hi]`` without a weight (its own function: beside the weighted
+    loop, this loop made it slower, 130 instead of 80 ns per 1024 columns)."""
     xbf = (flags & BF_X) != 0
     dybf = (flags & BF_Y) != 0
     grbf = (flags & BF_H) != 0
-    has_w = (flags & HAS_W) != 0
-    if flags & HAS_GR:
-        if has_w:
-            for j in range(lo, hi):
-                xh = load(x[i, j], xbf) * rc
-                g = like(w[j], rc) + oc
-                v = rc * (_ld(dy, i, j, dybf, rc) * g - xh * coef)
-                store(dxi, j, v + _ld(gr, i, j, grbf, rc), xbf)
-        else:
-            for j in range(lo, hi):
-                xh = load(x[i, j], xbf) * rc
-                v = rc * (_ld(dy, i, j, dybf, rc) - xh * coef)
-                store(dxi, j, v + _ld(gr, i, j, grbf, rc), xbf)
-    elif has_w:
-        for j in range(lo, hi):
-            xh = load(x[i, j], xbf) * rc
-            g = like(w[j], rc) + oc
-            store(dxi, j, rc * (_ld(dy, i, j, dybf, rc) * g - xh * coef), xbf)
-    else:
-        for j in range(lo, hi):
-            xh = load(x[i, j], xbf) * rc
-            store(dxi, j, rc * (_ld(dy, i, j, dybf, rc) - xh * coef), xbf)
+    has_gr = (flags & HAS_GR) != 0
+    # unsigned indices: Numba then has no negative-index wraparound to do
+    # (with it in the loop, the loop does not vectorize: 9x slower)
+    for j in range(np.uint64(lo), np.uint64(hi)):
+        v, _ = _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf, grbf, has_gr, False)
+        store(dx, (i, j), v, xbf)
+
+
+@_inline
+def _dx_pass(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e2):
+    """``dx[i, lo:hi] = rstd * (g*dy - xhat*coef) (+ grad_residual)`` and, in
+    the same loop, the dweight node ``e2 + (e1 + (e0 + dy*xhat))`` of columns
+    ``lo:hi`` into pool row ``ro``.
+
+    One loop whatever the depth: with a loop per depth, LLVM made all of them
+    slower (660 instead of 440 ns per 1024-column row).
+    """
+    xbf = (flags & BF_X) != 0
+    dybf = (flags & BF_Y) != 0
+    grbf = (flags & BF_H) != 0
+    has_gr = (flags & HAS_GR) != 0
+    P = np.uint64(_PAD)
+    for j in range(np.uint64(lo), np.uint64(hi)):
+        v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf, grbf, has_gr, True)
+        store(dx, (i, j), v, xbf)
+        c = P + j
+        pc[ro, c] = pc[e2, c] + (pc[e1, c] + (pc[e0, c] + p))
 
 
 # --------------------------------------------------------------------------- the row tree
@@ -271,89 +308,54 @@ def _carry(lv, j, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl, out_idx, o
                  o)
 
 
-@_inline
-def _group16(g, row0, ntot, cap, glo, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, grp,
-             nothing, pc, p64, prow, crow, pend, out_lvl, out_idx, out_val, o):
-    """The 16 rows of a whole aligned group from ``g``: its level-4 node (TREE_G = 4).
-
-    Each pair of rows leaves its level-1 node in a row of ``grp`` (the first
-    add fused into the odd row's pass); then one elementwise pass sums the
-    eight pair nodes in the tree's order, in registers -- instead of seven
-    passes over rows of partials.  Then the node is carried on up.
-    """
-    tmp = _row(grp, 8)
-    for t in range(8):
-        i = g + 2 * t - row0
-        _bwd_row(i, dy, x, w, rstd_in, gr, dx, tmp, nothing, flags, k, eps, offset)
-        _bwd_row(i + 1, dy, x, w, rstd_in, gr, dx, _row(grp, t), tmp, flags, k, eps, offset)
-    b0, b1, b2, b3 = _row(grp, 0), _row(grp, 1), _row(grp, 2), _row(grp, 3)
-    b4, b5, b6, b7 = _row(grp, 4), _row(grp, 5), _row(grp, 6), _row(grp, 7)
-    r64 = _row(p64, crow[1])
-    for e in range(r64.shape[0]):
-        left = (b0[e] + b1[e]) + (b2[e] + b3[e])
-        right = (b4[e] + b5[e]) + (b6[e] + b7[e])
-        r64[e] = np.float64(left) + np.float64(right)
-    return _carry(TREE_G, g >> TREE_G, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl,
-                  out_idx, out_val, o)
-
-
 @_jit()
 def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset,
-                   out_lvl, out_idx, out_val, o):
+                   out_lvl, out_idx, out_val, o, pc, p64):
     """Global rows ``[glo, ghi)`` (local row = global - ``row0``; ``ntot`` rows in all).
 
     Writes their dx and appends the row tree's nodes of the range, carried
     at most to level ``cap``, to ``out_*`` from slot ``o`` (a range that
     covers an aligned ``2**cap`` block, or the rows of one up to ``ntot``,
     gives exactly one node).  Returns the new slot count.
+
+    ``pc`` and ``p64`` are scratch pools (see :func:`pool_shapes`): ``pc``
+    holds the waiting nodes below TREE_G (rows ``prow[0..3]``), the current
+    one (``crow[0]``), a scratch row and a row of -0.0; ``p64`` the float64
+    levels.  Rows are
+    padded so that no two arrays of a loop ever lie close (see ``_PAD``).
     """
     W = out_val.shape[1]
-    if W == 0:
-        for g in range(glo, ghi):
-            _bwd_row(g - row0, dy, x, w, rstd_in, gr, dx, out_val[0], out_val[0], flags, k, eps,
-                     offset)
-        return o
     levels = max(cap, TREE_G) + 1
-    # The row pass's loop stores leaves while it sums c; LLVM vectorizes it
-    # behind a runtime check that the stores cannot reach the arrays read, and
-    # falls back to a scalar loop (another summation order for c: other bits)
-    # when two of them lie close.  Padding every pool row keeps all of them
-    # far apart, so the vector loop always runs.
-    pc = np.empty((TREE_G + 2, W + 2 * _PAD), w.dtype)
-    p64 = np.empty((levels + 1, W + 2 * _PAD), np.float64)
-    nothing = _row(pc, TREE_G + 1)  # the addend of a leaf that has no sibling to join
-    nothing[:] = -0.0
-    prow = np.arange(levels)  # levels >= TREE_G index p64, the others pc
-    crow = np.array([TREE_G, levels])
+    rtmp = TREE_G + 1
+    rneg = TREE_G + 2  # stands in for absent siblings: -0.0 adds nothing
+    pc[rneg, :] = -0.0
+    # levels >= TREE_G index p64 (from row 0), the others pc
+    prow = np.arange(levels)
+    prow[TREE_G:] -= TREE_G
+    crow = np.array([TREE_G, levels - TREE_G])
     pend = np.full(levels, -1, np.int64)
-    grp = np.empty((9, W + 2 * _PAD), w.dtype)  # a 16-row group: 8 pair nodes, 1 even leaf
-    g = glo
-    while g < ghi:
-        if (g & 15) == 0 and g + 16 <= ghi and g + 16 <= ntot:
-            o = _group16(g, row0, ntot, cap, glo, dy, x, w, rstd_in, gr, dx, flags, k, eps,
-                         offset, grp, nothing, pc, p64, prow, crow, pend, out_lvl, out_idx,
-                         out_val, o)
-            g += 16
-            continue
-        i = g - row0
-        if (g & 1) == 0 and g + 1 < ntot and cap > 0:
-            # a left leaf whose sibling has rows: written straight to its waiting row
-            _bwd_row(i, dy, x, w, rstd_in, gr, dx, _row(pc, prow[0]), nothing, flags, k, eps,
-                     offset)
-            pend[0] = g
-        elif g & 1 and g - 1 >= glo:
-            # a right leaf: the first add (with its waiting sibling) fused into the row pass
-            _bwd_row(i, dy, x, w, rstd_in, gr, dx, _row(pc, crow[0]), _row(pc, prow[0]), flags,
-                     k, eps, offset)
-            pend[0] = -1
-            o = _carry(1, g >> 1, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl, out_idx,
-                       out_val, o)
-        else:
-            _bwd_row(i, dy, x, w, rstd_in, gr, dx, _row(pc, crow[0]), nothing, flags, k, eps,
-                     offset)
-            o = _carry(0, g, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl, out_idx,
-                       out_val, o)
-        g += 1
+    for g in range(glo, ghi):
+        # how many of the row's ancestors complete with it: the levels whose
+        # left sibling waits (it lies in the range); their adds are fused (up
+        # to level 3; the float64 add of level 4 and above are _carry's)
+        depth = 0
+        if W:
+            while (depth < TREE_G - 1 and (g >> depth) & 1
+                   and ((g >> depth) - 1) << depth >= glo):
+                depth += 1
+        _bwd_row(g - row0, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, crow[0],
+                 prow, rneg, rtmp)
+        if W:
+            for lv in range(depth):
+                pend[lv] = -1
+            j = g >> depth
+            if (j & 1) == 0 and ((j + 1) << depth) < ntot:
+                # the common case, inline: the node waits for its right sibling
+                prow[depth], crow[0] = crow[0], prow[depth]
+                pend[depth] = j
+            else:
+                o = _carry(depth, j, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl,
+                           out_idx, out_val, o)
     # nodes still waiting for a right sibling beyond the range, left to right
     for lv in range(levels - 1, -1, -1):
         if pend[lv] >= 0:
@@ -361,16 +363,26 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
     return o
 
 
+def pool_shapes(cap: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of the scratch pools ``(pc, p64)`` of :func:`backward_range`."""
+    levels = max(cap, TREE_G) + 1
+    cols = width + 2 * _PAD
+    return (TREE_G + 3, cols), (levels - TREE_G + 1, cols)
+
+
 @_jit(parallel=True)
 def backward_blocks_parallel(b0, nb, m, row0, nrows, ntot, dy, x, w, rstd_in, gr, dx, flags, k,
-                             eps, offset, out_lvl, out_idx, out_val):
+                             eps, offset, out_lvl, out_idx, out_val, pcs, p64s):
     """Aligned ``2**m``-row blocks ``b0 .. b0+nb-1``, each wholly inside the rows
-    (global ``[row0, row0+nrows)``): one node per block, in slot ``block - b0``."""
+    (global ``[row0, row0+nrows)``): one node per block, in slot ``block - b0``.
+    ``pcs``/``p64s``: one pair of pools per thread (any pool gives the same bits)."""
     for t in prange(nb):
         s = np.int64(t)  # prange's index may be unsigned: int64 + uint64 is float64
         b = b0 + s
+        tid = get_thread_id()
         backward_range(b << m, min(row0 + nrows, (b + 1) << m), row0, ntot, m, dy, x, w, rstd_in,
-                       gr, dx, flags, k, eps, offset, out_lvl, out_idx, out_val, s)
+                       gr, dx, flags, k, eps, offset, out_lvl, out_idx, out_val, s, pcs[tid],
+                       p64s[tid])
 
 
 @_jit()

@@ -275,6 +275,16 @@ def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     return like, xn, dx, wn, bn, width, args
 
 
+def _pools(m: int, width: int, cdt: np.dtype, per_thread: bool = False):
+    """Scratch pools of the backward kernel: one pair, or one per Numba thread."""
+    import numba
+
+    KB = _bwd_kernels or _kb()
+    spc, s64 = KB.pool_shapes(m, width)
+    lead = (numba.config.NUMBA_NUM_THREADS,) if per_thread else ()
+    return np.empty(lead + spc, cdt), np.empty(lead + s64, np.float64)
+
+
 def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     """Hand-written backward on 2-D rows (formula in :mod:`polynorm._options`).
 
@@ -294,11 +304,13 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     idx = np.empty(nb, np.int64)
     vals = np.empty((nb, width), np.float64)
     par = _parallel(n, d)
+    cdt = _info(plan)[3]
     if par and nb > 1:
         with _launch_lock:
-            KB.backward_blocks_parallel(0, nb, m, 0, n, n, *args, lvl, idx, vals)
+            KB.backward_blocks_parallel(0, nb, m, 0, n, n, *args, lvl, idx, vals,
+                                        *_pools(m, width, cdt, True))
     else:
-        KB.backward_range(0, n, 0, n, m, *args, lvl, idx, vals, 0)
+        KB.backward_range(0, n, 0, n, m, *args, lvl, idx, vals, 0, *_pools(m, width, cdt))
     dw = db = None
     if width:
         if par and width >= 4096 and nb > 1:
@@ -340,13 +352,15 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
     head = (lo, min(hi, ib0 << m))
     tail = (max(ib1 << m, head[1]), hi)
     cap = 2 * (max(m, TREE_G) + 2) + 2
+    cdt = _info(plan)[3]
+    pools = _pools(m, width, cdt)
     states = []
     for a, b in (head, tail):
         if b > a:
             lv = np.empty(cap, np.int64)
             ix = np.empty(cap, np.int64)
             va = np.empty((cap, width), np.float64)
-            cnt = KB.backward_range(a, b, row0, ntot, m, *args, lv, ix, va, 0)
+            cnt = KB.backward_range(a, b, row0, ntot, m, *args, lv, ix, va, 0, *pools)
             states.append((lv[:cnt], ix[:cnt], va[:cnt]))
     nb = ib1 - ib0
     if nb:
@@ -355,14 +369,15 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
         va = np.empty((nb, width), np.float64)
         if _parallel(n, d) and nb > 1:
             with _launch_lock:
-                KB.backward_blocks_parallel(ib0, nb, m, row0, n, ntot, *args, lv, ix, va)
+                KB.backward_blocks_parallel(ib0, nb, m, row0, n, ntot, *args, lv, ix, va,
+                                            *_pools(m, width, cdt, True))
         else:
             for t in range(nb):
                 b = ib0 + t
                 KB.backward_range(b << m, min(hi, (b + 1) << m), row0, ntot, m, *args,
-                                  lv, ix, va, t)
+                                  lv, ix, va, t, *pools)
         states.append((lv, ix, va))
-    state = merge(states, ntot, _info(plan)[3])
+    state = merge(states, ntot, cdt)
     return _interop.from_numpy(dx, like), state
 
 
