@@ -1,6 +1,6 @@
 """Interop benchmark: torch tensors, the torch module, and dask on a cluster.
 
-Four measurements, each a :class:`~polynorm._bench.common.Record` of suite
+Five measurements, each a :class:`~polynorm._bench.common.Record` of suite
 ``"interop"``:
 
 ``dispatch`` (1 x 4096 float32 torch CPU tensor)
@@ -24,6 +24,10 @@ Four measurements, each a :class:`~polynorm._bench.common.Record` of suite
     time (< 1: the cluster is slower; on one small machine it shares the
     same cores and adds scheduling), and ratio ``cluster_copy`` = the time of
     a per-chunk copy on the same cluster / polynorm's (the cluster's roof).
+``jit`` (1 x 4096 and 16384 x 4096 float32; 2048 x 4096 with ``quick``)
+    ``polynorm.jax.rms_norm`` under ``jax.jit`` against a jitted jnp RMSNorm,
+    for ``backend="auto"`` (the reference, compiled by XLA) and ``"numba"``
+    (the kernels in an XLA FFI call); ratio ``jnp`` = jnp's time / polynorm's.
 
 Run ``python bench/interop.py`` (``--quick`` stays under a minute); wrap it
 in ``flock /tmp/polynorm-bench.lock`` on a shared machine.
@@ -141,6 +145,34 @@ def module(n: int, d: int, dtype: str, min_time: float) -> Record:
                   {"torch": tt / t}, {"torch_s": tt, "what": "RMSNorm fwd+bwd vs torch.nn.RMSNorm"})
 
 
+def jax_jit(n: int, d: int, backend: str, min_time: float) -> Record:
+    """``polynorm.jax.rms_norm`` under ``jax.jit`` vs a jitted jnp RMSNorm (float32).
+
+    ``backend="auto"``: the reference, compiled by XLA; ``"numba"``: the kernels
+    through the XLA FFI host call.  Ratio ``jnp`` = jnp's time / polynorm's.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import polynorm.jax as pnj
+
+    x = jax.random.normal(jax.random.key(0), (n, d), jnp.float32)
+    w = 1 + 0.1 * jax.random.normal(jax.random.key(1), (d,), jnp.float32)
+
+    def ref(x, w):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + EPS)
+        return (y * w).astype(x.dtype)
+
+    ours = jax.jit(lambda x, w: pnj.rms_norm(x, w, eps=EPS, backend=backend))
+    theirs = jax.jit(ref)
+    t, tt = paired_median(lambda: ours(x, w).block_until_ready(),
+                          lambda: theirs(x, w).block_until_ready(), min_time=min_time)
+    moved = 2 * n * d * 4 + d * 4
+    return Record("interop", "jit", f"jax-{backend}", "float32", n, d, t, moved,
+                  gbps(moved, t), {"jnp": tt / t}, {"jnp_s": tt})
+
+
 def _copy_block(b, run):
     return b.copy()
 
@@ -197,7 +229,7 @@ def dask_cluster(n: int, d: int, min_time: float, chunks: int = 8, workers: int 
 def run(
     *, quick: bool = False, dtypes: list[str] | None = None, progress: Progress | None = None
 ) -> list[Record]:
-    """All four measurements; ``quick`` takes smaller shapes and shorter timings (< 60 s)."""
+    """All five measurements; ``quick`` takes smaller shapes and shorter timings (< 60 s)."""
     import importlib.util
 
     dtypes = list(dtypes or DTYPES)
@@ -215,6 +247,11 @@ def run(
                           lambda dt=dt: module(*mod_shape, dt, min_time)))
     if importlib.util.find_spec("distributed") is not None:
         steps.append((f"dask {big[0]}x{big[1]}", lambda: dask_cluster(*big, min_time)))
+    if importlib.util.find_spec("jax") is not None:
+        for shape in ((1, 4096), big):
+            for be in ("auto", "numba"):
+                steps.append((f"jit {be} {shape[0]}x{shape[1]}",
+                              lambda shape=shape, be=be: jax_jit(*shape, be, min_time)))
     records = []
     for i, (label, step) in enumerate(steps):
         if progress:
@@ -246,13 +283,14 @@ def main(argv: list[str] | None = None) -> int:
 
     records = run(quick=args.quick, dtypes=args.dtypes, progress=progress)
     print(file=sys.stderr)
-    print(format_table(records, ["torch", "copy", "numpy_input", "in_memory", "cluster_copy"]))
+    print(format_table(records, ["torch", "copy", "numpy_input", "in_memory", "cluster_copy",
+                                 "jnp"]))
     print()
     for r in records:
         print(_verdict(r))
     meta: dict[str, Any] = {"suite": "interop", "quick": args.quick, "note": args.note,
                             "seconds": time.perf_counter() - t0, "numpy": np.__version__}
-    for lib in ("torch", "dask", "distributed", "numba"):
+    for lib in ("torch", "dask", "distributed", "numba", "jax"):
         try:
             meta[lib] = __import__(lib).__version__
         except ImportError:
@@ -268,6 +306,9 @@ _TARGETS = {"dispatch": ("torch", 1.0), "fwd": ("numpy_input", 0.95), "module": 
 def _verdict(r: Record) -> str:
     """One line per record: the number the issue asks for and its target."""
     head = f"{r.op:>8} {r.dtype:<8} {r.tokens}x{r.d}:"
+    if r.op == "jit":
+        return (f"{head} {r.backend}: jitted jnp takes {r.ratios['jnp']:.2f}x polynorm's time "
+                f"(no target)")
     if r.op == "dask":
         return (f"{head} cluster {r.gbps:.1f} GB/s vs in-memory "
                 f"{r.extra['in_memory_gbps']:.1f} GB/s (ratio {r.ratios['in_memory']:.2f}); "

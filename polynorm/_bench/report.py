@@ -1,6 +1,6 @@
 """``polynorm bench``: run the benchmark suites that can run here, then report.
 
-Each suite module (``cpu``: Numba, ``gpu``: CuPy, ``interop``: torch/dask)
+Each suite module (``cpu``: Numba, ``gpu``: CuPy, ``interop``: torch/dask/jax)
 exposes ``run(*, quick, dtypes, progress) -> list[Record]``.  Suites that
 are missing or cannot run here are skipped with the reason; a suite that
 crashes is reported and the others still run.  The ``reference`` suite below
@@ -40,7 +40,7 @@ class Suite:
 SUITES: tuple[Suite, ...] = (
     Suite("cpu", "polynorm._bench.cpu", ("numba",), needs=("numba",)),
     Suite("gpu", "polynorm._bench.gpu", ("cupy",), needs=("cupy",)),
-    Suite("interop", "polynorm._bench.interop", ("torch", "dask")),
+    Suite("interop", "polynorm._bench.interop", ("torch", "dask", "jax")),
     Suite("reference", None, ("array_api",)),
 )
 
