@@ -16,6 +16,12 @@ Numerics (see the module docstring of :mod:`polynorm._options`):
   float64 input a row whose sum overflows or underflows (or is zero) is
   recomputed scaled by its largest magnitude; on ordinary data this branch
   is never taken.
+- the forward sums 16-bit rows in lanes instead (float32 partials over
+  blocks of 128 elements -- exact squares, 8 additions each -- added into
+  float64 lanes, in an order fixed by the code: ``_numba_codec``'s
+  ``lanes_*`` intrinsics); an Inf/NaN sum or one below 2**-100 takes the
+  scaled float64 path.  This is what lets a row's sum be accumulated during
+  the previous row's output pass (the forward pipelines 16-bit rows).
 - each row is reduced by one compiled function (vectorized, see ``_reduce``)
   whatever the driver or thread count, so the bits never depend on either.
 - ``dweight``/``dbias`` are summed per fixed block of rows into partials in
