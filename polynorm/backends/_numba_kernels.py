@@ -91,6 +91,11 @@ def _jit(**kw):
 
 # Row helpers: plain njit functions; LLVM inlines them into each driver.
 _inline = njit(nogil=True)
+# The forward's row helpers are inlined by Numba itself: a call between njit
+# functions increfs and decrefs every array argument (atomic operations on
+# counters that both threads share), which measured ~50% of a float32 row's
+# time on cache-resident data.
+_inline_ir = njit(nogil=True, inline="always")
 # Row reductions: "reassoc" lets LLVM vectorize them (6x faster than a scalar
 # chain).  The summation order is then LLVM's (vector lanes, then a fixed
 # tree), fixed in the compiled code: the same bits on every run and for every
@@ -202,25 +207,26 @@ def _ss_floor(a):  # pragma: no cover - replaced by the overload
     raise NotImplementedError
 
 
-@overload(_ss_floor)
+@overload(_ss_floor, inline="always")
 def _ov_ss_floor(a):
     if a.dtype == types.uint16:  # float32 partials
         return lambda a: _LANES_TINY
     return lambda a: _TINY
 
 
-@_inline
+@_inline  # a call: Numba's IR inliner mishandles its loop-carried lanes
 def _lanes_rest(acc, a, i, k, j0, bf):
     """Finish row ``i``'s lanes sum: the blocks from ``j0`` on, the partial block, the total."""
     kb = k - k % SUM_BLOCK
+    s = acc
     for j in range(j0, kb, SUM_BLOCK):
-        acc = lanes_add_block(acc, a, i, j, bf)
+        s = lanes_add_block(s, a, i, j, bf)
     if kb < k:
-        acc = lanes_add_part(acc, a, i, kb, k - kb, bf)
-    return lanes_total(acc)
+        s = lanes_add_part(s, a, i, kb, k - kb, bf)
+    return lanes_total(s)
 
 
-@_inline
+@_inline_ir
 def _sumsq_lanes(a, i, k, bf):
     """Sum of squares of ``a[i, :k]`` in lanes (the forward's; fixed order)."""
     return _lanes_rest(lanes_zero(), a, i, k, 0, bf)
@@ -239,20 +245,20 @@ def _is_bits(a):  # pragma: no cover - replaced by the overload
     raise NotImplementedError
 
 
-@overload(_is_bits)
+@overload(_is_bits, inline="always")
 def _ov_is_bits(a):
     flag = a.dtype == types.uint16
     return lambda a: flag
 
 
-@overload(_row_sumsq)
+@overload(_row_sumsq, inline="always")
 def _ov_row_sumsq(a, i, k, bf):
     if a.dtype == types.uint16:
         return lambda a, i, k, bf: _sumsq_lanes(a, i, k, bf)
     return lambda a, i, k, bf: _sumsq(a, i, k, bf)
 
 
-@_inline
+@_inline_ir
 def _rstd_from(a, i, k, bf, eps, inside, ss):
     """Row ``i``'s rstd in float64 from its sum ``ss`` (scaled path if out of range); as ``_stats``."""
     if ss < math.inf and ss >= _ss_floor(a):
@@ -275,35 +281,36 @@ def _rstd_from(a, i, k, bf, eps, inside, ss):
 _CHUNK = 256
 
 
-@_inline
-def _out_span(a, i, j0, j1, abf, w, b, yi, rc, oc, flags):
-    """``y[i, j0:j1] = a[i, j0:j1] * rstd * (w + offset) + b`` in the compute type, rounded once."""
+@_inline_ir
+def _out_span(a, i, j0, j1, abf, w, b, y, rc, oc, flags):
+    """``y[i, j0:j1] = a[i, j0:j1] * rstd * (w + offset) + b`` in the compute type, rounded once.
+
+    No row views or slices (each costs Numba reference counting), and
+    unsigned column indices: no negative-index wraparound in the loops, which
+    keeps them vectorized.
+    """
     has_w = (flags & HAS_W) != 0
     has_b = (flags & HAS_B) != 0
     ybf = (flags & BF_Y) != 0
-    xs = a[i, j0:j1]
-    ys = yi[j0:j1]
+    lo = np.uint64(j0)
+    hi = np.uint64(j1)
     # one loop per case, free of per-element branches (they vectorize)
     if has_w and not has_b:
-        ws = w[j0:j1]
-        for j in range(ys.shape[0]):
-            store(ys, j, load(xs[j], abf) * rc * (like(ws[j], rc) + oc), ybf)
+        for j in range(lo, hi):
+            store(y, (i, j), load(a[i, j], abf) * rc * (like(w[j], rc) + oc), ybf)
     elif not has_w and not has_b:
-        for j in range(ys.shape[0]):
-            store(ys, j, load(xs[j], abf) * rc, ybf)
+        for j in range(lo, hi):
+            store(y, (i, j), load(a[i, j], abf) * rc, ybf)
     elif has_w:
-        ws = w[j0:j1]
-        bs = b[j0:j1]
-        for j in range(ys.shape[0]):
-            val = load(xs[j], abf) * rc * (like(ws[j], rc) + oc)
-            store(ys, j, val + like(bs[j], rc), ybf)
+        for j in range(lo, hi):
+            val = load(a[i, j], abf) * rc * (like(w[j], rc) + oc)
+            store(y, (i, j), val + like(b[j], rc), ybf)
     else:
-        bs = b[j0:j1]
-        for j in range(ys.shape[0]):
-            store(ys, j, load(xs[j], abf) * rc + like(bs[j], rc), ybf)
+        for j in range(lo, hi):
+            store(y, (i, j), load(a[i, j], abf) * rc + like(b[j], rc), ybf)
 
 
-@_inline
+@_inline_ir
 def _fwd_norm_row(i, hi, a, abf, w, b, y, rstd, flags, k, eps, offset, ss):
     """Row ``i`` of y from its sum ``ss`` (:func:`_row_sumsq`).
 
@@ -313,34 +320,33 @@ def _fwd_norm_row(i, hi, a, abf, w, b, y, rstd, flags, k, eps, offset, ss):
     r64 = _rstd_from(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0, ss)
     rstd[i] = r64
     rc = rstd[i]  # rstd in the compute type
-    yi = y[i]
     oc = like(offset, rc)
     nxt = i + 1
     if r64 < math.inf and not rc < math.inf:
-        _fwd_row_wide(i, a, abf, w, b, yi, r64, flags, oc)
+        _fwd_row_wide(i, a, abf, w, b, y, r64, flags, oc)
         return _row_sumsq(a, nxt, k, abf) if nxt < hi else 0.0
-    return _out_and_next(i, hi, a, abf, w, b, yi, rc, oc, flags, k)
+    return _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k)
 
 
-def _out_and_next(i, hi, a, abf, w, b, yi, rc, oc, flags, k):  # pragma: no cover - overload
+def _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k):  # pragma: no cover - overload
     """Row ``i``'s output pass; for 16-bit rows with ``i + 1 < hi`` it also sums
     row ``i + 1`` (returned; else 0).  Chosen at typing time, like _row_sumsq."""
     raise NotImplementedError
 
 
-@overload(_out_and_next)
-def _ov_out_and_next(i, hi, a, abf, w, b, yi, rc, oc, flags, k):
+@overload(_out_and_next, inline="always")
+def _ov_out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k):
     if a.dtype != types.uint16:
-        def plain(i, hi, a, abf, w, b, yi, rc, oc, flags, k):
-            _out_span(a, i, 0, a.shape[1], abf, w, b, yi, rc, oc, flags)
+        def plain(i, hi, a, abf, w, b, y, rc, oc, flags, k):
+            _out_span(a, i, 0, a.shape[1], abf, w, b, y, rc, oc, flags)
             return 0.0
         return plain
-    return lambda i, hi, a, abf, w, b, yi, rc, oc, flags, k: _out_and_next_lanes(
-        i, hi, a, abf, w, b, yi, rc, oc, flags, k)
+    return lambda i, hi, a, abf, w, b, y, rc, oc, flags, k: _out_and_next_lanes(
+        i, hi, a, abf, w, b, y, rc, oc, flags, k)
 
 
-@_inline
-def _out_and_next_lanes(i, hi, a, abf, w, b, yi, rc, oc, flags, k):
+@_inline  # a call: Numba's IR inliner mishandles its loop-carried lanes
+def _out_and_next_lanes(i, hi, a, abf, w, b, y, rc, oc, flags, k):
     # software pipeline: row i's output pass and row i+1's sum in one loop,
     # with the row after next prefetched a chunk at a time (without it the
     # pipeline is slower than two passes).  One output loop in the pipelined
@@ -353,15 +359,15 @@ def _out_and_next_lanes(i, hi, a, abf, w, b, yi, rc, oc, flags, k):
     for jc in range(0, kc, _CHUNK):
         if ahead:
             prefetch_span(a, i + 2, jc, _CHUNK)
-        _out_span(a, i, jc, jc + _CHUNK, abf, w, b, yi, rc, oc, flags)
+        _out_span(a, i, jc, jc + _CHUNK, abf, w, b, y, rc, oc, flags)
         for j in range(jc, jc + _CHUNK, SUM_BLOCK):
             acc = lanes_add_block(acc, a, nxt, j, abf)
-    _out_span(a, i, kc, a.shape[1], abf, w, b, yi, rc, oc, flags)
+    _out_span(a, i, kc, a.shape[1], abf, w, b, y, rc, oc, flags)
     return _lanes_rest(acc, a, nxt, k, kc, abf) if pipe else 0.0
 
 
-@_inline
-def _fwd_row_wide(i, a, abf, w, b, yi, r64, flags, oc):
+@_inline_ir
+def _fwd_row_wide(i, a, abf, w, b, y, r64, flags, oc):
     """A row whose rstd overflows float32 (a float32 row of rms < ~3e-39 with a
     tiny eps): xhat = (v * 2**64) * (rstd * 2**-64), both factors in range."""
     rc = like(r64 * 2.0**-64, oc)
@@ -372,10 +378,10 @@ def _fwd_row_wide(i, a, abf, w, b, yi, r64, flags, oc):
             val = val * (like(w[j], oc) + oc)
         if flags & HAS_B:
             val = val + like(b[j], oc)
-        store(yi, j, val, (flags & BF_Y) != 0)
+        store(y, (i, j), val, (flags & BF_Y) != 0)
 
 
-@_inline
+@_inline_ir
 def _fwd_norm_row_llama(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
     """Hugging Face Llama's order: round xhat to x's dtype, g = w + offset to
     weight's dtype, the product to promote(x, weight), add bias, round to y's."""
@@ -403,18 +409,17 @@ def _fwd_norm_row_llama(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
         store(yi, j, val, ybf)
 
 
-@_inline
+@_inline_ir
 def _add_row(i, x, r, h, flags):
     """``h[i] = x[i] + r[i]``: summed in the compute type, rounded once to h's dtype."""
     xbf = (flags & BF_X) != 0
     rbf = (flags & BF_R) != 0
     hbf = (flags & BF_H) != 0
-    hi = h[i]
-    for j in range(x.shape[1]):
-        store(hi, j, load(x[i, j], xbf) + load(r[i, j], rbf), hbf)
+    for j in range(np.uint64(x.shape[1])):
+        store(h, (i, j), load(x[i, j], xbf) + load(r[i, j], rbf), hbf)
 
 
-@_inline
+@_inline_ir
 def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
     """Fused add: ``h[i] = x[i] + r[i]``, then row ``i`` of y from h (its own sum)."""
     if i + 1 < x.shape[0] and _prefetches(x):
@@ -426,7 +431,7 @@ def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
                   _row_sumsq(h, i, k, hbf))
 
 
-@_inline
+@_inline_ir
 def _fwd_row_llama(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
     if flags & HAS_R:
         _add_row(i, x, r, h, flags)
