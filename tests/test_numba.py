@@ -413,3 +413,27 @@ def test_float32_rstd_beyond_float32_range(rng):
         _, dw, _ = pn.rms_norm_backward(dy, x, w, eps=0.0, rstd=r, backend="numba")
         _, wdw, _ = oracle_backward(dy, x.astype(np.float64), w, eps=0.0)
         assert_close(dw, wdw, "float32", "dweight")
+
+
+@pytest.mark.parametrize("bf", [True, False])
+@pytest.mark.parametrize("d", [1, 127, 129, 256, 300, 4099])
+def test_pipelined_row_sum_is_the_rows_own(bf, d, rng):
+    """16-bit rows: the float64 sum of row i+1 accumulated during row i's output
+    pass has the bits of row i+1's sum taken on its own (d off the lane sizes)."""
+    from polynorm.backends import _numba_kernels as K
+
+    x = rng.standard_normal((3, d)) * np.array([[1.0], [1e3], [1e-3]])
+    bits = x.astype(HALF["bfloat16" if bf else "float16"]).view(np.uint16)
+    w = _data(rng, d, "float32")
+    y = np.empty_like(bits)
+    rstd = np.empty(3, np.float32)
+    flags = K.HAS_W | K.EPS_INSIDE | ((K.BF_X | K.BF_Y) if bf else 0)
+    for k in sorted({d, max(1, d // 2), 1}):
+        for i in range(2):
+            ss = K._sumsq_lanes(bits, i, k, bf)
+            nxt = K._fwd_norm_row(i, 3, bits, bf, w, w, y, rstd, flags, k, 1e-6, 0.0, ss)
+            alone = K._sumsq_lanes(bits, i + 1, k, bf)
+            assert np.float64(nxt).view(np.uint64) == np.float64(alone).view(np.uint64)
+            want = np.sum(bits[i + 1, :k].view(HALF["bfloat16" if bf else "float16"])
+                          .astype(np.float64) ** 2)
+            assert abs(alone - want) <= 1e-6 * want
