@@ -1,4 +1,5 @@
-"""The Numba kernels: forward (plain and fused add) and backward on ``(n, d)`` rows.
+"""The Numba kernels: forward (plain and fused add) on ``(n, d)`` rows, and the row
+helpers that the backward (:mod:`._numba_backward`) shares.
 
 Every option of the :class:`polynorm._options.Plan` arrives as a runtime
 scalar or a bit of ``flags``, so a kernel is specialised only on the element
@@ -24,12 +25,13 @@ Numerics (see the module docstring of :mod:`polynorm._options`):
   the previous row's output pass (the forward pipelines 16-bit rows).
 - each row is reduced by one compiled function (vectorized, see ``_reduce``)
   whatever the driver or thread count, so the bits never depend on either.
-- ``dweight``/``dbias`` are summed per fixed block of rows into partials in
-  the compute type (float32 lanes are twice as many as float64 ones; a block
-  is at most n/256 rows), then the partials are added in block order in float64.
+- ``dweight``/``dbias`` (the backward) are summed over the row tree of
+  :mod:`._rowtree`: an order fixed by the global row index, so that any split
+  of the rows (threads, blocks, dask chunks) gives the same bits.
 
-Each kernel exists twice, ``*_serial`` and ``*_parallel`` (``prange`` over
-tokens or blocks), with the same row function inlined into both.
+Each forward exists twice, ``*_rows`` (one thread: the serial path) and
+``*_parallel`` (``prange`` over row ranges, each calling ``*_rows``), so both
+paths run the same compiled row code.
 """
 
 from __future__ import annotations
