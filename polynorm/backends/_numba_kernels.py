@@ -281,6 +281,8 @@ def _rstd_from(a, i, k, bf, eps, inside, ss):
 #: multiple of SUM_BLOCK): each step reads the next row and writes this one,
 #: so a row's DRAM traffic is one interleaved stream, as in a copy.
 _CHUNK = 256
+#: The same for the next row's prefetches in a float32/float64 output pass.
+_CHUNK_F = 256
 
 
 @_inline_ir
@@ -340,7 +342,16 @@ def _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k):  # pragma: no cover
 def _ov_out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k):
     if a.dtype != types.uint16:
         def plain(i, hi, a, abf, w, b, y, rc, oc, flags, k):
-            _out_span(a, i, 0, a.shape[1], abf, w, b, y, rc, oc, flags)
+            d = a.shape[1]
+            if i + 1 < a.shape[0] and not _prefetches(a):
+                # long rows: the next row asked for a chunk at a time, spread
+                # over this pass (a whole row's burst of prefetches stalls)
+                for jc in range(0, d, _CHUNK_F):
+                    n = min(_CHUNK_F, d - jc)
+                    prefetch_span(a, i + 1, jc, n)
+                    _out_span(a, i, jc, jc + n, abf, w, b, y, rc, oc, flags)
+            else:
+                _out_span(a, i, 0, d, abf, w, b, y, rc, oc, flags)
             return 0.0
         return plain
     return lambda i, hi, a, abf, w, b, y, rc, oc, flags, k: _out_and_next_lanes(
