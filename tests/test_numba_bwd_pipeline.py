@@ -1,0 +1,76 @@
+"""The Numba backward: a row's dx bits do not depend on its neighbours.
+
+A backward that pipelines rows (the next row's dot accumulated during this
+row's dx pass, as the forward does for 16-bit rows) must give the first row
+of a range -- summed on its own -- the same bits as a pipelined one, or dx
+would depend on how the rows are split (threads, blocks, dask chunks).
+Here every row computed alone is compared with the same row computed in one
+call on all rows, for widths with whole and partial 256-column chunks,
+partial 128-element blocks and rows shorter than a block; and strided rows
+with contiguous ones.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import polynorm as pn
+
+pytest.importorskip("numba")
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+          "float64": np.float64}
+
+
+def _rows_alone(fn, dy, x):
+    return np.concatenate([fn(dy[i:i + 1], x[i:i + 1]) for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("d,opts", [
+    (1000, {}),  # chunks + a partial block
+    (600, {"partial": 0.3, "eps_mode": "outside", "offset": 1.0}),  # k inside a chunk
+    (50, {"bias": True}),  # shorter than a lanes block: no pipelined columns
+    (512, {"weight": False, "grad_residual": True}),
+])
+def test_pipelined_rows_equal_rows_alone(dtype, d, opts, rng):
+    dt = DTYPES[dtype]
+    n = 9
+    x = rng.standard_normal((n, d)).astype(dt)
+    dy = rng.standard_normal((n, d)).astype(dt)
+    w = None if opts.get("weight") is False else rng.standard_normal(d).astype(dt)
+    b = rng.standard_normal(d).astype(dt) if opts.get("bias") else None
+    gr = rng.standard_normal((n, d)).astype(dt) if opts.get("grad_residual") else None
+    kw = {k: v for k, v in opts.items() if k in ("partial", "eps_mode", "offset")}
+
+    def call(dyp, xp, grp=None):
+        return pn.rms_norm_backward(dyp, xp, w, b, grad_residual=grp, backend="numba", **kw)[0]
+
+    whole = np.asarray(call(dy, x, gr))
+    if gr is None:
+        alone = _rows_alone(call, dy, x)
+    else:
+        alone = np.concatenate([call(dy[i:i + 1], x[i:i + 1], gr[i:i + 1]) for i in range(n)])
+    assert whole.dtype == x.dtype
+    np.testing.assert_array_equal(whole.view(np.uint8), alone.view(np.uint8))
+    # and the values are right (the order of the sum is not the reference's)
+    ref = pn.rms_norm_backward(dy.astype(np.float64), x.astype(np.float64),
+                               None if w is None else w.astype(np.float64),
+                               None if b is None else b.astype(np.float64),
+                               grad_residual=None if gr is None else gr.astype(np.float64),
+                               backend="array_api", **kw)[0]
+    tol = {"float64": 1e-12, "float32": 1e-5}.get(dtype, 2e-2)
+    np.testing.assert_allclose(whole.astype(np.float64), ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+def test_strided_rows_equal_contiguous(rng):
+    """Strided rows take the lanes' scalar loads; the order, hence the bits, is the same."""
+    x = rng.standard_normal((6, 2 * 700)).astype(np.float32)
+    dy = rng.standard_normal((6, 2 * 700)).astype(np.float32)
+    w = rng.standard_normal(700).astype(np.float32)
+    a = pn.rms_norm_backward(dy[:, ::2], x[:, ::2], w, backend="numba")[0]
+    b = pn.rms_norm_backward(np.ascontiguousarray(dy[:, ::2]), np.ascontiguousarray(x[:, ::2]), w,
+                             backend="numba")[0]
+    np.testing.assert_array_equal(a, b)
