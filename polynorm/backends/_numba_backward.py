@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import get_thread_id, prange
 
-from ._numba_codec import load, prefetch_row, prefetch_span, store
+from ._numba_codec import load, prefetch_row, store
 from ._numba_kernels import (
     _PREFETCH_EARLY_BYTES,
     _PREFETCH_MAX_BYTES,
@@ -29,7 +29,6 @@ from ._numba_kernels import (
     HAS_RSTD,
     HAS_W,
     _inline,
-    _is_bits,
     _jit,
     _reduce,
     _row_bytes,
@@ -48,14 +47,6 @@ def _ld(a, i, j, bf, rc):
 
 #: Elements of padding on each side of a row of the leaf pool (>= 256 bytes).
 _PAD = 64
-
-#: 16-bit rows over 4 KB: columns of the dx pass between two prefetches of
-#: the next row (its x and dy, a chunk at a time instead of one burst per row).
-#: Paired runs against the whole-row prefetch (2-core EPYC, bfloat16 bwd):
-#: 16384x4096 0.90-0.95 of the time, 4096x16384 0.93-0.96 (512 columns about
-#: as good, 128 not better).  float32 rows measured slower chunked (16384x4096
-#: 1.04-1.12, 4096x16384 1.13-1.18 of the time): they keep the old prefetches.
-_PF_CHUNK = 256
 
 #: Tree nodes below this level (2**4 rows) are summed in the compute dtype,
 #: from it up in float64 (see :mod:`polynorm.backends._rowtree`).
@@ -128,31 +119,15 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
         if not inside:
             coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)
         coef = like(coef64, rc)
+        if i + 1 < x.shape[0] and _PREFETCH_EARLY_BYTES < _row_bytes(x) <= _PREFETCH_MAX_BYTES:
+            prefetch_row(x, i + 1)
+            prefetch_row(dy, i + 1)
         # the masked term only for j < k: two ranges, each a branch-free loop
         # (a non-finite x beyond k gives NaN there instead of rstd*g*dy: the
         # token is non-finite either way)
         zero = like(0.0, rc)
-        nxt = i + 1 < x.shape[0]
-        chunked = nxt and _is_bits(x) and (flags & HAS_W) != 0
-        if (nxt and not chunked
-                and _PREFETCH_EARLY_BYTES < _row_bytes(x) <= _PREFETCH_MAX_BYTES):
-            prefetch_row(x, i + 1)
-            prefetch_row(dy, i + 1)
         if flags & HAS_W:
-            # 16-bit rows > 4 KB: the next row is prefetched a chunk at a time
-            # during the dx pass
-            kc = 0
-            if chunked and _row_bytes(x) > _PREFETCH_EARLY_BYTES:
-                kc = k - k % _PF_CHUNK
-            for jc in range(0, kc, _PF_CHUNK):
-                prefetch_span(x, i + 1, jc, _PF_CHUNK)
-                prefetch_span(dy, i + 1, jc, _PF_CHUNK)
-                _dx_pass(i, jc, jc + _PF_CHUNK, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0,
-                         e1, e2)
-            if kc > 0:
-                prefetch_span(x, i + 1, kc, d - kc)
-                prefetch_span(dy, i + 1, kc, d - kc)
-            _dx_pass(i, kc, k, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e2)
+            _dx_pass(i, 0, k, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e2)
             if k < d:
                 _dx_pass(i, k, d, dy, x, w, gr, dx, rc, oc, zero, flags, pc, ro, e0, e1, e2)
         else:
