@@ -35,6 +35,7 @@ from ._numba_kernels import (
     _stats,
     like,
 )
+from ._rowtree import TREE_G
 
 # --------------------------------------------------------------------------- backward
 
@@ -48,9 +49,6 @@ def _ld(a, i, j, bf, rc):
 #: Elements of padding on each side of a row of the leaf pool (>= 256 bytes).
 _PAD = 64
 
-#: Tree nodes below this level (2**4 rows) are summed in the compute dtype,
-#: from it up in float64 (see :mod:`polynorm.backends._rowtree`).
-TREE_G = 4
 
 
 @_reduce
