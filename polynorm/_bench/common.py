@@ -11,6 +11,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -94,6 +95,11 @@ class Record:
     gbps: float
     ratios: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def stderr_progress(done: int, total: int, label: str) -> None:
+    """The scripts' progress callback: one line on stderr, rewritten in place."""
+    print(f"\r[{done}/{total}] {label:<40}", end="", file=sys.stderr, flush=True)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

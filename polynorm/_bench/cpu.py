@@ -48,7 +48,15 @@ from typing import Any
 
 import numpy as np
 
-from .common import Record, format_table, gbps, median_time, paired_median, write_json
+from .common import (
+    Record,
+    format_table,
+    gbps,
+    median_time,
+    paired_median,
+    stderr_progress,
+    write_json,
+)
 
 SHAPES = ((1, 4096), (8, 4096), (512, 4096), (16384, 4096), (4096, 16384), (65536, 1024))
 QUICK_SHAPES = ((1, 4096), (8, 4096), (512, 4096), (2048, 4096), (8192, 1024), (512, 16384))
@@ -393,10 +401,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
 
-    def progress(done, total, label):
-        print(f"\r[{done}/{total}] {label:<40}", end="", file=sys.stderr, flush=True)
-
-    records = run(quick=args.quick, dtypes=args.dtypes, progress=progress)
+    records = run(quick=args.quick, dtypes=args.dtypes, progress=stderr_progress)
     print(file=sys.stderr)
     over = call_overhead(0.05 if args.quick else 0.3)
     print(format_table(records, ["copy", "torch", "numpy"]))

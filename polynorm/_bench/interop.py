@@ -43,7 +43,15 @@ from typing import Any
 
 import numpy as np
 
-from .common import Record, format_table, gbps, median_time, paired_median, write_json
+from .common import (
+    Record,
+    format_table,
+    gbps,
+    median_time,
+    paired_median,
+    stderr_progress,
+    write_json,
+)
 
 DTYPES = ("float32", "bfloat16")
 EPS = 1e-6
@@ -278,10 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     t0 = time.perf_counter()
 
-    def progress(done, total, label):
-        print(f"\r[{done}/{total}] {label:<40}", end="", file=sys.stderr, flush=True)
-
-    records = run(quick=args.quick, dtypes=args.dtypes, progress=progress)
+    records = run(quick=args.quick, dtypes=args.dtypes, progress=stderr_progress)
     print(file=sys.stderr)
     print(format_table(records, ["torch", "copy", "numpy_input", "in_memory", "cluster_copy",
                                  "jnp"]))
