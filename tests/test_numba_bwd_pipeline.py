@@ -66,7 +66,8 @@ def test_pipelined_rows_equal_rows_alone(dtype, d, opts, rng):
 
 
 def test_strided_rows_equal_contiguous(rng):
-    """Strided rows take the lanes' scalar loads; the order, hence the bits, is the same."""
+    """Rows with strided elements give the bits of contiguous ones (the backward copies
+    them: its dot is summed in the order LLVM vectorizes contiguous rows in)."""
     x = rng.standard_normal((6, 2 * 700)).astype(np.float32)
     dy = rng.standard_normal((6, 2 * 700)).astype(np.float32)
     w = rng.standard_normal(700).astype(np.float32)

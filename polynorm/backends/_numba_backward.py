@@ -37,6 +37,8 @@ from ._numba_kernels import (
 )
 from ._rowtree import TREE_G
 
+assert TREE_G == 4, "_group_node spells out the adds of a 16-row node"
+
 # --------------------------------------------------------------------------- backward
 
 
@@ -51,23 +53,36 @@ _PAD = 64
 
 
 
+#: Elements per float32 partial of the backward's dot (see :func:`_dot_row`).
+DOT_BLOCK = 512
+
+
 @_reduce
 def _dot_row(dy, x, w, i, rc, oc, flags):
-    """``c = sum_j g_j * dy[i, j] * xhat[i, j]``, accumulated in float64.
+    """``c = sum_j g_j * dy[i, j] * xhat[i, j]``: float32 partials over blocks of
+    DOT_BLOCK elements, added in float64 (in float64 throughout for float64 x).
 
-    A pure reduction (no stores): LLVM vectorizes it the same way for every
-    row, so a row's ``c`` has the same bits wherever the row falls.
+    Float64 element by element cost ~3 ms of 16384x4096 bfloat16's ~23; the
+    blocks keep the error at ~DOT_BLOCK/64 float32 roundings of the row's
+    sum of magnitudes.  A pure reduction (no stores): LLVM vectorizes it the
+    same way for every row, so a row's ``c`` has the same bits wherever the
+    row falls.
     """
     xbf = (flags & BF_X) != 0
     dybf = (flags & BF_Y) != 0
+    d = x.shape[1]
     c = 0.0
-    if flags & HAS_W:
-        for j in range(x.shape[1]):
-            p = _ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc)
-            c += np.float64((like(w[j], rc) + oc) * p)
-    else:
-        for j in range(x.shape[1]):
-            c += np.float64(_ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
+    # unsigned indices: no negative-index wraparound, or the loops do not vectorize
+    for b in range(np.uint64(0), np.uint64(d), np.uint64(DOT_BLOCK)):
+        e = min(b + np.uint64(DOT_BLOCK), np.uint64(d))
+        s = like(0.0, rc)
+        if flags & HAS_W:
+            for j in range(b, e):
+                s += (like(w[j], rc) + oc) * (_ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
+        else:
+            for j in range(b, e):
+                s += _ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc)
+        c += np.float64(s)
     return c
 
 
@@ -125,9 +140,11 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
         # token is non-finite either way)
         zero = like(0.0, rc)
         if flags & HAS_W:
-            _dx_pass(i, 0, k, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e2)
+            fold = depth > 0
+            _dx_pass(i, 0, k, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e2, fold)
             if k < d:
-                _dx_pass(i, k, d, dy, x, w, gr, dx, rc, oc, zero, flags, pc, ro, e0, e1, e2)
+                _dx_pass(i, k, d, dy, x, w, gr, dx, rc, oc, zero, flags, pc, ro, e0, e1, e2,
+                         fold)
         else:
             _dx_plain(i, 0, k, dy, x, w, gr, dx, rc, oc, coef, flags)
             if k < d:
@@ -207,24 +224,47 @@ def _dx_plain(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, flags):
 
 
 @_inline
-def _dx_pass(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e2):
+def _dx_pass(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e2, fold):
     """``dx[i, lo:hi] = rstd * (g*dy - xhat*coef) (+ grad_residual)`` and, in
-    the same loop, the dweight node ``e2 + (e1 + (e0 + dy*xhat))`` of columns
-    ``lo:hi`` into pool row ``ro``.
+    the same loop, the row's dweight terms ``dy*xhat`` of columns ``lo:hi``
+    into pool row ``ro`` -- joined with the waiting left siblings
+    ``e2 + (e1 + (e0 + dy*xhat))`` if ``fold``.
 
-    One loop whatever the depth: with a loop per depth, LLVM made all of them
-    slower (660 instead of 440 ns per 1024-column row).
+    One folding loop whatever the depth: with a loop per depth, LLVM made all
+    of them slower (660 instead of 440 ns per 1024-column row).  The plain
+    loop (no sibling reads) serves the rows that start a node and the rows of
+    a whole group (:func:`_group_node`).
     """
     xbf = (flags & BF_X) != 0
     dybf = (flags & BF_Y) != 0
     grbf = (flags & BF_H) != 0
     has_gr = (flags & HAS_GR) != 0
     P = np.uint64(_PAD)
-    for j in range(np.uint64(lo), np.uint64(hi)):
-        v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf, grbf, has_gr, True)
-        store(dx, (i, j), v, xbf)
-        c = P + j
-        pc[ro, c] = pc[e2, c] + (pc[e1, c] + (pc[e0, c] + p))
+    if fold:
+        for j in range(np.uint64(lo), np.uint64(hi)):
+            v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf, grbf, has_gr, True)
+            store(dx, (i, j), v, xbf)
+            c = P + j
+            pc[ro, c] = pc[e2, c] + (pc[e1, c] + (pc[e0, c] + p))
+    else:
+        for j in range(np.uint64(lo), np.uint64(hi)):
+            v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf, grbf, has_gr, True)
+            store(dx, (i, j), v, xbf)
+            pc[ro, P + j] = p
+
+
+@_inline
+def _group_node(pc, s0, p64, r64, m):
+    """The row tree's level-TREE_G node of the 2**TREE_G rows whose terms are
+    in pool rows ``s0 ..`` (columns ``[0, m)``), into p64 row ``r64``: the
+    pairwise float32 adds of levels 1-3 and the float64 add of level 4, in
+    the tree's order (those of the row-by-row fold, bit for bit)."""
+    for j in range(np.uint64(_PAD), np.uint64(_PAD + m)):
+        a = ((pc[s0, j] + pc[s0 + 1, j]) + (pc[s0 + 2, j] + pc[s0 + 3, j])) + (
+            (pc[s0 + 4, j] + pc[s0 + 5, j]) + (pc[s0 + 6, j] + pc[s0 + 7, j]))
+        b = ((pc[s0 + 8, j] + pc[s0 + 9, j]) + (pc[s0 + 10, j] + pc[s0 + 11, j])) + (
+            (pc[s0 + 12, j] + pc[s0 + 13, j]) + (pc[s0 + 14, j] + pc[s0 + 15, j]))
+        p64[r64, j] = np.float64(a) + np.float64(b)
 
 
 # --------------------------------------------------------------------------- the row tree
@@ -318,9 +358,9 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
 
     ``pc`` and ``p64`` are scratch pools (see :func:`pool_shapes`): ``pc``
     holds the waiting nodes below TREE_G (rows ``prow[0..3]``), the current
-    one (``crow[0]``), a scratch row and a row of -0.0; ``p64`` the float64
-    levels.  Rows are
-    padded so that no two arrays of a loop ever lie close (see ``_PAD``).
+    one (``crow[0]``), a scratch row, a row of -0.0 and the 2**TREE_G term
+    rows of a whole group; ``p64`` the float64 levels.  Rows are padded so
+    that no two arrays of a loop ever lie close (see ``_PAD``).
     """
     W = out_val.shape[1]
     levels = max(cap, TREE_G) + 1
@@ -332,7 +372,22 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
     prow[TREE_G:] -= TREE_G
     crow = np.array([TREE_G, levels - TREE_G])
     pend = np.full(levels, -1, np.int64)
-    for g in range(glo, ghi):
+    G = 1 << TREE_G
+    s0 = TREE_G + 3  # the group's term rows
+    g = glo
+    while g < ghi:
+        if W and cap >= TREE_G and (g & (G - 1)) == 0 and g + G <= ghi:
+            # a whole level-TREE_G node in the range: each row's terms to its own
+            # pool row, then the node's adds in one pass over the columns (the
+            # row-by-row fold reads three sibling rows per row instead)
+            for r in range(G):
+                _bwd_row(g + r - row0, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, 0, pc,
+                         s0 + r, prow, rneg, rtmp)
+            _group_node(pc, s0, p64, crow[1], W)
+            o = _carry(TREE_G, g >> TREE_G, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl,
+                       out_idx, out_val, o)
+            g += G
+            continue
         # how many of the row's ancestors complete with it: the levels whose
         # left sibling waits (it lies in the range); their adds are fused (up
         # to level 3; the float64 add of level 4 and above are _carry's)
@@ -354,6 +409,7 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
             else:
                 o = _carry(depth, j, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl,
                            out_idx, out_val, o)
+        g += 1
     # nodes still waiting for a right sibling beyond the range, left to right
     for lv in range(levels - 1, -1, -1):
         if pend[lv] >= 0:
@@ -365,7 +421,7 @@ def pool_shapes(cap: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]
     """Shapes of the scratch pools ``(pc, p64)`` of :func:`backward_range`."""
     levels = max(cap, TREE_G) + 1
     cols = width + 2 * _PAD
-    return (TREE_G + 3, cols), (levels - TREE_G + 1, cols)
+    return (TREE_G + 3 + (1 << TREE_G), cols), (levels - TREE_G + 1, cols)
 
 
 @_jit(parallel=True)

@@ -236,13 +236,23 @@ def _block_level(n: int, width: int) -> int:
     return max(TREE_G, (per_block - 1).bit_length())
 
 
+def _unit_columns(a: np.ndarray) -> np.ndarray:
+    """``a`` if its rows' elements are adjacent (any row stride), else a contiguous copy."""
+    if a.shape[1] > 1 and a.strides[1] != a.itemsize:
+        return np.ascontiguousarray(a)
+    return a
+
+
 def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     """Kernel arguments for the backward: ``(like, xn, dx, wn, bn, width, flags, args)``."""
     K = _kernels or _k()
     like = x
     to_numpy = _interop.to_numpy
-    xn = to_numpy(x)
-    dyn = to_numpy(dy)
+    # the dot's float32 partials are summed in the order LLVM vectorizes
+    # them in, another for strided elements: such rows are made contiguous,
+    # so that a row's bits do not depend on its layout (any row stride is fine)
+    xn = _unit_columns(to_numpy(x))
+    dyn = _unit_columns(to_numpy(dy))
     n, d = xn.shape
     info = _info(plan)
     cdt = info[3]
