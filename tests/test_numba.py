@@ -423,11 +423,12 @@ def test_pipelined_row_sum_is_the_rows_own(bf, d, rng):
     from polynorm.backends import _numba_kernels as K
 
     x = rng.standard_normal((3, d)) * np.array([[1.0], [1e3], [1e-3]])
-    bits = x.astype(HALF["bfloat16" if bf else "float16"]).view(np.uint16)
+    # the kernels' convention: bfloat16 bits as uint16, float16 bits as int16
+    bits = x.astype(HALF["bfloat16" if bf else "float16"]).view(np.uint16 if bf else np.int16)
     w = _data(rng, d, "float32")
     y = np.empty_like(bits)
     rstd = np.empty(3, np.float32)
-    flags = K.HAS_W | K.EPS_INSIDE | ((K.BF_X | K.BF_Y) if bf else 0)
+    flags = K.HAS_W | K.EPS_INSIDE
     for k in sorted({d, max(1, d // 2), 1}):
         for i in range(2):
             ss = K._sumsq_lanes(bits, i, k, bf)

@@ -16,13 +16,10 @@ import math
 import numpy as np
 from numba import get_thread_id, prange
 
-from ._numba_codec import load, prefetch_row, store
+from ._numba_codec import is_bf16, load, prefetch_row, store
 from ._numba_kernels import (
     _PREFETCH_EARLY_BYTES,
     _PREFETCH_MAX_BYTES,
-    BF_H,
-    BF_X,
-    BF_Y,
     EPS_INSIDE,
     HAS_B,
     HAS_GR,
@@ -68,8 +65,8 @@ def _dot_row(dy, x, w, i, rc, oc, flags):
     same way for every row, so a row's ``c`` has the same bits wherever the
     row falls.
     """
-    xbf = (flags & BF_X) != 0
-    dybf = (flags & BF_Y) != 0
+    xbf = is_bf16(x)
+    dybf = is_bf16(dy)
     d = x.shape[1]
     c = 0.0
     # unsigned indices: no negative-index wraparound, or the loops do not vectorize
@@ -101,8 +98,8 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
     reference-count calls (measured ~300 ns per row).
     """
     d = x.shape[1]
-    xbf = (flags & BF_X) != 0
-    dybf = (flags & BF_Y) != 0
+    xbf = is_bf16(x)
+    dybf = is_bf16(dy)
     inside = (flags & EPS_INSIDE) != 0
     has_rstd = (flags & HAS_RSTD) != 0
     e0 = rw[0] if depth >= 1 else rneg
@@ -163,8 +160,8 @@ def _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, 
     """The backward of a row whose rstd overflows float32, in float64 (rare: a
     float32 row of rms < ~3e-39 with a tiny eps; dx itself is then beyond float32)."""
     d = x.shape[1]
-    xbf = (flags & BF_X) != 0
-    dybf = (flags & BF_Y) != 0
+    xbf = is_bf16(x)
+    dybf = is_bf16(dy)
     has_w = (flags & HAS_W) != 0
     c = 0.0
     for j in range(d):
@@ -180,7 +177,7 @@ def _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, 
         g = np.float64(w[j]) + offset if has_w else 1.0
         v = r64 * (g * dyv - (xh * coef if j < k else 0.0))
         if flags & HAS_GR:
-            v += np.float64(load(gr[i, j], (flags & BF_H) != 0))
+            v += np.float64(load(gr[i, j], is_bf16(gr)))
         store(dxi, j, v, xbf)
         pc[rtmp, _PAD + j] = like(dyv * xh, pc[rtmp, _PAD])
     if has_w:
@@ -212,9 +209,9 @@ def _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf, grbf, has_gr, has_w):
 def _dx_plain(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, flags):
     """``dx[i, lo:hi]`` without a weight (its own function: beside the weighted
     loop, this loop made it slower, 130 instead of 80 ns per 1024 columns)."""
-    xbf = (flags & BF_X) != 0
-    dybf = (flags & BF_Y) != 0
-    grbf = (flags & BF_H) != 0
+    xbf = is_bf16(x)
+    dybf = is_bf16(dy)
+    grbf = is_bf16(gr)
     has_gr = (flags & HAS_GR) != 0
     # unsigned indices: Numba then has no negative-index wraparound to do
     # (with it in the loop, the loop does not vectorize: 9x slower)
@@ -235,9 +232,9 @@ def _dx_pass(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e
     loop (no sibling reads) serves the rows that start a node and the rows of
     a whole group (:func:`_group_node`).
     """
-    xbf = (flags & BF_X) != 0
-    dybf = (flags & BF_Y) != 0
-    grbf = (flags & BF_H) != 0
+    xbf = is_bf16(x)
+    dybf = is_bf16(dy)
+    grbf = is_bf16(gr)
     has_gr = (flags & HAS_GR) != 0
     P = np.uint64(_PAD)
     if fold:
@@ -464,8 +461,9 @@ def tree_parallel(vals, cnt):
 
 
 @_jit()
-def round_into(src, dst, bf):
-    """``dst[:] = src`` (float64) rounded once to ``dst``'s type (uint16 bits:
-    bfloat16 if ``bf``, else float16)."""
+def round_into(src, dst):
+    """``dst[:] = src`` (float64) rounded once to ``dst``'s type (16-bit bits: see
+    ``_numba_codec.is_bf16``)."""
+    bf = is_bf16(dst)
     for j in range(dst.shape[0]):
         store(dst, j, src[j], bf)

@@ -8,7 +8,8 @@ compute type (the caller converts those ``(d,)`` arrays), and an absent
 array is replaced by a stand-in of the type it would have (x itself for a
 missing residual), with its flag bit cleared: the common calls share one
 compiled kernel per input dtype.  float16 and bfloat16 arrays arrive as
-``uint16`` views; a flag bit per array says which of the two formats it holds.
+integer views whose type is the format (``int16``: float16, ``uint16``:
+bfloat16; ``_numba_codec.is_bf16``), so the format is a compile-time constant.
 
 Numerics (see the module docstring of :mod:`polynorm._options`):
 
@@ -44,6 +45,8 @@ from numba.extending import overload
 
 from ._numba_codec import (
     SUM_BLOCK,
+    bits_dtype,
+    is_bf16,
     lanes_add_block,
     lanes_add_part,
     lanes_total,
@@ -64,13 +67,6 @@ EPS_INSIDE = 1 << 3
 LLAMA = 1 << 4
 HAS_RSTD = 1 << 5  # backward: rstd given
 HAS_GR = 1 << 6  # backward: grad_residual given
-# "this uint16 array holds bfloat16" bits, one per array slot
-BF_X = 1 << 8
-BF_R = 1 << 9
-BF_W = 1 << 10
-BF_B = 1 << 11
-BF_Y = 1 << 12  # y (forward) / dy (backward)
-BF_H = 1 << 13  # h (forward) / grad_residual (backward)
 # llama rounding formats (codes of _numba_codec.round_to), two bits each
 XCODE_SHIFT = 16
 WCODE_SHIFT = 18
@@ -190,7 +186,7 @@ def _stats(a, i, k, bf, eps, inside):
     return rms, 1.0 / (rms + eps)
 
 
-# The forward's row statistic.  16-bit rows (uint16 bits) are summed in lanes
+# The forward's row statistic.  16-bit rows (integer bits) are summed in lanes
 # (fixed order, see the intrinsics in ``_numba_codec``), so that a row summed
 # on its own and a row summed under the previous row's output pass give the
 # same bits, and the forward pipelines them.  float32/float64 rows keep
@@ -211,7 +207,7 @@ def _ss_floor(a):  # pragma: no cover - replaced by the overload
 
 @overload(_ss_floor, inline="always")
 def _ov_ss_floor(a):
-    if a.dtype == types.uint16:  # float32 partials
+    if bits_dtype(a.dtype):  # float32 partials
         return lambda a: _LANES_TINY
     return lambda a: _TINY
 
@@ -243,19 +239,19 @@ def _row_sumsq(a, i, k, bf):  # pragma: no cover - replaced by the overload
 
 
 def _is_bits(a):  # pragma: no cover - replaced by the overload
-    """Whether ``a`` holds 16-bit float bits (uint16): a compile-time constant."""
+    """Whether ``a`` holds 16-bit float bits (int16/uint16): a compile-time constant."""
     raise NotImplementedError
 
 
 @overload(_is_bits, inline="always")
 def _ov_is_bits(a):
-    flag = a.dtype == types.uint16
+    flag = bits_dtype(a.dtype)
     return lambda a: flag
 
 
 @overload(_row_sumsq, inline="always")
 def _ov_row_sumsq(a, i, k, bf):
-    if a.dtype == types.uint16:
+    if bits_dtype(a.dtype):
         return lambda a, i, k, bf: _sumsq_lanes(a, i, k, bf)
     return lambda a, i, k, bf: _sumsq(a, i, k, bf)
 
@@ -295,7 +291,7 @@ def _out_span(a, i, j0, j1, abf, w, b, y, rc, oc, flags):
     """
     has_w = (flags & HAS_W) != 0
     has_b = (flags & HAS_B) != 0
-    ybf = (flags & BF_Y) != 0
+    ybf = is_bf16(y)
     lo = np.uint64(j0)
     hi = np.uint64(j1)
     # one loop per case, free of per-element branches (they vectorize)
@@ -340,7 +336,7 @@ def _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k):  # pragma: no cover
 
 @overload(_out_and_next, inline="always")
 def _ov_out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k):
-    if a.dtype != types.uint16:
+    if not bits_dtype(a.dtype):
         def plain(i, hi, a, abf, w, b, y, rc, oc, flags, k):
             d = a.shape[1]
             if i + 1 < a.shape[0] and not _prefetches(a):
@@ -391,7 +387,7 @@ def _fwd_row_wide(i, a, abf, w, b, y, r64, flags, oc):
             val = val * (like(w[j], oc) + oc)
         if flags & HAS_B:
             val = val + like(b[j], oc)
-        store(y, (i, j), val, (flags & BF_Y) != 0)
+        store(y, (i, j), val, is_bf16(y))
 
 
 @_inline_ir
@@ -401,7 +397,7 @@ def _fwd_norm_row_llama(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
     d = a.shape[1]
     has_w = (flags & HAS_W) != 0
     has_b = (flags & HAS_B) != 0
-    ybf = (flags & BF_Y) != 0
+    ybf = is_bf16(y)
     r64 = _rstd_from(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0, _row_sumsq(a, i, k, abf))
     rstd[i] = r64
     rc = rstd[i]
@@ -425,9 +421,9 @@ def _fwd_norm_row_llama(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
 @_inline_ir
 def _add_row(i, x, r, h, flags):
     """``h[i] = x[i] + r[i]``: summed in the compute type, rounded once to h's dtype."""
-    xbf = (flags & BF_X) != 0
-    rbf = (flags & BF_R) != 0
-    hbf = (flags & BF_H) != 0
+    xbf = is_bf16(x)
+    rbf = is_bf16(r)
+    hbf = is_bf16(h)
     for j in range(np.uint64(x.shape[1])):
         store(h, (i, j), load(x[i, j], xbf) + load(r[i, j], rbf), hbf)
 
@@ -439,7 +435,7 @@ def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
         prefetch_row(x, i + 1)
         prefetch_row(r, i + 1)
     _add_row(i, x, r, h, flags)
-    hbf = (flags & BF_H) != 0
+    hbf = is_bf16(h)
     _fwd_norm_row(i, i + 1, h, hbf, w, b, y, rstd, flags, k, eps, offset,
                   _row_sumsq(h, i, k, hbf))
 
@@ -448,12 +444,12 @@ def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
 def _fwd_row_llama(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
     if flags & HAS_R:
         _add_row(i, x, r, h, flags)
-        _fwd_norm_row_llama(i, h, (flags & BF_H) != 0, w, b, y, rstd, flags, k, eps, offset)
+        _fwd_norm_row_llama(i, h, is_bf16(h), w, b, y, rstd, flags, k, eps, offset)
     else:
-        _fwd_norm_row_llama(i, x, (flags & BF_X) != 0, w, b, y, rstd, flags, k, eps, offset)
+        _fwd_norm_row_llama(i, x, is_bf16(x), w, b, y, rstd, flags, k, eps, offset)
 
 
-# Forward drivers.  x, r, y, h: (n, d) (uint16 bits for 16-bit floats); w, b:
+# Forward drivers.  x, r, y, h: (n, d) (integer bits for 16-bit floats); w, b:
 # (d,) in the compute type (float64 for llama weights wider than it); absent
 # arrays are stand-ins of the same types (see polynorm.backends.numba).
 # ``*_rows`` does rows [lo, hi) on one thread and is the serial path; the
@@ -479,7 +475,7 @@ def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
         for i in range(lo, hi):
             _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset)
     elif _is_bits(x):  # 16-bit rows: pipelined (see _out_and_next)
-        xbf = (flags & BF_X) != 0
+        xbf = is_bf16(x)
         ss = _row_sumsq(x, lo, k, xbf) if lo < hi else 0.0
         for i in range(lo, hi):
             ss = _fwd_norm_row(i, hi, x, xbf, w, b, y, rstd, flags, k, eps, offset, ss)

@@ -88,7 +88,8 @@ def _np_dtype(dtype_name: str) -> np.dtype:
     return dt
 
 
-_U16 = np.dtype(np.uint16)
+_BF16_BITS = np.dtype(np.uint16)
+_F16_BITS = np.dtype(np.int16)
 _F64 = np.dtype(np.float64)
 #: (d,) stand-ins for an absent weight/bias, per compute dtype
 _NO_VEC = {np.dtype(np.float32): np.zeros(1, np.float32), _F64: np.zeros(1, np.float64)}
@@ -104,8 +105,14 @@ def _foreign_empty(like):
 
 
 def _kview(a: np.ndarray) -> np.ndarray:
-    """What the kernels take: ``uint16`` bits for the 16-bit floats, else ``a`` itself."""
-    return a.view(_U16) if a.dtype.itemsize == 2 else a
+    """What the kernels take: the bits of the 16-bit floats, else ``a`` itself.
+
+    bfloat16 as ``uint16``, float16 as ``int16``: the view's type carries the
+    format into the kernels (see ``_numba_codec.is_bf16``).
+    """
+    if a.dtype.itemsize != 2:
+        return a
+    return a.view(_BF16_BITS if _bf(a) else _F16_BITS)
 
 
 def _bf(a: np.ndarray) -> bool:
@@ -183,8 +190,6 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     y = empty((n, d), y_dt) if out is None else to_numpy(out)
     rstd = empty(n, cdt)
     xk = _kview(x)
-    if _bf(x):
-        flags |= K.BF_X
     yk = _kview(y)
     h = None
     # stand-ins of the right types when there is no residual (h must be writable)
@@ -192,7 +197,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     if residual is not None:
         rn = to_numpy(residual)
         h = empty((n, d), h_dt)
-        flags |= K.HAS_R | (K.BF_R if _bf(rn) else 0) | (K.BF_H if _bf(h) else 0)
+        flags |= K.HAS_R
         r = _kview(rn)
         hk = _kview(h)
     w = b = _NO_VEC[cdt]
@@ -207,8 +212,6 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     if bias is not None:
         flags |= K.HAS_B
         b = _vec(to_numpy(bias), cdt)
-    if _bf(y):
-        flags |= K.BF_Y
     args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, plan.offset)
     if _parallel(n, d):
         with _launch_lock:
@@ -258,17 +261,16 @@ def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     cdt = info[3]
     # casting does not change the backward: no llama bit
     flags = info[0] & ~K.LLAMA
-    flags |= (K.BF_X if _bf(xn) else 0) | (K.BF_Y if _bf(dyn) else 0)
     dyk = _kview(dyn)
     w = _NO_VEC[cdt]
     wn = bn = None
     if weight is not None:
         wn = to_numpy(weight)
-        flags |= K.HAS_W | (K.BF_W if _bf(wn) else 0)
+        flags |= K.HAS_W
         w = _vec(wn, cdt)
     if bias is not None:
         bn = to_numpy(bias)
-        flags |= K.HAS_B | (K.BF_B if _bf(bn) else 0)
+        flags |= K.HAS_B
     rs = _NO_VEC[cdt]
     if rstd is not None:
         rs = to_numpy(rstd)
@@ -276,7 +278,7 @@ def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     gr = dyk  # stand-in of the right type
     if grad_residual is not None:
         grn = to_numpy(grad_residual)
-        flags |= K.HAS_GR | (K.BF_H if _bf(grn) else 0)
+        flags |= K.HAS_GR
         gr = _kview(grn)
     empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
     dx = empty((n, d), xn.dtype)
@@ -403,7 +405,7 @@ def finish(total: np.ndarray, d: int, weight_dtype, bias_dtype, empty=np.empty):
             out.append(None)
             continue
         a = empty(d, dt)
-        KB.round_into(total[col:col + d], _kview(a), _bf(a))
+        KB.round_into(total[col:col + d], _kview(a))
         out.append(a)
         col += d
     return tuple(out)
