@@ -34,6 +34,9 @@ def _rows_alone(fn, dy, x):
     (600, {"partial": 0.3, "eps_mode": "outside", "offset": 1.0}),  # k inside a chunk
     (50, {"bias": True}),  # shorter than a lanes block: no pipelined columns
     (512, {"weight": False, "grad_residual": True}),
+    # rows over 4 KB: the dx pass in 256-column chunks under the next row's prefetches
+    (2600, {"partial": 0.37}),  # k inside a chunk
+    (4099, {"bias": True}),  # a partial last chunk
 ])
 def test_pipelined_rows_equal_rows_alone(dtype, d, opts, rng):
     dt = DTYPES[dtype]
