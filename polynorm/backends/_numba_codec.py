@@ -283,12 +283,21 @@ def _ov_is_bf16(a):
 
 
 def load(v, bfloat):  # pragma: no cover - replaced by the overload
-    """Stored element -> compute value (float32, or float64 for float64)."""
+    """Stored element -> compute value (float32, or float64 for float64).
+
+    16-bit bits decode by their type (``uint16``: bfloat16, ``int16``:
+    float16; see :func:`is_bf16`), so the format is a compile-time constant
+    and ``bfloat`` is not consulted; for other integer types it says which.
+    """
     raise NotImplementedError
 
 
 @overload(load)
 def _ov_load(v, bfloat):
+    if v == types.uint16:
+        return lambda v, bfloat: bf16_to_f32(v)
+    if v == types.int16:
+        return lambda v, bfloat: f16_to_f32(v)
     if isinstance(v, types.Integer):
         return lambda v, bfloat: bf16_to_f32(v) if bfloat else f16_to_f32(v)
     if v == types.float32:
@@ -299,7 +308,8 @@ def _ov_load(v, bfloat):
 
 
 def store(a, i, v, bfloat):  # pragma: no cover - replaced by the overload
-    """``a[i] = v`` rounded once (to nearest even) to ``a``'s element type."""
+    """``a[i] = v`` rounded once (to nearest even) to ``a``'s element type
+    (for 16-bit bits, the format of :func:`load`: by the array's type)."""
     raise NotImplementedError
 
 
@@ -307,12 +317,15 @@ def store(a, i, v, bfloat):  # pragma: no cover - replaced by the overload
 def _ov_store(a, i, v, bfloat):
     dt = a.dtype
     if isinstance(dt, types.Integer):
+        fixed = {types.uint16: True, types.int16: False}.get(dt)
         if v == types.float64:
             def impl(a, i, v, bfloat):
-                a[i] = f64_to_bf16(v) if bfloat else f64_to_f16(v)
+                bf = bfloat if fixed is None else fixed
+                a[i] = f64_to_bf16(v) if bf else f64_to_f16(v)
         else:
             def impl(a, i, v, bfloat):
-                a[i] = f32_to_bf16(v) if bfloat else f32_to_f16(v)
+                bf = bfloat if fixed is None else fixed
+                a[i] = f32_to_bf16(v) if bf else f32_to_f16(v)
         return impl
     if dt == types.float32:
         def impl(a, i, v, bfloat):
@@ -361,20 +374,29 @@ def _ov_round_to(v, code):
 
 
 @njit(nogil=True)
+def _decode(bits):
+    out = np.empty(bits.shape[0], np.float32)
+    for i in range(bits.shape[0]):
+        out[i] = load(bits[i], False)
+    return out
+
+
+@njit(nogil=True)
+def _encode(values, out):
+    for i in range(values.shape[0]):
+        store(out, i, values[i], False)
+
+
 def decode_array(bits, bfloat):
-    """Decode a 1-D uint16 array to float32.
+    """Decode a 1-D array of 16-bit float bits to float32 (``bfloat``: bfloat16, else float16).
 
     >>> import numpy as np
     >>> decode_array(np.array([0x3C00, 0x0001], np.uint16), False)
     array([1.0000000e+00, 5.9604645e-08], dtype=float32)
     """
-    out = np.empty(bits.shape[0], np.float32)
-    for i in range(bits.shape[0]):
-        out[i] = load(bits[i], bfloat)
-    return out
+    return _decode(bits.view(np.uint16 if bfloat else np.int16))
 
 
-@njit(nogil=True)
 def encode_array(values, bfloat):
     """Encode a 1-D float32 or float64 array to uint16 bits, rounding to nearest even.
 
@@ -383,8 +405,7 @@ def encode_array(values, bfloat):
     array([15360, 31744], dtype=uint16)
     """
     out = np.empty(values.shape[0], np.uint16)
-    for i in range(values.shape[0]):
-        store(out, i, values[i], bfloat)
+    _encode(values, out.view(np.uint16 if bfloat else np.int16))
     return out
 
 
@@ -580,7 +601,6 @@ def _block_squares(builder, acc, dt, load, decode):
 
 def _lanes_codegen(context, builder, sig, args, count):
     accv, av, iv, jv = args[:4]
-    bfv = args[-1]
     aty = sig.args[1]
     dt = aty.dtype
     elt = context.get_data_type(dt)
@@ -593,18 +613,10 @@ def _lanes_codegen(context, builder, sig, args, count):
 
         if not isinstance(dt, types.Integer):
             return _block_squares(builder, accv, dt, load, lambda v: v)
-        # 16-bit bits: one block per format, chosen once (not per element)
-        with builder.if_else(bfv) as (then, other):
-            with then:
-                r1 = _block_squares(builder, accv, dt, load, lambda v: _vec_bf16(builder, v))
-                b1 = builder.block
-            with other:
-                r2 = _block_squares(builder, accv, dt, load, lambda v: _vec_f16(context, builder, v))
-                b2 = builder.block
-        r = builder.phi(_VD)
-        r.add_incoming(r1, b1)
-        r.add_incoming(r2, b2)
-        return r
+        # 16-bit bits: the format is the type's (uint16 bfloat16, int16 float16)
+        if dt == types.uint16:
+            return _block_squares(builder, accv, dt, load, lambda v: _vec_bf16(builder, v))
+        return _block_squares(builder, accv, dt, load, lambda v: _vec_f16(context, builder, v))
 
     if aty.layout == "C":
         return with_layout(True)
@@ -629,7 +641,8 @@ def _sum_array(a) -> bool:
 
 @intrinsic
 def lanes_add_block(typingctx, acc, a, i, j, bf):
-    """``acc`` plus the squares of ``a[i, j : j + SUM_BLOCK]`` (float, or 16-bit bits)."""
+    """``acc`` plus the squares of ``a[i, j : j + SUM_BLOCK]`` (float, or 16-bit bits
+    of the format of their type, see :func:`is_bf16`; ``bf`` is not consulted)."""
     if acc != sum_lanes or not _sum_array(a):
         return None
 
