@@ -12,7 +12,7 @@ DLPack.  CUDA memory: DLPack into cupy.
 
 bfloat16 has no numpy dtype of its own (numpy's DLPack import rejects it); it
 travels as an int16 view and is represented by ``ml_dtypes.bfloat16`` arrays,
-and the Numba kernels take ``uint16`` views.  Tensors that require grad are
+and the Numba kernels take integer views (``uint16`` bfloat16, ``int16`` float16).  Tensors that require grad are
 detached: the views carry no autograd history.
 """
 

@@ -3,8 +3,14 @@
 Takes anything :mod:`polynorm._interop` can view as a numpy array without a
 copy (numpy; torch/jax CPU tensors through DLPack) and returns results in
 the caller's array type.  float16 and bfloat16 data are handed to the
-kernels as ``uint16`` views and converted in registers
+kernels as integer views (``int16`` and ``uint16``: the view's type is the
+format, a compile-time constant) and converted in registers
 (:mod:`polynorm.backends._numba_codec`).
+
+Layouts: any row stride is taken as is.  Rows whose elements are not
+adjacent (a strided last axis) are copied for the backward, whose dot is
+summed in the order LLVM vectorizes contiguous rows in, so that the bits
+do not depend on the layout.
 
 Small work runs in a serial kernel: a parallel launch costs more than it
 saves below :data:`SERIAL_MAX_ELEMENTS` elements (measured with
