@@ -6,8 +6,9 @@ of a range -- summed on its own -- the same bits as a pipelined one, or dx
 would depend on how the rows are split (threads, blocks, dask chunks).
 Here every row computed alone is compared with the same row computed in one
 call on all rows, for widths with whole and partial 256-column chunks,
-partial 128-element blocks and rows shorter than a block; and strided rows
-with contiguous ones.
+partial 128-element blocks and rows shorter than a block; strided rows
+with contiguous ones; and a backward that recomputes rstd with one given
+the forward's.
 """
 
 from __future__ import annotations
@@ -78,3 +79,25 @@ def test_strided_rows_equal_contiguous(rng):
     b = pn.rms_norm_backward(np.ascontiguousarray(dy[:, ::2]), np.ascontiguousarray(x[:, ::2]), w,
                              backend="numba")[0]
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("eps_mode", ["inside", "outside"])
+def test_recomputed_rstd_is_the_forwards(dtype, eps_mode, rng):
+    """rstd=None: the backward recomputes rstd from the forward's own sum of squares
+    (lanes for 16-bit rows), so dx has the bits of a call given the forward's rstd."""
+    dt = DTYPES[dtype]
+    for d in (7, 300, 4099):
+        # row scales over many octaves; the last rows take the scaled path
+        scale = np.exp(rng.standard_normal((64, 1)) * 3)
+        x = (rng.standard_normal((64, d)) * scale).astype(dt)
+        if dtype in ("float32", "float64"):
+            x[-2:] *= dt(1e-30) if dtype == "float32" else dt(1e-300)
+        dy = rng.standard_normal((64, d)).astype(dt)
+        w = rng.standard_normal(d).astype(dt)
+        _, rstd = pn.rms_norm(x, w, eps_mode=eps_mode, eps=1e-30, return_rstd=True,
+                              backend="numba")
+        got = pn.rms_norm_backward(dy, x, w, eps_mode=eps_mode, eps=1e-30, backend="numba")[0]
+        want = pn.rms_norm_backward(dy, x, w, rstd=rstd, eps_mode=eps_mode, eps=1e-30,
+                                    backend="numba")[0]
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))

@@ -172,9 +172,11 @@ def _scaled_rms(a, i, k, bf):
 
 @_inline
 def _stats(a, i, k, bf, eps, inside):
-    """``(rms, rstd)`` of row ``i`` in float64."""
-    ss = _sumsq(a, i, k, bf)
-    if ss < math.inf and ss >= _TINY:
+    """``(rms, rstd)`` of row ``i`` in float64, from the forward's sum of squares
+    (:func:`_row_sumsq`), so that a backward that recomputes rstd gets the
+    forward's bits."""
+    ss = _row_sumsq(a, i, k, bf)
+    if ss < math.inf and ss >= _ss_floor(a):
         ms = ss / k
         rms = math.sqrt(ms)
         if inside:
