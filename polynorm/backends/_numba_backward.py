@@ -54,8 +54,6 @@ _BWD_CHUNK = 256
 #: Elements of padding on each side of a row of the leaf pool (>= 256 bytes).
 _PAD = 64
 
-
-
 #: Elements per float32 partial of the backward's dot (see :func:`_dot_row`).
 DOT_BLOCK = 512
 
@@ -145,14 +143,16 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
         # (a non-finite x beyond k gives NaN there instead of rstd*g*dy: the
         # token is non-finite either way)
         zero = like(0.0, rc)
-        if chunked:
-            # the next row's x and dy asked for a chunk at a time, spread over
-            # this pass, as DRAM streams under the compute
+        if flags & HAS_W:
+            # rows > 4 KB in chunks, each asking for the next row's x and dy
+            # of its columns: DRAM streams under the compute
             fold = depth > 0
-            for jc in range(0, d, _BWD_CHUNK):
-                je = min(jc + _BWD_CHUNK, d)
-                prefetch_span(x, i + 1, jc, je - jc)
-                prefetch_span(dy, i + 1, jc, je - jc)
+            step = _BWD_CHUNK if chunked else max(d, 1)
+            for jc in range(0, d, step):
+                je = min(jc + step, d)
+                if chunked:
+                    prefetch_span(x, i + 1, jc, je - jc)
+                    prefetch_span(dy, i + 1, jc, je - jc)
                 jm = min(max(k, jc), je)
                 if jc < jm:
                     _dx_pass(i, jc, jm, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e2,
@@ -160,12 +160,6 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
                 if jm < je:
                     _dx_pass(i, jm, je, dy, x, w, gr, dx, rc, oc, zero, flags, pc, ro, e0, e1, e2,
                              fold)
-        elif flags & HAS_W:
-            fold = depth > 0
-            _dx_pass(i, 0, k, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e2, fold)
-            if k < d:
-                _dx_pass(i, k, d, dy, x, w, gr, dx, rc, oc, zero, flags, pc, ro, e0, e1, e2,
-                         fold)
         else:
             _dx_plain(i, 0, k, dy, x, w, gr, dx, rc, oc, coef, flags)
             if k < d:
