@@ -286,8 +286,8 @@ def load(v, bfloat):  # pragma: no cover - replaced by the overload
     """Stored element -> compute value (float32, or float64 for float64).
 
     16-bit bits decode by their type (``uint16``: bfloat16, ``int16``:
-    float16; see :func:`is_bf16`), so the format is a compile-time constant
-    and ``bfloat`` is not consulted; for other integer types it says which.
+    float16; see :func:`is_bf16`), so the format is a compile-time constant;
+    ``bfloat`` is not consulted (the call sites pass ``is_bf16`` of the array).
     """
     raise NotImplementedError
 
@@ -298,8 +298,6 @@ def _ov_load(v, bfloat):
         return lambda v, bfloat: bf16_to_f32(v)
     if v == types.int16:
         return lambda v, bfloat: f16_to_f32(v)
-    if isinstance(v, types.Integer):
-        return lambda v, bfloat: bf16_to_f32(v) if bfloat else f16_to_f32(v)
     if v == types.float32:
         return lambda v, bfloat: v
     if v == types.float64:
@@ -316,15 +314,13 @@ def store(a, i, v, bfloat):  # pragma: no cover - replaced by the overload
 @overload(store)
 def _ov_store(a, i, v, bfloat):
     dt = a.dtype
-    if isinstance(dt, types.Integer):
-        fixed = {types.uint16: True, types.int16: False}.get(dt)
+    if bits_dtype(dt):
+        bf = dt == types.uint16
         if v == types.float64:
             def impl(a, i, v, bfloat):
-                bf = bfloat if fixed is None else fixed
                 a[i] = f64_to_bf16(v) if bf else f64_to_f16(v)
         else:
             def impl(a, i, v, bfloat):
-                bf = bfloat if fixed is None else fixed
                 a[i] = f32_to_bf16(v) if bf else f32_to_f16(v)
         return impl
     if dt == types.float32:
