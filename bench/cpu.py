@@ -1,6 +1,6 @@
 """CPU benchmark of the Numba backend: see :mod:`polynorm._bench.cpu`.
 
-    flock /tmp/polynorm-bench.lock python bench/cpu.py [--quick] [--json PATH] [--threshold]
+    flock /tmp/polynorm-bench.lock python bench/cpu.py [--quick] [--json PATH] [--threshold | --stream]
 """
 
 import sys

@@ -206,6 +206,59 @@ def test_strided_out(rng):
     assert not big[-2::-2].any()
 
 
+
+@pytest.mark.parametrize("xdt,wdt,out_dtype", [("float32", "float32", None),
+                                               ("float64", "float32", None),
+                                               ("float32", "bfloat16", None),
+                                               ("float32", None, "bfloat16"),
+                                               ("float32", "float64", None)])
+@pytest.mark.parametrize("n,d", [(3, 1), (5, 13), (7, 300), (40, 2051)])  # serial and parallel
+def test_streamed_out_equals_ordinary(monkeypatch, xdt, wdt, out_dtype, n, d, rng):
+    """out= rows written with streaming stores (_numba_stream) have the bits of
+    ordinary stores, whatever the out array's alignment; nothing beside it moves."""
+    x = _data(rng, (n, d), xdt)
+    x[0] *= 1e-40 if xdt == "float32" else 1.0  # a row whose rstd overflows float32 (eps=0)
+    w = None if wdt is None else _data(rng, d, wdt)
+    b = _data(rng, d, "float32")
+    calls = []
+    real = nb._stage
+    monkeypatch.setattr(nb, "_stage", lambda yk, stream: calls.append(stream) or real(yk, stream))
+    for kw in ({}, {"bias": b, "offset": 1.0}, {"partial": 0.5, "eps_mode": "outside"}):
+        if d == 1 and "partial" in kw:
+            continue
+        opts = dict(eps=0.0, return_rstd=True, out_dtype=out_dtype, backend="numba", **kw)
+        monkeypatch.setattr(nb, "STREAM_MIN_BYTES", 1 << 62)
+        want, want_rstd = pn.rms_norm(x, w, **opts)
+        monkeypatch.setattr(nb, "STREAM_MIN_BYTES", 0)
+        for shift in range(4):  # the rows' first line boundary moves
+            big = np.full((n, d + 8), 7, want.dtype)
+            out = big[:, shift:shift + d]
+            got, rstd = pn.rms_norm(x, w, out=out, **opts)
+            assert got is out and calls[-1] is True
+            np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8))
+            np.testing.assert_array_equal(rstd, want_rstd)
+            assert (big[:, :shift] == 7).all() and (big[:, shift + d:] == 7).all()
+    if out_dtype is None and wdt == xdt:  # in place: out is x itself
+        xc = x.copy()
+        pn.rms_norm(xc, w, out=xc, eps=0.0, backend="numba")
+        np.testing.assert_array_equal(xc, pn.rms_norm(x, w, eps=0.0, backend="numba"))
+
+
+def test_streaming_only_for_large_out(monkeypatch, rng):
+    """Ordinary stores below STREAM_MIN_BYTES and without out=; streaming above."""
+    x = _data(rng, (64, 256), "float32")
+    calls = []
+    real = nb._stage
+    monkeypatch.setattr(nb, "_stage", lambda yk, stream: calls.append(stream) or real(yk, stream))
+    monkeypatch.setattr(nb, "STREAM_MIN_BYTES", x.nbytes + 1)
+    pn.rms_norm(x, out=np.empty_like(x), backend="numba")
+    pn.rms_norm(x, backend="numba")
+    monkeypatch.setattr(nb, "STREAM_MIN_BYTES", x.nbytes)
+    pn.rms_norm(x, out=np.empty_like(x), backend="numba")
+    pn.rms_norm(x, out=np.empty((64, 512), np.float32)[:, ::2], backend="numba")  # strided
+    assert calls == [False, False, True, False]
+
+
 # --------------------------------------------------------------------------- numerics
 
 

@@ -32,7 +32,9 @@ and the (1, 4096) float32 call <= 0.5x torch's time (``torch`` >= 2).
 
 ``--threshold`` instead times the serial and the parallel forward kernel on
 small inputs: how :data:`polynorm.backends.numba.SERIAL_MAX_ELEMENTS` was
-chosen.
+chosen.  ``--stream`` times float32 ``out=`` calls with streaming stores
+against ordinary ones, paired, by output size: how
+:data:`polynorm.backends.numba.STREAM_MIN_BYTES` was chosen.
 
 Run ``python bench/cpu.py`` (``--quick`` for a check in well under a
 minute); wrap it in ``flock /tmp/polynorm-bench.lock`` on a shared machine.
@@ -122,6 +124,38 @@ def _copier():
     return _copy_kernel
 
 
+_stream_copy_kernel = None
+
+
+def _stream_copier():
+    """A parallel copy with streaming stores (:mod:`polynorm.backends._numba_stream`):
+    the destination's lines are not read before they are written, as in the
+    forward's streamed ``out=`` rows, so the roof is never the slower copy."""
+    global _stream_copy_kernel
+    if _stream_copy_kernel is None:
+        from numba import njit, prange
+
+        from polynorm.backends._numba_stream import LINE, line_gap, stream_copy, stream_fence
+
+        @njit(parallel=True, cache=False)
+        def scopy(src, dst, parts):  # pragma: no cover - compiled
+            n, d = src.shape
+            per_line = LINE // dst.itemsize
+            for p in prange(parts):
+                for i in range(p * n // parts, (p + 1) * n // parts):
+                    h = min(d, line_gap(dst, i))
+                    e = h + (d - h) // per_line * per_line
+                    for j in range(h):
+                        dst[i, j] = src[i, j]
+                    stream_copy(dst, i, h, src[i:i + 1, h:e], e - h)
+                    for j in range(e, d):
+                        dst[i, j] = src[i, j]
+                stream_fence()
+
+        _stream_copy_kernel = scopy
+    return _stream_copy_kernel
+
+
 def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.uint16) if a.dtype.itemsize == 2 else a
 
@@ -133,11 +167,16 @@ def roof_fns(x: np.ndarray, min_time: float, out: np.ndarray | None = None) -> d
     ``plain``: into an existing one -- ``out``, the array the ``out=`` case
     writes, when given: the same pages for both (a copy into another array
     of the same size was measured at 52 and at 82 GB/s in one process).
-    Each is the faster of a parallel Numba copy (rows in parallel) and
-    ``np.copyto``, so a slow copy never flatters the ratios.  Returns
+    Each is the fastest of a parallel Numba copy (rows in parallel), the
+    same with streaming stores, and ``np.copyto``, so a slow copy never
+    flatters the ratios.  Returns
     ``{"alloc": fn, "plain": fn, "alloc_gbps": .., "plain_gbps": ..}``.
     """
     cp = _copier()
+    sc = _stream_copier()
+    import numba
+
+    parts = 4 * numba.get_num_threads()
     src = _bits(x)
     dst = np.empty_like(src) if out is None else _bits(out)
 
@@ -151,15 +190,24 @@ def roof_fns(x: np.ndarray, min_time: float, out: np.ndarray | None = None) -> d
         np.copyto(out, src)
         return out
 
+    def alloc_stream():
+        out = np.empty_like(src)
+        sc(src, out, parts)
+        return out
+
     def plain_numba():
         cp(src, dst)
+
+    def plain_stream():
+        sc(src, dst, parts)
 
     def plain_numpy():
         np.copyto(dst, src)
 
     nb = 2 * x.nbytes
     res: dict[str, Any] = {}
-    for kind, fns in (("alloc", (alloc_numba, alloc_numpy)), ("plain", (plain_numba, plain_numpy))):
+    for kind, fns in (("alloc", (alloc_numba, alloc_stream, alloc_numpy)),
+                      ("plain", (plain_numba, plain_stream, plain_numpy))):
         times = [median_time(f, min_time=min_time) for f in fns]
         best = int(np.argmin(times))
         res[kind] = fns[best]
@@ -340,7 +388,7 @@ def call_overhead(min_time: float = 0.2) -> dict[str, float]:
         "generic": median_time(lambda: pn.rms_norm(x, w, axis=(1,)), min_time=min_time),
         "kernel": median_time(
             lambda: K.forward_rows(0, 1, x, x, w, nb._NO_VEC[w.dtype], y, x, r,
-                                   K.HAS_W | K.EPS_INSIDE, 4096, EPS, 0.0),
+                                   K.HAS_W | K.EPS_INSIDE, 4096, EPS, 0.0, nb._stage(y, False)),
             min_time=min_time),
     }
     empty = njit(lambda a: 0)
@@ -370,10 +418,47 @@ def threshold(ds=(512, 1024, 4096), ns=(1, 2, 4, 8, 16, 32, 64, 128), min_time=0
             w = np.ones(d, np.float32)
             y = np.empty_like(x)
             r = np.empty(n, np.float32)
-            args = (x, x, w, nb._NO_VEC[w.dtype], y, x, r, K.HAS_W | K.EPS_INSIDE, d, EPS, 0.0)
+            args = (x, x, w, nb._NO_VEC[w.dtype], y, x, r, K.HAS_W | K.EPS_INSIDE, d, EPS, 0.0,
+                    nb._stage(y, False))
             ts = median_time(lambda a=args, n=n: K.forward_rows(0, n, *a), min_time=min_time)
             tp = median_time(lambda a=args: K.forward_parallel(*a), min_time=min_time)
             rows.append((n, d, ts * 1e6, tp * 1e6))
+    return rows
+
+
+# --------------------------------------------------------------------------- streaming threshold
+
+
+def stream_threshold(ns=(64, 256, 512, 1024, 2048, 4096, 16384), d=4096, min_time=0.2):
+    """float32 ``out=`` forward with streaming stores / with ordinary ones, paired.
+
+    Returns ``[(n, d, MiB of y, time ratio)]`` (below 1: streaming is faster).
+    Each call writes the same ``out=`` array again, so a small ``y`` is still
+    in cache for the next call, as it would be for a consumer reading it.
+    """
+    import polynorm as pn
+    from polynorm.backends import numba as nb
+
+    rows = []
+    keep = nb.STREAM_MIN_BYTES
+    try:
+        for n in ns:
+            x = np.random.default_rng(0).standard_normal((n, d), dtype=np.float32)
+            w = np.ones(d, np.float32)
+            y = np.empty_like(x)
+
+            def streamed(x=x, w=w, y=y):
+                nb.STREAM_MIN_BYTES = 0
+                pn.rms_norm(x, w, out=y)
+
+            def ordinary(x=x, w=w, y=y):
+                nb.STREAM_MIN_BYTES = 1 << 62
+                pn.rms_norm(x, w, out=y)
+
+            ts, to = paired_median(streamed, ordinary, min_time=min_time)
+            rows.append((n, d, y.nbytes / 2**20, ts / to))
+    finally:
+        nb.STREAM_MIN_BYTES = keep
     return rows
 
 
@@ -381,7 +466,7 @@ def threshold(ds=(512, 1024, 4096), ns=(1, 2, 4, 8, 16, 32, 64, 128), min_time=0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m polynorm._bench.cpu [--quick] [--dtypes ...] [--json PATH] [--threshold]``."""
+    """``python -m polynorm._bench.cpu [--quick] [--dtypes ...] [--json PATH] [--threshold | --stream]``."""
     p = argparse.ArgumentParser(prog="polynorm._bench.cpu", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small shapes, short timings (< 60 s)")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None)
@@ -389,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--note", default="", help="a note stored in the JSON (e.g. 'shared machine')")
     p.add_argument("--threshold", action="store_true",
                    help="only time serial vs parallel kernels on small inputs")
+    p.add_argument("--stream", action="store_true",
+                   help="only time out= calls with streaming vs ordinary stores, by size")
     args = p.parse_args(argv)
     ok, why = available()
     if not ok:
@@ -399,6 +486,11 @@ def main(argv: list[str] | None = None) -> int:
         for n, d, ts, tp in threshold():
             print(f"{n:>5} {d:>6} {n * d:>8} {ts:>10.2f} {tp:>12.2f}" + ("  <- parallel wins"
                                                                           if tp < ts else ""))
+        return 0
+    if args.stream:
+        print(f"{'n':>6} {'d':>6} {'y MiB':>7} {'streamed / ordinary':>20}")
+        for n, d, mib, ratio in stream_threshold():
+            print(f"{n:>6} {d:>6} {mib:>7.0f} {ratio:>20.3f}")
         return 0
     import numba
 
