@@ -90,13 +90,30 @@ def stream_copy(typingctx, dst, i, j, src, count):
     return types.void(dst, types.intp, types.intp, src, types.intp), codegen
 
 
+def _is_x86() -> bool:
+    from llvmlite import binding
+
+    return binding.get_process_triple().startswith(("x86_64", "i386", "i686"))
+
+
+_X86 = _is_x86()
+
+
 @intrinsic
 def stream_fence(typingctx):
-    """Order this thread's streaming stores before its later stores (a full fence:
-    on x86 an ``mfence``, which also drains the write-combining buffers)."""
+    """Order this thread's streaming stores before its later stores.
+
+    On x86 an ``sfence``: LLVM lowers a ``seq_cst`` fence to a locked
+    instruction there, which Linux (``mb()`` vs ``smp_mb()``) does not trust
+    to order non-temporal stores.  Elsewhere a full fence.
+    """
 
     def codegen(context, builder, sig, args):
         builder.fence("seq_cst")
+        if _X86:
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse.sfence")
+            builder.call(fn, [])
         return context.get_dummy_value()
 
     return types.void(), codegen
