@@ -374,17 +374,45 @@ def test_read_only_cache_dir_still_works(tmp_path):
 
 def test_auto_picks_numba_for_numpy(monkeypatch, rng):
     calls = []
-    real = nb.forward
 
-    def spy(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
+    def spy(real):
+        def call(*a, **k):
+            calls.append(real.__name__)
+            return real(*a, **k)
+        return call
 
-    monkeypatch.setattr(nb, "forward", spy)
+    monkeypatch.setattr(nb, "forward", spy(nb.forward))
+    monkeypatch.setattr(nb, "forward_small", spy(nb.forward_small))
     x = _data(rng, (2, 8), "float32")
-    pn.rms_norm(x, backend="auto")
-    pn.rms_norm(x, axis=0)  # the generic path too
-    assert len(calls) == 2
+    pn.rms_norm(x, backend="auto")  # the numpy fast path: serial size
+    pn.rms_norm(x, axis=0)  # the generic path
+    pn.add_rms_norm(x, x)  # fused add: the general entry
+    assert calls == ["forward_small", "forward", "forward"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("opts", [
+    {}, {"weight": "bfloat16"}, {"weight": "float32", "bias": "float64", "offset": 1.0},
+    {"partial": 0.5, "eps_mode": "outside", "out_dtype": "float16"},
+    {"weight": "float64", "out_dtype": "bfloat16", "return_rstd": True},
+], ids=["plain", "bf16-w", "w-b-offset", "partial-outside-f16out", "f64w-bf16out-rstd"])
+def test_small_fast_path_equals_general_entry(dtype, opts, rng):
+    """The numpy fast path's serial entry (nb.forward_small) gives the bits of nb.forward."""
+    d = 257
+    x = _data(rng, (3, d), dtype)
+    kw = dict(opts)
+    for name in ("weight", "bias"):
+        if name in kw:
+            kw[name] = _data(rng, d, kw[name])
+    x_before = x.copy()
+    fast = pn.rms_norm(x, **kw)  # backend="auto": the fast path
+    general = pn.rms_norm(x, backend="numba", **kw)
+    fast = fast if isinstance(fast, tuple) else (fast,)
+    general = general if isinstance(general, tuple) else (general,)
+    for a, b in zip(fast, general, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    np.testing.assert_array_equal(x.view(np.uint8), x_before.view(np.uint8))
 
 
 def test_serial_and_parallel_drivers_agree(monkeypatch, rng):

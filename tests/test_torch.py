@@ -74,10 +74,15 @@ def test_auto_dispatch_reaches_the_kernel_without_copies(dtype, shape, monkeypat
     mod = _api._choose_backend("auto", x)
     assert mod.name == BEST
     seen = {}
-    forward, backward = mod.forward, mod.backward
+    forward, forward_small, backward = mod.forward, mod.forward_small, mod.backward
 
     def spy_forward(*args):
         res = forward(*args)
+        seen["x"], seen["y"] = _ptr(args[0]), _ptr(res[0])
+        return res
+
+    def spy_forward_small(*args):  # the numpy fast path's serial entry
+        res = forward_small(*args)
         seen["x"], seen["y"] = _ptr(args[0]), _ptr(res[0])
         return res
 
@@ -87,6 +92,7 @@ def test_auto_dispatch_reaches_the_kernel_without_copies(dtype, shape, monkeypat
         return res
 
     monkeypatch.setattr(mod, "forward", spy_forward)
+    monkeypatch.setattr(mod, "forward_small", spy_forward_small)
     monkeypatch.setattr(mod, "backward", spy_backward)
     y, rstd = pn.rms_norm(x, w, return_rstd=True)
     assert seen["x"] == x.data_ptr() and seen["y"] == y.data_ptr()
