@@ -32,6 +32,7 @@ from ._numba_kernels import (
     _stats,
     like,
 )
+from ._numba_refs import borrow
 from ._rowtree import TREE_G
 
 assert TREE_G == 4, "_group_node spells out the adds of a 16-row node"
@@ -377,6 +378,10 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
     rows of a whole group; ``p64`` the float64 levels.  Rows are padded so
     that no two arrays of a loop ever lie close (see ``_PAD``).
     """
+    dy, x, w, rstd_in, gr, dx = (borrow(dy), borrow(x), borrow(w), borrow(rstd_in), borrow(gr),
+                                 borrow(dx))
+    out_lvl, out_idx, out_val, pc, p64 = (borrow(out_lvl), borrow(out_idx), borrow(out_val),
+                                          borrow(pc), borrow(p64))
     W = out_val.shape[1]
     levels = max(cap, TREE_G) + 1
     rtmp = TREE_G + 1
