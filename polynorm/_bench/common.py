@@ -50,15 +50,7 @@ def median_time(
     return times[len(times) // 2]
 
 
-def paired_median(
-    fa: Callable[[], Any], fb: Callable[[], Any], *, min_time: float, min_repeat: int = 5
-) -> tuple[float, float]:
-    """Median times of ``fa`` and ``fb`` called alternately (after one warm-up each).
-
-    On a shared machine the load changes from second to second; timing an op
-    and its baseline interleaved exposes both to the same load, so their
-    ratio is far steadier than that of two separate medians.
-    """
+def _paired_times(fa, fb, min_time: float, min_repeat: int) -> tuple[list[float], list[float]]:
     fa()
     fb()
     ta: list[float] = []
@@ -74,9 +66,39 @@ def paired_median(
         tb.append(t2 - t1)
         if len(ta) >= 10_000:
             break
-    ta.sort()
-    tb.sort()
-    return ta[len(ta) // 2], tb[len(tb) // 2]
+    return ta, tb
+
+
+def _median(v: list[float]) -> float:
+    v = sorted(v)
+    return v[len(v) // 2]
+
+
+def paired_median(
+    fa: Callable[[], Any], fb: Callable[[], Any], *, min_time: float, min_repeat: int = 5
+) -> tuple[float, float]:
+    """Median times of ``fa`` and ``fb`` called alternately (after one warm-up each).
+
+    On a shared machine the load changes from second to second; timing an op
+    and its baseline interleaved exposes both to the same load, so their
+    ratio is far steadier than that of two separate medians.
+    """
+    ta, tb = _paired_times(fa, fb, min_time, min_repeat)
+    return _median(ta), _median(tb)
+
+
+def paired_ratio(
+    fa: Callable[[], Any], fb: Callable[[], Any], *, min_time: float, min_repeat: int = 5
+) -> tuple[float, float, float]:
+    """``(median time of fa, of fb, median of the per-pair ratios tb / ta)``.
+
+    The ratio of each back-to-back pair, then their median: a pair sees one
+    machine state (this machine's copy bandwidth was seen to change 2x from
+    one second to the next), and the median drops the pairs that straddle a
+    change.  Timed as :func:`paired_median`.
+    """
+    ta, tb = _paired_times(fa, fb, min_time, min_repeat)
+    return _median(ta), _median(tb), _median([b / a for a, b in zip(ta, tb, strict=True)])
 
 
 @dataclass

@@ -12,7 +12,8 @@ bytes the op must move (:func:`op_bytes`), beside:
     ``np.copyto``) into a freshly allocated array (page faults included, the
     roof of an op that allocates its output) for ``fwd``/``add``/``bwd``, into
     an existing array (the roof with ``out=``) for ``fwd-out``.  The roof is
-    timed interleaved with the op (:func:`paired_median`), so both see the
+    timed interleaved with the op and the ratio is the median of the pairs'
+    ratios (:func:`~polynorm._bench.common.paired_ratio`), so both see the
     same machine load; both roofs, measured once per shape, are in ``extra``.
 ``torch``
     torch's time over polynorm's (> 1: polynorm is faster): ``F.rms_norm``
@@ -56,6 +57,7 @@ from .common import (
     gbps,
     median_time,
     paired_median,
+    paired_ratio,
     stderr_progress,
     write_json,
 )
@@ -338,12 +340,13 @@ def run(
         x, w, r, dy = a["x"], a["w"], a["r"], a["dy"]
         rf = a["roofs"]
         kind = "plain" if op == "fwd-out" else "alloc"
-        t, t_roof = paired_median(_polynorm_fn(op, x, w, r, dy, a["out"]), rf[kind],
-                                  min_time=min_time)
+        t, t_roof, speed = paired_ratio(_polynorm_fn(op, x, w, r, dy, a["out"]), rf[kind],
+                                        min_time=min_time)
         moved = op_bytes(op, n, d, x.dtype.itemsize)
         rate = gbps(moved, t)
         roof = gbps(2 * x.nbytes, t_roof)
-        ratios = {"copy": rate / roof}
+        # the median of the pairs' ratios (see paired_ratio), in bytes per second
+        ratios = {"copy": speed * moved / (2 * x.nbytes)}
         extra: dict[str, Any] = {
             "copy_gbps": roof, "roof": kind, "device": "cpu",
             "alloc_copy_gbps": rf["alloc_gbps"], "plain_copy_gbps": rf["plain_gbps"],
