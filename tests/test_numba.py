@@ -211,8 +211,12 @@ def test_strided_out(rng):
                                                ("float64", "float32", None),
                                                ("float32", "bfloat16", None),
                                                ("float32", None, "bfloat16"),
-                                               ("float32", "float64", None)])
-@pytest.mark.parametrize("n,d", [(3, 1), (5, 13), (7, 300), (40, 2051)])  # serial and parallel
+                                               ("float32", "float64", None),
+                                               ("bfloat16", "bfloat16", None),
+                                               ("float16", "float32", None),
+                                               ("bfloat16", None, "float32")])
+# serial and parallel; 16-bit rows of 2051 take the pipeline (chunks of 512) and its tail
+@pytest.mark.parametrize("n,d", [(3, 1), (5, 13), (7, 300), (40, 2051)])
 def test_streamed_out_equals_ordinary(monkeypatch, xdt, wdt, out_dtype, n, d, rng):
     """out= rows written with streaming stores (_numba_stream) have the bits of
     ordinary stores, whatever the out array's alignment; nothing beside it moves."""
@@ -230,6 +234,7 @@ def test_streamed_out_equals_ordinary(monkeypatch, xdt, wdt, out_dtype, n, d, rn
         monkeypatch.setattr(nb, "STREAM_MIN_BYTES", 1 << 62)
         want, want_rstd = pn.rms_norm(x, w, **opts)
         monkeypatch.setattr(nb, "STREAM_MIN_BYTES", 0)
+        monkeypatch.setattr(nb, "STREAM_MIN_ROW_BYTES_16", 0)
         for shift in range(4):  # the rows' first line boundary moves
             big = np.full((n, d + 8), 7, want.dtype)
             out = big[:, shift:shift + d]
@@ -257,6 +262,15 @@ def test_streaming_only_for_large_out(monkeypatch, rng):
     pn.rms_norm(x, out=np.empty_like(x), backend="numba")
     pn.rms_norm(x, out=np.empty((64, 512), np.float32)[:, ::2], backend="numba")  # strided
     assert calls == [False, False, True, False]
+    # 16-bit rows: from STREAM_MIN_ROW_BYTES_16 on
+    xb = _data(rng, (64, 256), "bfloat16")
+    monkeypatch.setattr(nb, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(nb, "STREAM_MIN_ROW_BYTES_16", 2 * 256 + 2)
+    pn.rms_norm(xb, out=np.empty_like(xb), backend="numba")
+    monkeypatch.setattr(nb, "STREAM_MIN_ROW_BYTES_16", 2 * 256)
+    pn.rms_norm(xb, out=np.empty_like(xb), backend="numba")
+    pn.add_rms_norm(xb, xb, out=np.empty_like(xb), backend="numba")  # never with a residual
+    assert calls[4:] == [False, True, False]
 
 
 # --------------------------------------------------------------------------- numerics
@@ -513,7 +527,8 @@ def test_pipelined_row_sum_is_the_rows_own(bf, d, rng):
     for k in sorted({d, max(1, d // 2), 1}):
         for i in range(2):
             ss = K._sumsq_lanes(bits, i, k, bf)
-            nxt = K._fwd_norm_row(i, 3, bits, bf, w, w, y, rstd, flags, k, 1e-6, 0.0, ss)
+            nxt = K._fwd_norm_row(i, 3, bits, bf, w, w, y, rstd, flags, k, 1e-6, 0.0, ss,
+                                  y[:1, :0])  # the stage stand-in (no STREAM_Y)
             alone = K._sumsq_lanes(bits, i + 1, k, bf)
             assert np.float64(nxt).view(np.uint64) == np.float64(alone).view(np.uint64)
             want = np.sum(bits[i + 1, :k].view(HALF["bfloat16" if bf else "float16"])

@@ -319,7 +319,7 @@ def _out_span(a, i, j0, j1, abf, w, b, y, rc, oc, flags):
 
 
 @_inline_ir
-def _fwd_norm_row(i, hi, a, abf, w, b, y, rstd, flags, k, eps, offset, ss):
+def _fwd_norm_row(i, hi, a, abf, w, b, y, rstd, flags, k, eps, offset, ss, stage):
     """Row ``i`` of y from its sum ``ss`` (:func:`_row_sumsq`).
 
     With ``i + 1 < hi`` (16-bit rows only) row ``i + 1``'s lanes sum is
@@ -333,19 +333,19 @@ def _fwd_norm_row(i, hi, a, abf, w, b, y, rstd, flags, k, eps, offset, ss):
     if r64 < math.inf and not rc < math.inf:
         _fwd_row_wide(i, a, abf, w, b, y, r64, flags, oc)
         return _row_sumsq(a, nxt, k, abf) if nxt < hi else 0.0
-    return _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k)
+    return _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage)
 
 
-def _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k):  # pragma: no cover - overload
+def _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):  # pragma: no cover
     """Row ``i``'s output pass; for 16-bit rows with ``i + 1 < hi`` it also sums
     row ``i + 1`` (returned; else 0).  Chosen at typing time, like _row_sumsq."""
     raise NotImplementedError
 
 
 @overload(_out_and_next, inline="always")
-def _ov_out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k):
+def _ov_out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
     if not bits_dtype(a.dtype):
-        def plain(i, hi, a, abf, w, b, y, rc, oc, flags, k):
+        def plain(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
             d = a.shape[1]
             if i + 1 < a.shape[0] and not _prefetches(a):
                 # long rows: the next row asked for a chunk at a time, spread
@@ -358,29 +358,79 @@ def _ov_out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k):
                 _out_span(a, i, 0, d, abf, w, b, y, rc, oc, flags)
             return 0.0
         return plain
-    return lambda i, hi, a, abf, w, b, y, rc, oc, flags, k: _out_and_next_lanes(
-        i, hi, a, abf, w, b, y, rc, oc, flags, k)
+    return lambda i, hi, a, abf, w, b, y, rc, oc, flags, k, stage: _out_and_next_lanes(
+        i, hi, a, abf, w, b, y, rc, oc, flags, k, stage)
 
 
 @_inline  # a call: Numba's IR inliner mishandles its loop-carried lanes
-def _out_and_next_lanes(i, hi, a, abf, w, b, y, rc, oc, flags, k):
+def _out_and_next_lanes(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
     # software pipeline: row i's output pass and row i+1's sum in one loop,
     # with the row after next prefetched a chunk at a time (without it the
     # pipeline is slower than two passes).  One output loop in the pipelined
     # part and one after it: each inlines every codec and case (compile time).
+    # With STREAM_Y, y leaves through the stage in whole lines (_stream_out),
+    # ``h`` columns behind the sum's grid: the sum's blocks stay where they are.
     nxt = i + 1
     pipe = nxt < hi
     kc = k - k % _CHUNK if pipe else 0
     acc = lanes_zero()
     ahead = i + 2 < a.shape[0]
+    d = a.shape[1]
+    streamed = (flags & STREAM_Y) != 0
+    h = min(d, line_gap(y, i)) if streamed else 0
+    lines_end = h + (d - h) // (LINE // y.itemsize) * (LINE // y.itemsize) if streamed else 0
+    o = h  # the next column of y to stream out
+    if streamed:
+        _out_span(a, i, 0, h, abf, w, b, y, rc, oc, flags)
     for jc in range(0, kc, _CHUNK):
         if ahead:
             prefetch_span(a, i + 2, jc, _CHUNK)
-        _out_span(a, i, jc, jc + _CHUNK, abf, w, b, y, rc, oc, flags)
+        if streamed:
+            o = _stream_out(a, i, o, min(h + jc + _CHUNK, lines_end), abf, w, b, y, rc, oc,
+                            flags, stage)
+        else:
+            _out_span(a, i, jc, jc + _CHUNK, abf, w, b, y, rc, oc, flags)
         for j in range(jc, jc + _CHUNK, SUM_BLOCK):
             acc = lanes_add_block(acc, a, nxt, j, abf)
-    _out_span(a, i, kc, a.shape[1], abf, w, b, y, rc, oc, flags)
+    if streamed:
+        _stream_out(a, i, o, lines_end, abf, w, b, y, rc, oc, flags, stage)
+        _out_span(a, i, lines_end, d, abf, w, b, y, rc, oc, flags)
+    else:
+        _out_span(a, i, kc, d, abf, w, b, y, rc, oc, flags)
     return _lanes_rest(acc, a, nxt, k, kc, abf) if pipe else 0.0
+
+
+@_inline_ir
+def _stream_out(a, i, j0, j1, abf, w, b, y, rc, oc, flags, stage):
+    """``y[i, j0:j1]`` (whole 64-byte lines of y) as :func:`_out_span` computes
+    it, through ``stage`` and streaming stores (:mod:`._numba_stream`), a stage
+    at a time; returns ``j1``.  The arrays are borrowed (``_numba_refs``):
+    before that, passing them here cost a reference count per stage."""
+    c = stage.shape[1]
+    has_w = (flags & HAS_W) != 0
+    has_b = (flags & HAS_B) != 0
+    sbf = is_bf16(stage)
+    for j in range(j0, j1, c):
+        n = min(c, j1 - j)
+        j0u = np.uint64(j)
+        # _out_span's four cases, each a branch-free loop
+        if has_w and not has_b:
+            for t in range(np.uint64(n)):
+                v = load(a[i, j0u + t], abf) * rc * (like(w[j0u + t], rc) + oc)
+                store(stage, (0, t), v, sbf)
+        elif not has_w and not has_b:
+            for t in range(np.uint64(n)):
+                store(stage, (0, t), load(a[i, j0u + t], abf) * rc, sbf)
+        elif has_w:
+            for t in range(np.uint64(n)):
+                v = load(a[i, j0u + t], abf) * rc * (like(w[j0u + t], rc) + oc)
+                store(stage, (0, t), v + like(b[j0u + t], rc), sbf)
+        else:
+            for t in range(np.uint64(n)):
+                v = load(a[i, j0u + t], abf) * rc + like(b[j0u + t], rc)
+                store(stage, (0, t), v, sbf)
+        stream_copy(y, i, j, stage, n)
+    return j1
 
 
 @_inline
@@ -400,9 +450,6 @@ def _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
     c = stage.shape[1]
     per_line = LINE // y.itemsize
     inside = (flags & EPS_INSIDE) != 0
-    has_w = (flags & HAS_W) != 0
-    has_b = (flags & HAS_B) != 0
-    sbf = is_bf16(stage)
     for i in range(lo, hi):
         ss = _row_sumsq(x, i, k, False)
         r64 = _rstd_from(x, i, k, False, eps, inside, ss)
@@ -422,26 +469,7 @@ def _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
             n = min(c, lines_end - j)  # whole lines
             if ahead:
                 prefetch_span(x, i + 1, j, n)
-            # _out_span's four cases, written out: passing the arrays to an
-            # inlined function here had Numba reference-count them once per
-            # stage (atomics on counters both threads share: 2x slower)
-            j0 = np.uint64(j)
-            if has_w and not has_b:
-                for t in range(np.uint64(n)):
-                    v = load(x[i, j0 + t], False) * rc * (like(w[j0 + t], rc) + oc)
-                    store(stage, (0, t), v, sbf)
-            elif not has_w and not has_b:
-                for t in range(np.uint64(n)):
-                    store(stage, (0, t), load(x[i, j0 + t], False) * rc, sbf)
-            elif has_w:
-                for t in range(np.uint64(n)):
-                    v = load(x[i, j0 + t], False) * rc * (like(w[j0 + t], rc) + oc)
-                    store(stage, (0, t), v + like(b[j0 + t], rc), sbf)
-            else:
-                for t in range(np.uint64(n)):
-                    v = load(x[i, j0 + t], False) * rc + like(b[j0 + t], rc)
-                    store(stage, (0, t), v, sbf)
-            stream_copy(y, i, j, stage, n)
+            _stream_out(x, i, j, j + n, False, w, b, y, rc, oc, flags, stage)
         if ahead:
             prefetch_span(x, i + 1, lines_end, d - lines_end)
         _out_span(x, i, lines_end, d, False, w, b, y, rc, oc, flags)
@@ -509,8 +537,10 @@ def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
         prefetch_row(r, i + 1)
     _add_row(i, x, r, h, flags)
     hbf = is_bf16(h)
-    _fwd_norm_row(i, i + 1, h, hbf, w, b, y, rstd, flags, k, eps, offset,
-                  _row_sumsq(h, i, k, hbf))
+    # no streaming here (the front end does not ask for it with a residual):
+    # y stands in for the stage
+    _fwd_norm_row(i, i + 1, h, hbf, w, b, y, rstd, flags & ~STREAM_Y, k, eps, offset,
+                  _row_sumsq(h, i, k, hbf), y)
 
 
 @_inline_ir
@@ -555,7 +585,9 @@ def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
         xbf = is_bf16(x)
         ss = _row_sumsq(x, lo, k, xbf) if lo < hi else 0.0
         for i in range(lo, hi):
-            ss = _fwd_norm_row(i, hi, x, xbf, w, b, y, rstd, flags, k, eps, offset, ss)
+            ss = _fwd_norm_row(i, hi, x, xbf, w, b, y, rstd, flags, k, eps, offset, ss, stage)
+        if flags & STREAM_Y:
+            stream_fence()
     elif flags & STREAM_Y:
         _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage)
     else:
@@ -564,7 +596,7 @@ def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
             if i + 1 < x.shape[0] and _prefetches(x):
                 # the next row's reads overlap this row's output pass
                 prefetch_row(x, i + 1)
-            _fwd_norm_row(i, i + 1, x, False, w, b, y, rstd, flags, k, eps, offset, ss)
+            _fwd_norm_row(i, i + 1, x, False, w, b, y, rstd, flags, k, eps, offset, ss, stage)
 
 
 @_jit()

@@ -40,13 +40,17 @@ SERIAL_MAX_ELEMENTS = 1 << 16
 
 #: An ``out=`` array of at least this many bytes is written with streaming
 #: (non-temporal) stores, which skip reading each line before writing it
-#: (see :mod:`._numba_stream`; float32/float64 input, rows of unit column
-#: stride).  Measured with ``python bench/cpu.py --stream`` (2-core AMD EPYC,
+#: (see :mod:`._numba_stream`; rows of unit column stride).  Measured with ``python bench/cpu.py --stream`` (2-core AMD EPYC,
 #: 32 MiB L3), float32 x 4096 columns, time streamed / ordinary: 1.18 at
 #: 1 MiB, 0.87 at 4 MiB, 0.78-0.84 from 8 to 256 MiB.  A call writing the same
 #: array again gains from 4 MiB on, but streamed lines leave the cache, and
 #: whoever reads a y that would have fit in L3 next pays for it: half the L3.
 STREAM_MIN_BYTES = 16 << 20
+#: 16-bit rows (the pipelined forward) stream only from this many bytes on:
+#: paired against ordinary stores, bfloat16 y of 128 MiB, time streamed /
+#: ordinary over three runs: 1.06-1.26 for rows of 1024, 0.89-1.18 for 2048,
+#: 0.86 for 3072, 0.69-0.76 for 4096, 0.73 for 6144, 0.76-0.80 for 16384.
+STREAM_MIN_ROW_BYTES_16 = 8192
 #: Elements per stage (the L1 buffer streamed rows pass through); whole lines
 #: for every dtype.
 _STAGE = 256
@@ -145,8 +149,9 @@ def _bf(a: np.ndarray) -> bool:
 
 
 def _streams(y: np.ndarray, x: np.ndarray) -> bool:
-    """Whether ``out=`` array ``y`` is written with streaming stores."""
-    return (y.nbytes >= STREAM_MIN_BYTES and x.dtype.itemsize >= 4  # not the 16-bit pipeline
+    """Whether ``out=`` array ``y`` (of input ``x``) is written with streaming stores."""
+    return (y.nbytes >= STREAM_MIN_BYTES
+            and (x.itemsize > 2 or x.shape[1] * 2 >= STREAM_MIN_ROW_BYTES_16)
             and y.strides[1] == y.itemsize and y.ctypes.data % y.itemsize == 0
             and y.strides[0] % y.itemsize == 0)
 
@@ -252,7 +257,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     if bias is not None:
         flags |= K.HAS_B
         b = _vec(to_numpy(bias), cdt)
-    stream = out is not None and not plan.llama and _streams(y, x)
+    stream = out is not None and residual is None and not plan.llama and _streams(y, x)
     if stream:
         flags |= K.STREAM_Y
     args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, plan.offset, _stage(yk, stream))
