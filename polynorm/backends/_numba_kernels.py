@@ -338,7 +338,8 @@ def _fwd_norm_row(i, hi, a, abf, w, b, y, rstd, flags, k, eps, offset, ss, stage
 
 def _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):  # pragma: no cover
     """Row ``i``'s output pass; for 16-bit rows with ``i + 1 < hi`` it also sums
-    row ``i + 1`` (returned; else 0).  Chosen at typing time, like _row_sumsq."""
+    row ``i + 1`` (returned; else 0), and with STREAM_Y writes y through
+    ``stage``.  Chosen at typing time, like _row_sumsq."""
     raise NotImplementedError
 
 
@@ -575,7 +576,8 @@ def _range_rows(n):
 @_jit()
 def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     # stage: the (1, c) buffer of y's type that streamed rows pass through
-    # (flag STREAM_Y; float32/float64 rows), else an unused (1, 0) stand-in
+    # (flag STREAM_Y: _streamed_rows for float rows, the pipeline's
+    # _stream_out for 16-bit ones), else an unused (1, 0) stand-in
     x, r, w, b, y, h, rstd, stage = (borrow(x), borrow(r), borrow(w), borrow(b), borrow(y),
                                      borrow(h), borrow(rstd), borrow(stage))
     if flags & HAS_R:

@@ -40,11 +40,12 @@ SERIAL_MAX_ELEMENTS = 1 << 16
 
 #: An ``out=`` array of at least this many bytes is written with streaming
 #: (non-temporal) stores, which skip reading each line before writing it
-#: (see :mod:`._numba_stream`; rows of unit column stride).  Measured with ``python bench/cpu.py --stream`` (2-core AMD EPYC,
-#: 32 MiB L3), float32 x 4096 columns, time streamed / ordinary: 1.18 at
-#: 1 MiB, 0.87 at 4 MiB, 0.78-0.84 from 8 to 256 MiB.  A call writing the same
-#: array again gains from 4 MiB on, but streamed lines leave the cache, and
-#: whoever reads a y that would have fit in L3 next pays for it: half the L3.
+#: (see :mod:`._numba_stream`; rows of unit column stride).  Measured with
+#: ``python bench/cpu.py --stream`` (2-core AMD EPYC, 32 MiB L3), float32 x
+#: 4096 columns, time streamed / ordinary: 1.18 at 1 MiB, 0.87 at 4 MiB,
+#: 0.78-0.84 from 8 to 256 MiB.  A call writing the same array again gains
+#: from 4 MiB on, but streamed lines leave the cache, and whoever reads a y
+#: that would have fit in L3 next pays for it: half the L3.
 STREAM_MIN_BYTES = 16 << 20
 #: 16-bit rows (the pipelined forward) stream only from this many bytes on:
 #: paired against ordinary stores, bfloat16 y of 128 MiB, time streamed /
@@ -288,10 +289,11 @@ def forward_small(x: np.ndarray, weight, bias, plan: Plan):
     w = b = _NO_VEC[cdt]
     if weight is not None:
         flags |= K.HAS_W
-        w = weight if weight.dtype == cdt else weight.astype(cdt)
+        w = _vec(weight, cdt)
     if bias is not None:
         flags |= K.HAS_B
-        b = bias if bias.dtype == cdt else bias.astype(cdt)
+        b = _vec(bias, cdt)
+    # _kview's own test, here without the call for the float32/float64 arrays
     xk = x if x.dtype.itemsize != 2 else _kview(x)
     yk = y if y_dt.itemsize != 2 else _kview(y)
     K.forward_rows(0, n, xk, xk, w, b, yk, yk, rstd, flags, plan.k, plan.eps, plan.offset,
