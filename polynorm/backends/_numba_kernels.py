@@ -378,8 +378,7 @@ def _out_and_next_lanes(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
     ahead = i + 2 < a.shape[0]
     d = a.shape[1]
     streamed = (flags & STREAM_Y) != 0
-    h = min(d, line_gap(y, i)) if streamed else 0
-    lines_end = h + (d - h) // (LINE // y.itemsize) * (LINE // y.itemsize) if streamed else 0
+    h, lines_end = _whole_lines(y, i) if streamed else (0, 0)
     o = h  # the next column of y to stream out
     if streamed:
         _out_span(a, i, 0, h, abf, w, b, y, rc, oc, flags)
@@ -399,6 +398,16 @@ def _out_and_next_lanes(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
     else:
         _out_span(a, i, kc, d, abf, w, b, y, rc, oc, flags)
     return _lanes_rest(acc, a, nxt, k, kc, abf) if pipe else 0.0
+
+
+@_inline_ir
+def _whole_lines(y, i):
+    """``(h, e)``: row ``y[i]``'s whole 64-byte lines are its columns ``[h, e)``;
+    the partial lines before and after them are stored as usual."""
+    d = y.shape[1]
+    per_line = LINE // y.itemsize
+    h = min(d, line_gap(y, i))
+    return h, h + (d - h) // per_line * per_line
 
 
 @_inline_ir
@@ -449,7 +458,6 @@ def _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
     """
     d = x.shape[1]
     c = stage.shape[1]
-    per_line = LINE // y.itemsize
     inside = (flags & EPS_INSIDE) != 0
     for i in range(lo, hi):
         ss = _row_sumsq(x, i, k, False)
@@ -461,8 +469,7 @@ def _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
             _fwd_row_wide(i, x, False, w, b, y, r64, flags, oc)
             continue
         ahead = i + 1 < x.shape[0]
-        h = min(d, line_gap(y, i))
-        lines_end = h + (d - h) // per_line * per_line
+        h, lines_end = _whole_lines(y, i)
         if ahead:
             prefetch_span(x, i + 1, 0, h)
         _out_span(x, i, 0, h, False, w, b, y, rc, oc, flags)
