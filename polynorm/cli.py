@@ -156,9 +156,18 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     backends = args.backend
     if backends:
-        unknown = [b for b in backends if b not in pn.backends()]
+        report = pn.backends()
+        unknown = [b for b in backends if b not in report]
         if unknown:
             raise ValueError(f"--backend: unknown backend {unknown[0]!r}")
+        # a backend asked for by name must run: "0 checks passed" would read as a pass
+        hints = importlib.import_module("polynorm.backends").INSTALL_HINT
+        for b in backends:
+            usable, reason = report[b]
+            if not usable:
+                if hints[b] not in reason:
+                    reason = f"{reason}; to install: {hints[b]}"
+                raise ValueError(f"--backend {b}: backend {b!r} is not available here: {reason}")
     rows = _check.run(backends, args.dtype)
     print(_check.format_rows(rows))
     return 1 if _check.failed(rows) else 0
@@ -168,18 +177,44 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _check_output(flag: str, path: str | None) -> None:
-    """Fail before minutes of benchmarking, not after, on an unwritable output path."""
+    """Fail before minutes of benchmarking, not after, on an output path that cannot be written.
+
+    Nothing is created here: the file's folder is made when the file is written, after the
+    run, so a refused run leaves the file system as it was.  Writability is probed with a
+    temporary file in the nearest existing folder (``os.access`` says yes to root even on
+    ``/proc``), removed at once.
+    """
+    import tempfile
     from pathlib import Path
 
     if path is None:
         return
-    parent = Path(path).resolve().parent
+    target = Path(path).absolute()
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder, not a file path")
+    if target.exists() and not target.is_file():
+        raise ValueError(f"{flag} {path}: not a regular file")
+    folder = target.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: {folder} is not a folder")
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            with open(target, "ab"):  # appends nothing: checks the file itself is writable
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=folder):
+                pass
     except OSError as exc:
-        raise ValueError(f"{flag} {path}: cannot create its folder ({exc.strerror})") from None
-    if Path(path).is_dir() or not os.access(parent, os.W_OK):
-        raise ValueError(f"{flag} {path}: not a writable file path")
+        raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
+
+
+def _write_text(path: str, text: str) -> None:
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -222,9 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         common.write_json(args.json, outcome.records, meta)
         print(f"wrote {args.json}")
     if args.markdown:
-        from pathlib import Path
-
-        Path(args.markdown).write_text(report.markdown_table(outcome.records) + "\n")
+        _write_text(args.markdown, report.markdown_table(outcome.records) + "\n")
         print(f"wrote {args.markdown}")
     if args.plot:
         if outcome.records:

@@ -189,6 +189,28 @@ def test_unusable_backend_is_skipped_with_its_reason(monkeypatch):
     assert "switched off for the test" in _check.format_rows(rows)
 
 
+def test_check_of_a_named_unusable_backend_fails_and_says_how_to_install(monkeypatch, capsys):
+    """`check --backend B` for a B that cannot run is not "0 checks passed": exit 2, why, how."""
+    report_ = dict(pn.backends())
+    report_["dask"] = (False, "dask is not installed (switched off for the test)")
+    monkeypatch.setattr(pn, "backends", lambda: report_)
+    assert main(["check", "--backend", "dask", "--dtype", "float32"]) == 2
+    captured = capsys.readouterr()
+    assert "checks passed" not in captured.out
+    assert "'dask' is not available" in captured.err and "pip install 'polynorm[dask]'" in captured.err
+    # the same with a usable backend named alongside: nothing runs
+    assert main(["check", "--backend", "array_api", "--backend", "dask"]) == 2
+    assert "checks passed" not in capsys.readouterr().out
+
+
+def test_check_of_cupy_without_cupy_exits_nonzero(capsys):
+    if pn.backends()["cupy"][0]:
+        pytest.skip("cupy is usable here")
+    assert main(["check", "--backend", "cupy"]) == 2
+    err = capsys.readouterr().err
+    assert "cupy" in err and "pip install" in err and "Traceback" not in err
+
+
 # ------------------------------------------------------------------ bench
 
 
@@ -264,6 +286,35 @@ def test_bench_unwritable_output_is_exit_2_before_running(flag, tmp_path, fake_s
     err = capsys.readouterr().err
     assert flag in err and "Traceback" not in err
     assert ran == []
+
+
+def test_bench_output_in_an_unwritable_place_is_exit_2_before_running(tmp_path, fake_suites,
+                                                                     capsys, monkeypatch):
+    """/proc passes os.access for root but takes no new file: refused before the run."""
+    ran = []
+    monkeypatch.setattr(report, "run_suites", lambda **kw: ran.append(kw))
+    if not __import__("os").path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    assert main(["bench", "--quick", "--json", "/proc/polynorm-bench.json"]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "Traceback" not in err
+    assert ran == []
+
+
+def test_a_refused_bench_creates_no_folders(tmp_path, fake_suites, capsys, monkeypatch):
+    ran = []
+    run_suites = report.run_suites
+    monkeypatch.setattr(report, "run_suites", lambda **kw: ran.append(kw))
+    new = tmp_path / "new" / "deeper"
+    # refused up front: another output is a folder
+    assert main(["bench", "--quick", "--json", str(new / "x.json"), "--markdown",
+                 str(tmp_path)]) == 2
+    assert ran == [] and not (tmp_path / "new").exists()
+    # refused after the run: nothing of the named backend can run here
+    monkeypatch.setattr(report, "run_suites", run_suites)
+    assert main(["bench", "--quick", "--no-progress", "--backend", "torch", "--json",
+                 str(new / "x.json")]) == 2
+    assert not (tmp_path / "new").exists()
 
 
 def test_bench_readme_block_is_regenerated_in_place(fake_suites, tmp_path, capsys):
