@@ -54,6 +54,13 @@ def _namespace(arrays: dict[str, Any]):
     for argname, a in present.items():
         if not aac.is_array_api_obj(a):
             raise TypeError(f"{argname} must be an array, got {type(a).__name__}")
+        if isinstance(a, _np.ma.MaskedArray):
+            # a mask has no meaning for a norm (the statistic would count masked entries
+            # as values); the fast path takes exact np.ndarray only, so all come here
+            raise TypeError(
+                f"{argname} must not be a masked array (numpy.ma): polynorm gives masks no "
+                "meaning; pass a plain numpy array (for example a.filled(0))"
+            )
     try:
         xp = aac.array_namespace(*present.values())
     except TypeError:

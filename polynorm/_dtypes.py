@@ -39,10 +39,32 @@ def float_dtype_name(argname: str, arr: Any) -> str:
 
 
 def parse_dtype(argname: str, dtype: Any) -> str | None:
-    """Accept ``None``, a dtype name or a dtype object; return a float dtype name."""
+    """Accept ``None``, a dtype name or a dtype object; return a float dtype name.
+
+    dtype objects of any library (``np.dtype``, ``torch.float16``, a jax or
+    cupy dtype) and the scalar types numpy takes as dtypes (``np.float16``,
+    ``ml_dtypes.bfloat16``, ``jnp.bfloat16``) name the same four dtypes.
+
+    >>> import numpy as np, ml_dtypes
+    >>> parse_dtype("out_dtype", np.float16), parse_dtype("out_dtype", ml_dtypes.bfloat16)
+    ('float16', 'bfloat16')
+    """
     if dtype is None:
         return None
-    name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    if isinstance(dtype, str):
+        name = dtype
+    elif isinstance(dtype, type):
+        # a scalar type: its str() is "<class 'numpy.float16'>", numpy knows its dtype
+        import numpy as np
+
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = dtype.__name__
+    else:
+        name = dtype_name(dtype)
+    if name == "half":
+        name = "float16"
     if name not in FLOAT_DTYPES:
         raise TypeError(f"{argname} must be one of {FLOAT_DTYPES} (or None), got {dtype!r}")
     return name

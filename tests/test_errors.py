@@ -324,3 +324,27 @@ def test_out_dtype_missing_from_the_library():
     x = xs.asarray(np.ones((3, 4), np.float32))
     with _raises(TypeError, "out_dtype='bfloat16'", "array-api-strict"):
         pn.rms_norm(x, out_dtype="bfloat16")
+
+
+# ------------------------------------------------------------------ masked arrays
+
+
+@pytest.mark.parametrize("which", ["x", "residual", "weight", "bias", "dy", "grad_residual",
+                                   "rstd", "out"])
+def test_masked_arrays_are_refused_by_name(which):
+    """numpy.ma is a subclass of ndarray: without a check its mask would be ignored."""
+    x = np.arange(1.0, 13.0, dtype=np.float32).reshape(3, 4)
+    shapes = {"weight": (4,), "bias": (4,), "rstd": (3,)}
+    plain = np.ones(shapes.get(which, (3, 4)), np.float32)
+    bad = np.ma.masked_array(plain, mask=np.zeros(plain.shape, bool))
+    args = {which: bad}
+    with _raises(TypeError, which, "masked"):
+        if which in ("dy", "grad_residual", "rstd"):
+            pn.rms_norm_backward(args.get("dy", x), args.get("x", x), rstd=args.get("rstd"),
+                                 grad_residual=args.get("grad_residual"))
+        elif which == "residual":
+            pn.add_rms_norm(x, bad)
+        elif which == "x":
+            pn.rms_norm(bad)
+        else:
+            pn.rms_norm(x, **args)
