@@ -78,6 +78,24 @@ def _namespace(arrays: dict[str, Any]):
     return xp
 
 
+def _chunk_library_params(x: Any, weight: Any, bias: Any) -> tuple[Any, Any]:
+    """A dask ``x`` takes ``weight``/``bias`` as arrays of its chunks' library (numpy
+    with numpy chunks, cupy with cupy chunks), as dask's own operations do: those
+    become one-chunk dask arrays here, so that everything after sees one library."""
+    if not aac.is_dask_array(x):
+        return weight, bias
+    meta_type = type(getattr(x, "_meta", None))
+
+    def lift(a):
+        if a is None or aac.is_dask_array(a) or type(a) is not meta_type:
+            return a  # other libraries: the namespace check names them
+        import dask.array as da
+
+        return da.from_array(a, chunks=a.shape)
+
+    return lift(weight), lift(bias)
+
+
 def _normalize_axis(axis: Any, ndim: int) -> tuple[int, ...]:
     items = axis if isinstance(axis, tuple) else (axis,)
     if not items:
@@ -464,6 +482,7 @@ def _prepare(
 
 
 def _forward(x, residual, weight, bias, out, return_rstd, options, *, fused: bool):
+    weight, bias = _chunk_library_params(x, weight, bias)
     call = _prepare(
         x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out}, **options
     )
@@ -732,6 +751,7 @@ def rms_norm_backward(
             return r
     options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
                    casting=casting, out_dtype=None, backend=backend)
+    weight, bias = _chunk_library_params(x, weight, bias)
     call = _prepare(
         x=x, weight=weight, bias=bias,
         arrays={"dy": dy, "rstd": rstd, "grad_residual": grad_residual}, **options,

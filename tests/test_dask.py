@@ -193,3 +193,46 @@ def test_empty_chunks_forward_and_backward(dtype):
     _same_bits(dx, dxm)
     _sum_close(dw, dwm)
     _sum_close(db, dbm)
+
+
+def test_numpy_weight_and_bias_with_a_dask_x():
+    """SPEC: a dask x takes weight/bias as arrays of its chunks' library, as dask's ops do."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 2, 4)).astype(np.float32)
+    w, b = rng.standard_normal((2, 4)).astype(np.float32), np.ones((2, 4), np.float32)
+    dx = da.from_array(x, chunks=(4, 2, 4))
+    for axis, ww, bb in ((-1, w[0], b[0]), ((1, 2), w, b)):
+        y = pn.rms_norm(dx, ww, bb, axis=axis)
+        assert isinstance(y, da.Array)
+        np.testing.assert_array_equal(y.compute(scheduler="sync"), pn.rms_norm(x, ww, bb, axis=axis))
+        got = pn.rms_norm_backward(dx, dx, ww, bb, axis=axis)
+        want = pn.rms_norm_backward(x, x, ww, bb, axis=axis)
+        for g, v in zip(dask.compute(*got, scheduler="sync"), want, strict=True):
+            np.testing.assert_array_equal(g, v)
+    y, h = pn.add_rms_norm(dx, dx, w[0])
+    np.testing.assert_array_equal(y.compute(scheduler="sync"), pn.add_rms_norm(x, x, w[0])[0])
+    # token-shaped arrays stay dask-only, and other libraries stay refused by name
+    with pytest.raises(TypeError, match="residual: numpy"):
+        pn.add_rms_norm(dx, x)
+    with pytest.raises(TypeError, match="weight: array_api_strict"):
+        pn.rms_norm(dx, pytest.importorskip("array_api_strict").asarray(w[0]))
+
+
+def test_graphs_never_respec_a_key_of_the_callers():
+    """Every key the caller's arrays already have keeps its spec in polynorm's graphs
+    (a second spec under one key makes distributed warn and can deadlock it)."""
+    for dt, chunks, weighted in ((np.float16, (16, 32), True), (np.float32, (16, 16), True),
+                                 (np.float32, (16, 32), False)):
+        x = da.random.default_rng(1).standard_normal((64, 32), chunks=chunks).astype(dt)
+        w = da.ones(32, dtype=dt, chunks=32) if weighted else None
+        y, rstd = pn.rms_norm(x, w, return_rstd=True)
+        dy = (y * 2).astype(dt)
+        caller = {**dict(x.__dask_graph__()), **dict(dy.__dask_graph__())}
+        for out in (pn.rms_norm_backward(dy, x, w, rstd=rstd), pn.add_rms_norm(x, dy, w)):
+            ours = {}
+            for a in out:
+                if a is not None:
+                    ours.update(dict(a.__dask_graph__()))
+            shared = [k for k in caller if k in ours]
+            assert shared
+            assert [k for k in shared if ours[k] != caller[k]] == []

@@ -183,7 +183,10 @@ def _tree_reduce(parts, ntot: int, d: int, wdt, bdt, cdt):
     import dask
     import dask.array as da
 
-    level = [dask.delayed(_pick)(blk, 1) for blk in parts.to_delayed().ravel()]
+    # optimize_graph=False: an optimized graph would carry the caller's keys with other
+    # (fused) specs, and distributed warns about, and can deadlock on, a key with two specs
+    level = [dask.delayed(_pick)(blk, 1)
+             for blk in parts.to_delayed(optimize_graph=False).ravel()]
     while len(level) > 1:
         level = [dask.delayed(_merge_states)(level[i:i + SPLIT_EVERY], ntot, cdt)
                  for i in range(0, len(level), SPLIT_EVERY)]
