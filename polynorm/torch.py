@@ -295,12 +295,32 @@ def _eager(x) -> bool:
     )
 
 
+def _check_tensors(**arrays: Any) -> None:
+    """A TypeError naming the argument for anything but a tensor (the dispatcher's own
+    error prints the whole array and names no argument)."""
+    for argname, a in arrays.items():
+        if a is not None and not isinstance(a, torch.Tensor):
+            allowed = "a torch.Tensor" if argname in ("x", "residual") else "a torch.Tensor or None"
+            raise TypeError(
+                f"{argname} must be {allowed}, got {type(a).__module__}.{type(a).__name__}; "
+                "for other array types use polynorm.rms_norm / polynorm.add_rms_norm"
+            )
+
+
+def _default_eps(eps: Any, *dtypes: Any) -> Any:
+    """``eps=None``: torch's default, the machine epsilon of the dtype torch computes in
+    (float32 for float16/bfloat16/float32 input, float64 when an input is float64)."""
+    if eps is not None:
+        return eps
+    return torch.finfo(torch.float64 if torch.float64 in dtypes else torch.float32).eps
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     *,
-    eps: float = 1e-6,
+    eps: float | None = 1e-6,
     axis: int | tuple[int, ...] = -1,
     partial: float = 1.0,
     offset: float = 0.0,
@@ -321,7 +341,12 @@ def rms_norm(
         Float tensor (float16, bfloat16, float32, float64), CPU or CUDA.
     weight, bias : torch.Tensor, optional
         Shape of ``x`` over the normalized axes; may have another float dtype.
-    eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
+    eps : float or None
+        As in :func:`polynorm.rms_norm`; ``None`` means torch's default, as in
+        ``torch.nn.functional.rms_norm`` and :class:`RMSNorm`: the machine epsilon
+        of the dtype torch computes in (``torch.finfo(torch.float32).eps`` for
+        float16/bfloat16/float32 input, float64's for float64 input).
+    axis, partial, offset, eps_mode, casting, out_dtype, backend
         As in :func:`polynorm.rms_norm`.
 
     Returns
@@ -341,6 +366,12 @@ def rms_norm(
     >>> x.grad
     tensor([[ 0.0453, -0.0339]])
     """
+    T = torch.Tensor
+    if not (isinstance(x, T) and (weight is None or isinstance(weight, T))
+            and (bias is None or isinstance(bias, T))):  # unrolled: runs on every call
+        _check_tensors(x=x, weight=weight, bias=bias)
+    if eps is None:
+        eps = _default_eps(eps, x.dtype)
     if _eager(x):
         opts = _options(eps, axis, partial, offset, eps_mode, casting, backend)
         if not _records(x, weight, bias):  # inference: no autograd node to build (~5 us)
@@ -358,7 +389,7 @@ def add_rms_norm(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     *,
-    eps: float = 1e-6,
+    eps: float | None = 1e-6,
     axis: int | tuple[int, ...] = -1,
     partial: float = 1.0,
     offset: float = 0.0,
@@ -378,7 +409,10 @@ def add_rms_norm(
     x, residual : torch.Tensor
         Same shape; ``h`` has their promoted dtype.
     weight, bias : torch.Tensor, optional
-    eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
+    eps : float or None
+        ``None``: as in :func:`rms_norm`, for ``h``'s dtype (float64's epsilon when
+        ``x`` or ``residual`` is float64).
+    axis, partial, offset, eps_mode, casting, out_dtype, backend
         As in :func:`polynorm.add_rms_norm`.
 
     Returns
@@ -400,6 +434,9 @@ def add_rms_norm(
     """
     if residual is None:
         raise TypeError("residual must be a tensor, got None")
+    _check_tensors(x=x, residual=residual, weight=weight, bias=bias)
+    if eps is None:
+        eps = _default_eps(eps, x.dtype, residual.dtype)
     if _eager(x):
         opts = _options(eps, axis, partial, offset, eps_mode, casting, backend)
         if not _records(x, residual, weight, bias):
@@ -512,12 +549,9 @@ class RMSNorm(torch.nn.Module):
             raise ValueError(
                 f"x must end in normalized_shape {self.normalized_shape}, got shape {tuple(x.shape)}"
             )
-        eps = self.eps
-        if eps is None:  # torch takes the eps of its opmath dtype, not of x's dtype
-            eps = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
         axis = -1 if nd == 1 else tuple(range(-nd, 0))  # an int axis takes the fast front end
         return rms_norm(
-            x, self.weight, self.bias, eps=eps, axis=axis, partial=self.partial,
+            x, self.weight, self.bias, eps=self.eps, axis=axis, partial=self.partial,
             offset=self.offset, eps_mode=self.eps_mode, casting=self.casting, backend=self.backend,
         )
 

@@ -436,3 +436,36 @@ def test_eager_without_grad_records_nothing_and_matches():
         y3, _ = add_rms_norm(x, x, w)
     assert not y2.requires_grad and not y3.requires_grad
     assert torch.equal(y.detach(), y2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_functional_eps_none_is_the_modules_and_torchs_default(dtype):
+    """eps=None means what it means for pnt.RMSNorm and F.rms_norm: finfo of the opmath dtype."""
+    dt = TORCH_DTYPES[dtype]
+    x, w = _randn(5, 16, dtype=dt, seed=3), _randn(16, dtype=dt, seed=4)
+    want_eps = torch.finfo(torch.float64 if dt == torch.float64 else torch.float32).eps
+    y = rms_norm(x, w, eps=None)
+    assert torch.equal(y, rms_norm(x, w, eps=want_eps))
+    m = RMSNorm(16, dtype=dt)
+    with torch.no_grad():
+        m.weight.copy_(w)
+    assert torch.equal(m(x), y)
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (16,), w))
+    xg = x.clone().requires_grad_()
+    rms_norm(xg, w, eps=None).sum().backward()  # the autograd path takes it too
+    assert torch.isfinite(xg.grad).all()
+    r = _randn(5, 16, dtype=torch.float64, seed=5)
+    yh, _ = add_rms_norm(x, r, eps=None)  # h is float64: float64's epsilon
+    assert torch.equal(yh, add_rms_norm(x, r, eps=torch.finfo(torch.float64).eps)[0])
+
+
+def test_functional_rejects_non_tensors_by_name():
+    a = np.ones((2, 4), np.float32)
+    t = torch.ones(2, 4)
+    for call, name in ((lambda: rms_norm(a), "x"), (lambda: rms_norm(t, a[0]), "weight"),
+                       (lambda: rms_norm(t, None, a[0]), "bias"),
+                       (lambda: add_rms_norm(t, a), "residual"),
+                       (lambda: add_rms_norm(a, t), "x")):
+        with pytest.raises(TypeError, match=f"^{name} must be a torch.Tensor.*numpy.ndarray") as info:
+            call()
+        assert "[[" not in str(info.value)  # not the dispatcher's printout of the array
