@@ -7,10 +7,14 @@ kernels as integer views (``int16`` and ``uint16``: the view's type is the
 format, a compile-time constant) and converted in registers
 (:mod:`polynorm.backends._numba_codec`).
 
-Layouts: any row stride is taken as is.  Rows whose elements are not
-adjacent (a strided last axis) are copied for the backward, whose dot is
-summed in the order LLVM vectorizes contiguous rows in, so that the bits
-do not depend on the layout.
+Layouts: any row stride is taken as is (padded, negative, zero).  Rows
+whose elements are not adjacent (a strided last axis, e.g. Fortran order)
+are copied first: the row reductions (sum of squares, the backward's dot)
+take one row at a time as a contiguous ``(1, d)`` array
+(:func:`._numba_refs.row_of`) and are compiled once for all layouts, so
+a token's bits do not depend on the strides or memory order it comes in
+(SPEC's batch invariance).  LLVM vectorizes a reduction over a C-contiguous
+array and one over a strided array in different orders.
 
 Small work runs in a serial kernel: a parallel launch costs more than it
 saves below :data:`SERIAL_MAX_ELEMENTS` elements (measured with
@@ -230,6 +234,8 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     like = x
     to_numpy = _interop.to_numpy
     x = to_numpy(x)
+    if residual is None:
+        x = _unit_columns(x)  # the row reductions take rows of adjacent elements
     n, d = x.shape
     flags, y_dt, h_dt, cdt, _ = _info(plan)
     empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
@@ -284,6 +290,8 @@ def forward_small(x: np.ndarray, weight, bias, plan: Plan):
     K = _kernels or _k()
     flags, y_dt, _, cdt, _ = _info(plan)
     n, d = x.shape
+    if d > 1 and x.strides[1] != x.itemsize:
+        x = np.ascontiguousarray(x)  # as _unit_columns
     y = np.empty((n, d), y_dt)
     rstd = np.empty(n, cdt)
     w = b = _NO_VEC[cdt]
