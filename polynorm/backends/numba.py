@@ -25,6 +25,7 @@ threads at once; the serial kernels release the GIL and need no lock.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -172,7 +173,46 @@ def _stage(yk: np.ndarray, stream: bool) -> np.ndarray:
 
 def _parallel(n: int, d: int) -> bool:
     # by size only: the thread count must never change which code runs
-    return n >= 2 and n * d >= SERIAL_MAX_ELEMENTS
+    # (and the serial and parallel drivers give the same bits)
+    return n >= 2 and n * d >= SERIAL_MAX_ELEMENTS and not _forked_after_omp
+
+
+# Fork safety.  Numba picks its threading layer at the first parallel launch:
+# tbb where libtbb is installed, else GNU OpenMP ("omp"), else its own
+# workqueue.  A process forked after an OpenMP parallel region is killed by
+# libgomp the moment it enters one ("fork() called from a process already
+# using GNU OpenMP"), e.g. multiprocessing's fork start method and torch
+# DataLoader workers.  So a child forked after this process ran a parallel
+# kernel on the omp layer runs the serial kernels (the same bits: the drivers
+# do not change a row's code); the parent keeps the omp layer, whose launch
+# is the cheapest of the three, and nothing changes for processes that do
+# not fork.  The launch lock is made anew in the child (a fork while another
+# thread held it would leave it locked forever).
+_omp_used = False
+_forked_after_omp = False
+
+
+def _note_layer() -> None:
+    """After a parallel launch: remember whether it ran on GNU OpenMP."""
+    global _omp_used
+    if not _omp_used:
+        import numba
+
+        try:
+            _omp_used = numba.threading_layer() == "omp"
+        except ValueError:  # no parallel launch yet
+            pass
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_omp, _launch_lock
+    _launch_lock = threading.Lock()
+    if _omp_used:
+        _forked_after_omp = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _vec(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarray:
@@ -271,6 +311,8 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     if _parallel(n, d):
         with _launch_lock:
             (K.forward_llama_parallel if plan.llama else K.forward_parallel)(*args)
+        if not _omp_used:
+            _note_layer()
     elif plan.llama:
         K.forward_llama_rows(0, n, *args)
     else:
@@ -412,6 +454,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         with _launch_lock:
             KB.backward_blocks_parallel(0, nb, m, 0, n, n, *args, lvl, idx, vals,
                                         *_pools(m, width, cdt, True))
+        if not _omp_used:
+            _note_layer()
     else:
         KB.backward_range(0, n, 0, n, m, *args, lvl, idx, vals, 0, *_pools(m, width, cdt))
     dw = db = None
@@ -419,6 +463,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         if par and width >= 4096 and nb > 1:
             with _launch_lock:
                 KB.tree_parallel(vals, nb)
+            if not _omp_used:
+                _note_layer()
         else:
             KB.tree_cols(0, width, vals, nb)
         empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
@@ -474,6 +520,8 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
             with _launch_lock:
                 KB.backward_blocks_parallel(ib0, nb, m, row0, n, ntot, *args, lv, ix, va,
                                             *_pools(m, width, cdt, True))
+            if not _omp_used:
+                _note_layer()
         else:
             for t in range(nb):
                 b = ib0 + t
