@@ -274,8 +274,8 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     like = x
     to_numpy = _interop.to_numpy
     x = to_numpy(x)
-    if residual is None:
-        x = _unit_columns(x)  # the row reductions take rows of adjacent elements
+    if residual is None and x.shape[1] > 1 and x.strides[1] != x.itemsize:
+        x = np.ascontiguousarray(x)  # _unit_columns: the row reductions take adjacent elements
     n, d = x.shape
     flags, y_dt, h_dt, cdt, _ = _info(plan)
     empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
