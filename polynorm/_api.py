@@ -231,7 +231,9 @@ def _view_rows(lay: _Layout, out: Any) -> Any:
     return None
 
 
-def _check_out(out: Any, x: Any, plan: Plan) -> None:
+def _check_out(out: Any, x: Any, plan: Plan, inputs: tuple = ()) -> None:
+    """``out``'s type, shape and dtype; for host memory also its byte order,
+    writability and overlap with the ``inputs`` (x, residual, weight, bias)."""
     if out is None:
         return
     if type(out) is not type(x):
@@ -242,6 +244,124 @@ def _check_out(out: Any, x: Any, plan: Plan) -> None:
     got = float_dtype_name("out", out)
     if got != plan.out_dtype:
         raise TypeError(f"out must have dtype {plan.out_dtype} (the output dtype), got {got}")
+    ov = _host_view(out)
+    if ov is not None:
+        names = ("x", "residual", "weight", "bias")[:len(inputs)]
+        _check_out_memory(ov, tuple(_host_view(a) for a in inputs), names)
+
+
+def _native(a: Any) -> Any:
+    """``a`` in native byte order: a converted copy of an array whose numpy
+    dtype is byte-swapped (``'>f4'`` on a little-endian machine), else ``a``.
+
+    The kernels read memory in the machine's order; a swapped input would be
+    read wrongly (16-bit) or not compile (float32/float64).
+    """
+    dt = getattr(a, "dtype", None)
+    if not isinstance(dt, _np.dtype) or dt.isnative:
+        return a
+    return a.astype(dt.newbyteorder("="))
+
+
+def _same_memory(a: _np.ndarray, b: _np.ndarray) -> bool:
+    """Whether ``a`` and ``b`` are the same elements: address, shape, strides, item size."""
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.shape == b.shape and a.strides == b.strides and a.itemsize == b.itemsize)
+
+
+def _self_overlaps(a: _np.ndarray) -> bool:
+    """Whether two elements of ``a`` share memory (a zero stride, a broadcast view).
+
+    Exact for every layout whose axes nest (each stride spans the axes of
+    smaller strides, as any slice or transpose of one array does); an
+    interleaved ``as_strided`` layout that does not nest is taken as
+    overlapping.
+    """
+    span = a.itemsize
+    for n, st in sorted(((n, abs(st)) for n, st in zip(a.shape, a.strides, strict=True) if n > 1),
+                        key=lambda p: p[1]):
+        if st < span:
+            return True
+        span = st * n
+    return False
+
+
+def _check_out_memory(out: _np.ndarray, inputs: tuple, names: tuple) -> None:
+    """``out`` (a numpy view) must be writable, in native byte order, free of
+    overlapping elements, and share no memory with an input, except being
+    exactly the same elements as ``x`` or ``residual`` (an in-place call).
+
+    Cheap for the usual calls (a (1, 4096) call is ~3 us): two arrays that
+    own their memory are disjoint; else a bounds test per input
+    (``numpy.may_share_memory``, ~0.3 us), and the exact test only when the
+    bounds overlap.
+    """
+    flags = out.flags
+    if not flags.writeable:
+        raise ValueError("out is read-only; pass a writable array (or out=None)")
+    if not out.dtype.isnative:
+        raise TypeError(
+            f"out must have the machine's byte order, got dtype {out.dtype.str!r}; "
+            f"pass an array of dtype {out.dtype.newbyteorder('=').str!r} (or out=None)"
+        )
+    if not (flags.c_contiguous or flags.f_contiguous) and _self_overlaps(out):
+        raise ValueError(
+            f"out's elements overlap (strides {out.strides}, e.g. a broadcast view); "
+            "pass an array whose elements are distinct"
+        )
+    owner = out.base is None
+    for a, argname in zip(inputs, names, strict=True):
+        if a is None or (owner and a is not out and a.base is None):
+            continue  # a and out own their memory: two allocations
+        if a is out and argname in ("x", "residual"):
+            continue  # in place
+        if not _np.may_share_memory(out, a):
+            continue
+        if argname in ("x", "residual") and _same_memory(out, a):
+            continue  # in place: allowed
+        try:
+            shared = _np.shares_memory(out, a, max_work=1 << 16)
+        except _np.exceptions.TooHardError:
+            shared = True
+        if shared:
+            allowed = "" if argname not in ("x", "residual") else (
+                f" (out may be exactly {argname}: the same memory, shape and strides)")
+            raise ValueError(f"out overlaps {argname}{allowed}; pass a separate array")
+
+
+def _fast_out_ok(out: _np.ndarray, x, residual, weight, bias) -> bool:
+    """The usual ``out=`` of the fast path, cheaply: a writable C-contiguous
+    array owning its memory (no self-overlap), ``x`` and ``residual`` are
+    ``out`` itself or own theirs, and so do ``weight``/``bias``: nothing
+    can overlap.  False sends the call to the full :func:`_check_out_memory`.
+    The fast path has already matched ``out``'s dtype (native byte order)."""
+    flags = out.flags
+    return (flags.writeable and flags.c_contiguous and out.base is None
+            and (x is out or x.base is None)
+            and (residual is None or residual is out or residual.base is None)
+            and (weight is None or weight.base is None)
+            and (bias is None or bias.base is None))
+
+
+def _host_view(a: Any) -> _np.ndarray | None:
+    """A numpy view of a host array (numpy, torch/jax CPU), or None."""
+    if a is None or type(a) is _np.ndarray:
+        return a
+    if not _interop.is_host_array(a):
+        return None
+    try:
+        return _interop.to_numpy(a)
+    except TypeError:
+        return None
+
+
+def _partly_written(exc: BaseException) -> RuntimeError:
+    """The error of a kernel that failed after it may have written ``out``."""
+    err = RuntimeError(
+        f"the kernel failed ({type(exc).__name__}: {exc}); out may be partly written"
+    )
+    err.__cause__ = exc
+    return err
 
 
 # --------------------------------------------------------------------------- numpy fast path
@@ -325,6 +445,12 @@ def _fast_forward(mod, x, residual, weight, bias, out, return_rstd, eps, partial
         views = _interop.torch_host_views((x, residual, weight, bias, out))
         if views is None:
             return None
+        if out is not None:
+            # in place: the same view object, which the overlap check knows at once
+            if out is x:
+                views[4] = views[0]
+            elif out is residual:
+                views[4] = views[1]
         r = _fast_forward(mod, *views, return_rstd, eps, partial, offset, eps_mode, casting,
                           out_dtype, fused)
         if r is None:
@@ -361,12 +487,19 @@ def _fast_forward(mod, x, residual, weight, bias, out, return_rstd, eps, partial
     n = shape[0] if two_d else x.size // d
     if n == 0:
         return None
+    if out is not None and not _fast_out_ok(out, x, residual, weight, bias):
+        _check_out_memory(out, (x, residual, weight, bias), ("x", "residual", "weight", "bias"))
     if (two_d and residual is None and out is None and n * d < mod.SERIAL_MAX_ELEMENTS
             and not plan.llama):
         y, rstd = mod.forward_small(x, weight, bias, plan)
         return (y, rstd) if return_rstd else y
     if two_d:
-        y, h, rstd = mod.forward(x, residual, weight, bias, plan, out)
+        try:
+            y, h, rstd = mod.forward(x, residual, weight, bias, plan, out)
+        except Exception as exc:
+            if out is None:
+                raise
+            raise _partly_written(exc) from exc
     else:
         r2 = None if residual is None else residual.reshape(n, d)
         y, h, rstd = mod.forward(x.reshape(n, d), r2, weight, bias, plan, None)
@@ -487,15 +620,20 @@ def _forward(x, residual, weight, bias, out, return_rstd, options, *, fused: boo
         x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out}, **options
     )
     lay, plan = call.lay, call.plan
-    _check_out(out, x, plan)
+    _check_out(out, x, plan, (x, residual, weight, bias))
     out2 = _view_rows(lay, out) if out is not None else None
     if lay.n == 0:
         y2, h2, rstd = _empty_forward(lay, x, residual, plan)
     else:
-        with _no_autograd(x):
-            y2, h2, rstd = call.backend.forward(
-                lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias), plan, out2
-            )
+        try:
+            with _no_autograd(x):
+                y2, h2, rstd = call.backend.forward(
+                    lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias), plan, out2
+                )
+        except Exception as exc:
+            if out2 is None:  # out is written below, after the kernel: untouched
+                raise
+            raise _partly_written(exc) from exc
     if out is not None and out2 is not None and y2 is out2:
         y = out
     else:
@@ -590,7 +728,11 @@ def rms_norm(
         Also return ``rstd`` (shape of ``x`` without the normalized axes,
         float32, float64 for float64 input), for :func:`rms_norm_backward`.
     out : array, optional
-        Preallocated result (same type, shape and dtype as ``y``; may be ``x``).
+        Preallocated result (same type, shape and dtype as ``y``; may be ``x``:
+        the same memory, shape and strides).  Writable, in native byte order
+        (else ``TypeError``), sharing no memory with any input in another way
+        and with no two elements at one address (else ``ValueError``).
+        Inputs in non-native byte order are converted (a copy).
     backend : {"auto", "numba", "cupy", "dask", "array_api"}
 
     Returns
@@ -614,6 +756,7 @@ def rms_norm(
             return r
     options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
                    casting=casting, out_dtype=out_dtype, backend=backend)
+    x, weight, bias = _native(x), _native(weight), _native(bias)
     return _forward(x, None, weight, bias, out, return_rstd, options, fused=False)
 
 
@@ -666,6 +809,7 @@ def add_rms_norm(
             return r
     options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
                    casting=casting, out_dtype=out_dtype, backend=backend)
+    x, residual, weight, bias = _native(x), _native(residual), _native(weight), _native(bias)
     return _forward(x, residual, weight, bias, out, return_rstd, options, fused=True)
 
 
@@ -751,6 +895,8 @@ def rms_norm_backward(
             return r
     options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
                    casting=casting, out_dtype=None, backend=backend)
+    dy, x, weight, bias, rstd, grad_residual = (
+        _native(a) for a in (dy, x, weight, bias, rstd, grad_residual))
     weight, bias = _chunk_library_params(x, weight, bias)
     call = _prepare(
         x=x, weight=weight, bias=bias,

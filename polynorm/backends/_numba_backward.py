@@ -32,7 +32,7 @@ from ._numba_kernels import (
     _stats,
     like,
 )
-from ._numba_refs import borrow
+from ._numba_refs import borrow, row_of
 from ._rowtree import TREE_G
 
 assert TREE_G == 4, "_group_node spells out the adds of a 16-row node"
@@ -129,7 +129,8 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
                       rtmp)
     else:
         oc = like(offset, rc)
-        c = _dot_row(dy, x, w, i, rc, oc, flags)
+        # rows as (1, d) C arrays (row_of): one compiled dot for every layout
+        c = _dot_row(row_of(dy, i), row_of(x, i), w, 0, rc, oc, flags)
         coef64 = c / k
         if not inside:
             coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)

@@ -70,7 +70,8 @@ def _u64_as_f64(typingctx, v):
     return types.float64(v), codegen
 
 
-_jit = njit(nogil=True)
+# numpy error model: see _numba_kernels.ERROR_MODEL (no exception can leave a kernel)
+_jit = njit(nogil=True, error_model="numpy")
 
 # --------------------------------------------------------------------------- decode
 
@@ -369,7 +370,7 @@ def _ov_round_to(v, code):
 # --------------------------------------------------------------------------- array helpers (tests, tools)
 
 
-@njit(nogil=True)
+@njit(nogil=True, error_model="numpy")
 def _decode(bits):
     out = np.empty(bits.shape[0], np.float32)
     for i in range(bits.shape[0]):
@@ -377,7 +378,7 @@ def _decode(bits):
     return out
 
 
-@njit(nogil=True)
+@njit(nogil=True, error_model="numpy")
 def _encode(values, out):
     for i in range(values.shape[0]):
         store(out, i, values[i], False)

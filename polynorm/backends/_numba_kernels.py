@@ -57,7 +57,7 @@ from ._numba_codec import (
     round_to,
     store,
 )
-from ._numba_refs import borrow
+from ._numba_refs import borrow, row_of
 from ._numba_stream import LINE, line_gap, stream_copy, stream_fence
 
 # --------------------------------------------------------------------------- flags
@@ -78,31 +78,40 @@ PCODE_SHIFT = 20
 _TINY = 2.0**-960  # a float64 sum of squares below this has lost bits
 
 
+#: Every kernel and helper is compiled with numpy's error model: a float
+#: division by zero gives inf/NaN as IEEE says (an all-zero row with eps=0 has
+#: rstd = 1/0 = inf and a NaN output, as torch and the reference give) instead
+#: of Python's ZeroDivisionError, which a kernel cannot raise cleanly (inside a
+#: prange it left a SystemError and rows half written).  The checked division
+#: is also a branch per division less; the quotients' bits are the same.
+ERROR_MODEL = "numpy"
+
+
 def _jit(**kw):
     """``njit`` with an on-disk cache where one can be written, in memory otherwise."""
 
     def deco(fn):
         try:
-            return njit(cache=True, nogil=True, **kw)(fn)
+            return njit(cache=True, nogil=True, error_model=ERROR_MODEL, **kw)(fn)
         except Exception:  # e.g. NUMBA_CACHE_DIR not writable: compile per process
-            return njit(cache=False, nogil=True, **kw)(fn)
+            return njit(cache=False, nogil=True, error_model=ERROR_MODEL, **kw)(fn)
 
     return deco
 
 
 # Row helpers: plain njit functions; LLVM inlines them into each driver.
-_inline = njit(nogil=True)
+_inline = njit(nogil=True, error_model=ERROR_MODEL)
 # The forward's row helpers are inlined by Numba itself: a call between njit
 # functions increfs and decrefs every array argument (atomic operations on
 # counters that both threads share), which measured ~50% of a float32 row's
 # time on cache-resident data.
-_inline_ir = njit(nogil=True, inline="always")
+_inline_ir = njit(nogil=True, inline="always", error_model=ERROR_MODEL)
 # Row reductions: "reassoc" lets LLVM vectorize them (6x faster than a scalar
 # chain).  The summation order is then LLVM's (vector lanes, then a fixed
 # tree), fixed in the compiled code: the same bits on every run and for every
 # thread count, since each row is reduced by the same code whatever the
 # driver or the number of threads.  No "nnan"/"ninf": NaN and Inf propagate.
-_reduce = njit(nogil=True, fastmath={"reassoc", "contract"})
+_reduce = njit(nogil=True, fastmath={"reassoc", "contract"}, error_model=ERROR_MODEL)
 
 
 def like(v, ref):  # pragma: no cover - replaced by the overload
@@ -258,7 +267,8 @@ def _ov_is_bits(a):
 def _ov_row_sumsq(a, i, k, bf):
     if bits_dtype(a.dtype):
         return lambda a, i, k, bf: _sumsq_lanes(a, i, k, bf)
-    return lambda a, i, k, bf: _sumsq(a, i, k, bf)
+    # the row as a (1, d) C array (row_of): one compiled reduction for every layout
+    return lambda a, i, k, bf: _sumsq(row_of(a, i), 0, k, bf)
 
 
 @_inline_ir

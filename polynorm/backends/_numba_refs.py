@@ -40,3 +40,40 @@ def borrow(typingctx, a):
         return out._getvalue()
 
     return a(a), codegen
+
+
+@intrinsic
+def row_of(typingctx, a, i):
+    """Row ``i`` of 2-D ``a`` as a borrowed ``(1, d)`` C-contiguous array.
+
+    ``a``'s elements must be adjacent (unit column stride; the backend copies
+    other rows first); any row stride, negative or zero, is fine.  The row
+    reductions (``_sumsq``, ``_dot_row``) take rows this way, so that they
+    are compiled once for every layout of the caller's array: LLVM
+    vectorizes a reduction over a C row and one over an ``A``-layout row in
+    different orders, which gave a padded or negatively strided row other
+    bits than the same row in a contiguous array.
+    """
+    if not isinstance(a, types.Array) or a.ndim != 2 or not isinstance(i, types.Integer):
+        return None
+    ret = a.copy(layout="C")
+
+    def codegen(context, builder, sig, args):
+        src = context.make_array(sig.args[0])(context, builder, args[0])
+        out = context.make_array(sig.return_type)(context, builder)
+        intp = context.get_value_type(types.intp)
+        row = context.cast(builder, args[1], sig.args[1], types.intp)
+        s0 = builder.extract_value(src.strides, 0)
+        d = builder.extract_value(src.shape, 1)
+        base = builder.bitcast(src.data, cgutils.voidptr_t)
+        ptr = builder.gep(base, [builder.mul(row, s0)])
+        out.meminfo = cgutils.get_null_value(src.meminfo.type)
+        out.parent = cgutils.get_null_value(src.parent.type)
+        out.nitems = d
+        out.itemsize = src.itemsize
+        out.data = builder.bitcast(ptr, src.data.type)
+        out.shape = cgutils.pack_array(builder, [intp(1), d])
+        out.strides = cgutils.pack_array(builder, [builder.mul(d, src.itemsize), src.itemsize])
+        return out._getvalue()
+
+    return ret(a, i), codegen

@@ -7,10 +7,14 @@ kernels as integer views (``int16`` and ``uint16``: the view's type is the
 format, a compile-time constant) and converted in registers
 (:mod:`polynorm.backends._numba_codec`).
 
-Layouts: any row stride is taken as is.  Rows whose elements are not
-adjacent (a strided last axis) are copied for the backward, whose dot is
-summed in the order LLVM vectorizes contiguous rows in, so that the bits
-do not depend on the layout.
+Layouts: any row stride is taken as is (padded, negative, zero).  Rows
+whose elements are not adjacent (a strided last axis, e.g. Fortran order)
+are copied first: the row reductions (sum of squares, the backward's dot)
+take one row at a time as a contiguous ``(1, d)`` array
+(:func:`._numba_refs.row_of`) and are compiled once for all layouts, so
+a token's bits do not depend on the strides or memory order it comes in
+(SPEC's batch invariance).  LLVM vectorizes a reduction over a C-contiguous
+array and one over a strided array in different orders.
 
 Small work runs in a serial kernel: a parallel launch costs more than it
 saves below :data:`SERIAL_MAX_ELEMENTS` elements (measured with
@@ -21,6 +25,7 @@ threads at once; the serial kernels release the GIL and need no lock.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -168,7 +173,46 @@ def _stage(yk: np.ndarray, stream: bool) -> np.ndarray:
 
 def _parallel(n: int, d: int) -> bool:
     # by size only: the thread count must never change which code runs
-    return n >= 2 and n * d >= SERIAL_MAX_ELEMENTS
+    # (and the serial and parallel drivers give the same bits)
+    return n >= 2 and n * d >= SERIAL_MAX_ELEMENTS and not _forked_after_omp
+
+
+# Fork safety.  Numba picks its threading layer at the first parallel launch:
+# tbb where libtbb is installed, else GNU OpenMP ("omp"), else its own
+# workqueue.  A process forked after an OpenMP parallel region is killed by
+# libgomp the moment it enters one ("fork() called from a process already
+# using GNU OpenMP"), e.g. multiprocessing's fork start method and torch
+# DataLoader workers.  So a child forked after this process ran a parallel
+# kernel on the omp layer runs the serial kernels (the same bits: the drivers
+# do not change a row's code); the parent keeps the omp layer, whose launch
+# is the cheapest of the three, and nothing changes for processes that do
+# not fork.  The launch lock is made anew in the child (a fork while another
+# thread held it would leave it locked forever).
+_omp_used = False
+_forked_after_omp = False
+
+
+def _note_layer() -> None:
+    """After a parallel launch: remember whether it ran on GNU OpenMP."""
+    global _omp_used
+    if not _omp_used:
+        import numba
+
+        try:
+            _omp_used = numba.threading_layer() == "omp"
+        except ValueError:  # no parallel launch yet
+            pass
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_omp, _launch_lock
+    _launch_lock = threading.Lock()
+    if _omp_used:
+        _forked_after_omp = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _vec(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarray:
@@ -230,6 +274,8 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     like = x
     to_numpy = _interop.to_numpy
     x = to_numpy(x)
+    if residual is None and x.shape[1] > 1 and x.strides[1] != x.itemsize:
+        x = np.ascontiguousarray(x)  # _unit_columns: the row reductions take adjacent elements
     n, d = x.shape
     flags, y_dt, h_dt, cdt, _ = _info(plan)
     empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
@@ -265,6 +311,8 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     if _parallel(n, d):
         with _launch_lock:
             (K.forward_llama_parallel if plan.llama else K.forward_parallel)(*args)
+        if not _omp_used:
+            _note_layer()
     elif plan.llama:
         K.forward_llama_rows(0, n, *args)
     else:
@@ -284,6 +332,8 @@ def forward_small(x: np.ndarray, weight, bias, plan: Plan):
     K = _kernels or _k()
     flags, y_dt, _, cdt, _ = _info(plan)
     n, d = x.shape
+    if d > 1 and x.strides[1] != x.itemsize:
+        x = np.ascontiguousarray(x)  # as _unit_columns
     y = np.empty((n, d), y_dt)
     rstd = np.empty(n, cdt)
     w = b = _NO_VEC[cdt]
@@ -404,6 +454,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         with _launch_lock:
             KB.backward_blocks_parallel(0, nb, m, 0, n, n, *args, lvl, idx, vals,
                                         *_pools(m, width, cdt, True))
+        if not _omp_used:
+            _note_layer()
     else:
         KB.backward_range(0, n, 0, n, m, *args, lvl, idx, vals, 0, *_pools(m, width, cdt))
     dw = db = None
@@ -411,6 +463,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         if par and width >= 4096 and nb > 1:
             with _launch_lock:
                 KB.tree_parallel(vals, nb)
+            if not _omp_used:
+                _note_layer()
         else:
             KB.tree_cols(0, width, vals, nb)
         empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
@@ -466,6 +520,8 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
             with _launch_lock:
                 KB.backward_blocks_parallel(ib0, nb, m, row0, n, ntot, *args, lv, ix, va,
                                             *_pools(m, width, cdt, True))
+            if not _omp_used:
+                _note_layer()
         else:
             for t in range(nb):
                 b = ib0 + t

@@ -73,6 +73,14 @@ def rstd(x2, plan: Plan):
     return _rstd_from_rms(xp, _rms(xp, v, plan), plan)
 
 
+def _quiet():
+    """numpy's divide/invalid warnings off: rstd = 1/0 = inf for an all-zero
+    token with eps=0 is a documented result (NaN output), as in torch."""
+    import numpy as np
+
+    return np.errstate(divide="ignore", invalid="ignore")
+
+
 def forward(x, residual, weight, bias, plan: Plan, out=None):
     """Forward on 2-D rows.
 
@@ -92,6 +100,11 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     h : array (n, d) of ``plan.x_dtype``, or None
     rstd : array (n,) of ``plan.compute_dtype``
     """
+    with _quiet():
+        return _forward(x, residual, weight, bias, plan)
+
+
+def _forward(x, residual, weight, bias, plan: Plan):
     xp = _xp(x)
     cdt = namespace_dtype(xp, plan.compute_dtype, x)
     h = None
@@ -134,6 +147,11 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     dweight : array (d,) of ``weight``'s dtype, or None
     dbias : array (d,) of ``bias``'s dtype, or None
     """
+    with _quiet():
+        return _backward(dy, x, weight, bias, rstd, grad_residual, plan)
+
+
+def _backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     xp = _xp(x)
     cdt = namespace_dtype(xp, plan.compute_dtype, x)
     v = xp.astype(x, cdt)
@@ -155,9 +173,13 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     if plan.k == plan.d:
         dx = rc * (g_dy - xhat * coef[:, None])
     else:
+        # beyond k the term is xhat * 0, not left out: a token whose rstd is
+        # inf (all zero over k with eps=0) or whose x is non-finite gets NaN
+        # there, as in the compiled kernels, not rstd * g * dy = +-inf
         k = plan.k
         head = rc * (g_dy[:, :k] - xhat[:, :k] * coef[:, None])
-        dx = xp.concat([head, rc * g_dy[:, k:]], axis=1)
+        tail = rc * (g_dy[:, k:] - xhat[:, k:] * xp.zeros_like(coef)[:, None])
+        dx = xp.concat([head, tail], axis=1)
     if grad_residual is not None:
         dx = dx + xp.astype(grad_residual, cdt)
     dx = xp.astype(dx, x.dtype)
