@@ -1,0 +1,273 @@
+"""Fuzzing the public API (hypothesis): arbitrary shapes, strides, byte orders, dtypes and
+option values on every backend here.  Each call either matches the float64 oracle
+(tests/_oracle.py) within the output dtype's tolerance, or raises a TypeError/ValueError
+whose message names an argument; never another exception, and the inputs are unchanged.
+
+Bounded for the default run (``FUZZ_EXAMPLES`` per backend, 40); set
+``POLYNORM_FUZZ_EXAMPLES`` for a longer run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from _oracle import TOL, assert_close, looser
+from _oracle import backward as o_backward
+from _oracle import forward as o_forward
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import polynorm as pn
+
+FUZZ_EXAMPLES = int(os.environ.get("POLYNORM_FUZZ_EXAMPLES", "40"))
+FLOATS = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32,
+          "float64": np.float64}
+#: words an error message must contain one of: it names the argument
+ARGNAMES = ("x", "residual", "weight", "bias", "dy", "rstd", "grad_residual", "out", "eps",
+            "partial", "axis", "offset", "eps_mode", "casting", "out_dtype", "backend")
+
+
+def _dtype_name(a) -> str:
+    if type(a).__module__.startswith("torch"):
+        return str(a.dtype).rsplit(".", 1)[-1]
+    return np.asarray(a).dtype.name
+
+
+def _np(a):
+    if a is None:
+        return None
+    if type(a).__module__.startswith("torch"):
+        import torch
+
+        a = a.detach()
+        if a.dtype == torch.bfloat16:
+            return a.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return a.numpy()
+    if type(a).__module__.startswith("dask"):
+        return np.asarray(a.compute(scheduler="sync"))
+    return np.asarray(a)
+
+
+def _arrays(draw, shape, dtype, byteorder, layout, rng):
+    """An array of ``shape`` in the drawn layout; values N(0, 3)."""
+    dt = np.dtype(FLOATS[dtype]) if dtype in FLOATS else np.dtype(dtype)
+    if byteorder and dt.itemsize > 1 and dtype != "bfloat16":
+        dt = dt.newbyteorder(">")
+    vals = (rng.standard_normal(shape) * 3).astype(dt)
+    if layout == "padded" and len(shape) >= 1:
+        buf = np.zeros(shape[:-1] + (shape[-1] + 2,), dt)
+        buf[..., 1:shape[-1] + 1] = vals
+        return buf[..., 1:shape[-1] + 1]
+    if layout == "negative" and len(shape) >= 1:
+        return np.ascontiguousarray(vals[..., ::-1])[..., ::-1]
+    if layout == "zero" and len(shape) >= 1 and shape[0] > 0:  # a broadcast (zero-stride) axis
+        return np.broadcast_to(vals[:1], shape)
+    return vals
+
+
+@st.composite
+def _calls(draw, kind):
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    op = draw(st.sampled_from(["fwd", "add", "bwd"]))
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(0, 5), min_size=ndim, max_size=ndim)))
+    dtypes = list(FLOATS) + ["int32"]
+    dtype = draw(st.sampled_from(dtypes + ["float32"] * 4))
+    byteorder = kind != "torch" and draw(st.booleans())
+    layouts = ["c", "padded", "negative"] + (["zero"] if kind != "torch" else [])
+    layout = lambda: draw(st.sampled_from(layouts))  # noqa: E731
+    x = _arrays(draw, shape, dtype, byteorder, layout(), rng)
+    opts = {}
+    for name, values in (
+        ("eps", [1e-6, 0.0, 0.5, -1.0, float("nan")]),
+        ("partial", [1.0, 0.5, 0.01, 0.0]),
+        ("axis", [-1, -1, 0, (0, -1), 3]),
+        ("offset", [0.0, 1.0]),
+        ("eps_mode", ["inside", "outside", "Inside"]),
+        ("casting", ["fp32", "llama", "bad"]),
+    ):
+        if draw(st.booleans()):
+            opts[name] = draw(st.sampled_from(values))
+    axis = opts.get("axis", -1)
+    try:
+        axes = tuple(sorted({a % ndim for a in (axis if isinstance(axis, tuple) else (axis,))}))
+        ok_axes = all(-ndim <= a < ndim for a in (axis if isinstance(axis, tuple) else (axis,)))
+    except ZeroDivisionError:
+        axes, ok_axes = (), False
+    norm_shape = tuple(shape[a] for a in axes) if ok_axes else shape[-1:]
+    wdtype = draw(st.sampled_from([dtype, "float32"]))
+    weight = (_arrays(draw, norm_shape, wdtype, False, "c", rng) if draw(st.booleans())
+              else None)
+    bias = _arrays(draw, norm_shape, wdtype, False, "c", rng) if draw(st.booleans()) else None
+    args = {"x": x, "weight": weight, "bias": bias}
+    if op == "add":
+        args["residual"] = _arrays(draw, shape, draw(st.sampled_from([dtype, "float32"])),
+                                   byteorder, layout(), rng)
+    if op == "bwd":
+        args["dy"] = _arrays(draw, shape, dtype, byteorder, layout(), rng)
+        if draw(st.booleans()):
+            args["grad_residual"] = _arrays(draw, shape, dtype, False, layout(), rng)
+    else:
+        if draw(st.booleans()):
+            opts["out_dtype"] = draw(st.sampled_from(["float32", np.float16, "int8"]))
+        opts["return_rstd"] = draw(st.booleans())
+        out = draw(st.sampled_from([None, None, "fresh", "x", "overlap", "wrong_dtype"]))
+        if out is not None and kind != "dask":
+            opts["out"] = out
+    return op, args, opts
+
+
+def _make(kind, a):
+    if a is None:
+        return None
+    if kind == "torch":
+        import torch
+
+        if not a.dtype.isnative or any(s <= 0 for s in a.strides) and a.size:
+            a = np.ascontiguousarray(a)
+        if a.dtype == ml_dtypes.bfloat16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+    if kind == "dask":
+        import dask.array as da
+
+        return da.from_array(a, chunks=tuple(max(1, (s + 1) // 2) for s in a.shape))
+    return a
+
+
+def _out(kind, spec, x, plan_dtype):
+    """The out= argument: a fresh array, x itself, an overlapping view, a wrong dtype."""
+    if spec == "x":
+        return x
+    dt = FLOATS.get(plan_dtype, np.float32)
+    if spec == "fresh":
+        return _make(kind, np.zeros(np.shape(x), dt))
+    if spec == "wrong_dtype":
+        return _make(kind, np.zeros(np.shape(x), np.float64 if dt != np.float64 else np.float32))
+    if spec == "overlap" and kind in ("numpy", "reference") and np.ndim(x) >= 1 \
+            and np.shape(x)[0] > 1:
+        return x[::-1]  # x's own memory, rows in another order: a ValueError
+    return None
+
+
+def _snapshot(args):
+    return {k: None if v is None else np.array(v, copy=True) for k, v in args.items()}
+
+
+def _check(kind, op, args, opts):
+    backend = {"numpy": "auto", "reference": "array_api", "dask": "auto", "torch": "auto"}[kind]
+    before = _snapshot(args)
+    call = {k: _make(kind, v) for k, v in args.items()}
+    out_spec = opts.pop("out", None)
+    h_dtype = args["x"].dtype.name
+    if op == "add" and h_dtype in FLOATS and args["residual"].dtype.name in FLOATS:
+        from polynorm._options import promote
+
+        h_dtype = promote(h_dtype, args["residual"].dtype.name)
+    want_out = opts.get("out_dtype")
+    want_out = np.dtype(want_out).name if want_out not in (None, "int8") else want_out
+    out = None
+    if out_spec is not None:
+        out = _out(kind, out_spec, call["x"], want_out or h_dtype)
+        if out is not None:
+            opts["out"] = out
+    passed_as_out = out_spec == "x" and out is not None
+    try:
+        if op == "fwd":
+            res = pn.rms_norm(call["x"], call["weight"], call["bias"], backend=backend, **opts)
+        elif op == "add":
+            res = pn.add_rms_norm(call["x"], call["residual"], call["weight"], call["bias"],
+                                  backend=backend, **opts)
+        else:
+            res = pn.rms_norm_backward(call["dy"], call["x"], call["weight"], call["bias"],
+                                       grad_residual=call.get("grad_residual"), backend=backend,
+                                       **opts)
+    except (TypeError, ValueError) as exc:
+        msg = str(exc)
+        assert any(name in msg for name in ARGNAMES), f"{type(exc).__name__} names no argument: {msg}"
+        res = None
+    for k, v in before.items():  # inputs unchanged (x may be out)
+        if v is not None and not (k == "x" and passed_as_out):
+            now = np.ascontiguousarray(_np(call[k]))
+            assert np.array_equal(now.view(np.uint8), np.ascontiguousarray(v).view(np.uint8)), (
+                f"{k} changed")
+    if res is None:
+        return
+    _compare(op, before, opts, res, h_dtype)  # the values before the call: x may be out
+
+
+def _f64(a):
+    return None if a is None else np.asarray(a).astype(np.float64)
+
+
+def _compare(op, args, opts, res, h_dtype):
+    o = {k: v for k, v in opts.items() if k in ("eps", "axis", "partial", "offset", "eps_mode")}
+    # the oracle takes native byte order
+    args = {k: None if v is None else v.astype(v.dtype.newbyteorder("=")) for k, v in args.items()}
+    x = args["x"]
+    if x.size == 0:
+        return
+    if op == "bwd":
+        dx, dw, db = (_np(a) for a in res)
+        want = o_backward(args["dy"].astype(np.float64), x, args["weight"], args["bias"],
+                          grad_residual=_f64(args.get("grad_residual")), **o)
+        xd = x.dtype.name
+        # dx is a difference of two terms of size |dy| * rstd * |w|: its error is relative to them
+        rs = o_forward(x, **o)[1]
+        g = 1.0 if args["weight"] is None else float(
+            np.max(np.abs(args["weight"].astype(np.float64) + o.get("offset", 0.0)), initial=1.0))
+        scale = float(np.nanmax(np.abs(args["dy"].astype(np.float64)), initial=0.0)
+                      * np.nanmax(rs, initial=0.0) * g) or None
+        assert_close(dx, want[0], TOL[xd], "dx", scale=scale)
+        if args["weight"] is not None:
+            assert_close(dw, want[1], looser(xd, args["weight"].dtype.name), "dweight")
+        if args["bias"] is not None:
+            assert_close(db, want[2], looser(xd, args["bias"].dtype.name), "dbias")
+        return
+    res = res if isinstance(res, tuple) else (res,)
+    y = _np(res[0])
+    xin = x
+    if op == "add":
+        h = _np(res[1])
+        assert h.dtype.name == h_dtype
+        assert_close(h, x.astype(np.float64) + args["residual"].astype(np.float64), h_dtype, "h")
+        xin = h
+    out_dtype = opts.get("out_dtype")
+    out_name = h_dtype if out_dtype is None else np.dtype(out_dtype).name
+    assert y.dtype.name == out_name
+    wy, wr = o_forward(xin, args["weight"], args["bias"], casting=opts.get("casting", "fp32"),
+                       out_dtype=out_name, **o)
+    assert_close(y, wy, looser(xin.dtype.name, out_name), "y")
+    if opts.get("return_rstd"):
+        assert_close(_np(res[-1]), wr, "float64" if h_dtype == "float64" else "float32", "rstd")
+
+
+def _kinds():
+    kinds = ["reference"]
+    if pn.backends()["numba"][0]:
+        kinds.append("numpy")
+    if pn.backends()["dask"][0]:
+        kinds.append("dask")
+    try:
+        import torch  # noqa: F401
+
+        if pn.backends()["numba"][0]:
+            kinds.append("torch")
+    except ImportError:
+        pass
+    return kinds
+
+
+@pytest.mark.parametrize("kind", _kinds())
+def test_fuzz_public_api(kind):
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(_calls(kind))
+    def run(call):
+        op, args, opts = call
+        _check(kind, op, args, dict(opts))
+
+    run()
