@@ -43,6 +43,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from .._cache import install_numba_locator
 from ._numba_codec import (
     SUM_BLOCK,
     bits_dtype,
@@ -79,7 +80,8 @@ _TINY = 2.0**-960  # a float64 sum of squares below this has lost bits
 
 
 def _jit(**kw):
-    """``njit`` with an on-disk cache where one can be written, in memory otherwise."""
+    """``njit`` with an on-disk cache (:mod:`polynorm._cache`) where one can be written."""
+    install_numba_locator()
 
     def deco(fn):
         try:
