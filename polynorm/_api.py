@@ -619,12 +619,29 @@ def add_rms_norm(
 
     ``h`` has the promoted dtype of ``x`` and ``residual`` (bfloat16 + float32
     gives a float32 residual stream) and ``y`` is exactly ``rms_norm(h, ...)``
-    for the ``h`` returned.  Keywords as in :func:`rms_norm`; ``out_dtype``
-    defaults to ``h``'s dtype.
+    for the ``h`` returned.
+
+    Parameters
+    ----------
+    x, residual : array
+        Same shape, same array library and device; float dtypes (they may
+        differ: ``h`` takes the promoted one).
+    weight, bias : array, optional
+        As in :func:`rms_norm`.
+    eps, axis, partial, offset, eps_mode, casting, backend
+        As in :func:`rms_norm`.
+    out_dtype : dtype or str, optional
+        ``y``'s dtype; defaults to ``h``'s.
+    return_rstd : bool
+        Also return ``rstd`` (for :func:`rms_norm_backward` with ``x=h``).
+    out : array, optional
+        Preallocated ``y`` (same type, shape and dtype as ``y``); may be ``x``
+        or ``residual`` itself.
 
     Returns
     -------
     (y, h) or (y, h, rstd)
+        ``h = x + residual`` rounded to its dtype, ``y = rms_norm(h)``.
 
     Examples
     --------
