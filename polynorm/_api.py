@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import array_api_compat as aac
 import numpy as _np
@@ -21,6 +21,13 @@ from ._dtypes import float_dtype_name, namespace_dtype, parse_dtype
 from ._options import Plan, make_plan, promote
 
 __all__ = ["rms_norm", "add_rms_norm", "rms_norm_backward", "backends"]
+
+#: any array of a supported library (numpy, cupy, torch, jax, dask, array-api-strict, ...)
+Array: TypeAlias = Any
+#: a dtype name (``"bfloat16"``) or a dtype object of any array library
+DTypeLike: TypeAlias = Any
+EpsMode: TypeAlias = Literal["inside", "outside"]
+Casting: TypeAlias = Literal["fp32", "llama"]
 
 #: auto-dispatch tries these, in order, before the reference.
 _AUTO_ORDER = ("dask", "cupy", "numba")
@@ -672,21 +679,21 @@ def _empty_forward(lay: _Layout, x, residual, plan: Plan):
 
 
 def rms_norm(
-    x,
-    weight=None,
-    bias=None,
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
     *,
-    eps=1e-6,
-    axis=-1,
-    partial=1.0,
-    offset=0.0,
-    eps_mode="inside",
-    casting="fp32",
-    out_dtype=None,
-    return_rstd=False,
-    out=None,
-    backend="auto",
-):
+    eps: float = 1e-6,
+    axis: int | tuple[int, ...] = -1,
+    partial: float = 1.0,
+    offset: float = 0.0,
+    eps_mode: EpsMode = "inside",
+    casting: Casting = "fp32",
+    out_dtype: DTypeLike | None = None,
+    return_rstd: bool = False,
+    out: Array | None = None,
+    backend: str = "auto",
+) -> Array | tuple[Array, Array]:
     """Root-mean-square normalization (RMSNorm, and pRMSNorm with ``partial < 1``).
 
     For every slice ``v`` of ``x`` over ``axis``::
@@ -761,32 +768,49 @@ def rms_norm(
 
 
 def add_rms_norm(
-    x,
-    residual,
-    weight=None,
-    bias=None,
+    x: Array,
+    residual: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
     *,
-    eps=1e-6,
-    axis=-1,
-    partial=1.0,
-    offset=0.0,
-    eps_mode="inside",
-    casting="fp32",
-    out_dtype=None,
-    return_rstd=False,
-    out=None,
-    backend="auto",
-):
+    eps: float = 1e-6,
+    axis: int | tuple[int, ...] = -1,
+    partial: float = 1.0,
+    offset: float = 0.0,
+    eps_mode: EpsMode = "inside",
+    casting: Casting = "fp32",
+    out_dtype: DTypeLike | None = None,
+    return_rstd: bool = False,
+    out: Array | None = None,
+    backend: str = "auto",
+) -> tuple[Array, Array] | tuple[Array, Array, Array]:
     """Fused residual add and RMSNorm: ``h = x + residual``, ``y = rms_norm(h)``.
 
     ``h`` has the promoted dtype of ``x`` and ``residual`` (bfloat16 + float32
     gives a float32 residual stream) and ``y`` is exactly ``rms_norm(h, ...)``
-    for the ``h`` returned.  Keywords as in :func:`rms_norm`; ``out_dtype``
-    defaults to ``h``'s dtype.
+    for the ``h`` returned.
+
+    Parameters
+    ----------
+    x, residual : array
+        Same shape, same array library and device; float dtypes (they may
+        differ: ``h`` takes the promoted one).
+    weight, bias : array, optional
+        As in :func:`rms_norm`.
+    eps, axis, partial, offset, eps_mode, casting, backend
+        As in :func:`rms_norm`.
+    out_dtype : dtype or str, optional
+        ``y``'s dtype; defaults to ``h``'s.
+    return_rstd : bool
+        Also return ``rstd`` (for :func:`rms_norm_backward` with ``x=h``).
+    out : array, optional
+        Preallocated ``y`` (same type, shape and dtype as ``y``); may be ``x``
+        or ``residual`` itself.
 
     Returns
     -------
     (y, h) or (y, h, rstd)
+        ``h = x + residual`` rounded to its dtype, ``y = rms_norm(h)``.
 
     Examples
     --------
@@ -814,24 +838,24 @@ def add_rms_norm(
 
 
 def rms_norm_backward(
-    dy,
-    x,
-    weight=None,
-    bias=None,
+    dy: Array,
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
     *,
-    rstd=None,
-    grad_residual=None,
-    eps=1e-6,
-    axis=-1,
-    partial=1.0,
-    offset=0.0,
-    eps_mode="inside",
-    casting="fp32",
-    out_dtype=None,
-    return_rstd=False,
-    out=None,
-    backend="auto",
-):
+    rstd: Array | None = None,
+    grad_residual: Array | None = None,
+    eps: float = 1e-6,
+    axis: int | tuple[int, ...] = -1,
+    partial: float = 1.0,
+    offset: float = 0.0,
+    eps_mode: EpsMode = "inside",
+    casting: Casting = "fp32",
+    out_dtype: DTypeLike | None = None,
+    return_rstd: bool = False,
+    out: Array | None = None,
+    backend: str = "auto",
+) -> tuple[Array, Array | None, Array | None]:
     """Hand-written backward of :func:`rms_norm` (no autograd).
 
     With ``g = weight + offset``, ``xhat = x * rstd`` and

@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     from . import __version__
 
     p.add_argument("--version", action="version", version=f"polynorm {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{info,check,bench}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{info,check,bench,warmup}",
+                           parser_class=_Parser)
 
     sub.add_parser("info", help="version, backends and why not, threads, GPU")
 
@@ -51,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="check only this backend (repeatable; default: all)")
     c.add_argument("--dtype", action="append", choices=FLOAT_DTYPES,
                    help="check only this dtype (repeatable; default: all four)")
+
+    w = sub.add_parser("warmup", help="compile the CPU kernels now (cached for later processes)")
+    w.add_argument("--dtype", action="append", choices=FLOAT_DTYPES,
+                   help="compile only for this dtype (repeatable; default: all four)")
+    w.add_argument("--no-backward", action="store_true", help="skip the backward")
 
     b = sub.add_parser("bench", help="benchmark the installed backends")
     b.add_argument("--quick", action="store_true", help="a short run (about a minute)")
@@ -95,6 +101,7 @@ def _numba_threads() -> str:
         import numba
     except ImportError:
         return "numba not installed"
+    layer: str
     try:
         layer = numba.threading_layer()
     except ValueError:
@@ -171,6 +178,25 @@ def cmd_check(args: argparse.Namespace) -> int:
     rows = _check.run(backends, args.dtype)
     print(_check.format_rows(rows))
     return 1 if _check.failed(rows) else 0
+
+
+# ------------------------------------------------------------------ warmup
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    import polynorm as pn
+
+    from ._cache import cache_dir
+    from ._warmup import warmup
+
+    ok, why = pn.backends()["numba"]
+    if not ok:
+        raise ValueError(f"warmup compiles the Numba kernels, which are not usable here: {why}")
+    print(f"compiling into {cache_dir() / 'numba'}")
+    steps = warmup(args.dtype, backward=not args.no_backward,
+                   report=lambda what, s: print(f"  {what:<20} {s:6.2f} s", flush=True))
+    print(f"done in {sum(s for _, s in steps):.1f} s")
+    return 0
 
 
 # ------------------------------------------------------------------ bench
@@ -309,9 +335,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_usage(sys.stderr)
-        print("polynorm: error: a command is required (info, check or bench)", file=sys.stderr)
+        print("polynorm: error: a command is required (info, check, bench or warmup)",
+              file=sys.stderr)
         return 2
-    command = {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.command]
+    command = {"info": cmd_info, "check": cmd_check, "bench": cmd_bench,
+               "warmup": cmd_warmup}[args.command]
     try:
         return command(args)
     except (ValueError, TypeError) as exc:

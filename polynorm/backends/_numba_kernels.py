@@ -43,6 +43,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from .._cache import install_numba_locator
 from ._numba_codec import (
     SUM_BLOCK,
     bits_dtype,
@@ -88,7 +89,8 @@ ERROR_MODEL = "numpy"
 
 
 def _jit(**kw):
-    """``njit`` with an on-disk cache where one can be written, in memory otherwise."""
+    """``njit`` with an on-disk cache (:mod:`polynorm._cache`) where one can be written."""
+    install_numba_locator()
 
     def deco(fn):
         try:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._cache import cache_dir
 from . import _cuda_launch as cl
 
 #: options for every compile: IEEE float32 (no flush to zero), C++17
@@ -95,14 +96,6 @@ def compile_names(names: list[str], arch: str, extra: tuple[str, ...] = ()) -> C
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-def cache_dir() -> Path:
-    """``$POLYNORM_CACHE_DIR``, else ``$XDG_CACHE_HOME/polynorm``, else ``~/.cache/polynorm``."""
-    root = os.environ.get("POLYNORM_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "polynorm"
-
-
 def cached_cubin(name: str, arch: str) -> tuple[Path, str]:
     """(cubin path, mangled kernel name) for one name expression, compiling on a miss.
 
@@ -117,7 +110,7 @@ def cached_cubin(name: str, arch: str) -> tuple[Path, str]:
         h.update(part.encode())
         h.update(b"\0\1")
     key = h.hexdigest()[:32]
-    root = cache_dir()
+    root = cache_dir() / "cubin"
     cubin, meta = root / f"{key}.cubin", root / f"{key}.json"
     if cubin.exists() and meta.exists():
         return cubin, json.loads(meta.read_text())["lowered"]
