@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _api
 
-__all__ = ["rms_norm", "add_rms_norm", "RMSNorm"]
+__all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "patch", "unpatch", "patched", "PatchedRMSNorm"]
 
 
 def _options(eps, axis, partial, offset, eps_mode, casting, backend) -> dict[str, Any]:
@@ -537,3 +537,7 @@ def _check_options(d, eps, partial, offset, eps_mode, casting) -> None:
 
     make_plan(d, "float32", eps=1e-6 if eps is None else eps, partial=partial, offset=offset,
               eps_mode=eps_mode, casting=casting, out_dtype=None)
+
+
+# Hugging Face transformers models: swap their RMSNorm modules for polynorm (polynorm/_hf.py)
+from ._hf import PatchedRMSNorm, patch, patched, unpatch  # noqa: E402
