@@ -20,6 +20,9 @@ What runs where:
   Called directly in eager mode they cost ~8 us more per call (~36 us with
   autograd), which is why eager calls do not use them.
 
+:func:`patch` / :func:`unpatch` / :func:`patched` swap the RMSNorm modules of
+a Hugging Face ``transformers`` model for polynorm ones (see ``polynorm._hf``).
+
 CPU tensors run on the Numba kernels through zero-copy views; CUDA tensors on
 the CuPy kernels through DLPack (that path is not tested on a machine without
 a GPU).  The backward is not itself differentiable (no double backward).
