@@ -353,6 +353,18 @@ def patched(
 ) -> Iterator[int]:
     """Context manager: :func:`patch` on entry (yields the count), :func:`unpatch` on exit.
 
+    Parameters
+    ----------
+    model : torch.nn.Module
+    include, exclude, verbose
+        As in :func:`patch`.
+
+    Returns
+    -------
+    contextlib.AbstractContextManager
+        Yields the number of modules replaced; the originals are back on exit,
+        also when the block raises.
+
     Examples
     --------
     >>> import torch
