@@ -19,6 +19,7 @@ def _missing(module: str) -> bool:
 
 collect_ignore = [
     path
-    for module, path in (("jax", "polynorm/jax.py"), ("torch", "polynorm/torch.py"))
+    for module, path in (("jax", "polynorm/jax.py"), ("torch", "polynorm/torch.py"),
+                         ("transformers", "polynorm/_hf.py"))
     if _missing(module)
 ]

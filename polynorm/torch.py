@@ -20,6 +20,9 @@ What runs where:
   Called directly in eager mode they cost ~8 us more per call (~36 us with
   autograd), which is why eager calls do not use them.
 
+:func:`patch` / :func:`unpatch` / :func:`patched` swap the RMSNorm modules of
+a Hugging Face ``transformers`` model for polynorm ones (see ``polynorm._hf``).
+
 CPU tensors run on the Numba kernels through zero-copy views; CUDA tensors on
 the CuPy kernels through DLPack (that path is not tested on a machine without
 a GPU).  The backward is not itself differentiable (no double backward).
@@ -36,7 +39,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _api
 
-__all__ = ["rms_norm", "add_rms_norm", "RMSNorm"]
+__all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "patch", "unpatch", "patched", "PatchedRMSNorm"]
 
 
 def _options(eps, axis, partial, offset, eps_mode, casting, backend) -> dict[str, Any]:
@@ -571,3 +574,7 @@ def _check_options(d, eps, partial, offset, eps_mode, casting) -> None:
 
     make_plan(d, "float32", eps=1e-6 if eps is None else eps, partial=partial, offset=offset,
               eps_mode=eps_mode, casting=casting, out_dtype=None)
+
+
+# Hugging Face transformers models: swap their RMSNorm modules for polynorm (polynorm/_hf.py)
+from ._hf import PatchedRMSNorm, patch, patched, unpatch  # noqa: E402
