@@ -274,7 +274,8 @@ def _ort_fns(op: str, x, w, r, out) -> dict[str, Callable[[], Any]]:
             for k, v in feeds.items():
                 io.bind_cpu_input(k, v)
             io.bind_output("Y", "cpu", 0, out.dtype, list(out.shape), out.ctypes.data)
-            fns[kind] = lambda s=sess, io=io: s.run_with_iobinding(io)
+            # the binding holds raw pointers: the closure keeps the arrays alive
+            fns[kind] = lambda s=sess, io=io, keep=(feeds, out): s.run_with_iobinding(io)
         else:
             fns[kind] = lambda s=sess, f=feeds: s.run(None, f)
     return fns
