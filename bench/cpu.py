@@ -4,8 +4,12 @@
 """
 
 import sys
+from pathlib import Path
 
-from polynorm._bench.cpu import main
+# this checkout's polynorm, not whichever one the environment has installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from polynorm._bench.cpu import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

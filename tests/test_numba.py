@@ -536,3 +536,80 @@ def test_pipelined_row_sum_is_the_rows_own(bf, d, rng):
             want = np.sum(bits[i + 1, :k].view(HALF["bfloat16" if bf else "float16"])
                           .astype(np.float64) ** 2)
             assert abs(alone - want) <= 1e-6 * want
+
+
+@pytest.mark.skipif(not codec.HW_HALF, reason="no hardware float16 conversions on this CPU")
+def test_f16c_codec_equals_software_codec(rng):
+    """The F16C conversions (chosen at import) and the software float16 codec (CPUs
+    without F16C) give the same bits: every 16-bit pattern decoded, NaN included,
+    and the encode sample plus random NaN payloads, subnormal results included."""
+
+    @numba.njit
+    def both(bits, values):
+        n, m = bits.shape[0], values.shape[0]
+        hw_d, sw_d = np.empty(n, np.float32), np.empty(n, np.float32)
+        hw_e, sw_e = np.empty(m, np.uint16), np.empty(m, np.uint16)
+        for i in range(n):
+            hw_d[i] = codec._f16_to_f32_hw(bits[i])
+            sw_d[i] = codec._f16_to_f32_sw(bits[i])
+        for i in range(m):
+            hw_e[i] = codec._f32_to_f16_hw(values[i])
+            sw_e[i] = codec._f32_to_f16_sw(values[i])
+        return hw_d, sw_d, hw_e, sw_e
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    nans = (rng.integers(1, 1 << 23, 50_000, dtype=np.uint32) | np.uint32(0x7F800000))
+    nans[::2] |= np.uint32(0x80000000)
+    sub = rng.integers(0, 1 << 23, 50_000, dtype=np.uint32) + np.uint32(100 << 23)  # f16 subnormals
+    values = np.concatenate([_encode_sample(rng, np.float32), nans.view(np.float32),
+                             sub.view(np.float32)])
+    hw_d, sw_d, hw_e, sw_e = both(bits, values)
+    np.testing.assert_array_equal(hw_d.view(np.uint32), sw_d.view(np.uint32))
+    np.testing.assert_array_equal(hw_e, sw_e)
+    assert codec.f16_to_f32 is codec._f16_to_f32_hw and codec.f32_to_f16 is codec._f32_to_f16_hw
+
+
+def _bf16_edge_patterns():
+    """float32 patterns of every class the bfloat16 rounding treats apart: each of
+    the 65536 top halves (signs, zeros, subnormals, normals, the largest finite,
+    Inf, every NaN class) with low halves below, at and above the tie."""
+    hi = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
+    lo = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xC000, 0xFFFF], np.uint32)
+    return (hi[:, None] | lo[None, :]).ravel()
+
+
+def test_bf16_encoder_equals_software_encoder(rng):
+    """The vectorized bfloat16 rounding (``f32_to_bf16``) gives the bits of the plain
+    add-and-shift formula (``_f32_to_bf16_sw``), NaN payloads included, on 2**24
+    random float32 patterns and every edge class."""
+
+    @numba.njit
+    def both(values):
+        a = np.empty(values.shape[0], np.uint16)
+        b = np.empty(values.shape[0], np.uint16)
+        for i in range(values.shape[0]):
+            a[i] = codec.f32_to_bf16(values[i])
+        for i in range(values.shape[0]):
+            b[i] = codec._f32_to_bf16_sw(values[i])
+        return a, b
+
+    u = np.concatenate([rng.integers(0, 1 << 32, 1 << 24, dtype=np.uint64).astype(np.uint32),
+                        _bf16_edge_patterns()])
+    got, want = both(u.view(np.float32))
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.slow
+def test_bf16_encoder_every_float32():
+    """As above, exhaustively: all 2**32 float32 patterns."""
+
+    @numba.njit(parallel=True)
+    def mismatches():
+        bad = 0
+        for hi in numba.prange(1 << 16):
+            for lo in range(1 << 16):
+                f = codec._u32_as_f32(np.uint32(hi) << np.uint32(16) | np.uint32(lo))
+                bad += codec.f32_to_bf16(f) != codec._f32_to_bf16_sw(f)
+        return bad
+
+    assert mismatches() == 0

@@ -7,28 +7,41 @@ public API is timed (median) and reported as effective bandwidth over the
 bytes the op must move (:func:`op_bytes`), beside:
 
 ``copy``
-    that bandwidth over the roof: the bandwidth of a copy of one
-    ``(tokens, d)`` array (the faster of a parallel Numba copy and
-    ``np.copyto``) into a freshly allocated array (page faults included, the
-    roof of an op that allocates its output) for ``fwd``/``add``/``bwd``, into
-    an existing array (the roof with ``out=``) for ``fwd-out``.  The roof is
-    timed interleaved with the op and the ratio is the median of the pairs'
-    ratios (:func:`~polynorm._bench.common.paired_ratio`), so both see the
-    same machine load; both roofs, measured once per shape, are in ``extra``.
+    that bandwidth over the roof's (:mod:`polynorm._bench.roof`, the one roof
+    definition): the fastest of a parallel row copy, a streaming copy and
+    ``np.copyto`` of one ``(tokens, d)`` array, into a freshly allocated
+    array (page faults included) for the ops that allocate their output
+    (``fwd``/``add``/``bwd``), into the ``out=`` array for ``fwd-out``.  The
+    op and the candidate copies are timed round-robin and the ratio is the
+    median of the rounds' ratios (:func:`~polynorm._bench.roof.paired_roof`),
+    so both see the same machine load; the round's fastest copy is the roof.
+``ort``
+    ONNX Runtime's time over polynorm's (> 1: polynorm is faster), timed in
+    the same rounds: the faster of ``RMSNormalization`` (opset 23) and
+    ``SimplifiedLayerNormalization`` for ``fwd``/``fwd-out`` (``out=``: output
+    bound to the ``out`` array through an IO binding),
+    ``SkipSimplifiedLayerNormalization`` (com.microsoft; ``y`` and ``h``) for
+    ``add``; none for ``bwd`` (no backward in the inference package) nor for
+    a dtype ONNX Runtime's CPU provider does not run (bfloat16).  Needs the
+    ``ort`` extra (``pip install 'polynorm[ort]'``); skipped without it.
 ``torch``
     torch's time over polynorm's (> 1: polynorm is faster): ``F.rms_norm``
     for ``fwd``/``fwd-out``, ``x + r`` then ``F.rms_norm`` for ``add``, the
     autograd backward of ``F.rms_norm`` (graph retained, backward only) for
     ``bwd``.
+``compile``
+    the same for ``torch.compile`` of those functions (forward ops only;
+    skipped where it cannot compile, e.g. without a C++ compiler).
 ``numpy``
     the same for a plain numpy expression in float32.
 
 ``bwd`` is given the forward's ``rstd`` (computed outside the timing), as in
 a training step; torch's autograd has it saved as well.
 
-The issue's targets (16384 x 4096): ``fwd`` float32 >= 0.90 of the
+The targets (16384 x 4096 and 4096 x 16384): ``fwd`` float32 >= 0.90 of the
 allocating roof and ``fwd-out`` >= 0.90 of the plain roof; bfloat16 /
-float16 ``fwd`` >= 0.85; ``bwd`` >= 0.75; ``torch`` >= 5 for float32 ``fwd``;
+float16 ``fwd`` and ``add`` >= 0.85; ``bwd`` >= 0.80 for 16-bit data;
+``ort`` > 1 wherever ONNX Runtime runs; ``torch`` >= 5 for float32 ``fwd``;
 and the (1, 4096) float32 call <= 0.5x torch's time (``torch`` >= 2).
 
 ``--threshold`` instead times the serial and the parallel forward kernel on
@@ -57,10 +70,10 @@ from .common import (
     gbps,
     median_time,
     paired_median,
-    paired_ratio,
     stderr_progress,
     write_json,
 )
+from .roof import paired_roof
 
 SHAPES = ((1, 4096), (8, 4096), (512, 4096), (16384, 4096), (4096, 16384), (65536, 1024))
 QUICK_SHAPES = ((1, 4096), (8, 4096), (512, 4096), (2048, 4096), (8192, 1024), (512, 16384))
@@ -104,123 +117,7 @@ def op_bytes(op: str, n: int, d: int, itemsize: int) -> int:
     raise ValueError(op)
 
 
-# --------------------------------------------------------------------------- roofs
-
-
-_copy_kernel = None
-
-
-def _copier():
-    global _copy_kernel
-    if _copy_kernel is None:
-        from numba import njit, prange
-
-        @njit(parallel=True, cache=False)
-        def pcopy(src, dst):  # pragma: no cover - compiled
-            # rows in parallel, like the kernels (a flat chunked loop measured 4x slower)
-            for i in prange(src.shape[0]):
-                for j in range(src.shape[1]):
-                    dst[i, j] = src[i, j]
-
-        _copy_kernel = pcopy
-    return _copy_kernel
-
-
-_stream_copy_kernel = None
-
-
-def _stream_copier():
-    """A parallel copy with streaming stores (:mod:`polynorm.backends._numba_stream`):
-    the destination's lines are not read before they are written, as in the
-    forward's streamed ``out=`` rows, so the roof is never the slower copy."""
-    global _stream_copy_kernel
-    if _stream_copy_kernel is None:
-        from numba import njit, prange
-
-        from polynorm.backends._numba_stream import LINE, line_gap, stream_copy, stream_fence
-
-        @njit(parallel=True, cache=False)
-        def scopy(src, dst, parts):  # pragma: no cover - compiled
-            n, d = src.shape
-            per_line = LINE // dst.itemsize
-            for p in prange(parts):
-                for i in range(p * n // parts, (p + 1) * n // parts):
-                    h = min(d, line_gap(dst, i))
-                    e = h + (d - h) // per_line * per_line
-                    for j in range(h):
-                        dst[i, j] = src[i, j]
-                    stream_copy(dst, i, h, src[i:i + 1, h:e], e - h)
-                    for j in range(e, d):
-                        dst[i, j] = src[i, j]
-                stream_fence()
-
-        _stream_copy_kernel = scopy
-    return _stream_copy_kernel
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    return a.view(np.uint16) if a.dtype.itemsize == 2 else a
-
-
-def roof_fns(x: np.ndarray, min_time: float, out: np.ndarray | None = None) -> dict[str, Any]:
-    """The copies of ``(n, d)`` array ``x`` that serve as roofs, and their GB/s.
-
-    ``alloc``: into a freshly allocated array (page faults included);
-    ``plain``: into an existing one -- ``out``, the array the ``out=`` case
-    writes, when given: the same pages for both (a copy into another array
-    of the same size was measured at 52 and at 82 GB/s in one process).
-    Each is the fastest of a parallel Numba copy (rows in parallel), the
-    same with streaming stores, and ``np.copyto``, so a slow copy never
-    flatters the ratios.  Returns
-    ``{"alloc": fn, "plain": fn, "alloc_gbps": .., "plain_gbps": ..}``.
-    """
-    cp = _copier()
-    sc = _stream_copier()
-    import numba
-
-    parts = 4 * numba.get_num_threads()
-    src = _bits(x)
-    dst = np.empty_like(src) if out is None else _bits(out)
-
-    def alloc_numba():
-        out = np.empty_like(src)
-        cp(src, out)
-        return out
-
-    def alloc_numpy():
-        out = np.empty_like(src)
-        np.copyto(out, src)
-        return out
-
-    def alloc_stream():
-        out = np.empty_like(src)
-        sc(src, out, parts)
-        return out
-
-    def plain_numba():
-        cp(src, dst)
-
-    def plain_stream():
-        sc(src, dst, parts)
-
-    def plain_numpy():
-        np.copyto(dst, src)
-
-    nb = 2 * x.nbytes
-    res: dict[str, Any] = {}
-    for kind, fns in (("alloc", (alloc_numba, alloc_stream, alloc_numpy)),
-                      ("plain", (plain_numba, plain_stream, plain_numpy))):
-        times = [median_time(f, min_time=min_time) for f in fns]
-        best = int(np.argmin(times))
-        res[kind] = fns[best]
-        res[f"{kind}_gbps"] = gbps(nb, times[best])
-    return res
-
-
-def roofs(x: np.ndarray, min_time: float) -> tuple[float, float]:
-    """GB/s of copying ``x``: ``(into a fresh array, into an existing one)``; see :func:`roof_fns`."""
-    r = roof_fns(x, min_time)
-    return r["alloc_gbps"], r["plain_gbps"]
+# --------------------------------------------------------------------------- peers
 
 
 def _numpy_fwd(x, w, r=None):
@@ -258,11 +155,7 @@ def _torch_fn(op: str, x, w, r, dy) -> Callable[[], Any] | None:
     except ImportError:
         return None
 
-    def t(a):
-        if a.dtype.kind == "V":  # bfloat16 via ml_dtypes: through float32
-            return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
-        return torch.from_numpy(a)
-
+    t = _torch_tensor
     d = x.shape[-1]
     tx, tw = t(x), t(w)
     if op in ("fwd", "fwd-out"):
@@ -277,16 +170,128 @@ def _torch_fn(op: str, x, w, r, dy) -> Callable[[], Any] | None:
     return lambda: torch.autograd.grad(y, (txg, twg), tdy, retain_graph=True)
 
 
+def _torch_tensor(a):
+    import torch
+
+    if a.dtype.kind == "V":  # bfloat16 via ml_dtypes: through float32
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _compiled_fn(op: str, x, w, r) -> Callable[[], Any] | None:
+    """``torch.compile`` of the forward peers, or None where it cannot compile."""
+    if op == "bwd":
+        return None
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        d = x.shape[-1]
+        tx, tw = _torch_tensor(x), _torch_tensor(w)
+        if op == "add":
+            tr = _torch_tensor(r)
+            f = torch.compile(lambda a, b, g: F.rms_norm(a + b, (d,), g, EPS))
+            fn = lambda: f(tx, tr, tw)  # noqa: E731
+        else:
+            f = torch.compile(lambda a, g: F.rms_norm(a, (d,), g, EPS))
+            fn = lambda: f(tx, tw)  # noqa: E731
+        fn()
+        return fn
+    except Exception:  # no C++ compiler, unsupported dtype, ...
+        return None
+
+
+# ONNX Runtime's element types by numpy dtype name (its CPU provider runs no bfloat16)
+_ORT_TYPES = {"float32": 1, "float16": 10}
+_ort_sessions: dict[tuple, Any] = {}
+
+
+def _ort_missing(dt: str) -> str:
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return "not installed (pip install 'polynorm[ort]')"
+    return "" if dt in _ORT_TYPES else f"{dt} not run by the CPU provider"
+
+
+def _ort_session(kind: str, dt: str, d: int):
+    """An ONNX Runtime CPU session of one normalization node, built in memory."""
+    key = (kind, dt, d)
+    if key in _ort_sessions:
+        return _ort_sessions[key]
+    import numba
+    import onnxruntime as ort
+    from onnx import helper
+
+    et = _ORT_TYPES[dt]
+
+    def vi(name, shape):
+        return helper.make_tensor_value_info(name, et, shape)
+
+    x, w = vi("X", ["N", d]), vi("W", [d])
+    if kind == "skip":  # com.microsoft fused add: y, and h = x + r (output 3)
+        node = helper.make_node("SkipSimplifiedLayerNormalization", ["X", "R", "W"],
+                                ["Y", "", "", "H"], domain="com.microsoft", epsilon=EPS)
+        ins, outs = [x, vi("R", ["N", d]), w], [vi("Y", ["N", d]), vi("H", ["N", d])]
+        opsets = [helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)]
+    else:
+        op = "RMSNormalization" if kind == "rms" else "SimplifiedLayerNormalization"
+        node = helper.make_node(op, ["X", "W"], ["Y"], axis=-1, epsilon=EPS, stash_type=1)
+        ins, outs = [x, w], [vi("Y", ["N", d])]
+        opsets = [helper.make_opsetid("", 23 if kind == "rms" else 17)]
+    model = helper.make_model(helper.make_graph([node], kind, ins, outs), opset_imports=opsets)
+    model.ir_version = 10
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = numba.get_num_threads()  # the cores polynorm uses
+    # no busy-waiting after a run: ORT's spinning threads would take the cores
+    # from the call timed next in the round
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    try:
+        sess = ort.InferenceSession(model.SerializeToString(), so,
+                                    providers=["CPUExecutionProvider"])
+    except Exception:  # an op this onnxruntime does not have
+        sess = None
+    _ort_sessions[key] = sess
+    return sess
+
+
+def _ort_fns(op: str, x, w, r, out) -> dict[str, Callable[[], Any]]:
+    """ONNX Runtime peers of one case by node name (empty when none runs)."""
+    dt = x.dtype.name
+    if op == "bwd" or dt not in _ORT_TYPES or _ort_missing(dt):
+        return {}
+    d = x.shape[-1]
+    fns: dict[str, Callable[[], Any]] = {}
+    kinds = ("skip",) if op == "add" else ("rms", "sln")
+    for kind in kinds:
+        sess = _ort_session(kind, dt, d)
+        if sess is None:
+            continue
+        feeds = {"X": x, "W": w, **({"R": r} if kind == "skip" else {})}
+        if op == "fwd-out":
+            io = sess.io_binding()
+            for k, v in feeds.items():
+                io.bind_cpu_input(k, v)
+            io.bind_output("Y", "cpu", 0, out.dtype, list(out.shape), out.ctypes.data)
+            # the binding holds raw pointers: the closure keeps the arrays alive
+            fns[kind] = lambda s=sess, io=io, keep=(feeds, out): s.run_with_iobinding(io)
+        else:
+            fns[kind] = lambda s=sess, f=feeds: s.run(None, f)
+    return fns
+
+
 # --------------------------------------------------------------------------- the matrix
 
 
-def cases(quick: bool = False, dtypes: list[str] | None = None) -> list[tuple[str, str, int, int]]:
+def cases(quick: bool = False, dtypes: list[str] | None = None,
+          shapes: list[tuple[int, int]] | None = None) -> list[tuple[str, str, int, int]]:
     """``(op, dtype, tokens, d)`` in measurement order.
 
     >>> len(cases()), cases(quick=True)[0]
     (72, ('fwd', 'float32', 1, 4096))
     """
-    shapes = QUICK_SHAPES if quick else SHAPES
+    shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     dts = [d for d in DTYPES if dtypes is None or d in dtypes]
     return [(op, dt, n, d) for (n, d) in shapes for dt in dts for op in OPS]
 
@@ -310,14 +315,17 @@ BIG_BYTES = 64 << 20
 
 
 def run(
-    *, quick: bool = False, dtypes: list[str] | None = None, progress: Progress | None = None
+    *, quick: bool = False, dtypes: list[str] | None = None, progress: Progress | None = None,
+    shapes: list[tuple[int, int]] | None = None, ops: list[str] | None = None,
+    compiled: bool = False,
 ) -> list[Record]:
     """Time the whole matrix; one :class:`~polynorm._bench.common.Record` per case.
 
     ``quick=True`` takes smaller shapes and shorter timings (well under a
     minute); peers are timed with fewer repeats than polynorm itself.
+    ``shapes``/``ops`` restrict the matrix; ``compiled`` adds ``torch.compile``.
     """
-    todo = cases(quick, dtypes)
+    todo = [c for c in cases(quick, dtypes, shapes) if ops is None or c[0] in ops]
     min_time = 0.03 if quick else 0.3
     peer_time = 0.02 if quick else 0.1
     records: list[Record] = []
@@ -338,31 +346,40 @@ def run(
                 "dy": rng.standard_normal((n, d), dtype=np.float32).astype(npd),
                 "out": np.empty_like(x),
             }
-            a["roofs"] = roof_fns(x, min_time, out=a["out"])
             arrays[key] = a
         a = arrays[key]
         x, w, r, dy = a["x"], a["w"], a["r"], a["dy"]
-        rf = a["roofs"]
         kind = "plain" if op == "fwd-out" else "alloc"
         # DRAM-sized cases: a longer window, over more of the machine's
-        # bandwidth swings (see paired_ratio)
+        # bandwidth swings (see paired_roof)
         case_time = min_time if x.nbytes < BIG_BYTES else 3 * min_time
-        t, t_roof, speed = paired_ratio(_polynorm_fn(op, x, w, r, dy, a["out"]), rf[kind],
-                                        min_time=case_time)
+        ort = _ort_fns(op, x, w, r, a["out"])
+        p = paired_roof(_polynorm_fn(op, x, w, r, dy, a["out"]), x, kind=kind, out=a["out"],
+                        min_time=case_time, peers=ort)
+        t = p.op_s
         moved = op_bytes(op, n, d, x.dtype.itemsize)
         rate = gbps(moved, t)
-        roof = gbps(2 * x.nbytes, t_roof)
-        # the median of the pairs' ratios (see paired_ratio), in bytes per second
-        ratios = {"copy": speed * moved / (2 * x.nbytes)}
+        # the median of the rounds' ratios (see paired_roof), in bytes per second
+        ratios = {"copy": p.speed * moved / (2 * x.nbytes)}
         extra: dict[str, Any] = {
-            "copy_gbps": roof, "roof": kind, "device": "cpu",
-            "alloc_copy_gbps": rf["alloc_gbps"], "plain_copy_gbps": rf["plain_gbps"],
+            "copy_gbps": gbps(2 * x.nbytes, p.roof_s), "roof": kind, "roof_copy": p.fastest,
+            "rounds": p.rounds, "device": "cpu",
         }
+        if p.peers:
+            ratios["ort"] = min(p.peers.values()) / t
+            extra.update({f"ort_{k}_s": v for k, v in p.peers.items()})
+        elif op != "bwd":
+            extra["ort"] = _ort_missing(dt)
         tf = _torch_fn(op, x, w, r, dy)
         if tf is not None:
             ts = median_time(tf, min_time=peer_time, min_repeat=3)
             ratios["torch"] = ts / t
             extra["torch_s"] = ts
+        tc = _compiled_fn(op, x, w, r) if compiled else None
+        if tc is not None:
+            ts = median_time(tc, min_time=peer_time, min_repeat=3)
+            ratios["compile"] = ts / t
+            extra["compile_s"] = ts
         ns = median_time(_numpy_fn(op, x, w, r, dy), min_time=peer_time, min_repeat=3)
         ratios["numpy"] = ns / t
         extra["numpy_s"] = ns
@@ -482,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None)
     p.add_argument("--json", default="bench/results/cpu.json", help="where to write the records")
     p.add_argument("--note", default="", help="a note stored in the JSON (e.g. 'shared machine')")
+    p.add_argument("--shapes", nargs="+", default=None, metavar="NxD",
+                   help="only these shapes (tokens x d), e.g. 16384x4096 4096x16384")
+    p.add_argument("--ops", nargs="+", choices=OPS, default=None, help="only these ops")
+    p.add_argument("--compile", action="store_true", help="add torch.compile as a peer")
     p.add_argument("--threshold", action="store_true",
                    help="only time serial vs parallel kernels on small inputs")
     p.add_argument("--stream", action="store_true",
@@ -506,10 +527,12 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
 
-    records = run(quick=args.quick, dtypes=args.dtypes, progress=stderr_progress)
+    shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes] if args.shapes else None
+    records = run(quick=args.quick, dtypes=args.dtypes, progress=stderr_progress, shapes=shapes,
+                  ops=args.ops, compiled=args.compile)
     print(file=sys.stderr)
     over = call_overhead(0.05 if args.quick else 0.3)
-    print(format_table(records, ["copy", "torch", "numpy"]))
+    print(format_table(records, ["copy", "ort", "torch", "compile", "numpy"]))
     print()
     print("(1, 4096) float32 per call, us: " + ", ".join(f"{k} {v:.2f}" for k, v in over.items()))
     if "torch" in over:
@@ -520,6 +543,12 @@ def main(argv: list[str] | None = None) -> int:
         "threads": numba.get_num_threads(), "threading_layer": _threading_layer(),
         "call_overhead_us": over, "seconds": time.perf_counter() - t0,
     }
+    try:
+        import onnxruntime
+
+        meta["onnxruntime"] = onnxruntime.__version__
+    except ImportError:
+        pass
     try:
         import torch
 

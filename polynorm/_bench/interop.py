@@ -106,23 +106,25 @@ def dispatch(min_time: float) -> Record:
 
 
 def bandwidth(n: int, d: int, dtype: str, min_time: float) -> Record:
-    """Large torch tensor vs the same data as numpy, both against the copy roof."""
+    """Large torch tensor vs the same data as numpy, both against the copy roof
+    (:mod:`polynorm._bench.roof`), all timed in the same rounds."""
     import polynorm as pn
     from polynorm import _interop
 
-    from .cpu import roofs
+    from .roof import paired_roof
 
     rng = np.random.default_rng(1)
     x, w = _tensor(rng, (n, d), dtype), _tensor(rng, (d,), dtype)
     xn, wn = _interop.to_numpy(x), _interop.to_numpy(w)
-    roof, _ = roofs(xn, min_time)
-    t, tn = paired_median(lambda: pn.rms_norm(x, w, eps=EPS),
-                         lambda: pn.rms_norm(xn, wn, eps=EPS), min_time=min_time)
+    p = paired_roof(lambda: pn.rms_norm(x, w, eps=EPS), xn, min_time=min_time,
+                    peers={"numpy": lambda: pn.rms_norm(xn, wn, eps=EPS)})
+    t, tn = p.op_s, p.peers["numpy"]
     moved = 2 * xn.nbytes + wn.nbytes
     rate = gbps(moved, t)
+    roof = gbps(2 * xn.nbytes, p.roof_s)
     return Record("interop", "fwd", "torch-cpu", dtype, n, d, t, moved, rate,
-                  {"copy": rate / roof, "numpy_input": tn / t},
-                  {"copy_gbps": roof, "numpy_input_s": tn,
+                  {"copy": p.speed * moved / (2 * xn.nbytes), "numpy_input": tn / t},
+                  {"copy_gbps": roof, "roof_copy": p.fastest, "numpy_input_s": tn,
                    "numpy_input_copy": gbps(moved, tn) / roof})
 
 

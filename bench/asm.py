@@ -1,0 +1,169 @@
+"""Vector instructions per 16 elements in the 16-bit kernels' hot loops (machine code, not time).
+
+Compiles the Numba forward (``forward_rows``: plain, ``out=`` and fused add
+rows) and backward (``backward_range``) for bfloat16 and float16 on this CPU,
+takes each innermost loop of their machine code that converts 16-bit data
+(``vpmovzxwd``/``vcvtph2ps`` in, ``vpmovdw``/``vpackusdw``/``vcvtps2ph`` out) and
+prints, per 16 elements: all instructions, the vector ones (an ``xmm``/``ymm``/
+``zmm``/mask register operand), the rounding ones (the integer bfloat16 encode:
+``vpsrld vpandd vpaddd vpcmpgtd vpord vptestnmd vpblendmd vcmpunordps
+vpmovdw ...``), and the loop's streams (16-bit arrays loaded/stored, float32
+arrays loaded/stored).  A count of instructions is steady where timings on a
+shared machine are not; ``--save DIR`` keeps the whole listings.
+
+    python bench/asm.py [--dtypes bfloat16 float16] [--save DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# compile afresh: a kernel loaded from Numba's on-disk cache has no listing to inspect
+os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="polynorm-asm-")
+
+import numpy as np  # noqa: E402
+
+_LABEL = re.compile(r"^([.\w$]+):")
+_JUMP = re.compile(r"^j\w+\s+([.\w$]+)$")
+_VEC = re.compile(r"%[xyz]mm\d+|%k\d")
+_STEP = re.compile(r"^(?:addq|subq)\s+\$(-?\d+),\s*(%\w+)$")
+#: the integer bfloat16 encode and 16-bit packing (float16 goes through vcvtps2ph)
+ROUNDING = {"vpsrld", "vpandd", "vpand", "vpaddd", "vpcmpgtd", "vpcmpeqd", "vpmaxud", "vpord",
+            "vpor", "vptestnmd", "vptestmd", "vpblendmd", "vblendvps", "vcmpunordps",
+            "vandps", "vorps", "vpmovdw", "vpackusdw", "vpermq", "vinserti64x4"}
+DECODE_IN = ("vpmovzxwd", "vcvtph2ps")
+ENCODE_OUT = ("vpmovdw", "vpackusdw", "vcvtps2ph")
+
+
+def innermost_loops(asm: str) -> list[list[str]]:
+    """The bodies of the innermost loops (a label and a later jump back to it)."""
+    ins: list[str] = []
+    labels: dict[str, int] = {}
+    for line in asm.splitlines():
+        s = line.strip()
+        m = _LABEL.match(s)
+        if m:
+            labels[m.group(1)] = len(ins)
+            continue
+        if not s or s.startswith((".", "#", ";")):
+            continue
+        ins.append(s.split("#")[0].strip())
+    spans = []
+    for k, t in enumerate(ins):
+        m = _JUMP.match(t)
+        if m and m.group(1) in labels and labels[m.group(1)] <= k:
+            spans.append((labels[m.group(1)], k))
+    inner = [(a, b) for a, b in spans
+             if not any((c, d) != (a, b) and a <= c and d <= b for c, d in spans)]
+    return [ins[a:b + 1] for a, b in inner]
+
+
+def elements_per_iteration(body: list[str]) -> int | None:
+    """The loop's step in elements: an index register added to once per iteration
+    and used scaled by 2 or 4 (an element index) in the loop's addresses."""
+    for t in body:
+        m = _STEP.match(t)
+        if m and int(m.group(1)) > 0:
+            reg = m.group(2)
+            if re.search(rf",{re.escape(reg)},[24]\)", " ".join(body)):
+                return int(m.group(1))
+    return None
+
+
+def describe(body: list[str]) -> dict | None:
+    """Counts per 16 elements of a loop that converts 16-bit data, else None."""
+    ops = collections.Counter(t.split()[0] for t in body)
+    if not any(ops[o] for o in DECODE_IN) or not any(ops[o] for o in ENCODE_OUT + DECODE_IN):
+        return None
+    n = elements_per_iteration(body)
+    if not n:
+        return None
+    vec = [t for t in body if _VEC.search(t)]
+    per = 16.0 / n
+    wide = "zmm" if any("zmm" in t for t in body) else "ymm" if any("ymm" in t for t in body) \
+        else "xmm"
+    mem16_in = sum(1 for t in body if t.split()[0] in DECODE_IN and "(" in t)
+    out16 = sum(1 for t in body if t.split()[0] in ENCODE_OUT)
+    # float32 vectors read (a memory operand scaled by 4) and written
+    ld32 = sum(1 for t in body if _VEC.search(t) and re.search(r"^[^,]*\(%\w+,%\w+,4\),", t)
+               and not t.split()[0].startswith(("vmovnt",)))
+    st32 = sum(1 for t in body if re.search(r",\s*-?\d*\(%\w+,%\w+,4\)$", t))
+    return {
+        "elements": n, "width": wide,
+        "all": len(body) * per, "vector": len(vec) * per,
+        "rounding": sum(c for o, c in ops.items() if o in ROUNDING) * per,
+        "in16": mem16_in * per, "out16": out16 * per, "ld32": ld32 * per, "st32": st32 * per,
+        "ops": dict(sorted(ops.items())),
+    }
+
+
+def kernel_asm(dtypes: list[str]) -> dict[str, str]:
+    """``{"fwd bfloat16": asm, "bwd bfloat16": asm, ...}``, compiled by small calls."""
+    import polynorm as pn
+    from polynorm._bench.cpu import _np_dtype
+    from polynorm.backends import _numba_backward as KB
+    from polynorm.backends import _numba_kernels as K
+    from polynorm.backends import numba as nb
+
+    rng = np.random.default_rng(0)
+    for dt in dtypes:
+        x, r = (rng.standard_normal((64, 4096), dtype=np.float32).astype(_np_dtype(dt))
+                for _ in range(2))
+        w = np.ones(4096, np.float32)
+        pn.rms_norm(x, w, backend="numba")
+        pn.add_rms_norm(x, r, w, backend="numba")
+        keep = nb.STREAM_MIN_BYTES
+        nb.STREAM_MIN_BYTES = 0  # compile the streamed out= rows as well
+        try:
+            pn.rms_norm(x, w, backend="numba", out=np.empty_like(x))
+        finally:
+            nb.STREAM_MIN_BYTES = keep
+        pn.rms_norm_backward(r, x, w, backend="numba")
+    out = {}
+    bits = {"bfloat16": "uint16", "float16": "int16"}
+    for tag, fn, pos in (("fwd", K.forward_rows, 2), ("bwd", KB.backward_range, 5)):
+        for sig, asm in fn.inspect_asm().items():
+            for dt in dtypes:
+                if str(sig[pos].dtype) == bits[dt]:
+                    out[f"{tag} {dt}"] = asm
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"],
+                    choices=["bfloat16", "float16"])
+    ap.add_argument("--save", default=None, help="a folder for the whole listings")
+    args = ap.parse_args(argv)
+    listings = kernel_asm(args.dtypes)
+    for name, asm in sorted(listings.items()):
+        if args.save:
+            Path(args.save).mkdir(parents=True, exist_ok=True)
+            (Path(args.save) / (name.replace(" ", "_") + ".s")).write_text(asm)
+        rows = [d for d in map(describe, innermost_loops(asm))
+                if d and d["width"] != "xmm" and d["elements"] >= 8]
+        print(f"== {name}: vectorized loops converting 16-bit data; per 16 elements: all / "
+              "vector / rounding+packing instructions; vector loads and stores of 16-bit "
+              "and float32 data")
+        seen = set()
+        for d in sorted(rows, key=lambda d: (-d["in16"], -d["ld32"], d["vector"])):
+            key = tuple(round(d[k], 2) for k in ("all", "vector", "rounding", "in16", "out16",
+                                                   "ld32", "st32"))
+            if key in seen:
+                continue
+            seen.add(key)
+            print(f"  {d['width']} x{d['elements']:<3} {d['all']:5.1f} / {d['vector']:5.1f} / "
+                  f"{d['rounding']:4.1f};  ld16 {d['in16']:g}  st16 {d['out16']:g}  "
+                  f"ld32 {d['ld32']:g}  st32 {d['st32']:g}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
