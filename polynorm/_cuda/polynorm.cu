@@ -268,9 +268,16 @@ __device__ __forceinline__ CT pn_yval(CT xv, CT r, bool has_w, WT wv, bool has_b
 //
 // With `res` non-null this is the fused add: h = round_HT(x + res) is written
 // to `h` and normalized.  `w`, `b`, `res`/`h` may be null (absent).
+//
+// Every load of a thread's chunks (x, residual, weight) is issued before the
+// first of them is used, and the row is held in its storage type (h is
+// rounded to HT anyway), so a thread keeps ITEMS * (1-3) 16-byte requests in
+// flight in few registers.  The body is instantiated twice: VA (every array
+// moves chunks as 16-byte vectors) and the element-by-element twin, chosen
+// once per launch, so no load needs a vector/scalar merge.
 
-template <typename XT, typename RT, typename WT, typename OT, int ITEMS>
-__global__ void __launch_bounds__(512) pn_fwd(
+template <typename XT, typename RT, typename WT, typename OT, int ITEMS, bool VA>
+__device__ __forceinline__ void pn_fwd_rows(
     const XT* __restrict__ x, long long sx,
     const RT* __restrict__ res, long long sr,
     typename pn_promote<XT, RT>::type* h, long long sh,
@@ -279,49 +286,76 @@ __global__ void __launch_bounds__(512) pn_fwd(
     OT* y, long long sy,
     typename pn_compute<typename pn_promote<XT, RT>::type>::type* rstd,
     long long n, int d, int k, int tpr,
-    double eps, int eps_inside, double offset, int llama)
+    double eps, int eps_inside, double offset, int llama, const pn_rowlay L, double* red)
 {
     typedef typename pn_promote<XT, RT>::type HT;
     typedef typename pn_compute<HT>::type CT;
     constexpr int VEC = 16 / sizeof(XT);
-    __shared__ double red[32];
 
     const int tr = threadIdx.x % tpr;
     const long long row = (long long)blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr;
     const bool active = row < n;
-    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
     const bool has_res = res != nullptr, has_w = w != nullptr, has_b = b != nullptr;
-    const bool vr = pn_vec_ok<VEC>(res, sr, n, L.head, L.vec);
-    const bool vh = pn_vec_ok<VEC>(h, sh, n, L.head, L.vec);
-    const bool vy = pn_vec_ok<VEC>(y, sy, n, L.head, L.vec);
-    const bool vw = pn_vec_ok<VEC>(w, 0, 1, L.head, L.vec);
-    const bool vb = pn_vec_ok<VEC>(b, 0, 1, L.head, L.vec);
     const long long rr = active ? row : 0;
     const XT* xr = x + rr * sx;
     const RT* resr = has_res ? res + rr * sr : nullptr;
     HT* hr = has_res ? h + rr * sh : nullptr;
     OT* yr = y + rr * sy;
 
-    // ---- load (and form h): body chunks, then the head and tail elements
-    CT v[ITEMS][VEC];
     CT ve[2];      // [0]: head element tr, [1]: tail element tr
     int je[2];     // their columns, -1 when this thread holds none
     je[0] = (active && tr < L.head) ? tr : -1;
     je[1] = (active && tr < L.tail) ? L.head + L.body * VEC + tr : -1;
+
+    // ---- h (the normalized row) in the compute type.  The vector form
+    // issues every load of this thread's chunks (x, residual) before the
+    // first use; the element-by-element twin converts chunk by chunk.  The
+    // weight is read after the statistic (all of a thread's chunks at once):
+    // holding it across the reduction would cost ITEMS * 4-8 registers.
+    CT ha[ITEMS][VEC];
+    if (VA) {
+        XT xa[ITEMS][VEC];
+        RT ra[ITEMS][VEC];
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const int c = tr + i * tpr;
+        for (int i = 0; i < ITEMS; ++i) {
+            const int c = tr + i * tpr;
+            if (active && c < L.body) {
+                const int j = L.head + c * VEC;
+                pn_ld_raw<VEC>(xr + j, true, xa[i]);
+                if (has_res) pn_ld_raw<VEC>(resr + j, true, ra[i]);
+            }
+        }
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) v[i][e] = (CT)0;
-        if (active && c < L.body) {
-            const int j = L.head + c * VEC;
-            pn_ld<VEC>(xr + j, L.vec, v[i]);
-            if (has_res) {
-                CT t[VEC];
-                pn_ld<VEC>(resr + j, vr, t);
+        for (int i = 0; i < ITEMS; ++i) {
+            const int c = tr + i * tpr;
+            if (active && c < L.body) {
+                if (has_res) {
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) v[i][e] = pn_conv<CT>::in(pn_out<HT>::from(v[i][e] + t[e]));
-                pn_st<VEC>(hr + j, vh, v[i]);
+                    for (int e = 0; e < VEC; ++e)
+                        ha[i][e] = pn_conv<CT>::in(
+                            pn_out<HT>::from(pn_conv<CT>::in(xa[i][e]) + pn_conv<CT>::in(ra[i][e])));
+                    pn_st<VEC>(hr + L.head + c * VEC, true, ha[i]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) ha[i][e] = pn_conv<CT>::in(xa[i][e]);
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const int c = tr + i * tpr;
+            if (active && c < L.body) {
+                const int j = L.head + c * VEC;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    ha[i][e] = pn_conv<CT>::in(xr[j + e]);
+                    if (has_res) {
+                        const HT hv = pn_out<HT>::from(ha[i][e] + pn_conv<CT>::in(resr[j + e]));
+                        hr[j + e] = hv;
+                        ha[i][e] = pn_conv<CT>::in(hv);
+                    }
+                }
             }
         }
     }
@@ -343,10 +377,15 @@ __global__ void __launch_bounds__(512) pn_fwd(
         double ss = 0.0;
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
-            const int j0 = L.head + (tr + i * tpr) * VEC;
+            const int c = tr + i * tpr;
+            const int j0 = L.head + c * VEC;
+            if (active && c < L.body) {
 #pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                if (j0 + e < k) ss += (double)v[i][e] * (double)v[i][e];
+                for (int e = 0; e < VEC; ++e) {
+                    const double q = (double)ha[i][e];
+                    if (j0 + e < k) ss += q * q;
+                }
+            }
         }
         for (int s = 0; s < 2; ++s)
             if (je[s] >= 0 && je[s] < k) ss += (double)ve[s] * (double)ve[s];
@@ -357,10 +396,13 @@ __global__ void __launch_bounds__(512) pn_fwd(
         double m = 0.0;
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
-            const int j0 = L.head + (tr + i * tpr) * VEC;
+            const int c = tr + i * tpr;
+            const int j0 = L.head + c * VEC;
+            if (active && c < L.body) {
 #pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                if (j0 + e < k) m = pn_max_nan(m, fabs((double)v[i][e]));
+                for (int e = 0; e < VEC; ++e)
+                    if (j0 + e < k) m = pn_max_nan(m, fabs((double)ha[i][e]));
+            }
         }
         for (int s = 0; s < 2; ++s)
             if (je[s] >= 0 && je[s] < k) m = pn_max_nan(m, fabs((double)ve[s]));
@@ -369,10 +411,13 @@ __global__ void __launch_bounds__(512) pn_fwd(
         double ss = 0.0;
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
-            const int j0 = L.head + (tr + i * tpr) * VEC;
+            const int c = tr + i * tpr;
+            const int j0 = L.head + c * VEC;
+            if (active && c < L.body) {
 #pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                if (j0 + e < k) { const double q = (double)v[i][e] * inv; ss += q * q; }
+                for (int e = 0; e < VEC; ++e)
+                    if (j0 + e < k) { const double q = (double)ha[i][e] * inv; ss += q * q; }
+            }
         }
         for (int s = 0; s < 2; ++s)
             if (je[s] >= 0 && je[s] < k) { const double q = (double)ve[s] * inv; ss += q * q; }
@@ -384,21 +429,28 @@ __global__ void __launch_bounds__(512) pn_fwd(
 
     // ---- y
     const CT off = (CT)offset;
+    WT wa[VA ? ITEMS : 1][VEC];
+    if (VA && has_w) {
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const int c = tr + i * tpr;
+            if (active && c < L.body) pn_ld_raw<VEC>(w + L.head + c * VEC, true, wa[VA ? i : 0]);
+        }
+    }
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
         const int c = tr + i * tpr;
         if (active && c < L.body) {
             const int j = L.head + c * VEC;
-            WT wv[VEC];
             CT bv[VEC];
-            if (has_w) pn_ld_raw<VEC>(w + j, vw, wv);
-            if (has_b) pn_ld<VEC>(b + j, vb, bv);
+            if (has_b) pn_ld<VEC>(b + j, VA, bv);
             CT o[VEC];
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-                o[e] = pn_yval<HT, WT, CT>(v[i][e], r, has_w, has_w ? wv[e] : WT(), has_b,
+                o[e] = pn_yval<HT, WT, CT>(ha[i][e], r, has_w,
+                                           has_w ? (VA ? wa[VA ? i : 0][e] : w[j + e]) : WT(), has_b,
                                            has_b ? bv[e] : (CT)0, off, llama != 0);
-            pn_st<VEC>(yr + j, vy, o);
+            pn_st<VEC>(yr + j, VA, o);
         }
     }
     for (int s = 0; s < 2; ++s) {
@@ -408,6 +460,36 @@ __global__ void __launch_bounds__(512) pn_fwd(
                                                        has_b ? b[j] : (CT)0, off, llama != 0));
         }
     }
+}
+
+// At most 64 registers (two 512-thread blocks, 50% occupancy, per SM).
+template <typename XT, typename RT, typename WT, typename OT, int ITEMS>
+__global__ void __launch_bounds__(512, 2) pn_fwd(
+    const XT* __restrict__ x, long long sx,
+    const RT* __restrict__ res, long long sr,
+    typename pn_promote<XT, RT>::type* h, long long sh,
+    const WT* __restrict__ w,
+    const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
+    OT* y, long long sy,
+    typename pn_compute<typename pn_promote<XT, RT>::type>::type* rstd,
+    long long n, int d, int k, int tpr,
+    double eps, int eps_inside, double offset, int llama)
+{
+    constexpr int VEC = 16 / sizeof(XT);
+    __shared__ double red[32];
+    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
+    // the vector form needs every array present to allow it (launch-uniform)
+    const bool va = L.vec && (res == nullptr || (pn_vec_ok<VEC>(res, sr, n, L.head, true) &&
+                                                 pn_vec_ok<VEC>(h, sh, n, L.head, true)))
+                    && pn_vec_ok<VEC>(y, sy, n, L.head, true)
+                    && (w == nullptr || pn_vec_ok<VEC>(w, 0, 1, L.head, true))
+                    && (b == nullptr || pn_vec_ok<VEC>(b, 0, 1, L.head, true));
+    if (va)
+        pn_fwd_rows<XT, RT, WT, OT, ITEMS, true>(x, sx, res, sr, h, sh, w, b, y, sy, rstd, n, d, k, tpr,
+                                                 eps, eps_inside, offset, llama, L, red);
+    else
+        pn_fwd_rows<XT, RT, WT, OT, ITEMS, false>(x, sx, res, sr, h, sh, w, b, y, sy, rstd, n, d, k, tpr,
+                                                  eps, eps_inside, offset, llama, L, red);
 }
 
 // pn_fwd_big: one row per block (tpr = blockDim.x), for rows too long for

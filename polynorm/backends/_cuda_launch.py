@@ -42,7 +42,12 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 #: elements per 16-byte chunk, by x dtype
 VEC = {t: 16 // ITEMSIZE[t] for t in FLOAT_DTYPES}
 
-FWD_ITEMS = (1, 2, 4)  # register chunks per thread, pn_fwd
+FWD_ITEMS = (1, 2, 4)  # register chunks per thread, pn_fwd (the union over dtypes)
+#: pn_fwd's chunks per thread by x dtype: at most 16 float32 values of a row
+#: per thread (float64: 4), which keeps pn_fwd within 64 registers (two
+#: 512-thread blocks per SM, 50% occupancy) without spilling; longer rows go
+#: to pn_fwd_big
+FWD_ITEMS_BY_X = {"float16": (1, 2), "bfloat16": (1, 2), "float32": (1, 2, 4), "float64": (1, 2)}
 BWD_ITEMS = (1, 2)  # pn_bwd holds x, dy, g*dy and two accumulators: fewer
 REG_THREADS = 512  # __launch_bounds__ of pn_fwd / pn_bwd
 BIG_THREADS = 1024  # __launch_bounds__ of the *_big kernels
@@ -109,7 +114,7 @@ def specialisations() -> list[str]:
     """
     names = []
     for t in FWD_TYPES:
-        names += [fwd_name(*t, items) for items in (*FWD_ITEMS, None)]
+        names += [fwd_name(*t, items) for items in (*FWD_ITEMS_BY_X[t[0]], None)]
     for t in BWD_TYPES:
         names += [bwd_name(*t, items) for items in (*BWD_ITEMS, None)]
     names += [colsum_name(*t) for t in COLSUM_TYPES]
@@ -256,7 +261,7 @@ def forward_launch(
     weight = weight or promote(x, res)
     out = out or promote(x, res)
     vec = VEC[x]
-    shape = None if force_big else _reg_shape(d, vec, FWD_ITEMS)
+    shape = None if force_big else _reg_shape(d, vec, FWD_ITEMS_BY_X[x])
     if shape is not None:
         items, tpr = shape
         block = _row_block(n, tpr)
