@@ -498,8 +498,10 @@ __global__ void __launch_bounds__(512, 2) pn_fwd(
 // writes y from shared memory, re-reading only the chunks that did not fit.
 // Dynamic shared memory: stash * VEC * sizeof(HT) bytes.
 
-template <typename XT, typename RT, typename WT, typename OT>
-__global__ void __launch_bounds__(1024) pn_fwd_big(
+// The body of pn_fwd_big for VA (every array present moves chunks as
+// vectors) and its element-by-element twin, as for pn_fwd.
+template <typename XT, typename RT, typename WT, typename OT, bool VA>
+__device__ __forceinline__ void pn_fwd_big_rows(
     const XT* __restrict__ x, long long sx,
     const RT* __restrict__ res, long long sr,
     typename pn_promote<XT, RT>::type* h, long long sh,
@@ -508,25 +510,20 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
     OT* y, long long sy,
     typename pn_compute<typename pn_promote<XT, RT>::type>::type* rstd,
     long long n, int d, int k, int stash,
-    double eps, int eps_inside, double offset, int llama)
+    double eps, int eps_inside, double offset, int llama, const pn_rowlay L, double* red, pn_smem_unit* pn_dyn_smem)
 {
     typedef typename pn_promote<XT, RT>::type HT;
     typedef typename pn_compute<HT>::type CT;
     constexpr int VEC = 16 / sizeof(XT);
-    __shared__ double red[32];
-    extern __shared__ pn_smem_unit pn_dyn_smem[];
     HT* st = reinterpret_cast<HT*>(pn_dyn_smem);
+    // chunks per step whose loads are issued together (the scalar twin: one)
+    constexpr int U = VA ? PN_BIG_U : 1;
 
     const int tr = threadIdx.x;
     const int tpr = blockDim.x;
     const long long row = blockIdx.x;
-    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
     const bool has_res = res != nullptr, has_w = w != nullptr, has_b = b != nullptr;
-    const bool vr = pn_vec_ok<VEC>(res, sr, n, L.head, L.vec);
-    const bool vh = pn_vec_ok<VEC>(h, sh, n, L.head, L.vec);
-    const bool vy = pn_vec_ok<VEC>(y, sy, n, L.head, L.vec);
-    const bool vw = pn_vec_ok<VEC>(w, 0, 1, L.head, L.vec);
-    const bool vb = pn_vec_ok<VEC>(b, 0, 1, L.head, L.vec);
+    constexpr bool vr = VA, vh = VA, vy = VA, vw = VA, vb = VA;
     const XT* xr = x + row * sx;
     const RT* resr = has_res ? res + row * sr : nullptr;
     HT* hr = has_res ? h + row * sh : nullptr;
@@ -553,19 +550,19 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
         if (je[s] >= 0 && je[s] < k) ss += (double)ve[s] * (double)ve[s];
     // U chunks at a time, their loads issued together: with one row per block
     // each thread must keep several 16-byte requests in flight
-    for (int c0 = tr; c0 < L.body; c0 += PN_BIG_U * tpr) {
-        XT xa[PN_BIG_U][VEC];
-        RT ra[PN_BIG_U][VEC];
+    for (int c0 = tr; c0 < L.body; c0 += U * tpr) {
+        XT xa[U][VEC];
+        RT ra[U][VEC];
 #pragma unroll
-        for (int u = 0; u < PN_BIG_U; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int c = c0 + u * tpr;
             if (c < L.body) {
-                pn_ld_raw<VEC>(xr + L.head + c * VEC, L.vec, xa[u]);
+                pn_ld_raw<VEC>(xr + L.head + c * VEC, VA, xa[u]);
                 if (has_res) pn_ld_raw<VEC>(resr + L.head + c * VEC, vr, ra[u]);
             }
         }
 #pragma unroll
-        for (int u = 0; u < PN_BIG_U; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int c = c0 + u * tpr;
             if (c < L.body) {
                 const int j = L.head + c * VEC;
@@ -588,7 +585,7 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
     ss = pn_row_reduce<false>(ss, tpr, red);
     // the normalized row, chunk c (from shared memory when stashed)
     const HT* src = has_res ? (const HT*)hr : (const HT*)xr;
-    const bool vsrc = has_res ? vh : L.vec;
+    const bool vsrc = has_res ? vh : VA;
     double r_d;
     if (sizeof(CT) == 4 || pn_ss_safe(ss)) {
         r_d = sizeof(CT) == 4 ? pn_rstd_from_ss(ss, k, eps, eps_inside)
@@ -637,10 +634,10 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
     }
     // descending: the chunks that were not stashed (read last in pass 1) are
     // re-read first, while they are most likely still in L2
-    for (int c0 = pn_last_chunk(tr, tpr, L.body); c0 >= 0; c0 -= PN_BIG_U * tpr) {
-        HT ha[PN_BIG_U][VEC];
+    for (int c0 = pn_last_chunk(tr, tpr, L.body); c0 >= 0; c0 -= U * tpr) {
+        HT ha[U][VEC];
 #pragma unroll
-        for (int u = 0; u < PN_BIG_U; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int c = c0 - u * tpr;
             if (c >= 0) {
                 if (c < stash) pn_ld_raw<VEC>(st + (long long)c * VEC, true, ha[u]);
@@ -648,7 +645,7 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
             }
         }
 #pragma unroll
-        for (int u = 0; u < PN_BIG_U; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int c = c0 - u * tpr;
             if (c >= 0) {
                 const int j = L.head + c * VEC;
@@ -665,6 +662,36 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
             }
         }
     }
+}
+
+// At most 64 registers (1024-thread blocks).
+template <typename XT, typename RT, typename WT, typename OT>
+__global__ void __launch_bounds__(1024) pn_fwd_big(
+    const XT* __restrict__ x, long long sx,
+    const RT* __restrict__ res, long long sr,
+    typename pn_promote<XT, RT>::type* h, long long sh,
+    const WT* __restrict__ w,
+    const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
+    OT* y, long long sy,
+    typename pn_compute<typename pn_promote<XT, RT>::type>::type* rstd,
+    long long n, int d, int k, int stash,
+    double eps, int eps_inside, double offset, int llama)
+{
+    constexpr int VEC = 16 / sizeof(XT);
+    __shared__ double red[32];
+    extern __shared__ pn_smem_unit pn_dyn_smem[];
+    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
+    const bool va = L.vec && (res == nullptr || (pn_vec_ok<VEC>(res, sr, n, L.head, true) &&
+                                                 pn_vec_ok<VEC>(h, sh, n, L.head, true)))
+                    && pn_vec_ok<VEC>(y, sy, n, L.head, true)
+                    && (w == nullptr || pn_vec_ok<VEC>(w, 0, 1, L.head, true))
+                    && (b == nullptr || pn_vec_ok<VEC>(b, 0, 1, L.head, true));
+    if (va)
+        pn_fwd_big_rows<XT, RT, WT, OT, true>(x, sx, res, sr, h, sh, w, b, y, sy, rstd, n, d, k, stash,
+                                              eps, eps_inside, offset, llama, L, red, pn_dyn_smem);
+    else
+        pn_fwd_big_rows<XT, RT, WT, OT, false>(x, sx, res, sr, h, sh, w, b, y, sy, rstd, n, d, k, stash,
+                                               eps, eps_inside, offset, llama, L, red, pn_dyn_smem);
 }
 
 
