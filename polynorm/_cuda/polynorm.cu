@@ -726,11 +726,16 @@ __device__ __forceinline__ void pn_geff(const WT* w, int j, bool vw, CT off, con
 }
 
 // pn_bwd: rows in registers (same layout rules as pn_fwd); a persistent grid
-// walks groups of blockDim.x/tpr rows.  With more than one row per block the
-// per-thread partial sums are combined in dynamic shared memory (sub-row 0, 1,
-// ... in order): 2 * d * sizeof(CT) bytes when there is any partial, else 0.
-template <typename XT, typename DYT, typename WT, int ITEMS>
-__global__ void __launch_bounds__(512) pn_bwd(
+// walks groups of blockDim.x/tpr rows.  Each sub-row accumulates its dweight /
+// dbias partial sums in dynamic shared memory (2 * rows * ldp * sizeof(CT)
+// bytes when there is any partial, else 0); at the end the sub-rows are added
+// in order (0, 1, ...) into the block's row of dwp / dbp.
+//
+// The body of pn_bwd, instantiated for VA (every array present moves chunks
+// as 16-byte vectors) and its element-by-element twin: no load needs a
+// vector/scalar merge, so a thread's x and dy loads are all in flight at once.
+template <typename XT, typename DYT, typename WT, int ITEMS, bool VA>
+__device__ __forceinline__ void pn_bwd_rows(
     const DYT* __restrict__ dy, long long sdy,
     const XT* __restrict__ x, long long sx,
     const WT* __restrict__ w,
@@ -740,36 +745,54 @@ __global__ void __launch_bounds__(512) pn_bwd(
     typename pn_compute<XT>::type* dwp,
     typename pn_compute<XT>::type* dbp, long long ldp,
     long long n, int d, int k, int tpr,
-    double eps, int eps_inside, double offset)
+    double eps, int eps_inside, double offset, const pn_rowlay L, double* red, pn_smem_unit* pn_dyn_smem)
 {
     typedef typename pn_compute<XT>::type CT;
     constexpr int VEC = 16 / sizeof(XT);
-    __shared__ double red[32];
-    extern __shared__ pn_smem_unit pn_dyn_smem[];
 
     const int tr = threadIdx.x % tpr;
     const int rpb = blockDim.x / tpr;
     const int sub = threadIdx.x / tpr;
-    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
     const bool has_w = w != nullptr, has_g = gres != nullptr;
     const bool want_w = dwp != nullptr, want_b = dbp != nullptr;
     const bool need_ss = rstd_in == nullptr || !eps_inside;
-    const bool vdy = pn_vec_ok<VEC>(dy, sdy, n, L.head, L.vec);
-    const bool vg = pn_vec_ok<VEC>(gres, sg, n, L.head, L.vec);
-    const bool vdx = pn_vec_ok<VEC>(dx, sdx, n, L.head, L.vec);
-    const bool vw = pn_vec_ok<VEC>(w, 0, 1, L.head, L.vec);
+    constexpr bool vdy = VA, vg = VA, vdx = VA, vw = VA;
     const CT off = (CT)offset;
 
+    // At most one head or tail element per thread (thread tr < head: head
+    // element tr; head <= tr < head + tail: tail element tr - head; the launch
+    // keeps tpr >= 2 * VEC so every one has a thread): a second scalar slot
+    // per thread costs ~60 registers.  Index 0 of the [2] arrays is used.
     int je[2];
-    je[0] = tr < L.head ? tr : -1;
-    je[1] = tr < L.tail ? L.head + L.body * VEC + tr : -1;
+    je[0] = tr < L.head ? tr : (tr < L.head + L.tail ? L.body * VEC + tr : -1);
+    je[1] = -1;
 
-    CT aw[ITEMS][VEC], ab[ITEMS][VEC], awe[2], abe[2];
+    // dweight / dbias accumulators in shared memory, not registers: slot row
+    // 2*sub (dweight) and 2*sub+1 (dbias), row stride ldp; body element (c, e)
+    // at c*VEC+e, head element tr at body*VEC+tr, tail element tr at
+    // body*VEC+head+tr.  Each thread only touches its own slots until the end.
+    const bool want = want_w || want_b;  // block-uniform; no shared memory otherwise
+    CT* acc = reinterpret_cast<CT*>(pn_dyn_smem);
+    CT* accw = acc + (long long)(2 * sub) * ldp;
+    CT* accb = accw + ldp;
+    int qe[2];
+    qe[0] = L.body * VEC + tr;
+    qe[1] = qe[0];
+    if (want) {
+        CT z[VEC];
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i)
+        for (int e = 0; e < VEC; ++e) z[e] = (CT)0;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) { aw[i][e] = (CT)0; ab[i][e] = (CT)0; }
-    awe[0] = awe[1] = abe[0] = abe[1] = (CT)0;
+        for (int i = 0; i < ITEMS; ++i) {
+            const int c = tr + i * tpr;
+            if (c < L.body) {
+                pn_st<VEC>(accw + c * VEC, true, z);
+                pn_st<VEC>(accb + c * VEC, true, z);
+            }
+        }
+        for (int s = 0; s < 1; ++s)
+            if (je[s] >= 0) { accw[qe[s]] = (CT)0; accb[qe[s]] = (CT)0; }
+    }
 
     for (long long g0 = (long long)blockIdx.x * rpb; g0 < n; g0 += (long long)gridDim.x * rpb) {
         const long long row = g0 + sub;
@@ -788,11 +811,11 @@ __global__ void __launch_bounds__(512) pn_bwd(
             for (int e = 0; e < VEC; ++e) { xv[i][e] = (CT)0; dyv[i][e] = (CT)0; }
             if (active && c < L.body) {
                 const int j = L.head + c * VEC;
-                pn_ld<VEC>(xr + j, L.vec, xv[i]);
+                pn_ld<VEC>(xr + j, VA, xv[i]);
                 pn_ld<VEC>(dyr + j, vdy, dyv[i]);
             }
         }
-        for (int s = 0; s < 2; ++s) {
+        for (int s = 0; s < 1; ++s) {
             xe[s] = dye[s] = ge[s] = (CT)0;
             if (active && je[s] >= 0) {
                 xe[s] = pn_conv<CT>::in(xr[je[s]]);
@@ -814,20 +837,43 @@ __global__ void __launch_bounds__(512) pn_bwd(
                     for (int e = 0; e < VEC; ++e)
                         if (j0 + e < k) m = pn_max_nan(m, fabs((double)xv[i][e]));
                 }
-                for (int s = 0; s < 2; ++s)
+                for (int s = 0; s < 1; ++s)
                     if (je[s] >= 0 && je[s] < k) m = pn_max_nan(m, fabs((double)xe[s]));
                 m = pn_row_reduce<true>(m, tpr, red);
             }
             const double inv = m > 0.0 ? 1.0 / m : 1.0;
             double ss = 0.0;
+            // float compute: this thread's squares (at most ITEMS*VEC <= 16) summed
+            // in float when none can overflow or underflow (|x| in [1e-18, 1e18]),
+            // else exactly in double; the sum over threads is in double
+            bool exact = sizeof(CT) == 8;
+            if (sizeof(CT) == 4) {
+                float sf = 0.0f, mf = 0.0f;
 #pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
-                const int j0 = L.head + (tr + i * tpr) * VEC;
+                for (int i = 0; i < ITEMS; ++i) {
+                    const int j0 = L.head + (tr + i * tpr) * VEC;
 #pragma unroll
-                for (int e = 0; e < VEC; ++e)
-                    if (j0 + e < k) { const double q = (double)xv[i][e] * inv; ss += q * q; }
+                    for (int e = 0; e < VEC; ++e)
+                        if (j0 + e < k) {
+                            const float v = (float)xv[i][e];
+                            const float av = v < 0.0f ? -v : v;
+                            sf += v * v;
+                            mf = av > mf ? av : mf;
+                        }
+                }
+                if (mf <= 1.0e18f && (mf >= 1.0e-18f || mf == 0.0f)) ss = (double)sf;
+                else exact = true;
             }
-            for (int s = 0; s < 2; ++s)
+            if (exact) {
+#pragma unroll
+                for (int i = 0; i < ITEMS; ++i) {
+                    const int j0 = L.head + (tr + i * tpr) * VEC;
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        if (j0 + e < k) { const double q = (double)xv[i][e] * inv; ss += q * q; }
+                }
+            }
+            for (int s = 0; s < 1; ++s)
                 if (je[s] >= 0 && je[s] < k) { const double q = (double)xe[s] * inv; ss += q * q; }
             ss = pn_row_reduce<false>(ss, tpr, red);
             if (sizeof(CT) == 8) {
@@ -840,8 +886,9 @@ __global__ void __launch_bounds__(512) pn_bwd(
         }
         const CT r = rstd_in != nullptr ? (active ? rstd_in[rr] : (CT)0) : (CT)r_d;
 
-        // ---- c = sum g*dy*xhat over all columns
-        double cs = 0.0;
+        // ---- c = sum g*dy*xhat over all columns: this thread's chunks in CT
+        // (exactly in double where a float product or sum overflows), then double
+        CT cf = (CT)0;
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
             const int c = tr + i * tpr;
@@ -849,10 +896,24 @@ __global__ void __launch_bounds__(512) pn_bwd(
                 CT g[VEC];
                 pn_geff<VEC>(w, L.head + c * VEC, vw, off, dyv[i], g);
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) cs += (double)g[e] * (double)(xv[i][e] * r);
+                for (int e = 0; e < VEC; ++e) cf += g[e] * (xv[i][e] * r);
             }
         }
-        for (int s = 0; s < 2; ++s) cs += (double)ge[s] * (double)(xe[s] * r);
+        double cs = (double)cf;
+        if (sizeof(CT) == 4 && cf - cf != (CT)0) {
+            cs = 0.0;
+#pragma unroll
+            for (int i = 0; i < ITEMS; ++i) {
+                const int c = tr + i * tpr;
+                if (active && c < L.body) {
+                    CT g[VEC];
+                    pn_geff<VEC>(w, L.head + c * VEC, vw, off, dyv[i], g);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) cs += (double)g[e] * (double)(xv[i][e] * r);
+                }
+            }
+        }
+        for (int s = 0; s < 1; ++s) cs += (double)ge[s] * (double)(xe[s] * r);
         cs = pn_row_reduce<false>(cs, tpr, red);
         const CT coef = (CT)pn_bwd_coef(cs, rms, k, eps, eps_inside);
 
@@ -874,13 +935,23 @@ __global__ void __launch_bounds__(512) pn_bwd(
                     if (j + e < k) q = q - xh * coef;
                     o[e] = r * q;
                     if (has_g) o[e] = o[e] + t[e];
-                    aw[i][e] += dyv[i][e] * xh;
-                    ab[i][e] += dyv[i][e];
                 }
                 pn_st<VEC>(dxr + j, vdx, o);
+                if (want) {
+                    CT aw[VEC], ab[VEC];
+                    pn_ld<VEC>(accw + c * VEC, true, aw);
+                    pn_ld<VEC>(accb + c * VEC, true, ab);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        aw[e] += dyv[i][e] * (xv[i][e] * r);
+                        ab[e] += dyv[i][e];
+                    }
+                    pn_st<VEC>(accw + c * VEC, true, aw);
+                    pn_st<VEC>(accb + c * VEC, true, ab);
+                }
             }
         }
-        for (int s = 0; s < 2; ++s) {
+        for (int s = 0; s < 1; ++s) {
             if (active && je[s] >= 0) {
                 const int j = je[s];
                 const CT xh = xe[s] * r;
@@ -889,62 +960,57 @@ __global__ void __launch_bounds__(512) pn_bwd(
                 CT o = r * q;
                 if (has_g) o = o + pn_conv<CT>::in(gr[j]);
                 dxr[j] = pn_out<XT>::from(o);
-                awe[s] += dye[s] * xh;
-                abe[s] += dye[s];
+                if (want) {
+                    accw[qe[s]] += dye[s] * xh;
+                    accb[qe[s]] += dye[s];
+                }
             }
         }
     }
 
-    // ---- partial sums: one row per block
-    if (!want_w && !want_b) return;  // block-uniform
-    if (rpb == 1) {
-        for (int a = 0; a < 2; ++a) {
-            CT* p = a == 0 ? dwp : dbp;
-            if (p == nullptr) continue;
-            p += (long long)blockIdx.x * ldp;
-            const bool vp = pn_vec_ok<VEC>(p, 0, 1, L.head, L.vec);
-#pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
-                const int c = tr + i * tpr;
-                if (c < L.body) {
-                    if (a == 0) pn_st<VEC>(p + L.head + c * VEC, vp, aw[i]);
-                    else pn_st<VEC>(p + L.head + c * VEC, vp, ab[i]);
-                }
-            }
-            for (int s = 0; s < 2; ++s)
-                if (je[s] >= 0) p[je[s]] = a == 0 ? awe[s] : abe[s];
-        }
-        return;
-    }
-    CT* acc = reinterpret_cast<CT*>(pn_dyn_smem);  // [2][d]: dweight, dbias
-    for (int s2 = 0; s2 < rpb; ++s2) {
-        __syncthreads();
-        if (sub == s2) {
-#pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
-                const int c = tr + i * tpr;
-                if (c < L.body) {
-                    const int j = L.head + c * VEC;
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) {
-                        acc[j + e] = (s2 == 0 ? (CT)0 : acc[j + e]) + aw[i][e];
-                        acc[d + j + e] = (s2 == 0 ? (CT)0 : acc[d + j + e]) + ab[i][e];
-                    }
-                }
-            }
-            for (int s = 0; s < 2; ++s) {
-                if (je[s] >= 0) {
-                    acc[je[s]] = (s2 == 0 ? (CT)0 : acc[je[s]]) + awe[s];
-                    acc[d + je[s]] = (s2 == 0 ? (CT)0 : acc[d + je[s]]) + abe[s];
-                }
-            }
-        }
-    }
+    // ---- partial sums: one row per block, sub-rows added in order
+    if (!want) return;
     __syncthreads();
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        if (want_w) dwp[(long long)blockIdx.x * ldp + j] = acc[j];
-        if (want_b) dbp[(long long)blockIdx.x * ldp + j] = acc[d + j];
+    for (int q = threadIdx.x; q < d; q += blockDim.x) {
+        const int bv = L.body * VEC;
+        const int col = q < bv ? L.head + q : (q < bv + L.head ? q - bv : q);
+        for (int a2 = 0; a2 < 2; ++a2) {
+            CT* p = a2 == 0 ? dwp : dbp;
+            if (p == nullptr) continue;
+            CT v = acc[(long long)a2 * ldp + q];
+            for (int s2 = 1; s2 < rpb; ++s2) v = v + acc[(long long)(2 * s2 + a2) * ldp + q];
+            p[(long long)blockIdx.x * ldp + col] = v;
+        }
     }
+}
+
+// At most 64 registers (two 512-thread blocks, 50% occupancy, per SM).
+template <typename XT, typename DYT, typename WT, int ITEMS>
+__global__ void __launch_bounds__(512, 2) pn_bwd(
+    const DYT* __restrict__ dy, long long sdy,
+    const XT* __restrict__ x, long long sx,
+    const WT* __restrict__ w,
+    const typename pn_compute<XT>::type* __restrict__ rstd_in,
+    const DYT* __restrict__ gres, long long sg,
+    XT* dx, long long sdx,
+    typename pn_compute<XT>::type* dwp,
+    typename pn_compute<XT>::type* dbp, long long ldp,
+    long long n, int d, int k, int tpr,
+    double eps, int eps_inside, double offset)
+{
+    constexpr int VEC = 16 / sizeof(XT);
+    __shared__ double red[32];
+    extern __shared__ pn_smem_unit pn_dyn_smem[];
+    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
+    const bool va = L.vec && pn_vec_ok<VEC>(dy, sdy, n, L.head, true) && pn_vec_ok<VEC>(dx, sdx, n, L.head, true)
+                    && (gres == nullptr || pn_vec_ok<VEC>(gres, sg, n, L.head, true))
+                    && (w == nullptr || pn_vec_ok<VEC>(w, 0, 1, L.head, true));
+    if (va)
+        pn_bwd_rows<XT, DYT, WT, ITEMS, true>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
+                                              n, d, k, tpr, eps, eps_inside, offset, L, red, pn_dyn_smem);
+    else
+        pn_bwd_rows<XT, DYT, WT, ITEMS, false>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
+                                               n, d, k, tpr, eps, eps_inside, offset, L, red, pn_dyn_smem);
 }
 
 // pn_bwd_big: one row at a time per block (tpr = blockDim.x), persistent grid;
