@@ -1018,8 +1018,10 @@ __global__ void __launch_bounds__(512, 2) pn_bwd(
 // (stash * VEC * (sizeof(XT) + sizeof(DYT)) bytes).  Partial sums are
 // accumulated in place into row blockIdx.x of dwp / dbp, which the caller
 // zero-fills.
-template <typename XT, typename DYT, typename WT>
-__global__ void __launch_bounds__(1024) pn_bwd_big(
+// The body of pn_bwd_big for VA (every array present moves chunks as vectors)
+// and its element-by-element twin, as for pn_bwd.
+template <typename XT, typename DYT, typename WT, bool VA>
+__device__ __forceinline__ void pn_bwd_big_rows(
     const DYT* __restrict__ dy, long long sdy,
     const XT* __restrict__ x, long long sx,
     const WT* __restrict__ w,
@@ -1029,39 +1031,34 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
     typename pn_compute<XT>::type* dwp,
     typename pn_compute<XT>::type* dbp, long long ldp,
     long long n, int d, int k, int stash,
-    double eps, int eps_inside, double offset)
+    double eps, int eps_inside, double offset, const pn_rowlay L, double* red, pn_smem_unit* pn_dyn_smem)
 {
     typedef typename pn_compute<XT>::type CT;
     constexpr int VEC = 16 / sizeof(XT);
-    __shared__ double red[32];
-    extern __shared__ pn_smem_unit pn_dyn_smem[];
     XT* sx_ = reinterpret_cast<XT*>(pn_dyn_smem);
     DYT* sdy_ = reinterpret_cast<DYT*>(pn_dyn_smem + ((long long)stash * VEC * sizeof(XT) + 15) / 16);
 
     const int tr = threadIdx.x;
     const int tpr = blockDim.x;
-    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
     const bool has_w = w != nullptr, has_g = gres != nullptr;
     const bool need_ss = rstd_in == nullptr || !eps_inside;
-    const bool vdy = pn_vec_ok<VEC>(dy, sdy, n, L.head, L.vec);
-    const bool vg = pn_vec_ok<VEC>(gres, sg, n, L.head, L.vec);
-    const bool vdx = pn_vec_ok<VEC>(dx, sdx, n, L.head, L.vec);
-    const bool vw = pn_vec_ok<VEC>(w, 0, 1, L.head, L.vec);
+    constexpr bool vdy = VA, vg = VA, vdx = VA, vw = VA;
     CT* pw = dwp != nullptr ? dwp + (long long)blockIdx.x * ldp : nullptr;
     CT* pb = dbp != nullptr ? dbp + (long long)blockIdx.x * ldp : nullptr;
-    const bool vpw = pn_vec_ok<VEC>(pw, 0, 1, L.head, L.vec);
-    const bool vpb = pn_vec_ok<VEC>(pb, 0, 1, L.head, L.vec);
+    const bool vpw = VA && pn_vec_ok<VEC>(pw, 0, 1, L.head, true);
+    const bool vpb = VA && pn_vec_ok<VEC>(pb, 0, 1, L.head, true);
     const CT off = (CT)offset;
 
+    // at most one head or tail element per thread, as in pn_bwd (blockDim.x >= 32 >= 2 * VEC)
     int je[2];
-    je[0] = tr < L.head ? tr : -1;
-    je[1] = tr < L.tail ? L.head + L.body * VEC + tr : -1;
+    je[0] = tr < L.head ? tr : (tr < L.head + L.tail ? L.body * VEC + tr : -1);
+    je[1] = -1;
 
     for (long long row = blockIdx.x; row < n; row += gridDim.x) {
         const XT* xr = x + row * sx;
         const DYT* dyr = dy + row * sdy;
         CT xe[2], dye[2], ge[2];
-        for (int s = 0; s < 2; ++s) {
+        for (int s = 0; s < 1; ++s) {
             xe[s] = dye[s] = ge[s] = (CT)0;
             if (je[s] >= 0) {
                 xe[s] = pn_conv<CT>::in(xr[je[s]]);
@@ -1073,7 +1070,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
 
         // ---- pass 1: stash; sum of squares and (float compute) sum g*dy*x
         double ss = 0.0, px = 0.0;
-        for (int s = 0; s < 2; ++s) {
+        for (int s = 0; s < 1; ++s) {
             if (je[s] >= 0 && je[s] < k) ss += (double)xe[s] * (double)xe[s];
             px += (double)ge[s] * (double)xe[s];
         }
@@ -1081,7 +1078,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
             const int j = L.head + c * VEC;
             XT xraw[VEC];
             DYT draw[VEC];
-            pn_ld_raw<VEC>(xr + j, L.vec, xraw);
+            pn_ld_raw<VEC>(xr + j, VA, xraw);
             pn_ld_raw<VEC>(dyr + j, vdy, draw);
             if (c < stash) {
                 pn_pack<XT, VEC> qx;
@@ -1119,26 +1116,26 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
             // float64: max, scaled sum of squares, then c from xhat: extra passes
             double m = 0.0;
             if (need_ss) {
-                for (int s = 0; s < 2; ++s)
+                for (int s = 0; s < 1; ++s)
                     if (je[s] >= 0 && je[s] < k) m = pn_max_nan(m, fabs((double)xe[s]));
                 for (int c = tr; c < L.body; c += tpr) {
                     const int j = L.head + c * VEC;
                     CT v[VEC];
                     if (c < stash) pn_ld<VEC>(sx_ + (long long)c * VEC, true, v);
-                    else pn_ld<VEC>(xr + j, L.vec, v);
+                    else pn_ld<VEC>(xr + j, VA, v);
                     for (int e = 0; e < VEC; ++e)
                         if (j + e < k) m = pn_max_nan(m, fabs((double)v[e]));
                 }
                 m = pn_row_reduce<true>(m, tpr, red);
                 const double inv = m > 0.0 ? 1.0 / m : 1.0;
                 double s2 = 0.0;
-                for (int s = 0; s < 2; ++s)
+                for (int s = 0; s < 1; ++s)
                     if (je[s] >= 0 && je[s] < k) { const double q = (double)xe[s] * inv; s2 += q * q; }
                 for (int c = tr; c < L.body; c += tpr) {
                     const int j = L.head + c * VEC;
                     CT v[VEC];
                     if (c < stash) pn_ld<VEC>(sx_ + (long long)c * VEC, true, v);
-                    else pn_ld<VEC>(xr + j, L.vec, v);
+                    else pn_ld<VEC>(xr + j, VA, v);
                     for (int e = 0; e < VEC; ++e)
                         if (j + e < k) { const double q = (double)v[e] * inv; s2 += q * q; }
                 }
@@ -1147,7 +1144,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
                 r_d = pn_rstd_from_rms(rms, eps, eps_inside);
             }
             const CT r0 = rstd_in != nullptr ? rstd_in[row] : (CT)r_d;
-            for (int s = 0; s < 2; ++s) cs += (double)ge[s] * (double)(xe[s] * r0);
+            for (int s = 0; s < 1; ++s) cs += (double)ge[s] * (double)(xe[s] * r0);
             for (int c = tr; c < L.body; c += tpr) {
                 const int j = L.head + c * VEC;
                 CT v[VEC], dv[VEC], wv[VEC];
@@ -1155,7 +1152,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
                     pn_ld<VEC>(sx_ + (long long)c * VEC, true, v);
                     pn_ld<VEC>(sdy_ + (long long)c * VEC, true, dv);
                 } else {
-                    pn_ld<VEC>(xr + j, L.vec, v);
+                    pn_ld<VEC>(xr + j, VA, v);
                     pn_ld<VEC>(dyr + j, vdy, dv);
                 }
                 if (has_w) pn_ld<VEC>(w + j, vw, wv);
@@ -1172,7 +1169,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
         // ---- pass 2: dx and the partial sums
         XT* dxr = dx + row * sdx;
         const DYT* gr = has_g ? gres + row * sg : nullptr;
-        for (int s = 0; s < 2; ++s) {
+        for (int s = 0; s < 1; ++s) {
             if (je[s] >= 0) {
                 const int j = je[s];
                 const CT xh = xe[s] * r;
@@ -1193,7 +1190,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
                 pn_ld<VEC>(sx_ + (long long)c * VEC, true, v);
                 pn_ld<VEC>(sdy_ + (long long)c * VEC, true, dv);
             } else {
-                pn_ld<VEC>(xr + j, L.vec, v);
+                pn_ld<VEC>(xr + j, VA, v);
                 pn_ld<VEC>(dyr + j, vdy, dv);
             }
             if (has_w) pn_ld<VEC>(w + j, vw, wv);
@@ -1221,6 +1218,34 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
             }
         }
     }
+}
+
+template <typename XT, typename DYT, typename WT>
+__global__ void __launch_bounds__(1024) pn_bwd_big(
+    const DYT* __restrict__ dy, long long sdy,
+    const XT* __restrict__ x, long long sx,
+    const WT* __restrict__ w,
+    const typename pn_compute<XT>::type* __restrict__ rstd_in,
+    const DYT* __restrict__ gres, long long sg,
+    XT* dx, long long sdx,
+    typename pn_compute<XT>::type* dwp,
+    typename pn_compute<XT>::type* dbp, long long ldp,
+    long long n, int d, int k, int stash,
+    double eps, int eps_inside, double offset)
+{
+    constexpr int VEC = 16 / sizeof(XT);
+    __shared__ double red[32];
+    extern __shared__ pn_smem_unit pn_dyn_smem[];
+    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
+    const bool va = L.vec && pn_vec_ok<VEC>(dy, sdy, n, L.head, true) && pn_vec_ok<VEC>(dx, sdx, n, L.head, true)
+                    && (gres == nullptr || pn_vec_ok<VEC>(gres, sg, n, L.head, true))
+                    && (w == nullptr || pn_vec_ok<VEC>(w, 0, 1, L.head, true));
+    if (va)
+        pn_bwd_big_rows<XT, DYT, WT, true>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
+                                           n, d, k, stash, eps, eps_inside, offset, L, red, pn_dyn_smem);
+    else
+        pn_bwd_big_rows<XT, DYT, WT, false>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
+                                            n, d, k, stash, eps, eps_inside, offset, L, red, pn_dyn_smem);
 }
 
 // pn_colsum: out[j] = sum over rows of part[row*ldp + j], in a fixed order.
