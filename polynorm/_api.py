@@ -327,7 +327,7 @@ def _check_out_memory(out: _np.ndarray, inputs: tuple, names: tuple) -> None:
         if argname in ("x", "residual") and _same_memory(out, a):
             continue  # in place: allowed
         try:
-            shared = _np.shares_memory(out, a, max_work=1 << 16)
+            shared = _np.shares_memory(out, a, max_work=1 << 16)  # type: ignore[arg-type]
         except _np.exceptions.TooHardError:
             shared = True
         if shared:
