@@ -41,9 +41,23 @@ def _xp(x: Any):
     return array_namespace(x)
 
 
+def _c_rows(a):
+    """numpy/cupy rows made C-contiguous: their row sums then follow one order, whatever the layout.
+
+    numpy reduces a non-contiguous axis in memory order, so a Fortran-order batch would give
+    another ``rstd`` (an ulp) than the same token alone (batch invariance, SPEC).
+    """
+    lib = type(a).__module__.split(".")[0]
+    if lib in ("numpy", "cupy") and a.ndim == 2 and not a.flags.c_contiguous:
+        import importlib
+
+        return importlib.import_module(lib).ascontiguousarray(a)
+    return a
+
+
 def _rms(xp, v, plan: Plan):
     """``sqrt(mean(v[:, :k]**2))`` per row, scaled so that nothing overflows."""
-    vk = v if plan.k == plan.d else v[:, : plan.k]
+    vk = _c_rows(v if plan.k == plan.d else v[:, : plan.k])
     m = xp.max(xp.abs(vk), axis=1) if plan.k > 0 else None
     m_safe = xp.where(m == 0, xp.ones_like(m), m)
     scaled = vk / m_safe[:, None]
@@ -163,7 +177,7 @@ def _backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     xhat = v * r[:, None]
     if weight is not None:
         g_dy = g_dy * (xp.astype(weight, cdt) + plan.offset)
-    c = xp.sum(g_dy * xhat, axis=1)
+    c = xp.sum(_c_rows(g_dy * xhat), axis=1)
     coef = c / plan.k
     if not plan.eps_inside:
         # alpha = (s + eps) / s; the whole term is zero where s == 0 (x is zero there)
