@@ -58,7 +58,7 @@ def test_nvrtc_cached_cubin(tmp_path, monkeypatch):
     monkeypatch.setenv("POLYNORM_CACHE_DIR", str(tmp_path))
     name = cl.fwd_name("bfloat16", "bfloat16", "float32", "bfloat16", 1)
     path, lowered = _nvrtc.cached_cubin(name, "sm_90")
-    assert path.parent == tmp_path and lowered.encode() in path.read_bytes()
+    assert path.parent == tmp_path / "cubin" and lowered.encode() in path.read_bytes()
     mtime = path.stat().st_mtime_ns
     assert _nvrtc.cached_cubin(name, "sm_90") == (path, lowered)
     assert path.stat().st_mtime_ns == mtime  # a hit: not rebuilt
