@@ -218,7 +218,7 @@ def _group_plan(gplan):
 def _silu(xp, zc):
     """``z / (1 + exp(-z))`` and its derivative ``sig * (1 + z * (1 - sig))``."""
     sig = 1 / (1 + xp.exp(-zc))
-    return zc * sig, sig * (1 + zc * (1 - sig))
+    return zc / (1 + xp.exp(-zc)), sig * (1 + zc * (1 - sig))
 
 
 def _by_group(xp, a, gplan):
