@@ -228,3 +228,23 @@ def test_errors_arrays():
         pn.rms_norm_gated_backward(x, x, z, w, group_size=4, rstd=np.ones(4, np.float32))
     with pytest.raises(ValueError, match="out"):
         pn.rms_norm_gated_backward(x, x, z, w, out=x)
+
+
+def test_dask_per_chunk():
+    da = pytest.importorskip("dask.array")
+    x, z, w, b = _data(n=7, d=8, dtype="float32", seed=6)
+    dy = np.random.default_rng(7).standard_normal(x.shape).astype(np.float32)
+    kw = dict(group_size=4, norm_before_gate=True, eps=EPS)
+    c = dict(chunks=(3, 8))
+    xd, zd, dyd = da.from_array(x, **c), da.from_array(z, **c), da.from_array(dy, **c)
+    y, r = pn.rms_norm_gated(xd, zd, w, b, return_rstd=True, **kw)
+    assert isinstance(y, da.Array) and r.shape == (7, 2)
+    y0, r0 = pn.rms_norm_gated(x, z, w, b, return_rstd=True, **kw)
+    np.testing.assert_array_equal(y.compute(), y0)
+    np.testing.assert_array_equal(r.compute(), r0)
+    got = pn.rms_norm_gated_backward(dyd, xd, zd, w, b, rstd=r, **kw)
+    want = pn.rms_norm_gated_backward(dy, x, z, w, b, **kw)
+    np.testing.assert_array_equal(got[0].compute(), want[0])
+    np.testing.assert_array_equal(got[1].compute(), want[1])
+    for g, e in zip(got[2:], want[2:], strict=True):  # chunk-order sums: not the row tree's bits
+        assert_close(np.asarray(g), e.astype(np.float64), "float32", "dweight/dbias")
