@@ -128,8 +128,10 @@ def test_batch_invariance(backend, nbg):
     y, r = pn.rms_norm_gated(x, z, w, return_rstd=True, **kw)
     dx, dz, _, _ = pn.rms_norm_gated_backward(dy, x, z, w, **kw)
     xf, zf, dyf = np.asfortranarray(x), np.asfortranarray(z), np.asfortranarray(dy)
-    yF = pn.rms_norm_gated(xf, zf, w, **kw)
-    np.testing.assert_array_equal(yF, y)
+    np.testing.assert_array_equal(pn.rms_norm_gated(xf, zf, w, **kw), y)
+    dxF, dzF, _, _ = pn.rms_norm_gated_backward(dyf, xf, zf, w, **kw)
+    np.testing.assert_array_equal(dxF, dx)
+    np.testing.assert_array_equal(dzF, dz)
     for i in (0, 4, 8):
         sl = slice(i, i + 1)
         yi, ri = pn.rms_norm_gated(x[sl], z[sl], w, return_rstd=True, **kw)

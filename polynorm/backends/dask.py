@@ -318,7 +318,9 @@ def _gated_forward_chunk(x, z, weight, bias, *, gplan):
 
 def _gated_backward_chunk(dy, x, z, weight, bias, rstd, *, gplan):
     if x.shape[0] == 0:
-        zero = (lambda a: None if a is None else (a * 0).astype(a.dtype))
+        def zero(a):
+            return None if a is None else (a * 0).astype(a.dtype)
+
         return x.copy(), z.copy(), zero(weight), zero(bias)
     return _gated_inner(x).gated_backward(dy, x, z, weight, bias, rstd, gplan)
 
