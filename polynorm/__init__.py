@@ -1,11 +1,16 @@
 """polynorm: RMSNorm and partial RMSNorm for every array library.
 
-Public names: :func:`rms_norm`, :func:`add_rms_norm`, :func:`rms_norm_backward`
-and :func:`backends`.  The semantics are in :mod:`polynorm._options`.
+Public names: :func:`rms_norm`, :func:`add_rms_norm`, :func:`rms_norm_backward`,
+:func:`rms_norm_gated`, :func:`rms_norm_gated_backward` and :func:`backends`.
+The semantics are in :mod:`polynorm._options`.
 """
 
 from ._api import add_rms_norm, backends, rms_norm, rms_norm_backward
+from ._gated import rms_norm_gated, rms_norm_gated_backward
 
 __version__ = "0.1.0"
 
-__all__ = ["rms_norm", "add_rms_norm", "rms_norm_backward", "backends", "__version__"]
+__all__ = [
+    "rms_norm", "add_rms_norm", "rms_norm_backward", "rms_norm_gated", "rms_norm_gated_backward",
+    "backends", "__version__",
+]

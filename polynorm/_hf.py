@@ -11,6 +11,10 @@ rounding order:
              ``casting="fp32"``, ``offset=1.0``.
 ``"olmo2"``  ``(self.weight * xhat).to(input_dtype)``, product in float32:
              ``casting="fp32"``.
+``"gated"``  Qwen3-Next's ``Qwen3NextRMSNormGated``, ``forward(x, gate)``:
+             ``self.weight * xhat.to(input_dtype)`` times ``silu(gate.float())``,
+             rounded to ``input_dtype``: :func:`polynorm.rms_norm_gated` with
+             ``norm_before_gate=True``, ``casting="llama"``.
 ``"t5"``     ``xhat`` in float32, rounded to the weight's dtype when that is
              16-bit, then ``self.weight * xhat``: ``casting="llama"`` when ``x``
              and the weight share a 16-bit dtype, else ``casting="fp32"`` with
@@ -57,6 +61,7 @@ KNOWN_CLASSES: dict[str, str] = {
     "transformers.models.gemma2.modeling_gemma2.Gemma2RMSNorm": "gemma",
     "transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm": "gemma",
     "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextRMSNorm": "gemma",
+    "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextRMSNormGated": "gated",
     "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm": "olmo2",
     "transformers.models.t5.modeling_t5.T5LayerNorm": "t5",
 }
@@ -141,6 +146,9 @@ class PatchedRMSNorm(torch.nn.Module):
             return dict(casting="llama", out_dtype=None if out == xd else out)
         if kind == "gemma":
             return dict(offset=1.0)
+        if kind == "gated":
+            # the gate product is formed in promote(float32, weight): float32 unless float64
+            return None if w == torch.float64 else dict(casting="llama")
         if kind == "olmo2":
             # the product is formed in promote(float32, weight): float32 unless a float64 weight
             return None if w == torch.float64 else {}
@@ -152,15 +160,21 @@ class PatchedRMSNorm(torch.nn.Module):
         out = _promote(xd, w)
         return dict(out_dtype=None if out == xd else out)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .torch import rms_norm
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        from .torch import rms_norm, rms_norm_gated
 
         opts = self._options(x)
+        gated = self.kind == "gated"
+        if gated and gate is None:
+            raise TypeError(f"{type(self.__dict__['original']).__name__} needs its gate: forward(x, gate)")
         if opts is None:
             original = self.__dict__["original"]
             if original.weight is not self.weight:  # reassigned, e.g. load_state_dict(assign=True)
                 original.weight = self.weight
-            return original(x)
+            return original(x, gate) if gated else original(x)
+        if gated:
+            return rms_norm_gated(x, gate, self.weight, eps=self.eps, norm_before_gate=True,
+                                  **opts)
         return rms_norm(x, self.weight, eps=self.eps, **opts)
 
     def extra_repr(self) -> str:
@@ -297,6 +311,7 @@ def _report(replaced: Iterable[PatchedRMSNorm], left: dict[str, list[str]]) -> N
 _OPTION_TEXT = {
     "llama": 'casting="llama", out_dtype=promote(x, weight)',
     "gemma": 'offset=1.0, casting="fp32"',
+    "gated": 'rms_norm_gated, norm_before_gate=True, casting="llama"',
     "olmo2": 'casting="fp32"',
     "t5": 'casting="llama" (16-bit weight) or "fp32" with out_dtype=promote(x, weight)',
 }

@@ -217,3 +217,90 @@ def _make_plan(
         compute_dtype=compute_dtype(x_dtype),
         out_dtype=out_dtype,
     )
+
+
+# --------------------------------------------------------------------------- gated RMSNorm
+
+
+@dataclass(frozen=True, slots=True)
+class GatedPlan:
+    """A :class:`Plan` plus the gate's options, for :func:`polynorm.rms_norm_gated`.
+
+    The operation, per token, with ``silu(z) = z / (1 + exp(-z))`` computed in
+    the compute dtype from ``z`` converted to it, and the statistic taken per
+    group of ``group_size`` contiguous elements of the normalized slice (one
+    group of ``d`` without ``group_size``)::
+
+        norm_before_gate=False (Mamba-2's default):
+            u    = x * silu(z)                         # compute dtype, not rounded
+            rstd = 1 / sqrt(mean_group(u[:k]**2) + eps)
+            y    = u * rstd * (weight + offset) + bias
+        norm_before_gate=True (Qwen3-Next, Mamba's rmsnorm_fn default):
+            rstd = 1 / sqrt(mean_group(x[:k]**2) + eps)
+            y    = (x * rstd * (weight + offset) + bias) * silu(z)
+
+    ``eps_mode="outside"`` places eps as in :class:`Plan`.  ``k`` is
+    ``plan.k`` with one group; with several groups every element enters its
+    group's statistic (``partial`` must be 1, see :func:`make_gated_plan`).
+
+    Casting ``"fp32"`` is Mamba's ``layernorm_gated`` (x, z and weight in
+    float32, one rounding at the end).  ``"llama"`` is Hugging Face's
+    ``Qwen3NextRMSNormGated``: the normalized value is rounded to ``x``'s
+    dtype, multiplied by ``weight + offset`` in ``weight``'s dtype (rounded to
+    their promoted dtype), then (``norm_before_gate=True``) multiplied by
+    ``silu(z)`` in the compute dtype; the gate product ``u`` of
+    ``norm_before_gate=False`` is never rounded.
+
+    The backward, with ``g = weight + offset``, ``s = silu(z)`` and
+    ``s' = sigmoid(z) * (1 + z * (1 - sigmoid(z)))``: for
+    ``norm_before_gate=False`` it is :class:`Plan`'s backward of the norm of
+    ``u`` per group (``du``), then ``dx = du * s``, ``dz = du * x * s'``,
+    ``dweight = sum dy * uhat``, ``dbias = sum dy``; for ``True`` it is the
+    norm's backward of ``x`` with ``dy * s`` in place of ``dy``, and
+    ``dz = dy * (xhat * g + bias) * s'``, ``dweight = sum dy * s * xhat``,
+    ``dbias = sum dy * s``.
+    """
+
+    plan: Plan
+    group_size: int
+    norm_before_gate: bool
+
+    @property
+    def groups(self) -> int:
+        return self.plan.d // self.group_size
+
+    @property
+    def k(self) -> int:
+        """Elements of each group entering its statistic."""
+        return self.plan.k if self.groups == 1 else self.group_size
+
+
+def make_gated_plan(plan: Plan, *, group_size: Any, norm_before_gate: Any) -> GatedPlan:
+    """Validate the gate's options against a resolved :class:`Plan`.
+
+    ``group_size`` must divide ``d``; ``partial < 1`` is allowed only with one
+    group (pRMSNorm's leading ``k`` has no per-group meaning in Mamba, vLLM or
+    FLA, so polynorm does not invent one).
+
+    >>> p = make_plan(8, "float32", eps=1e-6, partial=1.0, offset=0.0,
+    ...               eps_mode="inside", casting="fp32", out_dtype=None)
+    >>> make_gated_plan(p, group_size=4, norm_before_gate=False).groups
+    2
+    """
+    if not isinstance(norm_before_gate, (bool, int)) or norm_before_gate not in (0, 1):
+        raise TypeError(f"norm_before_gate must be True or False, got {norm_before_gate!r}")
+    d = plan.d
+    if group_size is None:
+        gs = d
+    else:
+        if isinstance(group_size, bool) or not hasattr(group_size, "__index__"):
+            raise TypeError(f"group_size must be an int or None, got {group_size!r}")
+        gs = int(group_size.__index__())
+        if gs < 1 or d % gs:
+            raise ValueError(
+                f"group_size={gs} must be >= 1 and divide the normalized size d={d}")
+    if gs != d and plan.k != d:
+        raise ValueError(
+            f"partial={plan.k / d!r} (k={plan.k}) cannot be combined with group_size={gs} "
+            f"< d={d}: use partial=1.0 with groups")
+    return GatedPlan(plan=plan, group_size=gs, norm_before_gate=bool(norm_before_gate))

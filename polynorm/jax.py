@@ -294,3 +294,8 @@ def add_rms_norm(
         return _api.add_rms_norm(x, residual, weight, bias, out_dtype=out_dtype, **dict(static))
     in_dtypes = (x.dtype, residual.dtype)  # each input's gradient comes back in its dtype
     return _add_rms_norm(static, out_dtype, in_dtypes, x, residual, weight, bias)
+
+
+from ._jax_gated import rms_norm_gated  # noqa: E402
+
+__all__ += ["rms_norm_gated"]

@@ -578,3 +578,8 @@ def _check_options(d, eps, partial, offset, eps_mode, casting) -> None:
 
 # Hugging Face transformers models: swap their RMSNorm modules for polynorm (polynorm/_hf.py)
 from ._hf import PatchedRMSNorm, patch, patched, unpatch  # noqa: E402
+
+# gated RMSNorm (polynorm/_torch_gated.py, which uses the op helpers above)
+from ._torch_gated import RMSNormGated, rms_norm_gated  # noqa: E402
+
+__all__ += ["rms_norm_gated", "RMSNormGated"]

@@ -78,7 +78,7 @@ from .roof import paired_roof
 SHAPES = ((1, 4096), (8, 4096), (512, 4096), (16384, 4096), (4096, 16384), (65536, 1024))
 QUICK_SHAPES = ((1, 4096), (8, 4096), (512, 4096), (2048, 4096), (8192, 1024), (512, 16384))
 DTYPES = ("float32", "bfloat16", "float16")
-OPS = ("fwd", "fwd-out", "add", "bwd")
+OPS = ("fwd", "fwd-out", "add", "bwd", "gated")
 EPS = 1e-6
 
 Progress = Callable[[int, int, str], None]
@@ -102,7 +102,7 @@ def op_bytes(op: str, n: int, d: int, itemsize: int) -> int:
     """Bytes the op must move, as the issue counts them (weight only for bwd).
 
     fwd: read x, write y; add: also read residual, write h; bwd: read x and
-    dy, write dx, plus the weight.
+    dy, write dx, plus the weight; gated: read x and z, write y.
 
     >>> op_bytes("fwd", 2, 4, 4), op_bytes("add", 2, 4, 4), op_bytes("bwd", 2, 4, 4)
     (64, 128, 112)
@@ -110,6 +110,8 @@ def op_bytes(op: str, n: int, d: int, itemsize: int) -> int:
     t = n * d * itemsize
     if op in ("fwd", "fwd-out"):
         return 2 * t
+    if op == "gated":
+        return 3 * t
     if op == "add":
         return 4 * t
     if op == "bwd":
@@ -145,6 +147,11 @@ def _numpy_fn(op: str, x, w, r, dy) -> Callable[[], Any]:
         xf = x.astype(np.float32)
         rstd = 1.0 / np.sqrt(np.mean(xf * xf, axis=-1) + np.float32(EPS))
         return lambda: _numpy_bwd(dy, x, w, rstd)
+    if op == "gated":  # r stands in for the gate z
+        def gated():
+            zf = r.astype(np.float32)
+            return _numpy_fwd((x.astype(np.float32) * (zf / (1 + np.exp(-zf)))).astype(x.dtype), w)
+        return gated
     return lambda: _numpy_fwd(x, w, r if op == "add" else None)
 
 
@@ -163,6 +170,9 @@ def _torch_fn(op: str, x, w, r, dy) -> Callable[[], Any] | None:
     if op == "add":
         tr = t(r)
         return lambda: F.rms_norm(tx + tr, (d,), tw, EPS)
+    if op == "gated":
+        tz = t(r)
+        return lambda: F.rms_norm(tx * F.silu(tz), (d,), tw, EPS)
     txg = tx.clone().requires_grad_(True)
     twg = tw.clone().requires_grad_(True)
     y = F.rms_norm(txg, (d,), twg, EPS)
@@ -259,7 +269,7 @@ def _ort_session(kind: str, dt: str, d: int):
 def _ort_fns(op: str, x, w, r, out) -> dict[str, Callable[[], Any]]:
     """ONNX Runtime peers of one case by node name (empty when none runs)."""
     dt = x.dtype.name
-    if op == "bwd" or dt not in _ORT_TYPES or _ort_missing(dt):
+    if op in ("bwd", "gated") or dt not in _ORT_TYPES or _ort_missing(dt):
         return {}
     d = x.shape[-1]
     fns: dict[str, Callable[[], Any]] = {}
@@ -289,7 +299,7 @@ def cases(quick: bool = False, dtypes: list[str] | None = None,
     """``(op, dtype, tokens, d)`` in measurement order.
 
     >>> len(cases()), cases(quick=True)[0]
-    (72, ('fwd', 'float32', 1, 4096))
+    (90, ('fwd', 'float32', 1, 4096))
     """
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     dts = [d for d in DTYPES if dtypes is None or d in dtypes]
@@ -305,6 +315,8 @@ def _polynorm_fn(op: str, x, w, r, dy, out) -> Callable[[], Any]:
         return lambda: pn.rms_norm(x, w, eps=EPS, out=out)
     if op == "add":
         return lambda: pn.add_rms_norm(x, r, w, eps=EPS)
+    if op == "gated":  # r as the gate z; Mamba-2's order (gate, then norm)
+        return lambda: pn.rms_norm_gated(x, r, w, eps=EPS)
     # the forward's rstd, as a training step has it (torch's autograd saves it too)
     rstd = pn.rms_norm(x, w, eps=EPS, return_rstd=True)[1]
     return lambda: pn.rms_norm_backward(dy, x, w, eps=EPS, rstd=rstd)
@@ -368,7 +380,7 @@ def run(
         if p.peers:
             ratios["ort"] = min(p.peers.values()) / t
             extra.update({f"ort_{k}_s": v for k, v in p.peers.items()})
-        elif op != "bwd":
+        elif op not in ("bwd", "gated"):
             extra["ort"] = _ort_missing(dt)
         tf = _torch_fn(op, x, w, r, dy)
         if tf is not None:

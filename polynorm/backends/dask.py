@@ -290,3 +290,94 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     dweight = None if weight is None else reduce(1, wdt)
     dbias = None if bias is None else reduce(2, bdt)
     return dx, dweight, dbias
+
+
+# ------------------------------------------------------------------ gated RMSNorm
+# One task per row chunk, on the chunk's in-memory backend (its gated kernels,
+# or the reference where it has none).  dweight/dbias: the chunks' sums added
+# in chunk order, so their bits depend on the row chunks (y, rstd, dx and dz
+# do not).
+
+
+def _gated_inner(block):
+    mod = _inner(block)
+    if not hasattr(mod, "gated_forward"):
+        from . import get
+
+        mod = get("array_api")
+    return mod
+
+
+def _gated_forward_chunk(x, z, weight, bias, *, gplan):
+    if x.shape[0] == 0:
+        p = gplan.plan
+        return (x.astype(_np_dtype(p.out_dtype)),
+                x[:, :gplan.groups].astype(_np_dtype(p.compute_dtype)))
+    return _gated_inner(x).gated_forward(x, z, weight, bias, gplan, None)
+
+
+def _gated_backward_chunk(dy, x, z, weight, bias, rstd, *, gplan):
+    if x.shape[0] == 0:
+        def zero(a):
+            return None if a is None else (a * 0).astype(a.dtype)
+
+        return x.copy(), z.copy(), zero(weight), zero(bias)
+    return _gated_inner(x).gated_backward(dy, x, z, weight, bias, rstd, gplan)
+
+
+def gated_forward(x, z, weight, bias, gplan, out=None):
+    """Gated forward on 2-D dask rows; lazy.  ``(y (n, d), rstd (n, groups))``."""
+    import dask.array as da
+
+    x = _rows(x, da.asarray(x).chunks[0])
+    rows = x.chunks[0]
+    z = _rows(z, rows)
+    weight, bias = _vec(weight), _vec(bias)
+    p = gplan.plan
+    ydt, cdt = _np_dtype(p.out_dtype), _np_dtype(p.compute_dtype)
+    parts = da.blockwise(
+        _gated_forward_chunk, "i",
+        *_args([(x, "ij"), (z, "ij"), (weight, "j"), (bias, "j")]),
+        gplan=gplan, dtype=object, meta=np.empty((0,), object), concatenate=True,
+    )
+    y = da.map_blocks(_pick, parts, 0, new_axis=1, chunks=(rows, (x.shape[1],)), dtype=ydt,
+                      meta=_meta(x, 2, ydt))
+    rstd = da.map_blocks(_pick, parts, 1, new_axis=1, chunks=(rows, (gplan.groups,)),
+                         dtype=cdt, meta=_meta(x, 2, cdt))
+    return y, rstd
+
+
+def gated_backward(dy, x, z, weight, bias, rstd, gplan):
+    """Gated backward on 2-D dask rows; lazy ``(dx, dz, dweight, dbias)``."""
+    import dask.array as da
+
+    x = _rows(x, da.asarray(x).chunks[0])
+    rows = x.chunks[0]
+    dy, z = _rows(dy, rows), _rows(z, rows)
+    if rstd is not None:
+        rstd = _rows(rstd, rows)
+    weight, bias = _vec(weight), _vec(bias)
+    parts = da.blockwise(
+        _gated_backward_chunk, "i",
+        *_args([(dy, "ij"), (x, "ij"), (z, "ij"), (weight, "j"), (bias, "j"), (rstd, "ik")]),
+        gplan=gplan, dtype=object, meta=np.empty((0,), object), concatenate=True,
+    )
+    chunks2 = (rows, (x.shape[1],))
+    dx = da.map_blocks(_pick, parts, 0, new_axis=1, chunks=chunks2, dtype=x.dtype,
+                       meta=_meta(x, 2, x.dtype))
+    dz = da.map_blocks(_pick, parts, 1, new_axis=1, chunks=chunks2, dtype=z.dtype,
+                       meta=_meta(x, 2, z.dtype))
+    out = [dx, dz]
+    for i, v in ((2, weight), (3, bias)):
+        if v is None:
+            out.append(None)
+            continue
+        part = da.map_blocks(_pick_partial, parts, i, new_axis=1,
+                             chunks=(tuple(1 for _ in rows), (v.shape[0],)),
+                             dtype=np.float64, meta=_meta(x, 2, np.float64))
+        blocks = [part.blocks[j].astype(np.float64) for j in range(len(rows))]
+        total = blocks[0]
+        for b_ in blocks[1:]:
+            total = total + b_
+        out.append(total[0].astype(v.dtype))
+    return tuple(out)

@@ -548,3 +548,94 @@ def finish(total: np.ndarray, d: int, weight_dtype, bias_dtype, empty=np.empty):
         out.append(a)
         col += d
     return tuple(out)
+
+
+# --------------------------------------------------------------------------- gated RMSNorm
+
+
+def _gated_rows(a, cdt: np.dtype) -> np.ndarray:
+    """Rows in the compute dtype, C-contiguous: the gated kernels' input (a copy for 16-bit)."""
+    a = _interop.to_numpy(a)
+    return np.ascontiguousarray(a, dtype=cdt)
+
+
+def gated_forward(x, z, weight, bias, gplan, out=None):
+    """Gated forward on 2-D rows; the contract is :func:`.reference.gated_forward`.
+
+    ``casting="llama"`` runs the reference (its three roundings are not in
+    these kernels); 16-bit rows are converted to float32 first (a copy).
+    """
+    plan = gplan.plan
+    if plan.llama:
+        from . import reference
+
+        return reference.gated_forward(x, z, weight, bias, gplan, out)
+    from . import _numba_gated as G
+
+    like = x
+    _, y_dt, _, cdt, _ = _info(plan)
+    xc, zc = _gated_rows(x, cdt), _gated_rows(z, cdt)
+    n, d = xc.shape
+    empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+    direct = y_dt == cdt and out is None
+    y = empty((n, d), y_dt) if direct else np.empty((n, d), cdt)
+    rstd = empty((n, gplan.groups), cdt)
+    w = _NO_VEC[cdt] if weight is None else _vec(_interop.to_numpy(weight), cdt)
+    b = _NO_VEC[cdt] if bias is None else _vec(_interop.to_numpy(bias), cdt)
+    args = (xc, zc, w, b, y, rstd, weight is not None, bias is not None, plan.eps,
+            plan.eps_inside, cdt.type(plan.offset), cdt.type(1), gplan.group_size, gplan.k,
+            gplan.norm_before_gate)
+    if _parallel(n, d):
+        with _launch_lock:
+            G.forward_parallel(*args)
+        if not _omp_used:
+            _note_layer()
+    else:
+        G.forward_serial(*args)
+    from_numpy = _interop.from_numpy
+    if out is not None:
+        o = _interop.to_numpy(out)
+        o[...] = y.astype(y_dt)
+        return out, from_numpy(rstd, like)
+    if not direct:
+        yo = empty((n, d), y_dt)
+        yo[...] = y.astype(y_dt)
+        y = yo
+    return from_numpy(y, like), from_numpy(rstd, like)
+
+
+def gated_backward(dy, x, z, weight, bias, rstd, gplan):
+    """Gated backward on 2-D rows; ``dweight``/``dbias`` in the row tree's order."""
+    from . import _numba_gated as G
+
+    plan = gplan.plan
+    like = x
+    cdt = _np_dtype(plan.compute_dtype)
+    xc, zc, dyc = _gated_rows(x, cdt), _gated_rows(z, cdt), _gated_rows(dy, cdt)
+    n, d = xc.shape
+    dx = np.empty((n, d), cdt)
+    dz = np.empty((n, d), cdt)
+    lw = np.empty((n, d), cdt)  # written also without weight (then dropped): one kernel variant
+    lb = np.empty((n, d) if bias is not None else (1, 1), cdt)
+    w = _NO_VEC[cdt] if weight is None else _vec(_interop.to_numpy(weight), cdt)
+    b = _NO_VEC[cdt] if bias is None else _vec(_interop.to_numpy(bias), cdt)
+    r = np.empty((1, 1), cdt) if rstd is None else np.ascontiguousarray(_interop.to_numpy(rstd))
+    args = (dyc, xc, zc, w, b, r, dx, dz, lw, lb, weight is not None, bias is not None,
+            rstd is not None, plan.eps, plan.eps_inside, cdt.type(plan.offset), cdt.type(1),
+            gplan.group_size,
+            gplan.k, gplan.norm_before_gate)
+    if _parallel(n, d):
+        with _launch_lock:
+            G.backward_parallel(*args)
+        if not _omp_used:
+            _note_layer()
+    else:
+        G.backward_serial(*args)
+    xn, zn = _interop.to_numpy(x), _interop.to_numpy(z)
+    from_numpy = _interop.from_numpy
+    dw = db = None
+    if weight is not None:
+        dw = from_numpy(G.tree_sum(lw).astype(_interop.to_numpy(weight).dtype), like)
+    if bias is not None:
+        db = from_numpy(G.tree_sum(lb).astype(_interop.to_numpy(bias).dtype), like)
+    return (from_numpy(dx.astype(xn.dtype), like), from_numpy(dz.astype(zn.dtype), like), dw, db)

@@ -200,3 +200,128 @@ def _backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     dweight = None if weight is None else xp.astype(xp.sum(dyc * xhat, axis=0), weight.dtype)
     dbias = None if bias is None else xp.astype(xp.sum(dyc, axis=0), bias.dtype)
     return dx, dweight, dbias
+
+
+# --------------------------------------------------------------------------- gated RMSNorm
+# The statistic of each group is the plain norm's on rows of ``group_size``:
+# the (n, d) rows are viewed as (n * groups, group_size) for it, and the
+# group plan is the plan of those rows (same eps, k of the group).
+
+
+def _group_plan(gplan):
+    from dataclasses import replace
+
+    p = gplan.plan
+    return p if gplan.groups == 1 else replace(p, d=gplan.group_size, k=gplan.group_size)
+
+
+def _silu(xp, zc):
+    """``z / (1 + exp(-z))`` and its derivative ``sig * (1 + z * (1 - sig))``."""
+    sig = 1 / (1 + xp.exp(-zc))
+    return zc / (1 + xp.exp(-zc)), sig * (1 + zc * (1 - sig))
+
+
+def _by_group(xp, a, gplan):
+    return xp.reshape(a, (a.shape[0] * gplan.groups, gplan.group_size))
+
+
+def _gated_rstd(xp, v, gplan):
+    gp = _group_plan(gplan)
+    return _rstd_from_rms(xp, _rms(xp, _by_group(xp, v, gplan), gp), gp), gp
+
+
+def gated_forward(x, z, weight, bias, gplan, out=None):
+    """Gated forward on 2-D rows (:class:`polynorm._options.GatedPlan`).
+
+    Returns ``(y, rstd)``: ``y`` (n, d) of ``plan.out_dtype``, ``rstd``
+    (n, groups) of the compute dtype.  ``out`` is ignored (the front end
+    copies into it).
+    """
+    with _quiet():
+        return _gated_forward(x, z, weight, bias, gplan)
+
+
+def _gated_forward(x, z, weight, bias, gplan):
+    xp = _xp(x)
+    plan = gplan.plan
+    n, d = x.shape
+    cdt = namespace_dtype(xp, plan.compute_dtype, x)
+    s, _ = _silu(xp, xp.astype(z, cdt))
+    v = xp.astype(x, cdt)
+    if not gplan.norm_before_gate:
+        v = v * s
+    r, _ = _gated_rstd(xp, v, gplan)
+    xhat = xp.reshape(_by_group(xp, v, gplan) * r[:, None], (n, d))
+    if plan.llama:
+        xhat = xp.astype(xhat, x.dtype)
+        if weight is not None:
+            pdt = namespace_dtype(xp, promote(plan.x_dtype, _name(weight)), x)
+            g = xp.astype(weight + plan.offset, weight.dtype)
+            y = xp.astype(xp.astype(xhat, pdt) * xp.astype(g, pdt), cdt)
+        else:
+            y = xp.astype(xhat, cdt)
+    else:
+        y = xhat if weight is None else xhat * (xp.astype(weight, cdt) + plan.offset)
+    if bias is not None:
+        y = y + xp.astype(bias, cdt)
+    if gplan.norm_before_gate:
+        y = y * s
+    y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x))
+    return y, xp.reshape(r, (n, gplan.groups))
+
+
+def gated_backward(dy, x, z, weight, bias, rstd, gplan):
+    """Hand-written gated backward on 2-D rows; ``rstd`` is (n, groups) or None.
+
+    Returns ``(dx, dz, dweight, dbias)`` in the dtypes of x, z, weight, bias.
+    """
+    with _quiet():
+        return _gated_backward(dy, x, z, weight, bias, rstd, gplan)
+
+
+def _gated_backward(dy, x, z, weight, bias, rstd, gplan):
+    xp = _xp(x)
+    plan = gplan.plan
+    n, d = x.shape
+    cdt = namespace_dtype(xp, plan.compute_dtype, x)
+    zc = xp.astype(z, cdt)
+    s, ds = _silu(xp, zc)
+    xc = xp.astype(x, cdt)
+    dyc = xp.astype(dy, cdt)
+    v = xc if gplan.norm_before_gate else xc * s
+    gp = _group_plan(gplan)
+    vg = _by_group(xp, v, gplan)
+    need_rms = rstd is None or not plan.eps_inside
+    rms = _rms(xp, vg, gp) if need_rms else None
+    r = _rstd_from_rms(xp, rms, gp) if rstd is None else xp.reshape(xp.astype(rstd, cdt), (-1,))
+    xhat = xp.reshape(vg * r[:, None], (n, d))
+    gw = None if weight is None else xp.astype(weight, cdt) + plan.offset
+    dn = dyc * s if gplan.norm_before_gate else dyc  # gradient reaching the norm's output
+    g_dy = dn if gw is None else dn * gw
+    c = xp.sum(_c_rows(_by_group(xp, g_dy * xhat, gplan)), axis=1)
+    coef = c / gp.k
+    if not plan.eps_inside:
+        s_safe = xp.where(rms == 0, xp.ones_like(rms), rms)
+        coef = xp.where(rms == 0, xp.zeros_like(coef), coef * ((rms + plan.eps) / s_safe))
+    rc = r[:, None]
+    gg, xg = _by_group(xp, g_dy, gplan), _by_group(xp, xhat, gplan)
+    if gp.k == gp.d:
+        dv = rc * (gg - xg * coef[:, None])
+    else:
+        k = gp.k
+        head = rc * (gg[:, :k] - xg[:, :k] * coef[:, None])
+        tail = rc * (gg[:, k:] - xg[:, k:] * xp.zeros_like(coef)[:, None])
+        dv = xp.concat([head, tail], axis=1)
+    dv = xp.reshape(dv, (n, d))
+    if gplan.norm_before_gate:
+        dx = dv
+        pre = xhat if gw is None else xhat * gw
+        if bias is not None:
+            pre = pre + xp.astype(bias, cdt)
+        dz = dyc * pre * ds
+    else:
+        dx = dv * s
+        dz = dv * xc * ds
+    dweight = None if weight is None else xp.astype(xp.sum(dn * xhat, axis=0), weight.dtype)
+    dbias = None if bias is None else xp.astype(xp.sum(dn, axis=0), bias.dtype)
+    return xp.astype(dx, x.dtype), xp.astype(dz, z.dtype), dweight, dbias

@@ -1,0 +1,186 @@
+"""Differentiable gated RMSNorm for torch (re-exported by :mod:`polynorm.torch`).
+
+One custom op pair, ``torch.ops.polynorm.rms_norm_gated`` and
+``.rms_norm_gated_backward``, with fake implementations and the
+hand-written backward (:func:`polynorm.rms_norm_gated_backward`, fed the
+forward's ``rstd``) registered through ``register_autograd``: eager calls
+and ``torch.compile(fullgraph=True)`` run the same op, so the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from . import _gated
+from .torch import _DTYPE_NAMES, _OPTS, _api_opts, _fake_checks, _op_opts, _out_dtype_arg
+
+__all__ = ["rms_norm_gated", "RMSNormGated"]
+
+_GATE = "int? group_size, bool norm_before_gate"
+
+
+def _rstd_shape(x, axis, group_size, batch):
+    from ._api import _normalize_axis
+
+    if group_size is None:
+        return batch
+    d = math.prod(x.shape[a] for a in _normalize_axis(tuple(axis), x.ndim))
+    return [*batch, d // group_size]
+
+
+@torch.library.custom_op(
+    "polynorm::rms_norm_gated", mutates_args=(),
+    schema=f"(Tensor x, Tensor z, Tensor? weight, Tensor? bias, {_GATE}, {_OPTS}, "
+    "ScalarType? out_dtype) -> (Tensor, Tensor)",
+)
+def _gated_op(x, z, weight, bias, group_size, norm_before_gate, eps, axis, partial, offset,
+              eps_mode, casting, backend, out_dtype):
+    y, rstd = _gated.rms_norm_gated(
+        x, z, weight, bias, group_size=group_size, norm_before_gate=norm_before_gate,
+        return_rstd=True, out_dtype=_DTYPE_NAMES.get(out_dtype),
+        **_api_opts(eps, axis, partial, offset, eps_mode, casting, backend),
+    )
+    return y.contiguous(), rstd.contiguous()
+
+
+@_gated_op.register_fake
+def _(x, z, weight, bias, group_size, norm_before_gate, eps, axis, partial, offset, eps_mode,
+      casting, backend, out_dtype):
+    y_dtype, r_dtype, batch = _fake_checks(x, axis, x.dtype, eps, partial, offset, eps_mode,
+                                           casting, out_dtype)
+    return (x.new_empty(x.shape, dtype=y_dtype),
+            x.new_empty(_rstd_shape(x, axis, group_size, batch), dtype=r_dtype))
+
+
+@torch.library.custom_op(
+    "polynorm::rms_norm_gated_backward", mutates_args=(),
+    schema=f"(Tensor dy, Tensor x, Tensor z, Tensor? weight, Tensor? bias, Tensor? rstd, "
+    f"{_GATE}, {_OPTS}) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _gated_backward_op(dy, x, z, weight, bias, rstd, group_size, norm_before_gate, eps, axis,
+                       partial, offset, eps_mode, casting, backend):
+    dx, dz, dw, db = _gated.rms_norm_gated_backward(
+        dy, x, z, weight, bias, rstd=rstd, group_size=group_size,
+        norm_before_gate=norm_before_gate,
+        **_api_opts(eps, axis, partial, offset, eps_mode, casting, backend),
+    )
+    return (dx.contiguous(), dz.contiguous(),
+            x.new_empty(0) if dw is None else dw.contiguous(),
+            x.new_empty(0) if db is None else db.contiguous())
+
+
+@_gated_backward_op.register_fake
+def _(dy, x, z, weight, bias, rstd, group_size, norm_before_gate, eps, axis, partial, offset,
+      eps_mode, casting, backend):
+    return (x.new_empty(x.shape), z.new_empty(z.shape),
+            x.new_empty(0) if weight is None else weight.new_empty(weight.shape),
+            x.new_empty(0) if bias is None else bias.new_empty(bias.shape))
+
+
+def _setup(ctx, inputs, output):
+    x, z, weight, bias, *opts = inputs
+    ctx.save_for_backward(x, z, weight, bias, output[1])
+    ctx.opts = tuple(opts[:9])  # group_size, norm_before_gate and the seven options
+    ctx.mark_non_differentiable(output[1])
+
+
+def _bwd(ctx, dy, _drstd):
+    x, z, weight, bias, rstd = ctx.saved_tensors
+    dx, dz, dw, db = torch.ops.polynorm.rms_norm_gated_backward(
+        dy.contiguous(), x, z, weight, bias, rstd, *ctx.opts)
+    need = ctx.needs_input_grad
+    return (dx if need[0] else None, dz if need[1] else None,
+            dw if weight is not None and need[2] else None,
+            db if bias is not None and need[3] else None, *(None,) * 10)
+
+
+_gated_op.register_autograd(_bwd, setup_context=_setup)
+
+
+def rms_norm_gated(
+    x: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    group_size: int | None = None,
+    norm_before_gate: bool = False,
+    eps: float = 1e-6,
+    axis: int | tuple[int, ...] = -1,
+    partial: float = 1.0,
+    offset: float = 0.0,
+    eps_mode: str = "inside",
+    casting: str = "fp32",
+    out_dtype: Any = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Differentiable :func:`polynorm.rms_norm_gated` (gradients for x, z, weight, bias).
+
+    Examples
+    --------
+    >>> import torch
+    >>> import polynorm.torch as pt
+    >>> x = torch.randn(2, 8, requires_grad=True)
+    >>> z = torch.randn(2, 8, requires_grad=True)
+    >>> pt.rms_norm_gated(x, z, group_size=4).sum().backward()
+    >>> x.grad.shape, z.grad.shape
+    (torch.Size([2, 8]), torch.Size([2, 8]))
+    """
+    y, _ = torch.ops.polynorm.rms_norm_gated(
+        x, z, weight, bias, group_size, bool(norm_before_gate),
+        *_op_opts(eps, axis, partial, offset, eps_mode, casting, backend),
+        _out_dtype_arg(out_dtype))
+    return y
+
+
+class RMSNormGated(torch.nn.Module):
+    """Gated RMSNorm module (Mamba-2's ``RMSNormGated``): ``forward(x, z)``.
+
+    Parameters
+    ----------
+    hidden_size : int
+        The size of the last axis (the normalized one).
+    eps : float
+    group_size : int, optional
+    norm_before_gate : bool
+        ``False`` is Mamba-2's default; Qwen3-Next uses ``True``.
+    offset, casting, out_dtype
+        As in :func:`polynorm.rms_norm_gated`.
+    device, dtype
+        Of the weight (initialised to ones).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from polynorm.torch import RMSNormGated
+    >>> m = RMSNormGated(8, group_size=4)
+    >>> m(torch.randn(3, 8), torch.randn(3, 8)).shape
+    torch.Size([3, 8])
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, group_size: int | None = None,
+                 norm_before_gate: bool = False, *, offset: float = 0.0, casting: str = "fp32",
+                 out_dtype: Any = None, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+        self.group_size = group_size
+        self.norm_before_gate = norm_before_gate
+        self.offset = offset
+        self.casting = casting
+        self.out_dtype = out_dtype
+        if group_size is not None and hidden_size % group_size:
+            raise ValueError(f"group_size={group_size} must divide hidden_size={hidden_size}")
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return rms_norm_gated(x, z, self.weight, group_size=self.group_size,
+                              norm_before_gate=self.norm_before_gate, eps=self.eps,
+                              offset=self.offset, casting=self.casting,
+                              out_dtype=self.out_dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.weight.shape[0]}, eps={self.eps}, group_size={self.group_size}, "
+                f"norm_before_gate={self.norm_before_gate}")
