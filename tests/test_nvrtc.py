@@ -132,9 +132,9 @@ def test_sass_targets(compiled, tmp_path):
         for nm, low in res.lowered.items():
             u = usage[low]
             stores, loads = spills.get(low, (0, 0))
-            # backward: a regression bound, not the target (0): pn_bwd / pn_bwd_big with
-            # 16-bit x spill up to 12 B stored / 20 B loaded (their element-by-element twin)
-            limit = 0 if nm.startswith(("pn_fwd", "pn_colsum")) else 32
+            # backward: a regression bound, not the target (0): pn_bwd with 16-bit x spills
+            # up to 32 B stored / 44 B loaded within its 64 registers
+            limit = 0 if nm.startswith(("pn_fwd", "pn_colsum")) else 48
             assert max(stores, loads) <= limit, f"{arch} {nm}: spills {stores} B stored, {loads} B loaded"
             for la in shapes.get(nm, []):
                 if la["d"] <= sass.OCC_D_MAX:

@@ -127,10 +127,13 @@ __device__ __forceinline__ void pn_st(T* p, bool vec, const CT (&v)[N]) {
 }
 
 // ---------------------------------------------------------------- row layout
-// Every row is split the same way: `head` leading elements (until x is
-// 16-byte aligned), `body` chunks of VEC elements, `tail` < VEC elements.
-// Rows share one split when x's row stride is a multiple of VEC (or n == 1);
-// otherwise head = 0 and chunks move element by element (vec = false).
+// Every row is split the same way: `body` chunks of VEC elements from column
+// 0, then `tail` < VEC elements.  The chunks move as 16-byte vectors when x's
+// rows all start 16-byte aligned (row stride a multiple of VEC, or n == 1),
+// otherwise element by element (vec = false).  Chunk c is columns
+// [c*VEC, c*VEC + VEC) either way: the float runs of the statistics are whole
+// chunks, so a row's bits do not depend on its address (batch invariance).
+// `head` is always 0 (kept in the struct for the kernels' indexing).
 struct pn_rowlay {
     int head;
     int body;
@@ -142,15 +145,10 @@ template <int VEC, typename T>
 __device__ __forceinline__ pn_rowlay pn_layout(const T* x, long long sx, long long n, int d) {
     pn_rowlay L;
     const unsigned long long a = reinterpret_cast<unsigned long long>(x);
-    L.vec = (a % sizeof(T) == 0) && (n == 1 || sx % VEC == 0);
-    int head = 0;
-    if (L.vec) {
-        head = (int)(((16 - a % 16) % 16) / sizeof(T));
-        if (head > d) head = d;
-    }
-    L.head = head;
-    L.body = (d - head) / VEC;
-    L.tail = d - head - L.body * VEC;
+    L.vec = (a % 16 == 0) && (n == 1 || sx % VEC == 0);
+    L.head = 0;
+    L.body = d / VEC;
+    L.tail = d - L.body * VEC;
     return L;
 }
 
@@ -167,6 +165,45 @@ __device__ __forceinline__ bool pn_vec_ok(const T* p, long long s, long long n, 
 // `for (c = pn_last_chunk(..); c >= 0; c -= tpr)` visit its chunks in descending order.
 __device__ __forceinline__ int pn_last_chunk(int tr, int tpr, int body) {
     return body > tr ? tr + ((body - 1 - tr) / tpr) * tpr : -1;
+}
+
+// ---------------------------------------------------------------- float runs
+// A chunk's sum of squares (its columns j0 + e below k, in column order) as a
+// float32 FMA chain: no FP64 op per element, and no rounding at all for 16-bit
+// input (exact squares, short run).  Taken when finite and >= 2^-100 (no
+// partial sum was subnormal); otherwise (overflow, NaN, all tiny or zero) the
+// chunk is summed as exact squares in double.  A run is one chunk, fixed by
+// the columns alone, and the callers add the runs in double in an order fixed
+// by d: the same bits for every launch of the same row.
+#define PN_RUN_TINY 7.8886090522101181e-31f  // 2^-100
+#define PN_FLT_MAX 3.4028234663852886e38f
+
+template <int N>
+__device__ __forceinline__ double pn_ss_run(const float (&v)[N], int j0, int k) {
+    float s = 0.0f;
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+        if (j0 + e < k) s = __fmaf_rn(v[e], v[e], s);
+    if (s >= PN_RUN_TINY && s <= PN_FLT_MAX) return (double)s;
+    double t = 0.0;
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+        if (j0 + e < k) t += (double)v[e] * (double)v[e];
+    return t;
+}
+
+// sum a[e]*b[e] over a chunk as a float32 FMA chain; exactly in double when
+// that overflows (or is NaN, which the double sum reproduces)
+template <int N>
+__device__ __forceinline__ double pn_dot_run(const float (&a)[N], const float (&b)[N]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int e = 0; e < N; ++e) s = __fmaf_rn(a[e], b[e], s);
+    if (s >= -PN_FLT_MAX && s <= PN_FLT_MAX) return (double)s;
+    double t = 0.0;
+#pragma unroll
+    for (int e = 0; e < N; ++e) t += (double)a[e] * (double)b[e];
+    return t;
 }
 
 // ---------------------------------------------------------------- row reductions
@@ -373,19 +410,14 @@ __device__ __forceinline__ void pn_fwd_rows(
 
     // ---- statistic over the first k elements
     double r_d;
-    if (sizeof(CT) == 4) {
+    if constexpr (sizeof(CT) == 4) {
+        // float runs (one per chunk) added in double: see pn_ss_run
         double ss = 0.0;
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
             const int c = tr + i * tpr;
             const int j0 = L.head + c * VEC;
-            if (active && c < L.body) {
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) {
-                    const double q = (double)ha[i][e];
-                    if (j0 + e < k) ss += q * q;
-                }
-            }
+            if (active && c < L.body && j0 < k) ss += pn_ss_run<VEC>(ha[i], j0, k);
         }
         for (int s = 0; s < 2; ++s)
             if (je[s] >= 0 && je[s] < k) ss += (double)ve[s] * (double)ve[s];
@@ -544,7 +576,8 @@ __device__ __forceinline__ void pn_fwd_big_rows(
         }
     }
 
-    // ---- pass 1: read, form h, stash, statistic (plain double sum of squares)
+    // ---- pass 1: read, form h, stash, statistic (float runs added in double;
+    // float64: plain double sum of squares)
     double ss = 0.0;
     for (int s = 0; s < 2; ++s)
         if (je[s] >= 0 && je[s] < k) ss += (double)ve[s] * (double)ve[s];
@@ -576,9 +609,13 @@ __device__ __forceinline__ void pn_fwd_big_rows(
                     pn_st<VEC>(hr + j, vh, v);
                 }
                 if (c < stash) pn_st<VEC>(st + (long long)c * VEC, true, v);
+                if constexpr (sizeof(CT) == 4) {
+                    if (j < k) ss += pn_ss_run<VEC>(v, j, k);
+                } else {
 #pragma unroll
-                for (int e = 0; e < VEC; ++e)
-                    if (j + e < k) ss += (double)v[e] * (double)v[e];
+                    for (int e = 0; e < VEC; ++e)
+                        if (j + e < k) ss += (double)v[e] * (double)v[e];
+                }
             }
         }
     }
@@ -1087,17 +1124,18 @@ __device__ __forceinline__ void pn_bwd_big_rows(
                 *reinterpret_cast<pn_pack<XT, VEC>*>(sx_ + (long long)c * VEC) = qx;
                 *reinterpret_cast<pn_pack<DYT, VEC>*>(sdy_ + (long long)c * VEC) = qd;
             }
-            if (sizeof(CT) == 4) {
-                CT wv[VEC];
+            if constexpr (sizeof(CT) == 4) {
+                // float runs (one per chunk) added in double: pn_ss_run, pn_dot_run
+                CT wv[VEC], xc[VEC], g[VEC];
                 if (has_w) pn_ld<VEC>(w + j, vw, wv);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) {
-                    const double xd = (double)pn_conv<CT>::in(xraw[e]);
+                    xc[e] = pn_conv<CT>::in(xraw[e]);
                     const CT dyc = pn_conv<CT>::in(draw[e]);
-                    const CT g = has_w ? (wv[e] + off) * dyc : dyc;
-                    if (j + e < k) ss += xd * xd;
-                    px += (double)g * xd;
+                    g[e] = has_w ? (wv[e] + off) * dyc : dyc;
                 }
+                if (j < k) ss += pn_ss_run<VEC>(xc, j, k);
+                px += pn_dot_run<VEC>(g, xc);
             }
         }
 
