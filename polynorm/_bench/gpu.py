@@ -321,8 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=None, help="seconds; later cases are skipped")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/gpu-<date>.json)")
     p.add_argument("--dry-run", action="store_true", help="list the cases and peers; needs no GPU")
+    p.add_argument("--gpu-model", action="store_true",
+                   help="print the launch model's predictions for these cases (polynorm._bench.model); no GPU")
     args = p.parse_args(argv)
     todo = cases(args.quick, args.dtypes)
+    if args.gpu_model:
+        from . import model
+
+        print(model.table(model.run(todo)))
+        return 0
     if args.dry_run:
         peers = {}
         for mod in ("torch", "liger_kernel", "quack", "cupy"):
