@@ -16,6 +16,8 @@
 #   gpu-<date>.json     the benchmark records (polynorm._bench.gpu); its table in gpu_bench.txt
 #   gpu_model.txt .json the launch model's prediction for every case (no GPU needed), to set
 #                       beside the measured table
+#   hf-gpu-<date>.json  bench/hf.py on the GPU: a tiny Llama training step, HF vs patched
+#                       (where transformers imports; hf_bench.txt says why not otherwise)
 #
 # No virtual environment: the machine's python3 (PYTHON=...) keeps its own packages (on the
 # H200 image python3 is itself a venv, which a nested venv would hide); extra wheels go to
@@ -140,5 +142,19 @@ else
     tail -n 40 "$RESULTS/gpu_bench.txt"
 fi
 log "benchmark exit status $bstatus; results in $RESULTS"
+
+# ---- Hugging Face Llama step, HF vs polynorm.torch.patch (tiny model, a few pairs)
+if has transformers && "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
+    timeout 150 "$PY" bench/hf.py --device cuda --sizes tiny --dtype bfloat16 --pairs 5 --no-rss \
+        --json "$RESULTS/hf-gpu-$stamp.json" >"$RESULTS/hf_bench.txt" 2>&1
+    log "HF bench exit status $? (hf_bench.txt)"
+elif [ "$MODE" = dry ] && has transformers; then
+    timeout 300 "$PY" bench/hf.py --device cpu --sizes tiny --tokens 64 --pairs 1 --no-rss \
+        --json "$RESULTS/hf-dry.json" >"$RESULTS/hf_bench.txt" 2>&1
+    log "HF bench (dry run on the CPU) exit status $? (hf_bench.txt)"
+else
+    echo "transformers or a CUDA torch is missing: HF bench skipped" >"$RESULTS/hf_bench.txt"
+    log "HF bench skipped (no transformers or no CUDA torch)"
+fi
 [ "$status" = 0 ] || [ "$status" = 5 ] || exit "$status"
 exit "$bstatus"

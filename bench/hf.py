@@ -1,7 +1,7 @@
-"""A Hugging Face Llama training step on the CPU with and without ``polynorm.torch.patch``.
+"""A Hugging Face Llama training step with and without ``polynorm.torch.patch``.
 
     flock /tmp/polynorm-bench.lock python bench/hf.py [--sizes tiny,small] [--dtype float32]
-        [--tokens 512] [--pairs 7] [--json bench/results/hf-cpu.json]
+        [--tokens 512] [--pairs 7] [--device cpu|cuda] [--json bench/results/hf-cpu.json]
 
 One step is ``loss = model(input_ids, labels=input_ids).loss; loss.backward()``
 on randomly initialised ``LlamaForCausalLM`` models (no download).  The HF and
@@ -10,7 +10,9 @@ speed-up quoted is the median over pairs of ``t_hf / t_patched``: on a shared
 machine only a ratio measured side by side means anything.  Memory: the bytes
 autograd saves for the backward (every saved tensor's storage counted once,
 exact and load-independent), and the peak RSS of a child process that builds
-one model and runs two steps (includes the model itself).
+one model and runs two steps (includes the model itself).  On ``--device cuda``
+(run by ``bench/gpu_check.sh``) each step is timed between synchronisations and
+the peak is torch's ``max_memory_allocated`` instead of the RSS.
 """
 
 from __future__ import annotations
@@ -48,19 +50,28 @@ def _model(size: str, dtype):
     return T.LlamaForCausalLM(cfg).to(dtype).train()
 
 
-def _batch(tokens: int):
+def _batch(tokens: int, device: str = "cpu"):
     import torch
 
     g = torch.Generator().manual_seed(1)
     seq = min(tokens, 512)
-    return torch.randint(0, VOCAB, (tokens // seq, seq), generator=g)
+    return torch.randint(0, VOCAB, (tokens // seq, seq), generator=g).to(device)
 
 
 def _step(model, ids):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    return loss.item()
+    return loss.item()  # .item() synchronises a CUDA step
+
+
+def _peak_cuda_mb(model, ids) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    _step(model, ids)
+    return torch.cuda.max_memory_allocated() / 2**20
 
 
 def _saved_bytes(model, ids) -> int:
@@ -108,15 +119,16 @@ def _median(v):
     return v[len(v) // 2]
 
 
-def run(size: str, dtype_name: str, tokens: int, pairs: int, rss: bool) -> dict:
+def run(size: str, dtype_name: str, tokens: int, pairs: int, rss: bool,
+        device: str = "cpu") -> dict:
     import torch
 
     from polynorm.torch import patch
 
-    ref = _model(size, getattr(torch, dtype_name))
+    ref = _model(size, getattr(torch, dtype_name)).to(device)
     pm = copy.deepcopy(ref)
     n_norms = patch(pm)
-    ids = _batch(tokens)
+    ids = _batch(tokens, device)
     loss_hf, loss_pn = _step(ref, ids), _step(pm, ids)  # warm-up (numba compiles here)
     t_hf, t_pn, ratios = [], [], []
     for i in range(pairs):
@@ -129,7 +141,7 @@ def run(size: str, dtype_name: str, tokens: int, pairs: int, rss: bool) -> dict:
             times.append(time.perf_counter() - t0)
         ratios.append(t_hf[-1] / t_pn[-1])
     rec = {
-        "size": size, "layers": SIZES[size][0], "hidden": SIZES[size][1],
+        "size": size, "device": device, "layers": SIZES[size][0], "hidden": SIZES[size][1],
         "intermediate": SIZES[size][2], "vocab": VOCAB, "dtype": dtype_name,
         "tokens": tokens, "shape": list(ids.shape), "norm_modules": n_norms,
         "pairs": pairs, "median_s_hf": _median(t_hf), "median_s_patched": _median(t_pn),
@@ -138,8 +150,11 @@ def run(size: str, dtype_name: str, tokens: int, pairs: int, rss: bool) -> dict:
         "saved_for_backward_mb_hf": _saved_bytes(ref, ids) / 2**20,
         "saved_for_backward_mb_patched": _saved_bytes(pm, ids) / 2**20,
     }
+    if device != "cpu":
+        rec["peak_cuda_mb_hf"] = _peak_cuda_mb(ref, ids)
+        rec["peak_cuda_mb_patched"] = _peak_cuda_mb(pm, ids)
     del ref, pm
-    if rss:
+    if rss and device == "cpu":
         rec["peak_rss_mb_hf"] = _peak_rss(size, dtype_name, tokens, False)
         rec["peak_rss_mb_patched"] = _peak_rss(size, dtype_name, tokens, True)
     return rec
@@ -151,6 +166,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--pairs", type=int, default=7)
+    p.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
     p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child processes")
     p.add_argument("--note", default="", help="stored in the JSON (e.g. machine load)")
     p.add_argument("--json", default=None, help="default bench/results/hf-cpu-<date>.json")
@@ -170,7 +186,7 @@ def main(argv: list[str]) -> int:
     load_start = os.getloadavg()
     records = []
     for size in a.sizes.split(","):
-        rec = run(size, a.dtype, a.tokens, a.pairs, not a.no_rss)
+        rec = run(size, a.dtype, a.tokens, a.pairs, not a.no_rss, a.device)
         print(json.dumps({k: v for k, v in rec.items() if k != "ratios"}), file=sys.stderr)
         records.append(rec)
     doc = {
@@ -182,7 +198,8 @@ def main(argv: list[str]) -> int:
                  "torch_threads": torch.get_num_threads()},
         "records": records,
     }
-    path = Path(a.json or f"bench/results/hf-cpu-{info['date'][:10]}.json")
+    kind = "cpu" if a.device == "cpu" else "gpu"
+    path = Path(a.json or f"bench/results/hf-{kind}-{info['date'][:10]}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {path}")
