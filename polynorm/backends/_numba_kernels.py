@@ -105,11 +105,10 @@ def _jit(**kw):
 _inline = njit(nogil=True, error_model=ERROR_MODEL)
 # The forward's row helpers are inlined by Numba itself: a call between njit
 # functions increfs and decrefs every array argument (atomic operations on
-# counters that both threads share), which measured ~50% of a float32 row's
-# time on cache-resident data.
+# counters that both threads share), which dominates a cache-resident row.
 _inline_ir = njit(nogil=True, inline="always", error_model=ERROR_MODEL)
-# Row reductions: "reassoc" lets LLVM vectorize them (6x faster than a scalar
-# chain).  The summation order is then LLVM's (vector lanes, then a fixed
+# Row reductions: "reassoc" lets LLVM vectorize them (a scalar chain is
+# latency-bound).  The summation order is then LLVM's (vector lanes, then a fixed
 # tree), fixed in the compiled code: the same bits on every run and for every
 # thread count, since each row is reduced by the same code whatever the
 # driver or the number of threads.  No "nnan"/"ninf": NaN and Inf propagate.
@@ -132,13 +131,11 @@ def _ov_like(v, ref):
 
 #: Rows of at most this many bytes have the next row prefetched.  A longer
 #: row's burst of prefetches (one per 64-byte line) stalls more than it
-#: overlaps: without it, float32 16384x4096 bwd took 29.1 instead of 32.2 ms,
-#: fwd 17.8 instead of 18.5 ms (2-core AMD EPYC); bfloat16 4096x16384 no worse.
+#: overlaps (``bench/compare.py`` measures a change of it against a commit).
 _PREFETCH_MAX_BYTES = 8192
 #: The backward prefetches rows of at most this many bytes before the row's
-#: first pass instead of before its last: float32 65536x1024 bwd 31.5-32.4 ->
-#: 27.1-27.7 ms; 16-bit 65536x1024 no worse; bfloat16 16384x4096 (8 KB rows)
-#: was slower that way (21.2 -> 24.1 ms), so longer rows keep the late prefetch.
+#: first pass instead of before its last: short rows gain the overlap, while
+#: for longer rows the early burst evicts lines the row's own passes still need.
 _PREFETCH_EARLY_BYTES = 4096
 
 
@@ -206,9 +203,9 @@ def _stats(a, i, k, bf, eps, inside):
 # (fixed order, see the intrinsics in ``_numba_codec``), so that a row summed
 # on its own and a row summed under the previous row's output pass give the
 # same bits, and the forward pipelines them.  float32/float64 rows keep
-# ``_sumsq`` and two passes: measured on the 2-core EPYC, float32 16384x4096
-# out= 0.83 of the copy roof that way, 0.74-0.79 pipelined or summed in lanes
-# (the lanes' float32 partials pay for 16-bit input, whose decode dominates).
+# ``_sumsq`` and two passes, which run them closer to the copy roof than the
+# pipeline or the lanes do (the lanes' float32 partials pay for 16-bit input,
+# whose decode dominates).
 
 #: a float32-partial sum below this may have lost bits to underflow: the row
 #: goes to the scaled float64 path (2**-100 keeps the error of up to 2**20
@@ -292,10 +289,8 @@ def _rstd_from(a, i, k, bf, eps, inside, ss):
 
 #: Elements of the output pass between two steps of the next row's sum (a
 #: multiple of SUM_BLOCK): each step reads the next row and writes this one,
-#: so a row's DRAM traffic is one interleaved stream, as in a copy.  512
-#: since the kernels borrow their arrays (``_numba_refs``): paired against
-#: 256 then, bfloat16 fwd 16384x4096, 4096x16384, 65536x1024 took 0.95-0.97
-#: of the time (8192x1024 1.02; 128 elements: 1.10).
+#: so a row's DRAM traffic is one interleaved stream, as in a copy.  Shorter
+#: chunks pay the step's overhead more often, longer ones interleave less.
 _CHUNK = 512
 #: The same for the next row's prefetches in a float32/float64 output pass.
 _CHUNK_F = 256
@@ -426,8 +421,8 @@ def _whole_lines(y, i):
 def _stream_out(a, i, j0, j1, abf, w, b, y, rc, oc, flags, stage):
     """``y[i, j0:j1]`` (whole 64-byte lines of y) as :func:`_out_span` computes
     it, through ``stage`` and streaming stores (:mod:`._numba_stream`), a stage
-    at a time; returns ``j1``.  The arrays are borrowed (``_numba_refs``):
-    before that, passing them here cost a reference count per stage."""
+    at a time; returns ``j1``.  The arrays are borrowed (``_numba_refs``), so
+    passing them here costs no reference count per stage."""
     c = stage.shape[1]
     has_w = (flags & HAS_W) != 0
     has_b = (flags & HAS_B) != 0

@@ -36,26 +36,22 @@ from .._options import Plan
 
 name = "numba"
 
-#: Below this many elements (tokens x d) one thread does the work.  Measured
-#: with ``python bench/cpu.py --threshold`` (float32, 2-core AMD EPYC, numba
-#: 0.68, omp layer): serial 4.5 us at 8x4096 and 8.6 us at 16x4096, where the
-#: parallel kernel took 5.3 us; a launch costs ~3-4 us when a core is idle and
-#: milliseconds when the machine is loaded, so the crossover is taken high.
+#: Below this many elements (tokens x d) one thread does the work
+#: (``python bench/cpu.py --threshold`` times both sides).  A parallel launch
+#: costs a few microseconds when a core is idle and far more on a loaded
+#: machine, so the crossover is taken high.
 SERIAL_MAX_ELEMENTS = 1 << 16
 
 #: An ``out=`` array of at least this many bytes is written with streaming
 #: (non-temporal) stores, which skip reading each line before writing it
-#: (see :mod:`._numba_stream`; rows of unit column stride).  Measured with
-#: ``python bench/cpu.py --stream`` (2-core AMD EPYC, 32 MiB L3), float32 x
-#: 4096 columns, time streamed / ordinary: 1.18 at 1 MiB, 0.87 at 4 MiB,
-#: 0.78-0.84 from 8 to 256 MiB.  A call writing the same array again gains
-#: from 4 MiB on, but streamed lines leave the cache, and whoever reads a y
-#: that would have fit in L3 next pays for it: half the L3.
+#: (see :mod:`._numba_stream`; rows of unit column stride;
+#: ``python bench/cpu.py --stream`` times both by size).  Streamed lines leave
+#: the cache, and whoever reads a y that would have fit in L3 next pays for
+#: it, so only arrays of about half a typical L3 or more stream.
 STREAM_MIN_BYTES = 16 << 20
 #: 16-bit rows (the pipelined forward) stream only from this many bytes on:
-#: paired against ordinary stores, bfloat16 y of 128 MiB, time streamed /
-#: ordinary over three runs: 1.06-1.26 for rows of 1024, 0.89-1.18 for 2048,
-#: 0.86 for 3072, 0.69-0.76 for 4096, 0.73 for 6144, 0.76-0.80 for 16384.
+#: shorter rows are slower streamed than stored (the stage's flush per row
+#: costs more than the reads it saves).
 STREAM_MIN_ROW_BYTES_16 = 8192
 #: Elements per stage (the L1 buffer streamed rows pass through); whole lines
 #: for every dtype.
@@ -64,9 +60,7 @@ _STAGE = 256
 #: Row blocks of the backward (the parallel tasks) per thread, and a cap on
 #: the float64 partials they leave (elements).  Speed only: the sums' order
 #: is the row tree's (polynorm/backends/_rowtree.py), whatever the blocks.
-#: Fewer, longer blocks leave a smaller node array to sum: paired on the
-#: 2-core EPYC, 16384x4096 bfloat16 took 0.95 of the time with 64 blocks as
-#: with 256, and 0.97-0.99 of that with 16 (8 per thread).
+#: Fewer, longer blocks leave a smaller node array to sum.
 _BWD_BLOCKS_PER_THREAD = 8
 _BWD_SCRATCH = 1 << 22
 
