@@ -107,14 +107,14 @@ def describe(body: list[str]) -> dict | None:
 def kernel_asm(dtypes: list[str]) -> dict[str, str]:
     """``{"fwd bfloat16": asm, "bwd bfloat16": asm, ...}``, compiled by small calls."""
     import polynorm as pn
-    from polynorm._bench.cpu import _np_dtype
+    from polynorm._dtypes import numpy_dtype
     from polynorm.backends import _numba_backward as KB
     from polynorm.backends import _numba_kernels as K
     from polynorm.backends import numba as nb
 
     rng = np.random.default_rng(0)
     for dt in dtypes:
-        x, r = (rng.standard_normal((64, 4096), dtype=np.float32).astype(_np_dtype(dt))
+        x, r = (rng.standard_normal((64, 4096), dtype=np.float32).astype(numpy_dtype(dt))
                 for _ in range(2))
         w = np.ones(4096, np.float32)
         pn.rms_norm(x, w, backend="numba")

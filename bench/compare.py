@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from polynorm._bench.common import paired_median  # noqa: E402
-from polynorm._bench.cpu import _np_dtype  # noqa: E402
+from polynorm._dtypes import numpy_dtype  # noqa: E402
 
 
 def import_rev(rev: str, where: Path):
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     import polynorm as pn
 
     n, d = (int(v) for v in args.shape.split("x"))
-    dt = _np_dtype(args.dtype)
+    dt = numpy_dtype(args.dtype)
     rng = np.random.default_rng(0)
     x, r, dy = (rng.standard_normal((n, d), dtype=np.float32).astype(dt) for _ in range(3))
     w = (1 + 0.1 * rng.standard_normal(d, dtype=np.float32)).astype(dt)

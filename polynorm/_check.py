@@ -27,6 +27,7 @@ import numpy as np
 
 import polynorm as pn
 
+from ._dtypes import numpy_dtype
 from ._options import FLOAT_DTYPES
 
 #: Allowed error, relative to max |expected|, per dtype.  Low precision:
@@ -69,14 +70,6 @@ class Result:
 # ------------------------------------------------------------------ arrays per backend
 
 
-def _np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
 @dataclass(frozen=True)
 class _Arrays:
     """How to hand numpy data to one backend and read its results back."""
@@ -102,7 +95,7 @@ def _arrays(backend: str) -> _Arrays:
 
         def read(a):
             if isinstance(a, torch.Tensor):
-                return a.cpu().view(torch.int16).numpy().view(_np_dtype("bfloat16"))
+                return a.cpu().view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
             return cupy.asnumpy(a)
 
         return _Arrays(make, read)
@@ -233,7 +226,7 @@ def _compare(pairs: dict[str, tuple[Any, Any]], tol: float) -> float:
 def _run_test(test: str, backend: str, dtype: str, arr: _Arrays, rng) -> float:
     """Run one named check on every shape; return its worst relative error."""
     tol = TOL[dtype]
-    ndt = _np_dtype(dtype)
+    ndt = numpy_dtype(dtype)
     worst = 0.0
     for n, d in SHAPES:
         # rounded inputs; the float64 truth is computed from exactly these values
@@ -318,7 +311,7 @@ def _torch_cpu_arrays() -> _Arrays:
     def read(t):
         t = t.detach().cpu()
         if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(_np_dtype("bfloat16"))
+            return t.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
         return t.numpy()
 
     return _Arrays(make, read)

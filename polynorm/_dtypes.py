@@ -10,7 +10,29 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from ._options import FLOAT_DTYPES
+
+_NUMPY_DTYPES: dict[str, np.dtype] = {}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a float dtype name (bfloat16 from ``ml_dtypes``); cached.
+
+    >>> numpy_dtype("float32"), numpy_dtype("bfloat16").name
+    (dtype('float32'), 'bfloat16')
+    """
+    dt = _NUMPY_DTYPES.get(name)
+    if dt is None:
+        if name == "bfloat16":
+            import ml_dtypes
+
+            dt = np.dtype(ml_dtypes.bfloat16)
+        else:
+            dt = np.dtype(name)
+        _NUMPY_DTYPES[name] = dt
+    return dt
 
 
 def dtype_name(dtype: Any) -> str:

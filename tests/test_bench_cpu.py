@@ -7,12 +7,13 @@ import pytest
 
 import polynorm as pn
 from polynorm._bench import cpu, roof
+from polynorm._dtypes import numpy_dtype
 
 
 @pytest.mark.parametrize("kind", roof.KINDS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_roof_candidate_is_an_exact_copy(kind, dtype, rng):
-    x = rng.standard_normal((37, 129), dtype=np.float32).astype(cpu._np_dtype(dtype))
+    x = rng.standard_normal((37, 129), dtype=np.float32).astype(numpy_dtype(dtype))
     out = np.empty_like(x)
     fns = roof.copies(x, kind, out=out)
     assert "numpy" in fns
@@ -48,7 +49,7 @@ def test_paired_roof_times_the_op_and_its_peers_in_the_same_rounds():
 def test_onnxruntime_peers_compute_the_same_op(op, dtype, rng):
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
-    npd = cpu._np_dtype(dtype)
+    npd = numpy_dtype(dtype)
     x, r = (rng.standard_normal((5, 96), dtype=np.float32).astype(npd) for _ in range(2))
     w = (1 + 0.1 * rng.standard_normal(96, dtype=np.float32)).astype(npd)
     out = np.empty_like(x)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import polynorm as pn
-from polynorm import _check
+from polynorm import _check, _dtypes
 from polynorm._bench import report
 from polynorm._bench.common import Record
 from polynorm.backends import reference
@@ -427,7 +427,7 @@ def test_plot_leaves_out_ops_measured_at_one_size(tmp_path, monkeypatch):
 def test_check_runs_on_torch_tensors_under_its_own_label():
     torch = pytest.importorskip("torch")
     arr = _check._torch_cpu_arrays()
-    a = np.arange(6.0, dtype=np.float32).reshape(2, 3).astype(_check._np_dtype("bfloat16"))
+    a = np.arange(6.0, dtype=np.float32).reshape(2, 3).astype(_dtypes.numpy_dtype("bfloat16"))
     t = arr.make(a)
     assert t.dtype == torch.bfloat16 and t.shape == (2, 3)
     np.testing.assert_array_equal(arr.read(t), a)

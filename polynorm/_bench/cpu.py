@@ -64,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from .._dtypes import numpy_dtype
 from .common import (
     Record,
     format_table,
@@ -88,14 +89,6 @@ def available() -> tuple[bool, str]:
     import polynorm as pn
 
     return pn.backends()["numba"]
-
-
-def _np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def op_bytes(op: str, n: int, d: int, itemsize: int) -> int:
@@ -349,7 +342,7 @@ def run(
         key = (dt, n, d)
         if key not in arrays:
             arrays.clear()  # one shape at a time in memory
-            npd = _np_dtype(dt)
+            npd = numpy_dtype(dt)
             x = rng.standard_normal((n, d), dtype=np.float32).astype(npd)
             a = {
                 "x": x,

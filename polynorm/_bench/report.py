@@ -100,10 +100,10 @@ def run_reference(
 def _reference_case(op: str, dt: str, d: int, n: int, min_time: float) -> Record:
     import polynorm as pn
 
-    from .._check import _np_dtype
+    from .._dtypes import numpy_dtype
 
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((n, d), dtype=np.float32).astype(_np_dtype(dt))
+    x = rng.standard_normal((n, d), dtype=np.float32).astype(numpy_dtype(dt))
     w = np.ones(d, dtype=x.dtype)
     nb = x.nbytes
     if op == "fwd":

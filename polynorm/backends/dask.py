@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from .._dtypes import numpy_dtype
 from .._options import Plan
 
 name = "dask"
@@ -71,14 +72,6 @@ def _meta(like, ndim: int, dtype):
     from dask.array.utils import meta_from_array
 
     return meta_from_array(like, ndim=ndim, dtype=dtype)
-
-
-def _np_dtype(dtype_name: str) -> np.dtype:
-    if dtype_name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype_name)
 
 
 def _rows(a, chunks0):
@@ -126,9 +119,9 @@ def _pick_partial(t, i):
 def _forward_chunk(x, residual, weight, bias, *, plan: Plan):
     if x.shape[0] == 0:  # backends never see zero tokens
         # empties of the chunk's own array type
-        h = None if residual is None else x.astype(_np_dtype(plan.x_dtype))
-        return (x.astype(_np_dtype(plan.out_dtype)), h,
-                x[:, 0].astype(_np_dtype(plan.compute_dtype)))
+        h = None if residual is None else x.astype(numpy_dtype(plan.x_dtype))
+        return (x.astype(numpy_dtype(plan.out_dtype)), h,
+                x[:, 0].astype(numpy_dtype(plan.compute_dtype)))
     return _inner(x).forward(x, residual, weight, bias, plan, None)
 
 
@@ -211,8 +204,8 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     rows = x.chunks[0]
     residual = _rows(residual, rows)
     weight, bias = _vec(weight), _vec(bias)
-    ydt, xdt, cdt = (_np_dtype(plan.out_dtype), _np_dtype(plan.x_dtype),
-                     _np_dtype(plan.compute_dtype))
+    ydt, xdt, cdt = (numpy_dtype(plan.out_dtype), numpy_dtype(plan.x_dtype),
+                     numpy_dtype(plan.compute_dtype))
     # one task per row chunk; its block is the tuple (y, h, rstd), indexed by
     # rows only (dask cannot concatenate tuples over a dropped axis)
     parts = da.blockwise(
@@ -266,7 +259,7 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
                            meta=_meta(x, 2, x.dtype))
         if wdt is None and bdt is None:
             return dx, None, None
-        cdt = _np_dtype(plan.compute_dtype)
+        cdt = numpy_dtype(plan.compute_dtype)
         dweight, dbias = _tree_reduce(parts, ntot, d, wdt, bdt, cdt)
         return dx, dweight, dbias
     parts = da.blockwise(
@@ -311,8 +304,8 @@ def _gated_inner(block):
 def _gated_forward_chunk(x, z, weight, bias, *, gplan):
     if x.shape[0] == 0:
         p = gplan.plan
-        return (x.astype(_np_dtype(p.out_dtype)),
-                x[:, :gplan.groups].astype(_np_dtype(p.compute_dtype)))
+        return (x.astype(numpy_dtype(p.out_dtype)),
+                x[:, :gplan.groups].astype(numpy_dtype(p.compute_dtype)))
     return _gated_inner(x).gated_forward(x, z, weight, bias, gplan, None)
 
 
@@ -334,7 +327,7 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
     z = _rows(z, rows)
     weight, bias = _vec(weight), _vec(bias)
     p = gplan.plan
-    ydt, cdt = _np_dtype(p.out_dtype), _np_dtype(p.compute_dtype)
+    ydt, cdt = numpy_dtype(p.out_dtype), numpy_dtype(p.compute_dtype)
     parts = da.blockwise(
         _gated_forward_chunk, "i",
         *_args([(x, "ij"), (z, "ij"), (weight, "j"), (bias, "j")]),

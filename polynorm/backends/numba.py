@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .. import _interop
+from .._dtypes import numpy_dtype
 from .._options import Plan
 
 name = "numba"
@@ -68,7 +69,6 @@ _CODE = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 _launch_lock = threading.Lock()
 _kernels = None  # the compiled-kernel modules, imported on first use
 _bwd_kernels = None
-_np_dtypes: dict[str, np.dtype] = {}
 
 
 def available() -> tuple[bool, str]:
@@ -99,19 +99,6 @@ def _kb():
 
         _bwd_kernels = _numba_backward
     return _bwd_kernels
-
-
-def _np_dtype(dtype_name: str) -> np.dtype:
-    dt = _np_dtypes.get(dtype_name)
-    if dt is None:
-        if dtype_name == "bfloat16":
-            import ml_dtypes
-
-            dt = np.dtype(ml_dtypes.bfloat16)
-        else:
-            dt = np.dtype(dtype_name)
-        _np_dtypes[dtype_name] = dt
-    return dt
 
 
 _BF16_BITS = np.dtype(np.uint16)
@@ -236,8 +223,8 @@ def _info(plan: Plan) -> tuple:
     if info is None or info[4] is not plan:
         K = _k()
         flags = (K.EPS_INSIDE if plan.eps_inside else 0) | (K.LLAMA if plan.llama else 0)
-        info = (flags, _np_dtype(plan.out_dtype), _np_dtype(plan.x_dtype),
-                _np_dtype(plan.compute_dtype), plan)
+        info = (flags, numpy_dtype(plan.out_dtype), numpy_dtype(plan.x_dtype),
+                numpy_dtype(plan.compute_dtype), plan)
         if len(_plan_info) >= 4096:
             _plan_info.clear()
         _plan_info[id(plan)] = info
@@ -604,7 +591,7 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
 
     plan = gplan.plan
     like = x
-    cdt = _np_dtype(plan.compute_dtype)
+    cdt = numpy_dtype(plan.compute_dtype)
     xc, zc, dyc = _gated_rows(x, cdt), _gated_rows(z, cdt), _gated_rows(dy, cdt)
     n, d = xc.shape
     dx = np.empty((n, d), cdt)
