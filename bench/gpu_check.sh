@@ -14,11 +14,13 @@
 #   gpu_env.txt         what was found / installed (nvidia-smi, versions, backends)
 #   gpu_tests.txt .xml  pytest tests/test_cupy_gpu.py
 #   gpu-<date>.json     the benchmark records (polynorm._bench.gpu); its table in gpu_bench.txt
+#   gpu_model.txt .json the launch model's prediction for every case (no GPU needed), to set
+#                       beside the measured table
 #
 # No virtual environment: the machine's python3 (PYTHON=...) keeps its own packages (on the
 # H200 image python3 is itself a venv, which a nested venv would hide); extra wheels go to
 # $PN_SITE (default $TMPDIR/polynorm-site) on PYTHONPATH, after this checkout.
-# Knobs: PN_WHEELHOUSE (default .whl), PN_BENCH_BUDGET (s, default 200), PN_GPU_TORCH=1
+# Knobs: PN_WHEELHOUSE (default .whl), PN_BENCH_BUDGET (s, default 300), PN_GPU_TORCH=1
 # (pip-install torch==2.13.0 when no CUDA torch is there and an index is reachable).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +38,7 @@ done
 PY="${PYTHON:-python3}"
 WH="${PN_WHEELHOUSE:-$ROOT/.whl}"
 SITE="${PN_SITE:-${TMPDIR:-/tmp}/polynorm-site}"
-BUDGET="${PN_BENCH_BUDGET:-200}"
+BUDGET="${PN_BENCH_BUDGET:-300}"
 
 if [ "$MODE" = prepare ]; then
     # pure-Python wheels for the GPU image's Python 3.12; .whl/ is git-ignored locally
@@ -120,6 +122,11 @@ timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs \
     tests/test_cupy_gpu.py --junitxml "$RESULTS/gpu_tests.xml" >"$RESULTS/gpu_tests.txt" 2>&1 || status=$?
 tail -n 15 "$RESULTS/gpu_tests.txt"
 log "GPU tests exit status $status (5: nothing collected)"
+
+# ---- the prediction, before the measurement (pure Python; register counts from
+# bench/results/sass-kernels.json)
+"$PY" -m polynorm._bench.model --all --json "$RESULTS/gpu_model.json" >"$RESULTS/gpu_model.txt" 2>&1
+log "launch model exit status $? (gpu_model.txt)"
 
 # ---- benchmark
 stamp=$(date -u +%Y%m%dT%H%M)

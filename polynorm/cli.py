@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--readme", metavar="FILE",
                    help="rewrite the results block of FILE (between its polynorm bench markers)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--gpu-model", action="store_true",
+                   help="print the CUDA launch model's predictions (occupancy, bytes in flight, "
+                        "bound) for H100/H200/A100/L40S instead of measuring; needs no GPU")
     return p
 
 
@@ -245,6 +248,12 @@ def _write_text(path: str, text: str) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ._bench import common, report
+
+    if args.gpu_model:
+        from ._bench import model
+
+        print(model.table(model.run()))
+        return 0
 
     for flag in ("json", "plot", "markdown", "readme"):
         _check_output(f"--{flag}", getattr(args, flag))

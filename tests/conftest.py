@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -198,3 +199,58 @@ def case(request) -> Case:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20261130)
+
+
+# ---------------------------------------------------------------- the long sweeps
+#
+# The default run (``python -m pytest``) tests every feature on every backend; the
+# sweeps below repeat features over more dtype mixes, layouts and hypothesis
+# examples.  Each new (dtype, layout) combination compiles a Numba kernel variant
+# (10-30 s of CPU), so they carry the ``slow`` marker: ``pytest -m slow`` runs them,
+# and .ci/run does.  One pattern list, matched against node ids, keeps the choice in
+# one place (``*`` is the only wildcard); a parameter left out of a pattern stays
+# in the default run.
+SLOW_SWEEPS = (
+    # hypothesis over shapes, layouts, dtypes and options (the emulated CUDA one stays)
+    "tests/test_batch_invariance.py::test_a_tokens_bits_do_not_depend_on_the_batch[*",
+    # layouts x dtypes: serial float32 stays in the default run
+    "tests/test_edge_cases.py::test_bits_do_not_depend_on_layout[parallel-*",
+    "tests/test_edge_cases.py::test_bits_do_not_depend_on_layout[serial-bfloat16]",
+    "tests/test_edge_cases.py::test_bits_do_not_depend_on_layout[serial-float64]",
+    # dtype mixes: the first mix of each stays in the default run
+    "tests/test_accuracy.py::test_out_dtype[*-float32-float16]",
+    "tests/test_accuracy.py::test_out_dtype[*-float64-bfloat16]",
+    "tests/test_accuracy.py::test_out_dtype[*-float16-float64]",
+    "tests/test_accuracy.py::test_out_dtype[*-float32-float64]",
+    "tests/test_accuracy.py::test_weight_dtype_differs_from_x[*-float16-float32]",
+    "tests/test_accuracy.py::test_weight_dtype_differs_from_x[*-float32-float64]",
+    "tests/test_accuracy.py::test_weight_dtype_differs_from_x[*-float32-bfloat16]",
+    "tests/test_accuracy.py::test_weight_dtype_differs_from_x[*-float64-float32]",
+    "tests/test_accuracy.py::test_add_matches_oracle[*-float16-bfloat16]",
+    "tests/test_accuracy.py::test_add_matches_oracle[*-bfloat16-float32]",
+    "tests/test_numba.py::test_mixed_dtypes_fused_add[*",
+    "tests/test_numba.py::test_out_dtype_rounds_once[float16]",
+    "tests/test_numba.py::test_out_dtype_rounds_once[float64]",
+    "tests/test_numba.py::test_out_dtype_rounds_once[bfloat16]",
+    # strided and streamed variants: float32 stays
+    "tests/test_numba.py::test_strided_inputs[bfloat16-*",
+    "tests/test_numba.py::test_streamed_out_equals_ordinary[*bfloat16*",
+    "tests/test_numba.py::test_streamed_out_equals_ordinary[*float16*",
+    "tests/test_layout.py::test_read_only_and_zero_stride_input[torch-*",
+    "tests/test_layout.py::test_read_only_and_zero_stride_input[jax-*",
+    "tests/test_layout.py::test_read_only_and_zero_stride_input[dask-*",
+    "tests/test_layout.py::test_strided_and_negatively_strided_inputs[torch-*",
+    "tests/test_layout.py::test_strided_and_negatively_strided_inputs[jax-*",
+    "tests/test_layout.py::test_strided_and_negatively_strided_inputs[dask-*",
+    # one GPU architecture in the default run (sm_90)
+    "tests/test_nvrtc.py::*[sm_80*",
+)
+
+
+_SLOW_RE = re.compile("|".join(re.escape(p).replace(r"\*", ".*") for p in SLOW_SWEEPS))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _SLOW_RE.fullmatch(item.nodeid):
+            item.add_marker(pytest.mark.slow)

@@ -271,7 +271,7 @@ def test_emul_forward_big_kernel_sizes_and_stash(dtype):
     row stash in shared memory full, partial and empty (any stash is correct)."""
     rng = np.random.default_rng(4)
     vec = cl.VEC[dtype]
-    d_big = 2 * cl.REG_THREADS * cl.FWD_ITEMS[-1] * vec + 5  # past pn_fwd's reach
+    d_big = 2 * cl.REG_THREADS * cl.FWD_ITEMS_BY_X[dtype][-1] * vec + 5  # past pn_fwd's reach
     x = _data(rng, 2, d_big, dtype)
     w = _data(rng, 1, d_big, dtype)[0]
     launch = _check_forward(x, None, w, None, _plan(d_big, dtype))
@@ -593,3 +593,36 @@ def test_emul_every_specialisation_compiles_with_the_abi_signature(family):
             want = _BWD_SIG
         want = [s[:-1] + _CODE[sub[s[-1]]] if "*" in s else s for s in want]
         assert got == want, expr
+
+
+# ----------------------------------------------------------------------------- batch invariance, eps = 0
+
+#: (dtype, d) pairs on both sides of the launch-rule boundaries: one chunk per
+#: thread, the widest register kernel, and the first row of the one-row-per-block kernel
+_BI_CASES = (("bfloat16", 64), ("bfloat16", 2 * cl.REG_THREADS * 8 + 8), ("float32", 1000),
+             ("float64", 2 * cl.REG_THREADS * 2 + 2))
+
+
+@pytest.mark.parametrize(("dtype", "d"), _BI_CASES)
+def test_emul_batch_invariance_and_eps0_zero_token(dtype, d):
+    """A token's y, h, rstd and dx bits equal those of the same token alone in a
+    (1, d) call, whatever the row count (other rows per block, grid, persistent
+    grid); with eps = 0 an all-zero token gives NaN for that token only."""
+    rng = np.random.default_rng(_seed("bi", dtype, d))
+    n = 37 if d <= 1000 else 3
+    x, res, w, _, _ = _option_case(rng, n, d, dtype, dict(residual=True))
+    x[1] = 0
+    res[1] = 0
+    plan = _plan(d, dtype, eps=0.0)
+    y, h, r, la = emul_forward(x, res, w, None, plan)
+    dy = _data(rng, n, d, dtype)
+    dx, _, _, lb = emul_backward(dy, x, w, None, None, None, plan)
+    assert np.isnan(y[1].astype(np.float64)).all() and np.isnan(dx[1].astype(np.float64)).all()
+    others = [i for i in range(n) if i != 1]
+    assert np.isfinite(y[others].astype(np.float64)).all() and np.isfinite(dx[others].astype(np.float64)).all()
+    for i in (0, 1, n - 1):
+        y1, h1, r1, la1 = emul_forward(x[i:i + 1], res[i:i + 1], w, None, plan)
+        dx1, _, _, lb1 = emul_backward(dy[i:i + 1], x[i:i + 1], w, None, None, None, plan)
+        assert (la1.name, lb1.name) == (la.name, lb.name)
+        for got, one in ((y[i], y1[0]), (h[i], h1[0]), (r[i:i + 1], r1), (dx[i], dx1[0])):
+            np.testing.assert_array_equal(got.view(np.uint8), one.view(np.uint8), err_msg=f"token {i}")

@@ -30,6 +30,8 @@ from .common import Record, format_table, gbps, write_json
 
 TOKENS = (4096, 32768, 128, 1)  # the targets are at >= 4096 tokens: measured first
 HIDDEN = (1024, 4096, 8192, 16384, 65536, 262144)
+#: (tokens, d) measured besides TOKENS x HIDDEN
+EXTRA_SHAPES = ((1 << 21, 128), (8, 262144), (4096, 65536))
 OPS = ("fwd", "add", "bwd")
 DTYPES = ("bfloat16", "float16", "float32")
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -48,12 +50,16 @@ def cases(quick: bool = False, dtypes: list[str] | None = None) -> list[tuple[st
     """(op, dtype, tokens, d) in the order they are measured.
 
     >>> len(cases()), cases(quick=True)[0]
-    (216, ('fwd', 'bfloat16', 4096, 4096))
+    (234, ('fwd', 'bfloat16', 4096, 4096))
     """
     tokens = (4096,) if quick else TOKENS
     hidden = (4096, 65536) if quick else HIDDEN
     dts = [d for d in DTYPES if dtypes is None or d in dtypes]
-    return [(op, dt, n, d) for n in tokens for dt in dts for d in hidden for op in OPS]
+    out = [(op, dt, n, d) for n in tokens for dt in dts for d in hidden for op in OPS]
+    # the per-head QK-norm shape and few rows of a huge d (one block per row)
+    extra = [(op, dt, n, d) for (n, d) in (EXTRA_SHAPES[:1] if quick else EXTRA_SHAPES)
+             for dt in dts for op in OPS]
+    return out + [c for c in extra if c not in out]
 
 
 def op_bytes(op: str, dtype: str, n: int, d: int) -> int:
@@ -179,8 +185,10 @@ def _peers(lib: _Lib, op: str, dtype: str, x, r, w, dy, compiled: dict) -> dict[
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
-        # positional (X, W, eps): later parameters changed across Liger versions
-        fns["liger"] = lambda xx, ww: LigerRMSNormFunction.apply(xx, ww, EPS)
+        # the same work as ours: a new output (in_place=False) and one rounding at
+        # the end (casting_mode="none"); positional (X, W, eps, offset,
+        # casting_mode, in_place), as keywords changed across Liger versions
+        fns["liger"] = lambda xx, ww: LigerRMSNormFunction.apply(xx, ww, EPS, 0.0, "none", False)
     except Exception:
         pass
     try:
@@ -218,11 +226,13 @@ def run(
     peers: bool = True,
     budget_s: float | None = None,
     skipped: list[str] | None = None,
+    on_record: Callable[[list[Record], list[str]], None] | None = None,
 ) -> list[Record]:
     """Measure every case that fits; returns one :class:`Record` per case.
 
     ``budget_s``: stop starting new cases after this many seconds (the
-    remaining ones are added to ``skipped``).
+    remaining ones are added to ``skipped``).  ``on_record(records, skipped)``
+    is called after every case (the CLI rewrites its JSON there).
     """
     import polynorm as pn
 
@@ -254,7 +264,7 @@ def run(
             t_copy = lib.time(lib.copy_fn(nbytes))
             rec = Record(suite="gpu", op=op, backend="cupy", dtype=dt, tokens=n, d=d, seconds=t,
                          bytes=nbytes, gbps=gbps(nbytes, t),
-                         ratios={"copy": t_copy / t}, extra={"arrays": lib.name})
+                         ratios={"copy": t_copy / t}, extra={"arrays": lib.name, **_launch_info(op, dt, n, d)})
             if peers:
                 for name, fn in _peers(lib, op, dt, x, r, w, dy, compiled).items():
                     try:
@@ -267,9 +277,29 @@ def run(
         finally:
             x = w = r = dy = rstd = None
             lib.release()
+        if on_record is not None:  # after every case: a timeout keeps what was measured
+            on_record(records, skipped)
     if progress:
         progress(len(todo), len(todo), "done")
     return records
+
+
+def _launch_info(op: str, dtype: str, n: int, d: int) -> dict:
+    """The kernel launch the cupy backend makes for this case, and how its kernel was compiled."""
+    from ..backends import _cuda_launch as cl
+    from ..backends import cupy as cupy_backend
+
+    try:
+        sms, smem = cupy_backend._device()
+        if op == "bwd":
+            la = cl.backward_launch(n, d, dtype, dtype, dtype, num_sms=sms, max_smem=smem)
+        else:
+            la = cl.forward_launch(n, d, dtype, dtype if op == "add" else None, dtype, dtype, max_smem=smem)
+        paths = sorted({v for (_, name), v in cupy_backend.compile_paths.items() if name == la.name})
+        return {"kernel": la.name, "grid": la.grid, "block": la.block, "shared": la.shared,
+                "compile": paths[0] if len(paths) == 1 else paths}
+    except Exception as exc:  # the record keeps its time either way
+        return {"launch_error": f"{type(exc).__name__}: {str(exc)[:120]}"}
 
 
 def _device_name() -> str:
@@ -291,8 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=None, help="seconds; later cases are skipped")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/gpu-<date>.json)")
     p.add_argument("--dry-run", action="store_true", help="list the cases and peers; needs no GPU")
+    p.add_argument("--gpu-model", action="store_true",
+                   help="print the launch model's predictions for these cases (polynorm._bench.model); no GPU")
     args = p.parse_args(argv)
     todo = cases(args.quick, args.dtypes)
+    if args.gpu_model:
+        from . import model
+
+        print(model.table(model.run(todo)))
+        return 0
     if args.dry_run:
         peers = {}
         for mod in ("torch", "liger_kernel", "quack", "cupy"):
@@ -314,13 +351,18 @@ def main(argv: list[str] | None = None) -> int:
     def progress(i: int, n: int, label: str) -> None:
         print(f"[{i}/{n}] {label}", file=sys.stderr, flush=True)
 
-    recs = run(quick=args.quick, dtypes=args.dtypes, progress=progress, peers=not args.no_peers,
-               budget_s=args.budget, skipped=skipped)
     meta = {"device": _device_name(), "skipped": skipped,
-            "targets": {"fwd": 0.85, "add": 0.85, "bwd": 0.75}}
+            "targets": {"fwd": 0.85, "add": 0.85, "bwd": 0.75},
+            "timing": "CUDA events around batches of end-to-end pn.* calls (host planning included)"}
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M")
     out = args.out or f"bench/results/gpu-{stamp}.json"
-    write_json(out, recs, meta)
+
+    def save(recs: list[Record], skip: list[str]) -> None:
+        write_json(out, recs, {**meta, "skipped": skip})
+
+    recs = run(quick=args.quick, dtypes=args.dtypes, progress=progress, peers=not args.no_peers,
+               budget_s=args.budget, skipped=skipped, on_record=save)
+    save(recs, skipped)
     print(format_table(recs))
     print(f"wrote {out} ({len(recs)} records, {len(skipped)} skipped)")
     return 0

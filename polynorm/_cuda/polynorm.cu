@@ -127,10 +127,13 @@ __device__ __forceinline__ void pn_st(T* p, bool vec, const CT (&v)[N]) {
 }
 
 // ---------------------------------------------------------------- row layout
-// Every row is split the same way: `head` leading elements (until x is
-// 16-byte aligned), `body` chunks of VEC elements, `tail` < VEC elements.
-// Rows share one split when x's row stride is a multiple of VEC (or n == 1);
-// otherwise head = 0 and chunks move element by element (vec = false).
+// Every row is split the same way: `body` chunks of VEC elements from column
+// 0, then `tail` < VEC elements.  The chunks move as 16-byte vectors when x's
+// rows all start 16-byte aligned (row stride a multiple of VEC, or n == 1),
+// otherwise element by element (vec = false).  Chunk c is columns
+// [c*VEC, c*VEC + VEC) either way: the float runs of the statistics are whole
+// chunks, so a row's bits do not depend on its address (batch invariance).
+// `head` is always 0 (kept in the struct for the kernels' indexing).
 struct pn_rowlay {
     int head;
     int body;
@@ -142,15 +145,10 @@ template <int VEC, typename T>
 __device__ __forceinline__ pn_rowlay pn_layout(const T* x, long long sx, long long n, int d) {
     pn_rowlay L;
     const unsigned long long a = reinterpret_cast<unsigned long long>(x);
-    L.vec = (a % sizeof(T) == 0) && (n == 1 || sx % VEC == 0);
-    int head = 0;
-    if (L.vec) {
-        head = (int)(((16 - a % 16) % 16) / sizeof(T));
-        if (head > d) head = d;
-    }
-    L.head = head;
-    L.body = (d - head) / VEC;
-    L.tail = d - head - L.body * VEC;
+    L.vec = (a % 16 == 0) && (n == 1 || sx % VEC == 0);
+    L.head = 0;
+    L.body = d / VEC;
+    L.tail = d - L.body * VEC;
     return L;
 }
 
@@ -167,6 +165,45 @@ __device__ __forceinline__ bool pn_vec_ok(const T* p, long long s, long long n, 
 // `for (c = pn_last_chunk(..); c >= 0; c -= tpr)` visit its chunks in descending order.
 __device__ __forceinline__ int pn_last_chunk(int tr, int tpr, int body) {
     return body > tr ? tr + ((body - 1 - tr) / tpr) * tpr : -1;
+}
+
+// ---------------------------------------------------------------- float runs
+// A chunk's sum of squares (its columns j0 + e below k, in column order) as a
+// float32 FMA chain: no FP64 op per element, and no rounding at all for 16-bit
+// input (exact squares, short run).  Taken when finite and >= 2^-100 (no
+// partial sum was subnormal); otherwise (overflow, NaN, all tiny or zero) the
+// chunk is summed as exact squares in double.  A run is one chunk, fixed by
+// the columns alone, and the callers add the runs in double in an order fixed
+// by d: the same bits for every launch of the same row.
+#define PN_RUN_TINY 7.8886090522101181e-31f  // 2^-100
+#define PN_FLT_MAX 3.4028234663852886e38f
+
+template <int N>
+__device__ __forceinline__ double pn_ss_run(const float (&v)[N], int j0, int k) {
+    float s = 0.0f;
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+        if (j0 + e < k) s = __fmaf_rn(v[e], v[e], s);
+    if (s >= PN_RUN_TINY && s <= PN_FLT_MAX) return (double)s;
+    double t = 0.0;
+#pragma unroll
+    for (int e = 0; e < N; ++e)
+        if (j0 + e < k) t += (double)v[e] * (double)v[e];
+    return t;
+}
+
+// sum a[e]*b[e] over a chunk as a float32 FMA chain; exactly in double when
+// that overflows (or is NaN, which the double sum reproduces)
+template <int N>
+__device__ __forceinline__ double pn_dot_run(const float (&a)[N], const float (&b)[N]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int e = 0; e < N; ++e) s = __fmaf_rn(a[e], b[e], s);
+    if (s >= -PN_FLT_MAX && s <= PN_FLT_MAX) return (double)s;
+    double t = 0.0;
+#pragma unroll
+    for (int e = 0; e < N; ++e) t += (double)a[e] * (double)b[e];
+    return t;
 }
 
 // ---------------------------------------------------------------- row reductions
@@ -268,9 +305,16 @@ __device__ __forceinline__ CT pn_yval(CT xv, CT r, bool has_w, WT wv, bool has_b
 //
 // With `res` non-null this is the fused add: h = round_HT(x + res) is written
 // to `h` and normalized.  `w`, `b`, `res`/`h` may be null (absent).
+//
+// Every load of a thread's chunks (x, residual, weight) is issued before the
+// first of them is used, and the row is held in its storage type (h is
+// rounded to HT anyway), so a thread keeps ITEMS * (1-3) 16-byte requests in
+// flight in few registers.  The body is instantiated twice: VA (every array
+// moves chunks as 16-byte vectors) and the element-by-element twin, chosen
+// once per launch, so no load needs a vector/scalar merge.
 
-template <typename XT, typename RT, typename WT, typename OT, int ITEMS>
-__global__ void __launch_bounds__(512) pn_fwd(
+template <typename XT, typename RT, typename WT, typename OT, int ITEMS, bool VA>
+__device__ __forceinline__ void pn_fwd_rows(
     const XT* __restrict__ x, long long sx,
     const RT* __restrict__ res, long long sr,
     typename pn_promote<XT, RT>::type* h, long long sh,
@@ -279,49 +323,76 @@ __global__ void __launch_bounds__(512) pn_fwd(
     OT* y, long long sy,
     typename pn_compute<typename pn_promote<XT, RT>::type>::type* rstd,
     long long n, int d, int k, int tpr,
-    double eps, int eps_inside, double offset, int llama)
+    double eps, int eps_inside, double offset, int llama, const pn_rowlay L, double* red)
 {
     typedef typename pn_promote<XT, RT>::type HT;
     typedef typename pn_compute<HT>::type CT;
     constexpr int VEC = 16 / sizeof(XT);
-    __shared__ double red[32];
 
     const int tr = threadIdx.x % tpr;
     const long long row = (long long)blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr;
     const bool active = row < n;
-    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
     const bool has_res = res != nullptr, has_w = w != nullptr, has_b = b != nullptr;
-    const bool vr = pn_vec_ok<VEC>(res, sr, n, L.head, L.vec);
-    const bool vh = pn_vec_ok<VEC>(h, sh, n, L.head, L.vec);
-    const bool vy = pn_vec_ok<VEC>(y, sy, n, L.head, L.vec);
-    const bool vw = pn_vec_ok<VEC>(w, 0, 1, L.head, L.vec);
-    const bool vb = pn_vec_ok<VEC>(b, 0, 1, L.head, L.vec);
     const long long rr = active ? row : 0;
     const XT* xr = x + rr * sx;
     const RT* resr = has_res ? res + rr * sr : nullptr;
     HT* hr = has_res ? h + rr * sh : nullptr;
     OT* yr = y + rr * sy;
 
-    // ---- load (and form h): body chunks, then the head and tail elements
-    CT v[ITEMS][VEC];
     CT ve[2];      // [0]: head element tr, [1]: tail element tr
     int je[2];     // their columns, -1 when this thread holds none
     je[0] = (active && tr < L.head) ? tr : -1;
     je[1] = (active && tr < L.tail) ? L.head + L.body * VEC + tr : -1;
+
+    // ---- h (the normalized row) in the compute type.  The vector form
+    // issues every load of this thread's chunks (x, residual) before the
+    // first use; the element-by-element twin converts chunk by chunk.  The
+    // weight is read after the statistic (all of a thread's chunks at once):
+    // holding it across the reduction would cost ITEMS * 4-8 registers.
+    CT ha[ITEMS][VEC];
+    if (VA) {
+        XT xa[ITEMS][VEC];
+        RT ra[ITEMS][VEC];
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const int c = tr + i * tpr;
+        for (int i = 0; i < ITEMS; ++i) {
+            const int c = tr + i * tpr;
+            if (active && c < L.body) {
+                const int j = L.head + c * VEC;
+                pn_ld_raw<VEC>(xr + j, true, xa[i]);
+                if (has_res) pn_ld_raw<VEC>(resr + j, true, ra[i]);
+            }
+        }
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) v[i][e] = (CT)0;
-        if (active && c < L.body) {
-            const int j = L.head + c * VEC;
-            pn_ld<VEC>(xr + j, L.vec, v[i]);
-            if (has_res) {
-                CT t[VEC];
-                pn_ld<VEC>(resr + j, vr, t);
+        for (int i = 0; i < ITEMS; ++i) {
+            const int c = tr + i * tpr;
+            if (active && c < L.body) {
+                if (has_res) {
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) v[i][e] = pn_conv<CT>::in(pn_out<HT>::from(v[i][e] + t[e]));
-                pn_st<VEC>(hr + j, vh, v[i]);
+                    for (int e = 0; e < VEC; ++e)
+                        ha[i][e] = pn_conv<CT>::in(
+                            pn_out<HT>::from(pn_conv<CT>::in(xa[i][e]) + pn_conv<CT>::in(ra[i][e])));
+                    pn_st<VEC>(hr + L.head + c * VEC, true, ha[i]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) ha[i][e] = pn_conv<CT>::in(xa[i][e]);
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const int c = tr + i * tpr;
+            if (active && c < L.body) {
+                const int j = L.head + c * VEC;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    ha[i][e] = pn_conv<CT>::in(xr[j + e]);
+                    if (has_res) {
+                        const HT hv = pn_out<HT>::from(ha[i][e] + pn_conv<CT>::in(resr[j + e]));
+                        hr[j + e] = hv;
+                        ha[i][e] = pn_conv<CT>::in(hv);
+                    }
+                }
             }
         }
     }
@@ -339,14 +410,14 @@ __global__ void __launch_bounds__(512) pn_fwd(
 
     // ---- statistic over the first k elements
     double r_d;
-    if (sizeof(CT) == 4) {
+    if constexpr (sizeof(CT) == 4) {
+        // float runs (one per chunk) added in double: see pn_ss_run
         double ss = 0.0;
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
-            const int j0 = L.head + (tr + i * tpr) * VEC;
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                if (j0 + e < k) ss += (double)v[i][e] * (double)v[i][e];
+            const int c = tr + i * tpr;
+            const int j0 = L.head + c * VEC;
+            if (active && c < L.body && j0 < k) ss += pn_ss_run<VEC>(ha[i], j0, k);
         }
         for (int s = 0; s < 2; ++s)
             if (je[s] >= 0 && je[s] < k) ss += (double)ve[s] * (double)ve[s];
@@ -357,10 +428,13 @@ __global__ void __launch_bounds__(512) pn_fwd(
         double m = 0.0;
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
-            const int j0 = L.head + (tr + i * tpr) * VEC;
+            const int c = tr + i * tpr;
+            const int j0 = L.head + c * VEC;
+            if (active && c < L.body) {
 #pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                if (j0 + e < k) m = pn_max_nan(m, fabs((double)v[i][e]));
+                for (int e = 0; e < VEC; ++e)
+                    if (j0 + e < k) m = pn_max_nan(m, fabs((double)ha[i][e]));
+            }
         }
         for (int s = 0; s < 2; ++s)
             if (je[s] >= 0 && je[s] < k) m = pn_max_nan(m, fabs((double)ve[s]));
@@ -369,10 +443,13 @@ __global__ void __launch_bounds__(512) pn_fwd(
         double ss = 0.0;
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
-            const int j0 = L.head + (tr + i * tpr) * VEC;
+            const int c = tr + i * tpr;
+            const int j0 = L.head + c * VEC;
+            if (active && c < L.body) {
 #pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                if (j0 + e < k) { const double q = (double)v[i][e] * inv; ss += q * q; }
+                for (int e = 0; e < VEC; ++e)
+                    if (j0 + e < k) { const double q = (double)ha[i][e] * inv; ss += q * q; }
+            }
         }
         for (int s = 0; s < 2; ++s)
             if (je[s] >= 0 && je[s] < k) { const double q = (double)ve[s] * inv; ss += q * q; }
@@ -384,21 +461,28 @@ __global__ void __launch_bounds__(512) pn_fwd(
 
     // ---- y
     const CT off = (CT)offset;
+    WT wa[VA ? ITEMS : 1][VEC];
+    if (VA && has_w) {
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const int c = tr + i * tpr;
+            if (active && c < L.body) pn_ld_raw<VEC>(w + L.head + c * VEC, true, wa[VA ? i : 0]);
+        }
+    }
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
         const int c = tr + i * tpr;
         if (active && c < L.body) {
             const int j = L.head + c * VEC;
-            WT wv[VEC];
             CT bv[VEC];
-            if (has_w) pn_ld_raw<VEC>(w + j, vw, wv);
-            if (has_b) pn_ld<VEC>(b + j, vb, bv);
+            if (has_b) pn_ld<VEC>(b + j, VA, bv);
             CT o[VEC];
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-                o[e] = pn_yval<HT, WT, CT>(v[i][e], r, has_w, has_w ? wv[e] : WT(), has_b,
+                o[e] = pn_yval<HT, WT, CT>(ha[i][e], r, has_w,
+                                           has_w ? (VA ? wa[VA ? i : 0][e] : w[j + e]) : WT(), has_b,
                                            has_b ? bv[e] : (CT)0, off, llama != 0);
-            pn_st<VEC>(yr + j, vy, o);
+            pn_st<VEC>(yr + j, VA, o);
         }
     }
     for (int s = 0; s < 2; ++s) {
@@ -410,14 +494,46 @@ __global__ void __launch_bounds__(512) pn_fwd(
     }
 }
 
+// At most 64 registers (two 512-thread blocks, 50% occupancy, per SM).
+template <typename XT, typename RT, typename WT, typename OT, int ITEMS>
+__global__ void __launch_bounds__(512, 2) pn_fwd(
+    const XT* __restrict__ x, long long sx,
+    const RT* __restrict__ res, long long sr,
+    typename pn_promote<XT, RT>::type* h, long long sh,
+    const WT* __restrict__ w,
+    const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
+    OT* y, long long sy,
+    typename pn_compute<typename pn_promote<XT, RT>::type>::type* rstd,
+    long long n, int d, int k, int tpr,
+    double eps, int eps_inside, double offset, int llama)
+{
+    constexpr int VEC = 16 / sizeof(XT);
+    __shared__ double red[32];
+    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
+    // the vector form needs every array present to allow it (launch-uniform)
+    const bool va = L.vec && (res == nullptr || (pn_vec_ok<VEC>(res, sr, n, L.head, true) &&
+                                                 pn_vec_ok<VEC>(h, sh, n, L.head, true)))
+                    && pn_vec_ok<VEC>(y, sy, n, L.head, true)
+                    && (w == nullptr || pn_vec_ok<VEC>(w, 0, 1, L.head, true))
+                    && (b == nullptr || pn_vec_ok<VEC>(b, 0, 1, L.head, true));
+    if (va)
+        pn_fwd_rows<XT, RT, WT, OT, ITEMS, true>(x, sx, res, sr, h, sh, w, b, y, sy, rstd, n, d, k, tpr,
+                                                 eps, eps_inside, offset, llama, L, red);
+    else
+        pn_fwd_rows<XT, RT, WT, OT, ITEMS, false>(x, sx, res, sr, h, sh, w, b, y, sy, rstd, n, d, k, tpr,
+                                                  eps, eps_inside, offset, llama, L, red);
+}
+
 // pn_fwd_big: one row per block (tpr = blockDim.x), for rows too long for
 // registers.  Pass 1 reads the row (forming h), keeps the first `stash`
 // chunks of h in dynamic shared memory and accumulates the statistic; pass 2
 // writes y from shared memory, re-reading only the chunks that did not fit.
 // Dynamic shared memory: stash * VEC * sizeof(HT) bytes.
 
-template <typename XT, typename RT, typename WT, typename OT>
-__global__ void __launch_bounds__(1024) pn_fwd_big(
+// The body of pn_fwd_big for VA (every array present moves chunks as
+// vectors) and its element-by-element twin, as for pn_fwd.
+template <typename XT, typename RT, typename WT, typename OT, bool VA>
+__device__ __forceinline__ void pn_fwd_big_rows(
     const XT* __restrict__ x, long long sx,
     const RT* __restrict__ res, long long sr,
     typename pn_promote<XT, RT>::type* h, long long sh,
@@ -426,25 +542,20 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
     OT* y, long long sy,
     typename pn_compute<typename pn_promote<XT, RT>::type>::type* rstd,
     long long n, int d, int k, int stash,
-    double eps, int eps_inside, double offset, int llama)
+    double eps, int eps_inside, double offset, int llama, const pn_rowlay L, double* red, pn_smem_unit* pn_dyn_smem)
 {
     typedef typename pn_promote<XT, RT>::type HT;
     typedef typename pn_compute<HT>::type CT;
     constexpr int VEC = 16 / sizeof(XT);
-    __shared__ double red[32];
-    extern __shared__ pn_smem_unit pn_dyn_smem[];
     HT* st = reinterpret_cast<HT*>(pn_dyn_smem);
+    // chunks per step whose loads are issued together (the scalar twin: one)
+    constexpr int U = VA ? PN_BIG_U : 1;
 
     const int tr = threadIdx.x;
     const int tpr = blockDim.x;
     const long long row = blockIdx.x;
-    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
     const bool has_res = res != nullptr, has_w = w != nullptr, has_b = b != nullptr;
-    const bool vr = pn_vec_ok<VEC>(res, sr, n, L.head, L.vec);
-    const bool vh = pn_vec_ok<VEC>(h, sh, n, L.head, L.vec);
-    const bool vy = pn_vec_ok<VEC>(y, sy, n, L.head, L.vec);
-    const bool vw = pn_vec_ok<VEC>(w, 0, 1, L.head, L.vec);
-    const bool vb = pn_vec_ok<VEC>(b, 0, 1, L.head, L.vec);
+    constexpr bool vr = VA, vh = VA, vy = VA, vw = VA, vb = VA;
     const XT* xr = x + row * sx;
     const RT* resr = has_res ? res + row * sr : nullptr;
     HT* hr = has_res ? h + row * sh : nullptr;
@@ -465,25 +576,26 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
         }
     }
 
-    // ---- pass 1: read, form h, stash, statistic (plain double sum of squares)
+    // ---- pass 1: read, form h, stash, statistic (float runs added in double;
+    // float64: plain double sum of squares)
     double ss = 0.0;
     for (int s = 0; s < 2; ++s)
         if (je[s] >= 0 && je[s] < k) ss += (double)ve[s] * (double)ve[s];
     // U chunks at a time, their loads issued together: with one row per block
     // each thread must keep several 16-byte requests in flight
-    for (int c0 = tr; c0 < L.body; c0 += PN_BIG_U * tpr) {
-        XT xa[PN_BIG_U][VEC];
-        RT ra[PN_BIG_U][VEC];
+    for (int c0 = tr; c0 < L.body; c0 += U * tpr) {
+        XT xa[U][VEC];
+        RT ra[U][VEC];
 #pragma unroll
-        for (int u = 0; u < PN_BIG_U; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int c = c0 + u * tpr;
             if (c < L.body) {
-                pn_ld_raw<VEC>(xr + L.head + c * VEC, L.vec, xa[u]);
+                pn_ld_raw<VEC>(xr + L.head + c * VEC, VA, xa[u]);
                 if (has_res) pn_ld_raw<VEC>(resr + L.head + c * VEC, vr, ra[u]);
             }
         }
 #pragma unroll
-        for (int u = 0; u < PN_BIG_U; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int c = c0 + u * tpr;
             if (c < L.body) {
                 const int j = L.head + c * VEC;
@@ -497,16 +609,20 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
                     pn_st<VEC>(hr + j, vh, v);
                 }
                 if (c < stash) pn_st<VEC>(st + (long long)c * VEC, true, v);
+                if constexpr (sizeof(CT) == 4) {
+                    if (j < k) ss += pn_ss_run<VEC>(v, j, k);
+                } else {
 #pragma unroll
-                for (int e = 0; e < VEC; ++e)
-                    if (j + e < k) ss += (double)v[e] * (double)v[e];
+                    for (int e = 0; e < VEC; ++e)
+                        if (j + e < k) ss += (double)v[e] * (double)v[e];
+                }
             }
         }
     }
     ss = pn_row_reduce<false>(ss, tpr, red);
     // the normalized row, chunk c (from shared memory when stashed)
     const HT* src = has_res ? (const HT*)hr : (const HT*)xr;
-    const bool vsrc = has_res ? vh : L.vec;
+    const bool vsrc = has_res ? vh : VA;
     double r_d;
     if (sizeof(CT) == 4 || pn_ss_safe(ss)) {
         r_d = sizeof(CT) == 4 ? pn_rstd_from_ss(ss, k, eps, eps_inside)
@@ -555,10 +671,10 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
     }
     // descending: the chunks that were not stashed (read last in pass 1) are
     // re-read first, while they are most likely still in L2
-    for (int c0 = pn_last_chunk(tr, tpr, L.body); c0 >= 0; c0 -= PN_BIG_U * tpr) {
-        HT ha[PN_BIG_U][VEC];
+    for (int c0 = pn_last_chunk(tr, tpr, L.body); c0 >= 0; c0 -= U * tpr) {
+        HT ha[U][VEC];
 #pragma unroll
-        for (int u = 0; u < PN_BIG_U; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int c = c0 - u * tpr;
             if (c >= 0) {
                 if (c < stash) pn_ld_raw<VEC>(st + (long long)c * VEC, true, ha[u]);
@@ -566,7 +682,7 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
             }
         }
 #pragma unroll
-        for (int u = 0; u < PN_BIG_U; ++u) {
+        for (int u = 0; u < U; ++u) {
             const int c = c0 - u * tpr;
             if (c >= 0) {
                 const int j = L.head + c * VEC;
@@ -583,6 +699,36 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
             }
         }
     }
+}
+
+// At most 64 registers (1024-thread blocks).
+template <typename XT, typename RT, typename WT, typename OT>
+__global__ void __launch_bounds__(1024) pn_fwd_big(
+    const XT* __restrict__ x, long long sx,
+    const RT* __restrict__ res, long long sr,
+    typename pn_promote<XT, RT>::type* h, long long sh,
+    const WT* __restrict__ w,
+    const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
+    OT* y, long long sy,
+    typename pn_compute<typename pn_promote<XT, RT>::type>::type* rstd,
+    long long n, int d, int k, int stash,
+    double eps, int eps_inside, double offset, int llama)
+{
+    constexpr int VEC = 16 / sizeof(XT);
+    __shared__ double red[32];
+    extern __shared__ pn_smem_unit pn_dyn_smem[];
+    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
+    const bool va = L.vec && (res == nullptr || (pn_vec_ok<VEC>(res, sr, n, L.head, true) &&
+                                                 pn_vec_ok<VEC>(h, sh, n, L.head, true)))
+                    && pn_vec_ok<VEC>(y, sy, n, L.head, true)
+                    && (w == nullptr || pn_vec_ok<VEC>(w, 0, 1, L.head, true))
+                    && (b == nullptr || pn_vec_ok<VEC>(b, 0, 1, L.head, true));
+    if (va)
+        pn_fwd_big_rows<XT, RT, WT, OT, true>(x, sx, res, sr, h, sh, w, b, y, sy, rstd, n, d, k, stash,
+                                              eps, eps_inside, offset, llama, L, red, pn_dyn_smem);
+    else
+        pn_fwd_big_rows<XT, RT, WT, OT, false>(x, sx, res, sr, h, sh, w, b, y, sy, rstd, n, d, k, stash,
+                                               eps, eps_inside, offset, llama, L, red, pn_dyn_smem);
 }
 
 
@@ -617,11 +763,16 @@ __device__ __forceinline__ void pn_geff(const WT* w, int j, bool vw, CT off, con
 }
 
 // pn_bwd: rows in registers (same layout rules as pn_fwd); a persistent grid
-// walks groups of blockDim.x/tpr rows.  With more than one row per block the
-// per-thread partial sums are combined in dynamic shared memory (sub-row 0, 1,
-// ... in order): 2 * d * sizeof(CT) bytes when there is any partial, else 0.
-template <typename XT, typename DYT, typename WT, int ITEMS>
-__global__ void __launch_bounds__(512) pn_bwd(
+// walks groups of blockDim.x/tpr rows.  Each sub-row accumulates its dweight /
+// dbias partial sums in dynamic shared memory (2 * rows * ldp * sizeof(CT)
+// bytes when there is any partial, else 0); at the end the sub-rows are added
+// in order (0, 1, ...) into the block's row of dwp / dbp.
+//
+// The body of pn_bwd, instantiated for VA (every array present moves chunks
+// as 16-byte vectors) and its element-by-element twin: no load needs a
+// vector/scalar merge, so a thread's x and dy loads are all in flight at once.
+template <typename XT, typename DYT, typename WT, int ITEMS, bool VA>
+__device__ __forceinline__ void pn_bwd_rows(
     const DYT* __restrict__ dy, long long sdy,
     const XT* __restrict__ x, long long sx,
     const WT* __restrict__ w,
@@ -631,36 +782,54 @@ __global__ void __launch_bounds__(512) pn_bwd(
     typename pn_compute<XT>::type* dwp,
     typename pn_compute<XT>::type* dbp, long long ldp,
     long long n, int d, int k, int tpr,
-    double eps, int eps_inside, double offset)
+    double eps, int eps_inside, double offset, const pn_rowlay L, double* red, pn_smem_unit* pn_dyn_smem)
 {
     typedef typename pn_compute<XT>::type CT;
     constexpr int VEC = 16 / sizeof(XT);
-    __shared__ double red[32];
-    extern __shared__ pn_smem_unit pn_dyn_smem[];
 
     const int tr = threadIdx.x % tpr;
     const int rpb = blockDim.x / tpr;
     const int sub = threadIdx.x / tpr;
-    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
     const bool has_w = w != nullptr, has_g = gres != nullptr;
     const bool want_w = dwp != nullptr, want_b = dbp != nullptr;
     const bool need_ss = rstd_in == nullptr || !eps_inside;
-    const bool vdy = pn_vec_ok<VEC>(dy, sdy, n, L.head, L.vec);
-    const bool vg = pn_vec_ok<VEC>(gres, sg, n, L.head, L.vec);
-    const bool vdx = pn_vec_ok<VEC>(dx, sdx, n, L.head, L.vec);
-    const bool vw = pn_vec_ok<VEC>(w, 0, 1, L.head, L.vec);
+    constexpr bool vdy = VA, vg = VA, vdx = VA, vw = VA;
     const CT off = (CT)offset;
 
+    // At most one head or tail element per thread (thread tr < head: head
+    // element tr; head <= tr < head + tail: tail element tr - head; the launch
+    // keeps tpr >= 2 * VEC so every one has a thread): a second scalar slot
+    // per thread costs ~60 registers.  Index 0 of the [2] arrays is used.
     int je[2];
-    je[0] = tr < L.head ? tr : -1;
-    je[1] = tr < L.tail ? L.head + L.body * VEC + tr : -1;
+    je[0] = tr < L.head ? tr : (tr < L.head + L.tail ? L.body * VEC + tr : -1);
+    je[1] = -1;
 
-    CT aw[ITEMS][VEC], ab[ITEMS][VEC], awe[2], abe[2];
+    // dweight / dbias accumulators in shared memory, not registers: slot row
+    // 2*sub (dweight) and 2*sub+1 (dbias), row stride ldp; body element (c, e)
+    // at c*VEC+e, head element tr at body*VEC+tr, tail element tr at
+    // body*VEC+head+tr.  Each thread only touches its own slots until the end.
+    const bool want = want_w || want_b;  // block-uniform; no shared memory otherwise
+    CT* acc = reinterpret_cast<CT*>(pn_dyn_smem);
+    CT* accw = acc + (long long)(2 * sub) * ldp;
+    CT* accb = accw + ldp;
+    int qe[2];
+    qe[0] = L.body * VEC + tr;
+    qe[1] = qe[0];
+    if (want) {
+        CT z[VEC];
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i)
+        for (int e = 0; e < VEC; ++e) z[e] = (CT)0;
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) { aw[i][e] = (CT)0; ab[i][e] = (CT)0; }
-    awe[0] = awe[1] = abe[0] = abe[1] = (CT)0;
+        for (int i = 0; i < ITEMS; ++i) {
+            const int c = tr + i * tpr;
+            if (c < L.body) {
+                pn_st<VEC>(accw + c * VEC, true, z);
+                pn_st<VEC>(accb + c * VEC, true, z);
+            }
+        }
+        for (int s = 0; s < 1; ++s)
+            if (je[s] >= 0) { accw[qe[s]] = (CT)0; accb[qe[s]] = (CT)0; }
+    }
 
     for (long long g0 = (long long)blockIdx.x * rpb; g0 < n; g0 += (long long)gridDim.x * rpb) {
         const long long row = g0 + sub;
@@ -679,11 +848,11 @@ __global__ void __launch_bounds__(512) pn_bwd(
             for (int e = 0; e < VEC; ++e) { xv[i][e] = (CT)0; dyv[i][e] = (CT)0; }
             if (active && c < L.body) {
                 const int j = L.head + c * VEC;
-                pn_ld<VEC>(xr + j, L.vec, xv[i]);
+                pn_ld<VEC>(xr + j, VA, xv[i]);
                 pn_ld<VEC>(dyr + j, vdy, dyv[i]);
             }
         }
-        for (int s = 0; s < 2; ++s) {
+        for (int s = 0; s < 1; ++s) {
             xe[s] = dye[s] = ge[s] = (CT)0;
             if (active && je[s] >= 0) {
                 xe[s] = pn_conv<CT>::in(xr[je[s]]);
@@ -705,20 +874,43 @@ __global__ void __launch_bounds__(512) pn_bwd(
                     for (int e = 0; e < VEC; ++e)
                         if (j0 + e < k) m = pn_max_nan(m, fabs((double)xv[i][e]));
                 }
-                for (int s = 0; s < 2; ++s)
+                for (int s = 0; s < 1; ++s)
                     if (je[s] >= 0 && je[s] < k) m = pn_max_nan(m, fabs((double)xe[s]));
                 m = pn_row_reduce<true>(m, tpr, red);
             }
             const double inv = m > 0.0 ? 1.0 / m : 1.0;
             double ss = 0.0;
+            // float compute: this thread's squares (at most ITEMS*VEC <= 16) summed
+            // in float when none can overflow or underflow (|x| in [1e-18, 1e18]),
+            // else exactly in double; the sum over threads is in double
+            bool exact = sizeof(CT) == 8;
+            if (sizeof(CT) == 4) {
+                float sf = 0.0f, mf = 0.0f;
 #pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
-                const int j0 = L.head + (tr + i * tpr) * VEC;
+                for (int i = 0; i < ITEMS; ++i) {
+                    const int j0 = L.head + (tr + i * tpr) * VEC;
 #pragma unroll
-                for (int e = 0; e < VEC; ++e)
-                    if (j0 + e < k) { const double q = (double)xv[i][e] * inv; ss += q * q; }
+                    for (int e = 0; e < VEC; ++e)
+                        if (j0 + e < k) {
+                            const float v = (float)xv[i][e];
+                            const float av = v < 0.0f ? -v : v;
+                            sf += v * v;
+                            mf = av > mf ? av : mf;
+                        }
+                }
+                if (mf <= 1.0e18f && (mf >= 1.0e-18f || mf == 0.0f)) ss = (double)sf;
+                else exact = true;
             }
-            for (int s = 0; s < 2; ++s)
+            if (exact) {
+#pragma unroll
+                for (int i = 0; i < ITEMS; ++i) {
+                    const int j0 = L.head + (tr + i * tpr) * VEC;
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        if (j0 + e < k) { const double q = (double)xv[i][e] * inv; ss += q * q; }
+                }
+            }
+            for (int s = 0; s < 1; ++s)
                 if (je[s] >= 0 && je[s] < k) { const double q = (double)xe[s] * inv; ss += q * q; }
             ss = pn_row_reduce<false>(ss, tpr, red);
             if (sizeof(CT) == 8) {
@@ -731,8 +923,9 @@ __global__ void __launch_bounds__(512) pn_bwd(
         }
         const CT r = rstd_in != nullptr ? (active ? rstd_in[rr] : (CT)0) : (CT)r_d;
 
-        // ---- c = sum g*dy*xhat over all columns
-        double cs = 0.0;
+        // ---- c = sum g*dy*xhat over all columns: this thread's chunks in CT
+        // (exactly in double where a float product or sum overflows), then double
+        CT cf = (CT)0;
 #pragma unroll
         for (int i = 0; i < ITEMS; ++i) {
             const int c = tr + i * tpr;
@@ -740,10 +933,24 @@ __global__ void __launch_bounds__(512) pn_bwd(
                 CT g[VEC];
                 pn_geff<VEC>(w, L.head + c * VEC, vw, off, dyv[i], g);
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) cs += (double)g[e] * (double)(xv[i][e] * r);
+                for (int e = 0; e < VEC; ++e) cf += g[e] * (xv[i][e] * r);
             }
         }
-        for (int s = 0; s < 2; ++s) cs += (double)ge[s] * (double)(xe[s] * r);
+        double cs = (double)cf;
+        if (sizeof(CT) == 4 && cf - cf != (CT)0) {
+            cs = 0.0;
+#pragma unroll
+            for (int i = 0; i < ITEMS; ++i) {
+                const int c = tr + i * tpr;
+                if (active && c < L.body) {
+                    CT g[VEC];
+                    pn_geff<VEC>(w, L.head + c * VEC, vw, off, dyv[i], g);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) cs += (double)g[e] * (double)(xv[i][e] * r);
+                }
+            }
+        }
+        for (int s = 0; s < 1; ++s) cs += (double)ge[s] * (double)(xe[s] * r);
         cs = pn_row_reduce<false>(cs, tpr, red);
         const CT coef = (CT)pn_bwd_coef(cs, rms, k, eps, eps_inside);
 
@@ -765,13 +972,23 @@ __global__ void __launch_bounds__(512) pn_bwd(
                     if (j + e < k) q = q - xh * coef;
                     o[e] = r * q;
                     if (has_g) o[e] = o[e] + t[e];
-                    aw[i][e] += dyv[i][e] * xh;
-                    ab[i][e] += dyv[i][e];
                 }
                 pn_st<VEC>(dxr + j, vdx, o);
+                if (want) {
+                    CT aw[VEC], ab[VEC];
+                    pn_ld<VEC>(accw + c * VEC, true, aw);
+                    pn_ld<VEC>(accb + c * VEC, true, ab);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        aw[e] += dyv[i][e] * (xv[i][e] * r);
+                        ab[e] += dyv[i][e];
+                    }
+                    pn_st<VEC>(accw + c * VEC, true, aw);
+                    pn_st<VEC>(accb + c * VEC, true, ab);
+                }
             }
         }
-        for (int s = 0; s < 2; ++s) {
+        for (int s = 0; s < 1; ++s) {
             if (active && je[s] >= 0) {
                 const int j = je[s];
                 const CT xh = xe[s] * r;
@@ -780,62 +997,57 @@ __global__ void __launch_bounds__(512) pn_bwd(
                 CT o = r * q;
                 if (has_g) o = o + pn_conv<CT>::in(gr[j]);
                 dxr[j] = pn_out<XT>::from(o);
-                awe[s] += dye[s] * xh;
-                abe[s] += dye[s];
+                if (want) {
+                    accw[qe[s]] += dye[s] * xh;
+                    accb[qe[s]] += dye[s];
+                }
             }
         }
     }
 
-    // ---- partial sums: one row per block
-    if (!want_w && !want_b) return;  // block-uniform
-    if (rpb == 1) {
-        for (int a = 0; a < 2; ++a) {
-            CT* p = a == 0 ? dwp : dbp;
-            if (p == nullptr) continue;
-            p += (long long)blockIdx.x * ldp;
-            const bool vp = pn_vec_ok<VEC>(p, 0, 1, L.head, L.vec);
-#pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
-                const int c = tr + i * tpr;
-                if (c < L.body) {
-                    if (a == 0) pn_st<VEC>(p + L.head + c * VEC, vp, aw[i]);
-                    else pn_st<VEC>(p + L.head + c * VEC, vp, ab[i]);
-                }
-            }
-            for (int s = 0; s < 2; ++s)
-                if (je[s] >= 0) p[je[s]] = a == 0 ? awe[s] : abe[s];
-        }
-        return;
-    }
-    CT* acc = reinterpret_cast<CT*>(pn_dyn_smem);  // [2][d]: dweight, dbias
-    for (int s2 = 0; s2 < rpb; ++s2) {
-        __syncthreads();
-        if (sub == s2) {
-#pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
-                const int c = tr + i * tpr;
-                if (c < L.body) {
-                    const int j = L.head + c * VEC;
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) {
-                        acc[j + e] = (s2 == 0 ? (CT)0 : acc[j + e]) + aw[i][e];
-                        acc[d + j + e] = (s2 == 0 ? (CT)0 : acc[d + j + e]) + ab[i][e];
-                    }
-                }
-            }
-            for (int s = 0; s < 2; ++s) {
-                if (je[s] >= 0) {
-                    acc[je[s]] = (s2 == 0 ? (CT)0 : acc[je[s]]) + awe[s];
-                    acc[d + je[s]] = (s2 == 0 ? (CT)0 : acc[d + je[s]]) + abe[s];
-                }
-            }
-        }
-    }
+    // ---- partial sums: one row per block, sub-rows added in order
+    if (!want) return;
     __syncthreads();
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        if (want_w) dwp[(long long)blockIdx.x * ldp + j] = acc[j];
-        if (want_b) dbp[(long long)blockIdx.x * ldp + j] = acc[d + j];
+    for (int q = threadIdx.x; q < d; q += blockDim.x) {
+        const int bv = L.body * VEC;
+        const int col = q < bv ? L.head + q : (q < bv + L.head ? q - bv : q);
+        for (int a2 = 0; a2 < 2; ++a2) {
+            CT* p = a2 == 0 ? dwp : dbp;
+            if (p == nullptr) continue;
+            CT v = acc[(long long)a2 * ldp + q];
+            for (int s2 = 1; s2 < rpb; ++s2) v = v + acc[(long long)(2 * s2 + a2) * ldp + q];
+            p[(long long)blockIdx.x * ldp + col] = v;
+        }
     }
+}
+
+// At most 64 registers (two 512-thread blocks, 50% occupancy, per SM).
+template <typename XT, typename DYT, typename WT, int ITEMS>
+__global__ void __launch_bounds__(512, 2) pn_bwd(
+    const DYT* __restrict__ dy, long long sdy,
+    const XT* __restrict__ x, long long sx,
+    const WT* __restrict__ w,
+    const typename pn_compute<XT>::type* __restrict__ rstd_in,
+    const DYT* __restrict__ gres, long long sg,
+    XT* dx, long long sdx,
+    typename pn_compute<XT>::type* dwp,
+    typename pn_compute<XT>::type* dbp, long long ldp,
+    long long n, int d, int k, int tpr,
+    double eps, int eps_inside, double offset)
+{
+    constexpr int VEC = 16 / sizeof(XT);
+    __shared__ double red[32];
+    extern __shared__ pn_smem_unit pn_dyn_smem[];
+    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
+    const bool va = L.vec && pn_vec_ok<VEC>(dy, sdy, n, L.head, true) && pn_vec_ok<VEC>(dx, sdx, n, L.head, true)
+                    && (gres == nullptr || pn_vec_ok<VEC>(gres, sg, n, L.head, true))
+                    && (w == nullptr || pn_vec_ok<VEC>(w, 0, 1, L.head, true));
+    if (va)
+        pn_bwd_rows<XT, DYT, WT, ITEMS, true>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
+                                              n, d, k, tpr, eps, eps_inside, offset, L, red, pn_dyn_smem);
+    else
+        pn_bwd_rows<XT, DYT, WT, ITEMS, false>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
+                                               n, d, k, tpr, eps, eps_inside, offset, L, red, pn_dyn_smem);
 }
 
 // pn_bwd_big: one row at a time per block (tpr = blockDim.x), persistent grid;
@@ -843,8 +1055,10 @@ __global__ void __launch_bounds__(512) pn_bwd(
 // (stash * VEC * (sizeof(XT) + sizeof(DYT)) bytes).  Partial sums are
 // accumulated in place into row blockIdx.x of dwp / dbp, which the caller
 // zero-fills.
-template <typename XT, typename DYT, typename WT>
-__global__ void __launch_bounds__(1024) pn_bwd_big(
+// The body of pn_bwd_big for VA (every array present moves chunks as vectors)
+// and its element-by-element twin, as for pn_bwd.
+template <typename XT, typename DYT, typename WT, bool VA>
+__device__ __forceinline__ void pn_bwd_big_rows(
     const DYT* __restrict__ dy, long long sdy,
     const XT* __restrict__ x, long long sx,
     const WT* __restrict__ w,
@@ -854,39 +1068,34 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
     typename pn_compute<XT>::type* dwp,
     typename pn_compute<XT>::type* dbp, long long ldp,
     long long n, int d, int k, int stash,
-    double eps, int eps_inside, double offset)
+    double eps, int eps_inside, double offset, const pn_rowlay L, double* red, pn_smem_unit* pn_dyn_smem)
 {
     typedef typename pn_compute<XT>::type CT;
     constexpr int VEC = 16 / sizeof(XT);
-    __shared__ double red[32];
-    extern __shared__ pn_smem_unit pn_dyn_smem[];
     XT* sx_ = reinterpret_cast<XT*>(pn_dyn_smem);
     DYT* sdy_ = reinterpret_cast<DYT*>(pn_dyn_smem + ((long long)stash * VEC * sizeof(XT) + 15) / 16);
 
     const int tr = threadIdx.x;
     const int tpr = blockDim.x;
-    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
     const bool has_w = w != nullptr, has_g = gres != nullptr;
     const bool need_ss = rstd_in == nullptr || !eps_inside;
-    const bool vdy = pn_vec_ok<VEC>(dy, sdy, n, L.head, L.vec);
-    const bool vg = pn_vec_ok<VEC>(gres, sg, n, L.head, L.vec);
-    const bool vdx = pn_vec_ok<VEC>(dx, sdx, n, L.head, L.vec);
-    const bool vw = pn_vec_ok<VEC>(w, 0, 1, L.head, L.vec);
+    constexpr bool vdy = VA, vg = VA, vdx = VA, vw = VA;
     CT* pw = dwp != nullptr ? dwp + (long long)blockIdx.x * ldp : nullptr;
     CT* pb = dbp != nullptr ? dbp + (long long)blockIdx.x * ldp : nullptr;
-    const bool vpw = pn_vec_ok<VEC>(pw, 0, 1, L.head, L.vec);
-    const bool vpb = pn_vec_ok<VEC>(pb, 0, 1, L.head, L.vec);
+    const bool vpw = VA && pn_vec_ok<VEC>(pw, 0, 1, L.head, true);
+    const bool vpb = VA && pn_vec_ok<VEC>(pb, 0, 1, L.head, true);
     const CT off = (CT)offset;
 
+    // at most one head or tail element per thread, as in pn_bwd (blockDim.x >= 32 >= 2 * VEC)
     int je[2];
-    je[0] = tr < L.head ? tr : -1;
-    je[1] = tr < L.tail ? L.head + L.body * VEC + tr : -1;
+    je[0] = tr < L.head ? tr : (tr < L.head + L.tail ? L.body * VEC + tr : -1);
+    je[1] = -1;
 
     for (long long row = blockIdx.x; row < n; row += gridDim.x) {
         const XT* xr = x + row * sx;
         const DYT* dyr = dy + row * sdy;
         CT xe[2], dye[2], ge[2];
-        for (int s = 0; s < 2; ++s) {
+        for (int s = 0; s < 1; ++s) {
             xe[s] = dye[s] = ge[s] = (CT)0;
             if (je[s] >= 0) {
                 xe[s] = pn_conv<CT>::in(xr[je[s]]);
@@ -898,7 +1107,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
 
         // ---- pass 1: stash; sum of squares and (float compute) sum g*dy*x
         double ss = 0.0, px = 0.0;
-        for (int s = 0; s < 2; ++s) {
+        for (int s = 0; s < 1; ++s) {
             if (je[s] >= 0 && je[s] < k) ss += (double)xe[s] * (double)xe[s];
             px += (double)ge[s] * (double)xe[s];
         }
@@ -906,7 +1115,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
             const int j = L.head + c * VEC;
             XT xraw[VEC];
             DYT draw[VEC];
-            pn_ld_raw<VEC>(xr + j, L.vec, xraw);
+            pn_ld_raw<VEC>(xr + j, VA, xraw);
             pn_ld_raw<VEC>(dyr + j, vdy, draw);
             if (c < stash) {
                 pn_pack<XT, VEC> qx;
@@ -915,17 +1124,18 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
                 *reinterpret_cast<pn_pack<XT, VEC>*>(sx_ + (long long)c * VEC) = qx;
                 *reinterpret_cast<pn_pack<DYT, VEC>*>(sdy_ + (long long)c * VEC) = qd;
             }
-            if (sizeof(CT) == 4) {
-                CT wv[VEC];
+            if constexpr (sizeof(CT) == 4) {
+                // float runs (one per chunk) added in double: pn_ss_run, pn_dot_run
+                CT wv[VEC], xc[VEC], g[VEC];
                 if (has_w) pn_ld<VEC>(w + j, vw, wv);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) {
-                    const double xd = (double)pn_conv<CT>::in(xraw[e]);
+                    xc[e] = pn_conv<CT>::in(xraw[e]);
                     const CT dyc = pn_conv<CT>::in(draw[e]);
-                    const CT g = has_w ? (wv[e] + off) * dyc : dyc;
-                    if (j + e < k) ss += xd * xd;
-                    px += (double)g * xd;
+                    g[e] = has_w ? (wv[e] + off) * dyc : dyc;
                 }
+                if (j < k) ss += pn_ss_run<VEC>(xc, j, k);
+                px += pn_dot_run<VEC>(g, xc);
             }
         }
 
@@ -944,26 +1154,26 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
             // float64: max, scaled sum of squares, then c from xhat: extra passes
             double m = 0.0;
             if (need_ss) {
-                for (int s = 0; s < 2; ++s)
+                for (int s = 0; s < 1; ++s)
                     if (je[s] >= 0 && je[s] < k) m = pn_max_nan(m, fabs((double)xe[s]));
                 for (int c = tr; c < L.body; c += tpr) {
                     const int j = L.head + c * VEC;
                     CT v[VEC];
                     if (c < stash) pn_ld<VEC>(sx_ + (long long)c * VEC, true, v);
-                    else pn_ld<VEC>(xr + j, L.vec, v);
+                    else pn_ld<VEC>(xr + j, VA, v);
                     for (int e = 0; e < VEC; ++e)
                         if (j + e < k) m = pn_max_nan(m, fabs((double)v[e]));
                 }
                 m = pn_row_reduce<true>(m, tpr, red);
                 const double inv = m > 0.0 ? 1.0 / m : 1.0;
                 double s2 = 0.0;
-                for (int s = 0; s < 2; ++s)
+                for (int s = 0; s < 1; ++s)
                     if (je[s] >= 0 && je[s] < k) { const double q = (double)xe[s] * inv; s2 += q * q; }
                 for (int c = tr; c < L.body; c += tpr) {
                     const int j = L.head + c * VEC;
                     CT v[VEC];
                     if (c < stash) pn_ld<VEC>(sx_ + (long long)c * VEC, true, v);
-                    else pn_ld<VEC>(xr + j, L.vec, v);
+                    else pn_ld<VEC>(xr + j, VA, v);
                     for (int e = 0; e < VEC; ++e)
                         if (j + e < k) { const double q = (double)v[e] * inv; s2 += q * q; }
                 }
@@ -972,7 +1182,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
                 r_d = pn_rstd_from_rms(rms, eps, eps_inside);
             }
             const CT r0 = rstd_in != nullptr ? rstd_in[row] : (CT)r_d;
-            for (int s = 0; s < 2; ++s) cs += (double)ge[s] * (double)(xe[s] * r0);
+            for (int s = 0; s < 1; ++s) cs += (double)ge[s] * (double)(xe[s] * r0);
             for (int c = tr; c < L.body; c += tpr) {
                 const int j = L.head + c * VEC;
                 CT v[VEC], dv[VEC], wv[VEC];
@@ -980,7 +1190,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
                     pn_ld<VEC>(sx_ + (long long)c * VEC, true, v);
                     pn_ld<VEC>(sdy_ + (long long)c * VEC, true, dv);
                 } else {
-                    pn_ld<VEC>(xr + j, L.vec, v);
+                    pn_ld<VEC>(xr + j, VA, v);
                     pn_ld<VEC>(dyr + j, vdy, dv);
                 }
                 if (has_w) pn_ld<VEC>(w + j, vw, wv);
@@ -997,7 +1207,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
         // ---- pass 2: dx and the partial sums
         XT* dxr = dx + row * sdx;
         const DYT* gr = has_g ? gres + row * sg : nullptr;
-        for (int s = 0; s < 2; ++s) {
+        for (int s = 0; s < 1; ++s) {
             if (je[s] >= 0) {
                 const int j = je[s];
                 const CT xh = xe[s] * r;
@@ -1018,7 +1228,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
                 pn_ld<VEC>(sx_ + (long long)c * VEC, true, v);
                 pn_ld<VEC>(sdy_ + (long long)c * VEC, true, dv);
             } else {
-                pn_ld<VEC>(xr + j, L.vec, v);
+                pn_ld<VEC>(xr + j, VA, v);
                 pn_ld<VEC>(dyr + j, vdy, dv);
             }
             if (has_w) pn_ld<VEC>(w + j, vw, wv);
@@ -1046,6 +1256,34 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
             }
         }
     }
+}
+
+template <typename XT, typename DYT, typename WT>
+__global__ void __launch_bounds__(1024) pn_bwd_big(
+    const DYT* __restrict__ dy, long long sdy,
+    const XT* __restrict__ x, long long sx,
+    const WT* __restrict__ w,
+    const typename pn_compute<XT>::type* __restrict__ rstd_in,
+    const DYT* __restrict__ gres, long long sg,
+    XT* dx, long long sdx,
+    typename pn_compute<XT>::type* dwp,
+    typename pn_compute<XT>::type* dbp, long long ldp,
+    long long n, int d, int k, int stash,
+    double eps, int eps_inside, double offset)
+{
+    constexpr int VEC = 16 / sizeof(XT);
+    __shared__ double red[32];
+    extern __shared__ pn_smem_unit pn_dyn_smem[];
+    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
+    const bool va = L.vec && pn_vec_ok<VEC>(dy, sdy, n, L.head, true) && pn_vec_ok<VEC>(dx, sdx, n, L.head, true)
+                    && (gres == nullptr || pn_vec_ok<VEC>(gres, sg, n, L.head, true))
+                    && (w == nullptr || pn_vec_ok<VEC>(w, 0, 1, L.head, true));
+    if (va)
+        pn_bwd_big_rows<XT, DYT, WT, true>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
+                                           n, d, k, stash, eps, eps_inside, offset, L, red, pn_dyn_smem);
+    else
+        pn_bwd_big_rows<XT, DYT, WT, false>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
+                                            n, d, k, stash, eps, eps_inside, offset, L, red, pn_dyn_smem);
 }
 
 // pn_colsum: out[j] = sum over rows of part[row*ldp + j], in a fixed order.

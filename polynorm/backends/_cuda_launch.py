@@ -42,14 +42,19 @@ ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 #: elements per 16-byte chunk, by x dtype
 VEC = {t: 16 // ITEMSIZE[t] for t in FLOAT_DTYPES}
 
-FWD_ITEMS = (1, 2, 4)  # register chunks per thread, pn_fwd
-BWD_ITEMS = (1, 2)  # pn_bwd holds x, dy, g*dy and two accumulators: fewer
+FWD_ITEMS = (1, 2, 4)  # register chunks per thread, pn_fwd (the union over dtypes)
+#: pn_fwd's chunks per thread by x dtype: at most 16 float32 values of a row
+#: per thread (float64: 4), which keeps pn_fwd within 64 registers (two
+#: 512-thread blocks per SM, 50% occupancy) without spilling; longer rows go
+#: to pn_fwd_big
+FWD_ITEMS_BY_X = {"float16": (1, 2), "bfloat16": (1, 2), "float32": (1, 2, 4), "float64": (1, 2)}
+BWD_ITEMS = (1,)  # pn_bwd holds x and dy in registers (ITEMS=2 spills within 64 registers)
 REG_THREADS = 512  # __launch_bounds__ of pn_fwd / pn_bwd
 BIG_THREADS = 1024  # __launch_bounds__ of the *_big kernels
 ROW_BLOCK = 256  # target threads per block when several rows share one
 #: resident backward threads per SM: more hides latency, fewer means fewer
 #: dweight/dbias partial rows to write and reduce
-BWD_THREADS_PER_SM = 512
+BWD_THREADS_PER_SM = 1024
 DEFAULT_SMS = 132  # H100/H200 SXM; the backend passes the real count
 DEFAULT_SMEM = 227 * 1024  # opt-in shared memory per block, sm_90
 #: static shared memory of the *_big kernels (red[32] doubles) plus slack: the
@@ -109,7 +114,7 @@ def specialisations() -> list[str]:
     """
     names = []
     for t in FWD_TYPES:
-        names += [fwd_name(*t, items) for items in (*FWD_ITEMS, None)]
+        names += [fwd_name(*t, items) for items in (*FWD_ITEMS_BY_X[t[0]], None)]
     for t in BWD_TYPES:
         names += [bwd_name(*t, items) for items in (*BWD_ITEMS, None)]
     names += [colsum_name(*t) for t in COLSUM_TYPES]
@@ -211,12 +216,12 @@ def _pow2ceil(v: int) -> int:
     return 1 if v <= 1 else 1 << (v - 1).bit_length()
 
 
-def _reg_shape(d: int, vec: int, items_choices: tuple[int, ...]) -> tuple[int, int] | None:
+def _reg_shape(d: int, vec: int, items_choices: tuple[int, ...], min_tpr: int = 0) -> tuple[int, int] | None:
     """(items, tpr) for the register kernels, or None when the row is too long."""
     chunks = d // vec
     for items in items_choices:
-        tpr = max(vec, _pow2ceil(math.ceil(chunks / items)))
-        limit = ROW_BLOCK if items == items_choices[0] else REG_THREADS
+        tpr = max(vec, min_tpr, _pow2ceil(math.ceil(chunks / items)))
+        limit = ROW_BLOCK if items == items_choices[0] and len(items_choices) > 1 else REG_THREADS
         if tpr <= limit:
             return items, tpr
     return None
@@ -256,7 +261,7 @@ def forward_launch(
     weight = weight or promote(x, res)
     out = out or promote(x, res)
     vec = VEC[x]
-    shape = None if force_big else _reg_shape(d, vec, FWD_ITEMS)
+    shape = None if force_big else _reg_shape(d, vec, FWD_ITEMS_BY_X[x])
     if shape is not None:
         items, tpr = shape
         block = _row_block(n, tpr)
@@ -293,20 +298,22 @@ def backward_launch(
 
     >>> bl = backward_launch(4096, 4096, "bfloat16", num_sms=132)
     >>> bl.name, bl.grid, bl.partial_rows, bl.ldp
-    ('pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2>', 264, 264, 4096)
+    ('pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1>', 264, 264, 4096)
     """
     dy = dy or x
     weight = weight or x
     vec = VEC[x]
     ct = compute_dtype(x)
     ldp = math.ceil(d / vec) * vec
-    shape = None if force_big else _reg_shape(d, vec, BWD_ITEMS)
+    # pn_bwd gives each thread at most one head or tail element: tpr >= 2 * VEC
+    shape = None if force_big else _reg_shape(d, vec, BWD_ITEMS, min_tpr=2 * vec)
     if shape is not None:
         items, tpr = shape
         block = _row_block(n, tpr)
         rows = block // tpr
         grid = max(1, min(math.ceil(n / rows), num_sms * max(1, BWD_THREADS_PER_SM // block)))
-        shared = 2 * d * ITEMSIZE[ct] if partials and rows > 1 else 0
+        # dweight/dbias accumulators: (2 * rows, ldp) of the compute dtype
+        shared = 2 * rows * ldp * ITEMSIZE[ct] if partials else 0
         return Launch(bwd_name(x, dy, weight, items), grid=grid, block=block, shared=shared,
                       tpr=tpr, big=False, partial_rows=grid if partials else 0, ldp=ldp)
     chunks = d // vec

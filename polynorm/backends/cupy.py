@@ -20,6 +20,7 @@ runs the array-API reference on the same device instead.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,11 @@ def _kernel(launch: cl.Launch):
     return kern
 
 
+#: (arch, name expression) -> how its kernel was built: "nvrtc-cubin", or
+#: "cupy-fallback ...: <why the cubin was not used>" (recorded by the GPU bench)
+compile_paths: dict[tuple[str, str], str] = {}
+
+
 def _load(name: str, arch: str):
     """The kernel for one name expression: our NVRTC cubin (IEEE float32), else
     CuPy's own compile (which flushes float32 subnormals to zero)."""
@@ -81,12 +87,20 @@ def _load(name: str, arch: str):
 
     from . import _nvrtc
 
-    if _nvrtc.available()[0]:
+    ok, why = _nvrtc.available()
+    if ok:
         try:
             path, lowered = _nvrtc.cached_cubin(name, arch)
-            return cupy.RawModule(path=str(path)).get_function(lowered)
-        except Exception:  # a device newer than this NVRTC, a driver older than its cubins:
-            pass  # let CuPy compile instead
+            fn = cupy.RawModule(path=str(path)).get_function(lowered)
+            compile_paths[(arch, name)] = "nvrtc-cubin"
+            return fn
+        except Exception as exc:  # a device newer than this NVRTC, a driver older than its cubins:
+            why = f"{type(exc).__name__}: {exc}"  # let CuPy compile instead, and say so
+    compile_paths[(arch, name)] = f"cupy-fallback (-ftz=true): {why}"
+    if ok:  # NVRTC is installed but its cubin failed here: not silently
+        warnings.warn(f"polynorm: {name} for {arch} compiled by CuPy, whose -ftz=true flushes float32 "
+                      f"subnormals to zero, because the NVRTC cubin could not be used: {why}",
+                      RuntimeWarning, stacklevel=3)
     options = (*cl.NVRTC_OPTIONS, *(f"-I{d}" for d in cl.include_dirs()))
     try:
         return cupy.RawModule(code=cl.source(), options=options, name_expressions=[name]).get_function(name)
