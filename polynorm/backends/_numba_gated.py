@@ -26,18 +26,34 @@ def _forward(x, z, w, b, y, rstd, has_w, has_b, eps, eps_inside, offset, one, gs
         for g in range(groups):
             lo = g * gs
             ss = 0.0
-            for j in range(lo, lo + k):
-                zj = z[i, j]
-                v = x[i, j] if nbg else x[i, j] * (zj / (one + math.exp(-zj)))
-                ss += np.float64(v) * np.float64(v)
+            if nbg:
+                for j in range(lo, lo + k):
+                    v = x[i, j]
+                    ss += np.float64(v) * np.float64(v)
+            else:
+                # the gated value is parked in y: the output pass reads it
+                # back instead of computing the exp a second time
+                for j in range(lo, lo + k):
+                    zj = z[i, j]
+                    v = x[i, j] * (zj / (one + math.exp(-zj)))
+                    y[i, j] = v
+                    ss += np.float64(v) * np.float64(v)
             ms = ss / k
             r = 1.0 / math.sqrt(ms + eps) if eps_inside else 1.0 / (math.sqrt(ms) + eps)
             rstd[i, g] = r
             rc = rstd[i, g]  # rounded to the compute dtype, as the reference's rstd
             for j in range(lo, lo + gs):
-                zj = z[i, j]
-                s = zj / (one + math.exp(-zj))
-                v = x[i, j] if nbg else x[i, j] * s
+                if nbg:
+                    zj = z[i, j]
+                    s = zj / (one + math.exp(-zj))
+                    v = x[i, j]
+                elif j - lo < k:
+                    s = one
+                    v = y[i, j]
+                else:
+                    zj = z[i, j]
+                    s = one
+                    v = x[i, j] * (zj / (one + math.exp(-zj)))
                 t = v * rc
                 if has_w:
                     t = t * (w[j] + offset)
