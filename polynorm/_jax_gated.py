@@ -61,6 +61,19 @@ def rms_norm_gated(x, z, weight=None, bias=None, *, group_size: int | None = Non
                    backend: str = "auto"):
     """Differentiable :func:`polynorm.rms_norm_gated` for jax (reverse mode).
 
+    Parameters
+    ----------
+    x, z, weight, bias : jax.Array
+        As in :func:`polynorm.rms_norm_gated`.
+    group_size, norm_before_gate, eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
+        As in :func:`polynorm.rms_norm_gated` (static: they select the computation).
+
+    Returns
+    -------
+    jax.Array
+        ``y``, with a ``jax.custom_vjp`` whose backward is
+        :func:`polynorm.rms_norm_gated_backward`.
+
     Examples
     --------
     >>> import jax, jax.numpy as jnp

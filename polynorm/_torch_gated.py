@@ -119,6 +119,19 @@ def rms_norm_gated(
 ) -> torch.Tensor:
     """Differentiable :func:`polynorm.rms_norm_gated` (gradients for x, z, weight, bias).
 
+    Parameters
+    ----------
+    x, z, weight, bias : torch.Tensor
+        As in :func:`polynorm.rms_norm_gated`; any of them may require grad.
+    group_size, norm_before_gate, eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
+        As in :func:`polynorm.rms_norm_gated`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``y``; its backward is :func:`polynorm.rms_norm_gated_backward` (a custom op,
+        so ``torch.compile(fullgraph=True)`` keeps it).
+
     Examples
     --------
     >>> import torch
