@@ -95,6 +95,25 @@ def _quiet():
     return np.errstate(divide="ignore", invalid="ignore")
 
 
+def _affine(xp, xhat, x, weight, bias, plan: Plan, cdt):
+    """``xhat * (weight + offset) + bias`` in the compute dtype ``cdt``, in the
+    plan's casting order (llama: ``xhat`` rounded to ``x``'s dtype, the product
+    in ``promote(x, weight)``)."""
+    if plan.llama:
+        xhat = xp.astype(xhat, x.dtype)
+        if weight is not None:
+            pdt = namespace_dtype(xp, promote(plan.x_dtype, _name(weight)), x)
+            g = xp.astype(weight + plan.offset, weight.dtype)
+            y = xp.astype(xp.astype(xhat, pdt) * xp.astype(g, pdt), cdt)
+        else:
+            y = xp.astype(xhat, cdt)
+    else:
+        y = xhat if weight is None else xhat * (xp.astype(weight, cdt) + plan.offset)
+    if bias is not None:
+        y = y + xp.astype(bias, cdt)
+    return y
+
+
 def forward(x, residual, weight, bias, plan: Plan, out=None):
     """Forward on 2-D rows.
 
@@ -130,18 +149,7 @@ def _forward(x, residual, weight, bias, plan: Plan):
     v = xp.astype(x, cdt)
     r = _rstd_from_rms(xp, _rms(xp, v, plan), plan)
     xhat = v * r[:, None]
-    if plan.llama:
-        xhat = xp.astype(xhat, x.dtype)
-        if weight is not None:
-            pdt = namespace_dtype(xp, promote(plan.x_dtype, _name(weight)), x)
-            g = xp.astype(weight + plan.offset, weight.dtype)
-            y = xp.astype(xp.astype(xhat, pdt) * xp.astype(g, pdt), cdt)
-        else:
-            y = xp.astype(xhat, cdt)
-    else:
-        y = xhat if weight is None else xhat * (xp.astype(weight, cdt) + plan.offset)
-    if bias is not None:
-        y = y + xp.astype(bias, cdt)
+    y = _affine(xp, xhat, x, weight, bias, plan, cdt)
     y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x))
     return y, h, r
 
@@ -252,18 +260,7 @@ def _gated_forward(x, z, weight, bias, gplan):
         v = v * s
     r, _ = _gated_rstd(xp, v, gplan)
     xhat = xp.reshape(_by_group(xp, v, gplan) * r[:, None], (n, d))
-    if plan.llama:
-        xhat = xp.astype(xhat, x.dtype)
-        if weight is not None:
-            pdt = namespace_dtype(xp, promote(plan.x_dtype, _name(weight)), x)
-            g = xp.astype(weight + plan.offset, weight.dtype)
-            y = xp.astype(xp.astype(xhat, pdt) * xp.astype(g, pdt), cdt)
-        else:
-            y = xp.astype(xhat, cdt)
-    else:
-        y = xhat if weight is None else xhat * (xp.astype(weight, cdt) + plan.offset)
-    if bias is not None:
-        y = y + xp.astype(bias, cdt)
+    y = _affine(xp, xhat, x, weight, bias, plan, cdt)
     if gplan.norm_before_gate:
         y = y * s
     y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x))
