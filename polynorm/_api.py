@@ -19,7 +19,7 @@ from . import _fast
 from . import backends as _backends
 from ._dtypes import float_dtype_name, namespace_dtype
 from ._memory import check_out_memory, host_view, partly_written
-from ._options import Options, Plan, make_plan, promote
+from ._options import Options, Plan, make_plan, new_options, promote
 
 __all__ = ["rms_norm", "add_rms_norm", "rms_norm_backward", "backends"]
 
@@ -454,7 +454,7 @@ def rms_norm(
     array([[ 0.84852815,  1.1313709 ],
            [ 1.        , -1.        ]], dtype=float32)
     """
-    opts = Options(eps, axis, partial, offset, eps_mode, casting, out_dtype, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
     return forward(x, None, weight, bias, opts, out=out, return_rstd=return_rstd)
 
 
@@ -516,7 +516,7 @@ def add_rms_norm(
     """
     if residual is None:
         raise TypeError("residual must be an array, got None")
-    opts = Options(eps, axis, partial, offset, eps_mode, casting, out_dtype, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
     return forward(x, residual, weight, bias, opts, out=out, return_rstd=return_rstd, fused=True)
 
 
@@ -594,7 +594,7 @@ def rms_norm_backward(
     if out is not None or return_rstd or out_dtype is not None:
         bad = "out" if out is not None else ("return_rstd" if return_rstd else "out_dtype")
         raise ValueError(f"{bad} is not used by rms_norm_backward; leave it at its default")
-    opts = Options(eps, axis, partial, offset, eps_mode, casting, None, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, None, backend))
     return backward(dy, x, weight, bias, rstd, grad_residual, opts)
 
 

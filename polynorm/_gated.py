@@ -17,14 +17,14 @@ from . import _api
 from ._api import Array, Casting, DTypeLike, EpsMode
 from ._dtypes import float_dtype_name, namespace_dtype
 from ._memory import check_out_memory, host_view, partly_written
-from ._options import GatedPlan, Options, make_gated_plan
+from ._options import GatedPlan, Options, make_gated_plan, new_options
 
 __all__ = ["rms_norm_gated", "rms_norm_gated_backward"]
 
 
 def _gated_backend(backend: Any, x: Any):
     mod = _api._choose_backend(backend, x)
-    if hasattr(mod, "gated_forward"):
+    if isinstance(mod, _api._backends.GatedKernels):
         return mod
     if backend == "auto":
         return _api._backends.get("array_api")
@@ -120,7 +120,7 @@ def rms_norm_gated(
     >>> y.dtype, np.round(y, 3)
     (dtype('float32'), array([[16.971, 22.627]], dtype=float32))
     """
-    opts = Options(eps, axis, partial, offset, eps_mode, casting, out_dtype, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
     return gated_forward(x, z, weight, bias, opts, group_size=group_size,
                          norm_before_gate=norm_before_gate, out=out, return_rstd=return_rstd)
 
@@ -232,7 +232,7 @@ def rms_norm_gated_backward(
         raise ValueError(f"{bad} is not used by rms_norm_gated_backward; leave it at its default")
     if dy is None:
         raise TypeError("dy must be an array, got None")
-    opts = Options(eps, axis, partial, offset, eps_mode, casting, None, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, None, backend))
     return gated_backward(dy, x, z, weight, bias, rstd, opts, group_size=group_size,
                           norm_before_gate=norm_before_gate)
 

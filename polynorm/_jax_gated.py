@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from . import _gated
-from ._options import Options
+from ._options import Options, new_options
 
 __all__ = ["rms_norm_gated"]
 
@@ -84,5 +84,5 @@ def rms_norm_gated(x, z, weight=None, bias=None, *, group_size: int | None = Non
     """
     from .jax import _static
 
-    opts = Options(eps, axis, partial, offset, eps_mode, casting, out_dtype, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
     return _gated_fn((group_size, bool(norm_before_gate), _static(opts)), x, z, weight, bias)

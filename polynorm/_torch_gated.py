@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import _gated
-from ._options import Options
+from ._options import Options, new_options
 from .torch import _NOPTS, _OPTS, _fake_checks, _from_op, _op_args
 
 __all__ = ["rms_norm_gated", "RMSNormGated"]
@@ -133,7 +133,7 @@ def rms_norm_gated(
     >>> x.grad.shape, z.grad.shape
     (torch.Size([2, 8]), torch.Size([2, 8]))
     """
-    opts = Options(eps, axis, partial, offset, eps_mode, casting, out_dtype, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
     y, _ = torch.ops.polynorm.rms_norm_gated(x, z, weight, bias, group_size,
                                              bool(norm_before_gate), *_op_args(opts))
     return y

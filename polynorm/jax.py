@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _api, _jax_ffi
-from ._options import Options
+from ._options import Options, new_options
 
 __all__ = ["rms_norm", "add_rms_norm"]
 
@@ -206,7 +206,7 @@ def rms_norm(
     >>> jax.grad(lambda x: rms_norm(x, eps=0.0).sum())(x)
     Array([[ 0.04525483, -0.03394116]], dtype=float32)
     """
-    opts = Options(eps, axis, partial, offset, eps_mode, casting, out_dtype, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
     if not _traced((x, weight, bias)):
         # concrete arrays: no transformation is differentiating this call, and the
         # custom_vjp machinery would cost ~200 us in eager mode
@@ -284,7 +284,7 @@ def add_rms_norm(
     """
     if residual is None:
         raise TypeError("residual must be an array, got None")
-    opts = Options(eps, axis, partial, offset, eps_mode, casting, out_dtype, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
     if not _traced((x, residual, weight, bias)):
         return _api.forward(x, residual, weight, bias, opts, fused=True)
     in_dtypes = (x.dtype, residual.dtype)  # each input's gradient comes back in its dtype

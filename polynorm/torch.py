@@ -38,7 +38,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _api
-from ._options import OPTION_TYPES, Options
+from ._options import OPTION_TYPES, Options, new_options
 
 __all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "patch", "unpatch", "patched", "PatchedRMSNorm"]
 
@@ -349,7 +349,7 @@ def rms_norm(
         _check_tensors(x=x, weight=weight, bias=bias)
     if eps is None:
         eps = _default_eps(eps, x.dtype)
-    opts = Options(eps, axis, partial, offset, eps_mode, casting, out_dtype, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
     if _eager(x):
         if not _records(x, weight, bias):  # inference: no autograd node to build (~5 us)
             return _api.forward(x, None, weight, bias, opts)
@@ -411,7 +411,7 @@ def add_rms_norm(
     _check_tensors(x=x, residual=residual, weight=weight, bias=bias)
     if eps is None:
         eps = _default_eps(eps, x.dtype, residual.dtype)
-    opts = Options(eps, axis, partial, offset, eps_mode, casting, out_dtype, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
     if _eager(x):
         if not _records(x, residual, weight, bias):
             return _api.forward(x, residual, weight, bias, opts, fused=True)
