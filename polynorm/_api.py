@@ -78,7 +78,9 @@ def _namespace(arrays: dict[str, Any]):
     dev = aac.device(first)
     for argname, a in present.items():
         other = aac.device(a)
-        if other != dev:
+        # None: a traced jax array, whose device is jax's to place (a concrete weight
+        # closed over by jit(grad(f)) meets a traced x here)
+        if other != dev and dev is not None and other is not None:
             raise ValueError(
                 f"{first_name} is on device {dev} but {argname} is on device {other}; "
                 "move them to one device"

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _api
+from . import _api, _lean
 from ._options import OPTION_TYPES, Options, new_options
 
 __all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "patch", "unpatch", "patched", "PatchedRMSNorm"]
@@ -49,35 +49,57 @@ def _param_grads(ctx, dw, db, first: int):
     return (dw if need[first] else None, db if need[first + 1] else None)
 
 
+def _keep(ctx, x, y, weight, bias, rstd, opts: Options, save: str, check: bool) -> None:
+    """Save for the backward ``x`` or, with ``save="output"``, ``y`` (polynorm._lean).
+
+    ``check``: read ``weight`` for zeros of ``weight + offset`` and keep ``x`` where
+    there are (eager calls); a compiled graph cannot branch on data, so there ``y`` is
+    kept and such columns give NaN gradients (documented at :func:`rms_norm`).
+    """
+    lean = save == "output" and (not check or _lean.recoverable(weight, opts.offset, rstd.dtype))
+    ctx.save_for_backward(y if lean else x, weight, bias, rstd)
+    ctx.lean = lean
+    ctx.x_dtype = x.dtype
+    ctx.opts = opts._replace(out_dtype=None)
+
+
+def _kept_input(ctx, kept, weight, bias, rstd):
+    """The forward's input: ``kept`` itself, or recovered from the kept output."""
+    if not ctx.lean:
+        return kept
+    axes = _api._normalize_axis(ctx.opts.axis, kept.ndim)
+    return _lean.recover_input(kept, weight, bias, rstd, axes, ctx.opts.offset)
+
+
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, opts):
+    def forward(ctx, x, weight, bias, opts, save):
         y, rstd = _api.forward(x, None, weight, bias, opts, return_rstd=True)
-        ctx.save_for_backward(x, weight, bias, rstd)
-        ctx.opts = opts._replace(out_dtype=None)
+        _keep(ctx, x, y, weight, bias, rstd, opts, save, True)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        x, weight, bias, rstd = ctx.saved_tensors
+        kept, weight, bias, rstd = ctx.saved_tensors
+        x = _kept_input(ctx, kept, weight, bias, rstd)
         dx, dw, db = _api.backward(dy.contiguous(), x, weight, bias, rstd, None, ctx.opts)
-        return (dx, *_param_grads(ctx, dw, db, 1), None)
+        return (dx.to(ctx.x_dtype), *_param_grads(ctx, dw, db, 1), None, None)
 
 
 class _AddRMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, opts):
+    def forward(ctx, x, residual, weight, bias, opts, save):
         y, h, rstd = _api.forward(x, residual, weight, bias, opts, return_rstd=True, fused=True)
-        ctx.save_for_backward(h, weight, bias, rstd)
-        ctx.opts = opts._replace(out_dtype=None)
+        _keep(ctx, h, y, weight, bias, rstd, opts, save, True)
         ctx.dtypes = (x.dtype, residual.dtype)
         return y, h
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dh):
-        h, weight, bias, rstd = ctx.saved_tensors
+        kept, weight, bias, rstd = ctx.saved_tensors
+        h = _kept_input(ctx, kept, weight, bias, rstd)
         # dh: the gradient reaching h through the residual stream, fused into dx
         dxh, dw, db = _api.backward(dy.contiguous(), h, weight, bias, rstd,
                                     None if dh is None else dh.contiguous(), ctx.opts)
@@ -85,7 +107,7 @@ class _AddRMSNormFn(torch.autograd.Function):
         need = ctx.needs_input_grad
         gx = dxh.to(x_dtype) if need[0] else None
         gr = dxh.to(r_dtype) if need[1] else None
-        return (gx, gr, *_param_grads(ctx, dw, db, 2), None)
+        return (gx, gr, *_param_grads(ctx, dw, db, 2), None, None)
 
 
 # torch.compile must not trace into the kernels (numba's dispatcher crashes dynamo).
@@ -93,13 +115,13 @@ class _AddRMSNormFn(torch.autograd.Function):
 # cheapest dispatch); under torch.compile/torch.export the same work is reached
 # through the custom ops below, which the compiler keeps in its graph.
 @torch.compiler.disable
-def _apply_rms_norm(x, weight, bias, opts):
-    return _RMSNormFn.apply(x, weight, bias, opts)
+def _apply_rms_norm(x, weight, bias, opts, save):
+    return _RMSNormFn.apply(x, weight, bias, opts, save)
 
 
 @torch.compiler.disable
-def _apply_add_rms_norm(x, residual, weight, bias, opts):
-    return _AddRMSNormFn.apply(x, residual, weight, bias, opts)
+def _apply_add_rms_norm(x, residual, weight, bias, opts, save):
+    return _AddRMSNormFn.apply(x, residual, weight, bias, opts, save)
 
 
 # ------------------------------------------------------------------ custom ops (torch.compile)
@@ -155,38 +177,38 @@ def _fake_checks(x, dtype: torch.dtype, args):
 
 @torch.library.custom_op(
     "polynorm::rms_norm", mutates_args=(),
-    schema=f"(Tensor x, Tensor? weight, Tensor? bias, {_OPTS}) -> (Tensor, Tensor)",
+    schema=f"(Tensor x, Tensor? weight, Tensor? bias, {_OPTS}, str save) -> (Tensor, Tensor)",
 )
-def _rms_norm_op(x, weight, bias, *opts):
-    y, rstd = _api.forward(x, None, weight, bias, _from_op(opts), return_rstd=True)
+def _rms_norm_op(x, weight, bias, *args):
+    y, rstd = _api.forward(x, None, weight, bias, _from_op(args[:_NOPTS]), return_rstd=True)
     return y.contiguous(), rstd.contiguous()
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, bias, *opts):
-    y_dtype, r_dtype, batch = _fake_checks(x, x.dtype, opts)
+def _(x, weight, bias, *args):
+    y_dtype, r_dtype, batch = _fake_checks(x, x.dtype, args[:_NOPTS])
     return x.new_empty(x.shape, dtype=y_dtype), x.new_empty(batch, dtype=r_dtype)
 
 
 @torch.library.custom_op(
     "polynorm::add_rms_norm", mutates_args=(),
-    schema=f"(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, {_OPTS}) "
+    schema=f"(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, {_OPTS}, str save) "
     "-> (Tensor, Tensor, Tensor)",
 )
-def _add_rms_norm_op(x, residual, weight, bias, *opts):
-    y, h, rstd = _api.forward(x, residual, weight, bias, _from_op(opts), return_rstd=True,
-                              fused=True)
+def _add_rms_norm_op(x, residual, weight, bias, *args):
+    y, h, rstd = _api.forward(x, residual, weight, bias, _from_op(args[:_NOPTS]),
+                              return_rstd=True, fused=True)
     return y.contiguous(), h.contiguous(), rstd.contiguous()
 
 
 @_add_rms_norm_op.register_fake
-def _(x, residual, weight, bias, *opts):
+def _(x, residual, weight, bias, *args):
     from ._options import promote
 
     hn = promote(_DTYPE_NAMES.get(x.dtype, str(x.dtype)),
                  _DTYPE_NAMES.get(residual.dtype, str(residual.dtype)))
     h_dtype = _TORCH_DTYPES[hn]
-    y_dtype, r_dtype, batch = _fake_checks(x, h_dtype, opts)
+    y_dtype, r_dtype, batch = _fake_checks(x, h_dtype, args[:_NOPTS])
     return (x.new_empty(x.shape, dtype=y_dtype), x.new_empty(x.shape, dtype=h_dtype),
             x.new_empty(batch, dtype=r_dtype))
 
@@ -214,7 +236,7 @@ def _op_backward(ctx, x, weight, bias, rstd, dy, dh, first: int):
     """The op's backward: dx (h's gradient for the fused add), dweight, dbias."""
     dx, dw, db = torch.ops.polynorm.rms_norm_backward(
         dy.contiguous(), x, weight, bias, rstd, None if dh is None else dh.contiguous(),
-        *ctx.opts,
+        *_op_args(ctx.opts),
     )
     need = ctx.needs_input_grad
     return (dx, dw if weight is not None and need[first] else None,
@@ -222,35 +244,38 @@ def _op_backward(ctx, x, weight, bias, rstd, dy, dh, first: int):
 
 
 def _setup_rms_norm(ctx, inputs, output):
-    x, weight, bias, *opts = inputs
-    ctx.save_for_backward(x, weight, bias, output[1])
-    ctx.opts = Options(*opts)._replace(out_dtype=None)
+    x, weight, bias, *args = inputs
+    _keep(ctx, x, output[0], weight, bias, output[1], _from_op(args[:_NOPTS]), args[_NOPTS],
+          False)
     ctx.mark_non_differentiable(output[1])
 
 
 def _rms_norm_op_bwd(ctx, dy, _drstd):
-    x, weight, bias, rstd = ctx.saved_tensors
-    return (*_op_backward(ctx, x, weight, bias, rstd, dy, None, 1), *(None,) * _NOPTS)
+    kept, weight, bias, rstd = ctx.saved_tensors
+    x = _kept_input(ctx, kept, weight, bias, rstd)
+    dx, dw, db = _op_backward(ctx, x, weight, bias, rstd, dy, None, 1)
+    return (dx.to(ctx.x_dtype), dw, db, *(None,) * (_NOPTS + 1))
 
 
 _rms_norm_op.register_autograd(_rms_norm_op_bwd, setup_context=_setup_rms_norm)
 
 
 def _setup_add_rms_norm(ctx, inputs, output):
-    x, residual, weight, bias, *opts = inputs
-    ctx.save_for_backward(output[1], weight, bias, output[2])
-    ctx.opts = Options(*opts)._replace(out_dtype=None)
+    x, residual, weight, bias, *args = inputs
+    _keep(ctx, output[1], output[0], weight, bias, output[2], _from_op(args[:_NOPTS]),
+          args[_NOPTS], False)
     ctx.dtypes = (x.dtype, residual.dtype)
     ctx.mark_non_differentiable(output[2])
 
 
 def _add_rms_norm_op_bwd(ctx, dy, dh, _drstd):
-    h, weight, bias, rstd = ctx.saved_tensors
+    kept, weight, bias, rstd = ctx.saved_tensors
+    h = _kept_input(ctx, kept, weight, bias, rstd)
     dxh, dw, db = _op_backward(ctx, h, weight, bias, rstd, dy, dh, 2)
     x_dtype, r_dtype = ctx.dtypes
     need = ctx.needs_input_grad
     return (dxh.to(x_dtype) if need[0] else None, dxh.to(r_dtype) if need[1] else None, dw, db,
-            *(None,) * _NOPTS)
+            *(None,) * (_NOPTS + 1))
 
 
 _add_rms_norm_op.register_autograd(_add_rms_norm_op_bwd, setup_context=_setup_add_rms_norm)
@@ -305,6 +330,7 @@ def rms_norm(
     casting: str = "fp32",
     out_dtype: Any = None,
     backend: str = "auto",
+    save: str = "input",
 ) -> torch.Tensor:
     """Differentiable :func:`polynorm.rms_norm` for torch tensors.
 
@@ -325,6 +351,14 @@ def rms_norm(
         float16/bfloat16/float32 input, float64's for float64 input).
     axis, partial, offset, eps_mode, casting, out_dtype, backend
         As in :func:`polynorm.rms_norm`.
+    save : {"input", "output"}
+        What the forward keeps for the backward.  ``"output"`` keeps ``y``
+        (which the next layer usually keeps anyway) instead of ``x``: one
+        activation of ``x``'s size less per norm, and gradients equal to
+        ``"input"``'s to ``y``'s precision (``polynorm._lean``).  Where
+        ``weight + offset`` has a zero, ``x`` cannot be recovered: an eager call
+        checks (reading the weight) and keeps ``x``; under ``torch.compile`` it
+        cannot, and such columns give NaN gradients.
 
     Returns
     -------
@@ -350,11 +384,13 @@ def rms_norm(
     if eps is None:
         eps = _default_eps(eps, x.dtype)
     opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    if save != "input":
+        _lean.check_save(save)
     if _eager(x):
         if not _records(x, weight, bias):  # inference: no autograd node to build (~5 us)
             return _api.forward(x, None, weight, bias, opts)
-        return _apply_rms_norm(x, weight, bias, opts)
-    return torch.ops.polynorm.rms_norm(x, weight, bias, *_op_args(opts))[0]
+        return _apply_rms_norm(x, weight, bias, opts, save)
+    return torch.ops.polynorm.rms_norm(x, weight, bias, *_op_args(opts), save)[0]
 
 
 def add_rms_norm(
@@ -371,6 +407,7 @@ def add_rms_norm(
     casting: str = "fp32",
     out_dtype: Any = None,
     backend: str = "auto",
+    save: str = "input",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable :func:`polynorm.add_rms_norm`: ``h = x + residual``, ``y = rms_norm(h)``.
 
@@ -388,6 +425,8 @@ def add_rms_norm(
         ``x`` or ``residual`` is float64).
     axis, partial, offset, eps_mode, casting, out_dtype, backend
         As in :func:`polynorm.add_rms_norm`.
+    save : {"input", "output"}
+        As in :func:`rms_norm`: ``"output"`` keeps ``y`` instead of ``h``.
 
     Returns
     -------
@@ -412,11 +451,13 @@ def add_rms_norm(
     if eps is None:
         eps = _default_eps(eps, x.dtype, residual.dtype)
     opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    if save != "input":
+        _lean.check_save(save)
     if _eager(x):
         if not _records(x, residual, weight, bias):
             return _api.forward(x, residual, weight, bias, opts, fused=True)
-        return _apply_add_rms_norm(x, residual, weight, bias, opts)
-    y, h, _ = torch.ops.polynorm.add_rms_norm(x, residual, weight, bias, *_op_args(opts))
+        return _apply_add_rms_norm(x, residual, weight, bias, opts, save)
+    y, h, _ = torch.ops.polynorm.add_rms_norm(x, residual, weight, bias, *_op_args(opts), save)
     return y, h
 
 
@@ -449,6 +490,9 @@ class RMSNorm(torch.nn.Module):
         See :func:`polynorm.rms_norm`.
     backend : str
         Forced backend, default ``"auto"``.
+    save : {"input", "output"}
+        What the forward keeps for the backward (see :func:`rms_norm`);
+        ``"output"`` saves one activation of the input's size per norm.
 
     Examples
     --------
@@ -480,6 +524,7 @@ class RMSNorm(torch.nn.Module):
         eps_mode: str = "inside",
         casting: str = "fp32",
         backend: str = "auto",
+        save: str = "input",
     ) -> None:
         factory = {"device": device, "dtype": dtype}
         super().__init__()
@@ -493,6 +538,7 @@ class RMSNorm(torch.nn.Module):
         self.eps_mode = eps_mode
         self.casting = casting
         self.backend = backend
+        self.save = _lean.check_save(save)
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
         else:
@@ -526,6 +572,7 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(
             x, self.weight, self.bias, eps=self.eps, axis=axis, partial=self.partial,
             offset=self.offset, eps_mode=self.eps_mode, casting=self.casting, backend=self.backend,
+            save=self.save,
         )
 
     def extra_repr(self) -> str:
@@ -533,7 +580,7 @@ class RMSNorm(torch.nn.Module):
         if self.bias is not None:
             s += ", bias=True"
         for name, default in (("partial", 1.0), ("offset", 0.0), ("eps_mode", "inside"),
-                              ("casting", "fp32")):
+                              ("casting", "fp32"), ("save", "input")):
             if getattr(self, name) != default:
                 s += f", {name}={getattr(self, name)!r}"
         return s

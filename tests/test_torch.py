@@ -410,10 +410,11 @@ def test_opcheck_forward_ops(name):
     w = None if w is None else w.detach().float().requires_grad_()
     b = None if b is None else b.detach().float().requires_grad_()
     o = pnt._op_args(Options(**opts))
-    torch.library.opcheck(torch.ops.polynorm.rms_norm.default, (x, w, b, *o))
+    for save in ("input", "output"):
+        torch.library.opcheck(torch.ops.polynorm.rms_norm.default, (x, w, b, *o, save))
     r = _randn(*x.shape, seed=9, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.polynorm.add_rms_norm.default,
-                          (x, r, w, b, *o._replace(out_dtype="float16")))
+                          (x, r, w, b, *o._replace(out_dtype="float16"), "input"))
 
 
 def test_opcheck_backward_op():
