@@ -62,6 +62,8 @@ def test_bench_gpu_records(cpu_suite):
     for r in recs:
         assert r.suite == "gpu" and r.bytes == gpu.op_bytes(r.op, r.dtype, r.tokens, r.d)
         assert r.seconds > 0 and r.gbps > 0 and r.ratios["copy"] > 0
+        # numpy arrays run the Numba kernels: no cupy launch to replay, no kernel-only time
+        assert r.extra["launches"] == [] and "copy_kernel" not in r.ratios
     assert len(skipped) == 1 and "needs" in skipped[0]  # the case that does not fit
     assert seen[-1][0] == seen[-1][1]  # progress ends at n/n
 

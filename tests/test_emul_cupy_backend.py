@@ -151,6 +151,7 @@ def _make_fake_cupy(sms: int, smem: int) -> types.ModuleType:
     m.cuda = types.SimpleNamespace(
         Device=lambda *a: device,
         runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+        get_current_stream=contextlib.nullcontext,
         compiler=types.SimpleNamespace(CompileException=RuntimeError),
     )
     return m
@@ -334,3 +335,23 @@ def test_emul_cupy_torch_bfloat16(fake_cupy, monkeypatch, d):
     dxr, dwr, _ = reference.backward(dy, x, w, None, rr, None, plan)
     assert_close(dx.float().numpy(), dxr.astype(np.float32), _tol("bfloat16"))
     assert_close(dw.numpy(), dwr, _tol("float32", 16))
+
+
+def test_emul_cupy_recording_replays_the_same_kernels(fake_cupy):
+    """``recording()``: the launches of a call, replayed with their buffers (the GPU
+    bench's kernel-only time); a replay rewrites the same outputs."""
+    rng = np.random.default_rng(11)
+    x, r = (_fake(_rand(rng, (5, 40), np.float32)) for _ in range(2))
+    w = _fake(_rand(rng, (40,), np.float32))
+    plan = _plan(40, "float32")
+    with cupy_backend.recording() as replay:
+        y, h, rstd = cupy_backend.forward(x, r, w, None, plan)
+    assert [la.name for la, _, _ in replay.launches if la is not None] == [
+        cl.forward_launch(5, 40, "float32", "float32", "float32", "float32").name]
+    want = (np.array(y), np.array(h), np.array(rstd))
+    for a in (y, h, rstd):
+        np.asarray(a)[...] = np.nan
+    replay()
+    for a, b in zip((y, h, rstd), want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert cupy_backend._recorded is None  # recording ended

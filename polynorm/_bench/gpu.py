@@ -7,6 +7,9 @@ records polynorm's effective bandwidth (bytes the op must move / time) and:
 * ``copy``: that bandwidth over the bandwidth of a device copy moving the same
   bytes (half read, half written) -- the roof; the issue's targets are
   >= 0.85 (fwd, add at >= 4096 tokens) and >= 0.75 (bwd);
+* ``copy_kernel``: the same against the kernels alone (their launches
+  recorded once and replayed, no host work between): what the kernels reach
+  where the end-to-end call is bound by the host (small shapes);
 * ``torch``, ``torch.compile``, ``liger``, ``quack``: peer time / polynorm time
   (> 1: polynorm faster), for the peers importable here.
 
@@ -260,11 +263,17 @@ def run(
             r = lib.randn((n, d), dt) if op == "add" else None
             dy = lib.randn((n, d), dt) if op == "bwd" else None
             rstd = pn.rms_norm(x, w, eps=EPS, return_rstd=True)[1] if op == "bwd" else None
-            t = lib.time(_polynorm(lib, op, x, r, w, dy, rstd))
+            call = _polynorm(lib, op, x, r, w, dy, rstd)
+            t = lib.time(call)
+            t_kernel, launches = _kernel_time(lib, call)
             t_copy = lib.time(lib.copy_fn(nbytes))
             rec = Record(suite="gpu", op=op, backend="cupy", dtype=dt, tokens=n, d=d, seconds=t,
-                         bytes=nbytes, gbps=gbps(nbytes, t),
-                         ratios={"copy": t_copy / t}, extra={"arrays": lib.name, **_launch_info(op, dt, n, d)})
+                         bytes=nbytes, gbps=gbps(nbytes, t), ratios={"copy": t_copy / t},
+                         extra={"arrays": lib.name, "launches": launches,
+                                **_launch_info(op, dt, n, d)})
+            if t_kernel is not None:
+                rec.ratios["copy_kernel"] = t_copy / t_kernel
+                rec.extra.update(kernel_seconds=t_kernel, kernel_gbps=gbps(nbytes, t_kernel))
             if peers:
                 for name, fn in _peers(lib, op, dt, x, r, w, dy, compiled).items():
                     try:
@@ -282,6 +291,21 @@ def run(
     if progress:
         progress(len(todo), len(todo), "done")
     return records
+
+
+def _kernel_time(lib: _Lib, call: Callable[[], Any]) -> tuple[float | None, list[str]]:
+    """Seconds per call of the kernels alone: ``call``'s launches recorded once
+    (:func:`polynorm.backends.cupy.recording`) and replayed back to back, with no
+    planning, casts, allocation or DLPack in between; and the kernels' names.
+    ``None`` when the call launched no kernel of the cupy backend."""
+    from ..backends import cupy as cupy_backend
+
+    with cupy_backend.recording() as replay:
+        result = call()
+    names = [la.name for la, _, _ in replay.launches if la is not None]
+    t = lib.time(replay) if names else None
+    del result  # the outputs lived as long as the replay wrote into them
+    return t, names
 
 
 def _launch_info(op: str, dtype: str, n: int, d: int) -> dict:
@@ -353,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"device": _device_name(), "skipped": skipped,
             "targets": {"fwd": 0.85, "add": 0.85, "bwd": 0.75},
-            "timing": "CUDA events around batches of end-to-end pn.* calls (host planning included)"}
+            "timing": "CUDA events around batches of end-to-end pn.* calls (seconds: host planning "
+                      "included) and of the same kernels replayed alone (kernel_seconds, "
+                      "ratio copy_kernel)"}
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M")
     out = args.out or f"bench/results/gpu-{stamp}.json"
 
