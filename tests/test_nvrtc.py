@@ -95,9 +95,18 @@ def test_launch_shapes_cover_the_row(d, x):
                 assert launch.shared <= cl.DEFAULT_SMEM
             else:
                 assert launch.block <= cl.REG_THREADS
-                assert launch.tpr & (launch.tpr - 1) == 0 and vec <= launch.tpr <= launch.block
-                items = int(launch.name.rsplit(",", 1)[1].strip(" >"))
-                assert d // vec <= launch.tpr * items
+                if launch.name.startswith("pn_fwd_small"):
+                    # lanes stand for pn_fwd's threads, ITEMS each (WIDE: one warp per row)
+                    items, wide = launch.name.rsplit(",", 2)[1:]
+                    pn_fwd_tpr = cl.forward_launch(n, d, x, small=False).tpr
+                    assert launch.block <= cl.SMALL_THREADS and d <= cl.SMALL_D
+                    assert launch.tpr & (launch.tpr - 1) == 0 and launch.tpr <= 32
+                    assert launch.tpr * int(items) >= pn_fwd_tpr
+                    assert (wide.strip(" >") == "true") == (pn_fwd_tpr > 32)
+                else:
+                    assert launch.tpr & (launch.tpr - 1) == 0 and vec <= launch.tpr <= launch.block
+                    items = int(launch.name.rsplit(",", 1)[1].strip(" >"))
+                    assert d // vec <= launch.tpr * items
                 rows = launch.block // launch.tpr
                 if "pn_fwd" in launch.name:
                     assert launch.grid * rows >= n

@@ -256,6 +256,7 @@ __device__ __forceinline__ double pn_rms_scaled(double m, double ss_scaled, int 
 // rstd from rms without squaring it: 1/hypot(rms, sqrt(eps)) or 1/(rms + eps)
 __device__ __forceinline__ double pn_rstd_from_rms(double rms, double eps, int eps_inside) {
     if (!eps_inside) return 1.0 / (rms + eps);
+    if (rms != rms) return rms;  // NaN (an Inf or NaN in the row): not 1/sqrt(eps) with eps 0
     const double se = sqrt(eps);
     const double a = rms > se ? rms : se;
     const double b = rms > se ? se : rms;
