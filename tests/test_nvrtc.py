@@ -117,8 +117,9 @@ def test_launch_shapes_cover_the_row(d, x):
 def test_sass_targets(compiled, tmp_path):
     """The machine-code targets, read from the same cubins (no GPU): every launch the
     dispatcher makes at d <= 16384 reaches 50% theoretical occupancy, the forward kernels
-    do not spill, the backward kernels spill at most 32 bytes, and the widest forward
-    keeps >= 8 16-byte loads in flight per thread (polynorm/_bench/sass.py)."""
+    do not spill (pn_fwd_small: 0 B), the backward kernels spill at most 32 bytes, the
+    widest forward keeps >= 8 16-byte loads in flight per thread, and pn_fwd_small keeps
+    its ITEMS x loads (plus the residual's) in flight (polynorm/_bench/sass.py)."""
     import subprocess
 
     from polynorm._bench import sass
@@ -153,4 +154,13 @@ def test_sass_targets(compiled, tmp_path):
                     assert occ >= 0.5, f"{arch} {nm} {la}: occupancy {occ:.2f} ({why}, {u['REG']} registers)"
             if nm.startswith("pn_fwd<"):
                 widest_fwd = max(widest_fwd, sass.ldg128_inflight(funcs[low])[0])
+            if nm.startswith("pn_fwd_small"):
+                # no spills at all, a launch of the dispatcher reaches it (their occupancy is
+                # checked above), and the loads of a lane's ITEMS chunks of x and residual
+                # are issued together
+                items = int(nm.rsplit(",", 2)[1])
+                assert (stores, loads) == (0, 0), f"{arch} {nm}: spills {stores} B stored, {loads} B loaded"
+                assert shapes.get(nm), f"{arch} {nm}: no dispatcher launch reaches it"
+                inflight = sass.ldg128_inflight(funcs[low])[0]
+                assert inflight >= 2 * items, f"{arch} {nm}: {inflight} 16-byte loads in flight"
         assert widest_fwd >= 8, f"{arch}: widest pn_fwd keeps {widest_fwd} 16-byte loads in flight"
