@@ -705,3 +705,35 @@ def test_emul_small_rows_extreme_values():
             x[4, :: 3] *= 1e-3
             w = _data(rng, 1, d, dtype)[0]
             _small_vs_fwd(x, None, w, None, _plan(d, dtype, eps=0.0), f"{dtype} scale={scale} d={d}")
+
+
+def _rstd_sequential_f64(x: np.ndarray, eps: float) -> np.ndarray:
+    """pn_fwd's float64 rstd (eps inside) with the squares summed left to right instead
+    of over its tree: the order the test below must tell apart."""
+    out = np.empty(x.shape[0])
+    for i, row in enumerate(x):
+        m = np.abs(row).max()
+        inv = 1.0 / m
+        ss = 0.0
+        for v in row:
+            ss += (v * inv) * (v * inv)
+        rms = m * np.sqrt(ss / row.size)
+        se = np.sqrt(eps)
+        a, b = max(rms, se), min(rms, se)
+        out[i] = 1.0 / (a * np.sqrt(1.0 + (b / a) * (b / a)))
+    return out
+
+
+def test_emul_small_rows_follow_pn_fwds_tree():
+    """float64 rows spread over 2^-30..2^30, where the order of the double sum shows in
+    rstd's bits (a left-to-right sum differs for most rows): pn_fwd_small, in both forms
+    (d=64: 16 lanes per row; d=128: WIDE, one warp), gives pn_fwd's bits."""
+    rng = np.random.default_rng(12)
+    for d in (64, 128):
+        x = rng.standard_normal((65, d)) * np.exp2(rng.integers(-30, 31, (65, d)))
+        plan = _plan(d, "float64", eps=1e-6)
+        la = _small_vs_fwd(x, None, None, None, plan, f"spread d={d}")
+        assert la.name.startswith("pn_fwd_small")
+        _, _, rstd, _ = emul_forward(x, None, None, None, plan)
+        differ = (rstd != _rstd_sequential_f64(x, 1e-6)).mean()
+        assert differ > 0.2, f"d={d}: only {differ:.2f} of the rows tell the summation orders apart"
