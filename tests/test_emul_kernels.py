@@ -102,7 +102,8 @@ def _rs(a) -> np.int64:
 # ----------------------------------------------------------------------------- the cupy backend, on numpy
 
 
-def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=cl.DEFAULT_SMEM, out=None):
+def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=cl.DEFAULT_SMEM, out=None,
+                 small=True):
     """``polynorm.backends.cupy.forward`` with numpy buffers for device memory.
 
     Returns ``(y, h, rstd, launch)``, or ``None`` where the backend has no
@@ -122,7 +123,7 @@ def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=c
     hc = _garbage((n, d), types.h) if rk is not None else None
     rstd = _garbage((n,), ct)
     launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out,
-                               max_smem=max_smem, force_big=force_big)
+                               max_smem=max_smem, force_big=force_big, small=small)
     args = (
         xk, _rs(xk), rk, _rs(rk), hc, _rs(hc), wk, bk,
         yc, _rs(yc), rstd,
@@ -626,3 +627,113 @@ def test_emul_batch_invariance_and_eps0_zero_token(dtype, d):
         assert (la1.name, lb1.name) == (la.name, lb.name)
         for got, one in ((y[i], y1[0]), (h[i], h1[0]), (r[i:i + 1], r1), (dx[i], dx1[0])):
             np.testing.assert_array_equal(got.view(np.uint8), one.view(np.uint8), err_msg=f"token {i}")
+
+
+# ----------------------------------------------------------------------------- pn_fwd_small
+
+
+def _bits(a) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def _small_vs_fwd(x, res, w, b, plan, tag):
+    """pn_fwd_small's y, h and rstd bits equal pn_fwd's for the same rows (and are
+    close to the reference)."""
+    got = emul_forward(x, res, w, b, plan)
+    if got is None:
+        return None
+    ref = emul_forward(x, res, w, b, plan, small=False)
+    assert not ref[3].name.startswith("pn_fwd_small")
+    for a, r, what in zip(got[:3], ref[:3], ("y", "h", "rstd"), strict=True):
+        if a is not None:
+            np.testing.assert_array_equal(_bits(a), _bits(r), err_msg=f"{what} of {got[3].name} vs {ref[3].name} {tag}")
+    ry, _, rr = reference.forward(x, res, w, b, plan)
+    assert_close(got[0], ry, looser(plan.x_dtype, plan.out_dtype), f"y of {got[3].name} {tag}")
+    return got[3]
+
+
+#: every d of one small-row kernel shape, both sides of each shape change, and the edges
+D_SMALLROWS = (1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 31, 33, 63, 64, 65, 100, 127, 128, 129, 130, 200, 255, 256)
+SMALL_OPTS = ("plain", "residual_bias", "partial_outside", "llama_offset", "residual_f32")
+
+
+def _small_case(rng, n, d, dtype, opt):
+    spec = {
+        "plain": dict(),
+        "residual_bias": dict(residual=True, bias=True),
+        "partial_outside": dict(partial=0.5, eps=0.25, eps_mode="outside", weight=False),
+        "llama_offset": dict(casting="llama", offset=1.0, bias=True),
+        "residual_f32": dict(residual="float32", weight="float32", partial=0.6),
+    }[opt]
+    return _option_case(rng, n, d, dtype, spec)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("opt", SMALL_OPTS)
+def test_emul_small_rows_same_bits_as_pn_fwd(dtype, opt):
+    """d <= 256 goes to pn_fwd_small; its bits equal pn_fwd's for the same rows, over
+    every shape change of the lanes-per-row rule, odd n (a ragged last block), the
+    options, and misaligned rows (the element-by-element twin)."""
+    rng = np.random.default_rng(_seed("small", dtype, opt))
+    ds = D_SMALLROWS if opt == "plain" else D_SMALLROWS[1::3]  # from d=2: partial keeps k >= 1
+    seen = set()
+    for d in ds:
+        n = 1 + int(rng.integers(1, 40)) * 2  # odd
+        x, res, w, b, plan = _small_case(rng, n, d, dtype, opt)
+        la = _small_vs_fwd(x, res, w, b, plan, f"d={d} n={n}")
+        if la is None:
+            pytest.skip("no kernel: the cupy backend runs the reference for this combination")
+        seen.add(la.name)
+        if cl.small_shape(d, dtype) is not None:
+            assert la.name.startswith("pn_fwd_small"), la.name
+    x, res, w, b, plan = _small_case(rng, 9, 129, dtype, opt)
+    wide = np.concatenate([x, x[:, :3]], axis=1)[:, 1:130]  # rows not 16-byte aligned
+    _small_vs_fwd(wide, res, w, b, plan, "misaligned")
+    assert any(nm.startswith("pn_fwd_small") for nm in seen)
+
+
+def test_emul_small_rows_extreme_values():
+    """The float runs' exact fallback (squares that overflow float32 or are tiny),
+    NaN/Inf and zero rows, eps 0: the same bits as pn_fwd."""
+    rng = np.random.default_rng(11)
+    for dtype, scale in (("float32", 1e25), ("float32", 1e-30), ("bfloat16", 1e30), ("float64", 1e200),
+                         ("float64", 1e-200), ("float16", 1e4)):
+        for d in (7, 64, 128, 200):
+            x = _data(rng, 7, d, dtype, scale)
+            x[2] = 0
+            x[3, d // 2] = np.inf
+            x[4, :: 3] *= 1e-3
+            w = _data(rng, 1, d, dtype)[0]
+            _small_vs_fwd(x, None, w, None, _plan(d, dtype, eps=0.0), f"{dtype} scale={scale} d={d}")
+
+
+def _rstd_sequential_f64(x: np.ndarray, eps: float) -> np.ndarray:
+    """pn_fwd's float64 rstd (eps inside) with the squares summed left to right instead
+    of over its tree: the order the test below must tell apart."""
+    out = np.empty(x.shape[0])
+    for i, row in enumerate(x):
+        m = np.abs(row).max()
+        inv = 1.0 / m
+        ss = 0.0
+        for v in row:
+            ss += (v * inv) * (v * inv)
+        rms = m * np.sqrt(ss / row.size)
+        se = np.sqrt(eps)
+        a, b = max(rms, se), min(rms, se)
+        out[i] = 1.0 / (a * np.sqrt(1.0 + (b / a) * (b / a)))
+    return out
+
+
+def test_emul_small_rows_follow_pn_fwds_tree():
+    """float64 rows spread over 2^-30..2^30, where the order of the double sum shows in
+    rstd's bits (a left-to-right sum differs for most rows): pn_fwd_small, in both forms
+    (d=64: 16 lanes per row; d=128: WIDE, one warp), gives pn_fwd's bits."""
+    rng = np.random.default_rng(12)
+    for d in (64, 128):
+        x = rng.standard_normal((65, d)) * np.exp2(rng.integers(-30, 31, (65, d)))
+        plan = _plan(d, "float64", eps=1e-6)
+        la = _small_vs_fwd(x, None, None, None, plan, f"spread d={d}")
+        assert la.name.startswith("pn_fwd_small")
+        _, _, rstd, _ = emul_forward(x, None, None, None, plan)
+        differ = (rstd != _rstd_sequential_f64(x, 1e-6)).mean()
+        assert differ > 0.2, f"d={d}: only {differ:.2f} of the rows tell the summation orders apart"

@@ -95,9 +95,18 @@ def test_launch_shapes_cover_the_row(d, x):
                 assert launch.shared <= cl.DEFAULT_SMEM
             else:
                 assert launch.block <= cl.REG_THREADS
-                assert launch.tpr & (launch.tpr - 1) == 0 and vec <= launch.tpr <= launch.block
-                items = int(launch.name.rsplit(",", 1)[1].strip(" >"))
-                assert d // vec <= launch.tpr * items
+                if launch.name.startswith("pn_fwd_small"):
+                    # lanes stand for pn_fwd's threads, ITEMS each (WIDE: one warp per row)
+                    items, wide = launch.name.rsplit(",", 2)[1:]
+                    pn_fwd_tpr = cl.forward_launch(n, d, x, small=False).tpr
+                    assert launch.block <= cl.SMALL_THREADS and d <= cl.SMALL_D
+                    assert launch.tpr & (launch.tpr - 1) == 0 and launch.tpr <= 32
+                    assert launch.tpr * int(items) >= pn_fwd_tpr
+                    assert (wide.strip(" >") == "true") == (pn_fwd_tpr > 32)
+                else:
+                    assert launch.tpr & (launch.tpr - 1) == 0 and vec <= launch.tpr <= launch.block
+                    items = int(launch.name.rsplit(",", 1)[1].strip(" >"))
+                    assert d // vec <= launch.tpr * items
                 rows = launch.block // launch.tpr
                 if "pn_fwd" in launch.name:
                     assert launch.grid * rows >= n
@@ -108,8 +117,9 @@ def test_launch_shapes_cover_the_row(d, x):
 def test_sass_targets(compiled, tmp_path):
     """The machine-code targets, read from the same cubins (no GPU): every launch the
     dispatcher makes at d <= 16384 reaches 50% theoretical occupancy, the forward kernels
-    do not spill, the backward kernels spill at most 32 bytes, and the widest forward
-    keeps >= 8 16-byte loads in flight per thread (polynorm/_bench/sass.py)."""
+    do not spill (pn_fwd_small: 0 B), the backward kernels spill at most 32 bytes, the
+    widest forward keeps >= 8 16-byte loads in flight per thread, and pn_fwd_small keeps
+    its ITEMS x loads (plus the residual's) in flight (polynorm/_bench/sass.py)."""
     import subprocess
 
     from polynorm._bench import sass
@@ -144,4 +154,13 @@ def test_sass_targets(compiled, tmp_path):
                     assert occ >= 0.5, f"{arch} {nm} {la}: occupancy {occ:.2f} ({why}, {u['REG']} registers)"
             if nm.startswith("pn_fwd<"):
                 widest_fwd = max(widest_fwd, sass.ldg128_inflight(funcs[low])[0])
+            if nm.startswith("pn_fwd_small"):
+                # no spills at all, a launch of the dispatcher reaches it (their occupancy is
+                # checked above), and the loads of a lane's ITEMS chunks of x and residual
+                # are issued together
+                items = int(nm.rsplit(",", 2)[1])
+                assert (stores, loads) == (0, 0), f"{arch} {nm}: spills {stores} B stored, {loads} B loaded"
+                assert shapes.get(nm), f"{arch} {nm}: no dispatcher launch reaches it"
+                inflight = sass.ldg128_inflight(funcs[low])[0]
+                assert inflight >= 2 * items, f"{arch} {nm}: {inflight} 16-byte loads in flight"
         assert widest_fwd >= 8, f"{arch}: widest pn_fwd keeps {widest_fwd} 16-byte loads in flight"

@@ -256,6 +256,7 @@ __device__ __forceinline__ double pn_rms_scaled(double m, double ss_scaled, int 
 // rstd from rms without squaring it: 1/hypot(rms, sqrt(eps)) or 1/(rms + eps)
 __device__ __forceinline__ double pn_rstd_from_rms(double rms, double eps, int eps_inside) {
     if (!eps_inside) return 1.0 / (rms + eps);
+    if (rms != rms) return rms;  // NaN (an Inf or NaN in the row): not 1/sqrt(eps) with eps 0
     const double se = sqrt(eps);
     const double a = rms > se ? rms : se;
     const double b = rms > se ? se : rms;
@@ -729,6 +730,260 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
     else
         pn_fwd_big_rows<XT, RT, WT, OT, false>(x, sx, res, sr, h, sh, w, b, y, sy, rstd, n, d, k, stash,
                                                eps, eps_inside, offset, llama, L, red, pn_dyn_smem);
+}
+
+// ================================================================ forward, small rows
+// pn_fwd_small: rows of d <= 256 (per-head QK norm: millions of short rows),
+// several rows per warp.  A row is handled by `lpr` lanes (power of two; an
+// aligned group inside one warp), 32 / lpr rows per warp.  Lane p of a row
+// stands for the ITEMS "virtual threads" v = p + q * lpr of the
+// pn_fwd launch of the same row (ITEMS 1, tpr T = max(VEC, pow2ceil(body))):
+// virtual thread v holds chunk v and tail element v, exactly as in pn_fwd,
+// and the statistic is summed over the same tree:
+//
+// - !WIDE (T <= 32, lpr = max(1, T / ITEMS)): pn_fwd's xor butterfly over T
+//   threads, padded to ITEMS * lpr >= T threads whose extra leaves are +0.0
+//   (adding +0.0 to a sum of squares is exact, so the padded tree gives the
+//   same bits).  Its levels of distance lpr and above pair virtual threads of
+//   the same lane and are added in the lane; the levels below lpr are the
+//   same shuffles as pn_fwd's.
+// - WIDE (T = 64 or 128: float32 and float64 rows; lpr = 32, ITEMS = T / 32):
+//   item q is warp q of pn_fwd's row; each is reduced by the 32-lane
+//   butterfly and the warp sums are added left to right, as pn_fwd adds its
+//   red[] entries.
+//
+// So a row's y, h and rstd bits equal pn_fwd's for every d <= 256 and launch.
+// Every load of x and the residual of a lane is issued before the first use,
+// and the row is held in its storage type HT (h is rounded to HT anyway).
+// The double epilogue (rstd from the sum) is one warp instruction stream for
+// all 32 / lpr rows of a warp.  ITEMS (2) is bounded by the 64 registers:
+// 4 chunks of 16-bit values spill.
+
+template <typename A, typename B> struct pn_same { static constexpr bool value = false; };
+template <typename A> struct pn_same<A, A> { static constexpr bool value = true; };
+
+// a storage value of type U as storage type T (exact: T holds every U value here)
+template <typename T, typename U>
+__device__ __forceinline__ T pn_as(U v) {
+    if constexpr (pn_same<T, U>::value) return v;
+    else return pn_out<T>::from(pn_conv<typename pn_compute<T>::type>::in(v));
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void pn_st_raw(T* p, bool vec, const T (&v)[N]) {
+    if (vec) {
+        pn_pack<T, N> q;
+#pragma unroll
+        for (int i = 0; i < N; ++i) q.v[i] = v[i];
+        *reinterpret_cast<pn_pack<T, N>*>(p) = q;
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) p[i] = v[i];
+    }
+}
+
+template <typename XT, typename RT, typename WT, typename OT, int ITEMS, bool WIDE, bool VA>
+__device__ __forceinline__ void pn_fwd_small_rows(
+    const XT* __restrict__ x, long long sx,
+    const RT* __restrict__ res, long long sr,
+    typename pn_promote<XT, RT>::type* h, long long sh,
+    const WT* __restrict__ w,
+    const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
+    OT* y, long long sy,
+    typename pn_compute<typename pn_promote<XT, RT>::type>::type* rstd,
+    long long n, int d, int k, int lpr,
+    double eps, int eps_inside, double offset, int llama, const pn_rowlay L, double* red)
+{
+    typedef typename pn_promote<XT, RT>::type HT;
+    typedef typename pn_compute<HT>::type CT;
+    constexpr int VEC = 16 / sizeof(XT);
+    constexpr int Q = ITEMS;
+
+    const int p = threadIdx.x % lpr;
+    const long long row = (long long)blockIdx.x * (blockDim.x / lpr) + threadIdx.x / lpr;
+    const bool active = row < n;
+    const bool has_res = res != nullptr, has_w = w != nullptr, has_b = b != nullptr;
+    const long long rr = active ? row : 0;
+    const XT* xr = x + rr * sx;
+    const RT* resr = has_res ? res + rr * sr : nullptr;
+    HT* hr = has_res ? h + rr * sh : nullptr;
+    OT* yr = y + rr * sy;
+    const int tail0 = L.body * VEC;  // column of tail element 0
+
+    // ---- the row slice of this lane, in HT: chunks first (all loads issued
+    // before the first use), then the tail elements
+    HT hv[Q][VEC];
+    HT tv[Q];
+    {
+        XT xa[Q][VEC];
+        RT ra[Q][VEC];
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            const int c = p + q * lpr;
+            if (active && c < L.body) {
+                pn_ld_raw<VEC>(xr + c * VEC, VA, xa[q]);
+                if (has_res) pn_ld_raw<VEC>(resr + c * VEC, VA, ra[q]);
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            const int c = p + q * lpr;
+            if (active && c < L.body) {
+                if (has_res) {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        hv[q][e] = pn_out<HT>::from(pn_conv<CT>::in(xa[q][e]) + pn_conv<CT>::in(ra[q][e]));
+                    pn_st_raw<VEC>(hr + c * VEC, VA, hv[q]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) hv[q][e] = pn_as<HT>(xa[q][e]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+        const int v = p + q * lpr;
+        tv[q] = HT();
+        if (active && v < L.tail) {
+            const int j = tail0 + v;
+            if (has_res) {
+                tv[q] = pn_out<HT>::from(pn_conv<CT>::in(xr[j]) + pn_conv<CT>::in(resr[j]));
+                hr[j] = tv[q];
+            } else {
+                tv[q] = pn_as<HT>(xr[j]);
+            }
+        }
+    }
+
+    // ---- statistic over the first k elements: the leaves of pn_fwd's tree
+    // (virtual thread v: its chunk's run, then its tail element's square)
+    double s[Q];
+    double m = 0.0;  // float64: the row maximum (max is exact in any order)
+    if constexpr (sizeof(CT) != 4) {
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            const int c = p + q * lpr;
+            if (active && c < L.body) {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e)
+                    if (c * VEC + e < k) m = pn_max_nan(m, fabs((double)hv[q][e]));
+            }
+            if (active && c < L.tail && tail0 + c < k) m = pn_max_nan(m, fabs((double)tv[q]));
+        }
+        m = pn_row_reduce<true>(m, lpr, red);
+    }
+    const double inv = m > 0.0 ? 1.0 / m : 1.0;
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+        const int c = p + q * lpr;
+        const int j0 = c * VEC;
+        s[q] = 0.0;
+        if constexpr (sizeof(CT) == 4) {
+            if (active && c < L.body && j0 < k) {
+                float f[VEC];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) f[e] = pn_conv<CT>::in(hv[q][e]);
+                s[q] += pn_ss_run<VEC>(f, j0, k);
+            }
+            if (active && c < L.tail && tail0 + c < k) {
+                const double t = (double)pn_conv<CT>::in(tv[q]);
+                s[q] += t * t;
+            }
+        } else {
+            if (active && c < L.body) {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e)
+                    if (j0 + e < k) { const double t = (double)hv[q][e] * inv; s[q] += t * t; }
+            }
+            if (active && c < L.tail && tail0 + c < k) {
+                const double t = (double)tv[q] * inv;
+                s[q] += t * t;
+            }
+        }
+    }
+    double ss;
+    if (!WIDE) {
+        // the padded butterfly's levels of distance lpr * o, then its shuffles
+#pragma unroll
+        for (int o = Q / 2; o > 0; o >>= 1)
+#pragma unroll
+            for (int q = 0; q < o; ++q) s[q] = s[q] + s[q + o];
+        ss = pn_row_reduce<false>(s[0], lpr, red);
+    } else {
+        double wsum[Q];
+#pragma unroll
+        for (int q = 0; q < Q; ++q) wsum[q] = pn_row_reduce<false>(s[q], 32, red);
+        ss = wsum[0];
+#pragma unroll
+        for (int q = 1; q < Q; ++q) ss = ss + wsum[q];
+    }
+    double r_d;
+    if constexpr (sizeof(CT) == 4) r_d = pn_rstd_from_ss(ss, k, eps, eps_inside);
+    else r_d = pn_rstd_from_rms(pn_rms_scaled(m, ss, k), eps, eps_inside);
+    const CT r = (CT)r_d;
+    if (active && p == 0) rstd[row] = r;
+
+    // ---- y: the weight chunks of this lane loaded together, then used
+    const CT off = (CT)offset;
+    WT wa[VA ? Q : 1][VEC];
+    if (VA && has_w) {
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            const int c = p + q * lpr;
+            if (active && c < L.body) pn_ld_raw<VEC>(w + c * VEC, true, wa[VA ? q : 0]);
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+        const int c = p + q * lpr;
+        if (active && c < L.body) {
+            const int j = c * VEC;
+            CT bv[VEC];
+            if (has_b) pn_ld<VEC>(b + j, VA, bv);
+            CT o[VEC];
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+                o[e] = pn_yval<HT, WT, CT>(pn_conv<CT>::in(hv[q][e]), r, has_w,
+                                           has_w ? (VA ? wa[VA ? q : 0][e] : w[j + e]) : WT(), has_b,
+                                           has_b ? bv[e] : (CT)0, off, llama != 0);
+            pn_st<VEC>(yr + j, VA, o);
+        }
+        if (active && c < L.tail) {
+            const int j = tail0 + c;
+            yr[j] = pn_out<OT>::from(pn_yval<HT, WT, CT>(pn_conv<CT>::in(tv[q]), r, has_w, has_w ? w[j] : WT(),
+                                                       has_b, has_b ? b[j] : (CT)0, off, llama != 0));
+        }
+    }
+}
+
+// At most 64 registers: four 256-thread blocks (50% occupancy) per SM.
+template <typename XT, typename RT, typename WT, typename OT, int ITEMS, bool WIDE>
+__global__ void __launch_bounds__(256, 4) pn_fwd_small(
+    const XT* __restrict__ x, long long sx,
+    const RT* __restrict__ res, long long sr,
+    typename pn_promote<XT, RT>::type* h, long long sh,
+    const WT* __restrict__ w,
+    const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
+    OT* y, long long sy,
+    typename pn_compute<typename pn_promote<XT, RT>::type>::type* rstd,
+    long long n, int d, int k, int lpr,
+    double eps, int eps_inside, double offset, int llama)
+{
+    constexpr int VEC = 16 / sizeof(XT);
+    __shared__ double red[32];  // unused: lpr <= 32 reduces by shuffles alone
+    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
+    const bool va = L.vec && (res == nullptr || (pn_vec_ok<VEC>(res, sr, n, L.head, true) &&
+                                                 pn_vec_ok<VEC>(h, sh, n, L.head, true)))
+                    && pn_vec_ok<VEC>(y, sy, n, L.head, true)
+                    && (w == nullptr || pn_vec_ok<VEC>(w, 0, 1, L.head, true))
+                    && (b == nullptr || pn_vec_ok<VEC>(b, 0, 1, L.head, true));
+    if (va)
+        pn_fwd_small_rows<XT, RT, WT, OT, ITEMS, WIDE, true>(x, sx, res, sr, h, sh, w, b, y, sy, rstd, n, d, k, lpr,
+                                                      eps, eps_inside, offset, llama, L, red);
+    else
+        pn_fwd_small_rows<XT, RT, WT, OT, ITEMS, WIDE, false>(x, sx, res, sr, h, sh, w, b, y, sy, rstd, n, d, k, lpr,
+                                                       eps, eps_inside, offset, llama, L, red);
 }
 
 

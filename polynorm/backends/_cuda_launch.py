@@ -50,6 +50,13 @@ FWD_ITEMS = (1, 2, 4)  # register chunks per thread, pn_fwd (the union over dtyp
 FWD_ITEMS_BY_X = {"float16": (1, 2), "bfloat16": (1, 2), "float32": (1, 2, 4), "float64": (1, 2)}
 BWD_ITEMS = (1,)  # pn_bwd holds x and dy in registers (ITEMS=2 spills within 64 registers)
 REG_THREADS = 512  # __launch_bounds__ of pn_fwd / pn_bwd
+#: rows up to this long go to pn_fwd_small (several rows per warp)
+SMALL_D = 256
+#: pn_fwd_small's chunks (pn_fwd threads it stands for) per lane: 4 spill
+#: within its 64 registers (16-bit x; float32 on sm_80; float64 rows of 128
+#: chunks, d > 128, which stay with pn_fwd)
+SMALL_ITEMS = 2
+SMALL_THREADS = 256  # __launch_bounds__ of pn_fwd_small
 BIG_THREADS = 1024  # __launch_bounds__ of the *_big kernels
 ROW_BLOCK = 256  # target threads per block when several rows share one
 #: resident backward threads per SM: more hides latency, fewer means fewer
@@ -95,6 +102,43 @@ def fwd_name(x: str, res: str, w: str, out: str, items: int | None) -> str:
     return f"pn_fwd<{_ct(x, res, w, out)}, {items}>"
 
 
+def fwd_small_name(x: str, res: str, w: str, out: str, items: int, wide: bool) -> str:
+    return f"pn_fwd_small<{_ct(x, res, w, out)}, {items}, {'true' if wide else 'false'}>"
+
+
+def small_shapes(x: str) -> list[tuple[int, bool]]:
+    """The (ITEMS, WIDE) instantiations of pn_fwd_small some d <= SMALL_D needs for x dtype ``x``."""
+    shapes = (small_shape(d, x) for d in range(1, SMALL_D + 1))
+    return sorted({s[1:] for s in shapes if s is not None})
+
+
+def _pn_fwd_tpr(d: int, vec: int) -> int:
+    """pn_fwd's threads per row at ITEMS 1 (what the dispatcher picks for d <= SMALL_D)."""
+    return max(vec, _pow2ceil(d // vec))
+
+
+@lru_cache(maxsize=4096)
+def small_shape(d: int, x: str) -> tuple[int, int, bool] | None:
+    """(lanes per row, ITEMS, WIDE) of pn_fwd_small, or None where pn_fwd keeps the row.
+
+    The lanes stand for pn_fwd's threads (see forward.cu.j2), ITEMS each; a row
+    of more than 32 such threads takes one warp, one item per 32 of them.
+
+    >>> small_shape(128, "bfloat16"), small_shape(128, "float32"), small_shape(256, "float32")
+    ((8, 2, False), (16, 2, False), (32, 2, True))
+    >>> small_shape(256, "float64") is None
+    True
+    """
+    if d > SMALL_D:
+        return None
+    t = _pn_fwd_tpr(d, VEC[x])
+    if t > 32 * SMALL_ITEMS:
+        return None
+    if t > 32:
+        return 32, t // 32, True
+    return max(1, t // SMALL_ITEMS), SMALL_ITEMS, False
+
+
 def bwd_name(x: str, dy: str, w: str, items: int | None) -> str:
     if items is None:
         return f"pn_bwd_big<{_ct(x, dy, w)}>"
@@ -115,6 +159,7 @@ def specialisations() -> list[str]:
     names = []
     for t in FWD_TYPES:
         names += [fwd_name(*t, items) for items in (*FWD_ITEMS_BY_X[t[0]], None)]
+        names += [fwd_small_name(*t, items, wide) for items, wide in small_shapes(t[0])]
     for t in BWD_TYPES:
         names += [bwd_name(*t, items) for items in (*BWD_ITEMS, None)]
     names += [colsum_name(*t) for t in COLSUM_TYPES]
@@ -246,14 +291,19 @@ def forward_launch(
     *,
     max_smem: int = DEFAULT_SMEM,
     force_big: bool = False,
+    small: bool = True,
 ) -> Launch:
-    """Launch of pn_fwd / pn_fwd_big for ``n`` rows of ``d`` (kernel dtypes given).
+    """Launch of pn_fwd_small / pn_fwd / pn_fwd_big for ``n`` rows of ``d`` (kernel dtypes given).
 
     ``res``/``weight``/``out`` default to ``x`` (as the kernels need a type
-    even when the array is absent).
+    even when the array is absent).  Rows of ``d <= SMALL_D`` go to
+    pn_fwd_small (the same bits as pn_fwd, which ``small=False`` requests).
 
-    >>> forward_launch(8, 3, "float32").block, forward_launch(8, 3, "float32").tpr
+    >>> forward_launch(8, 3, "float32").block, forward_launch(8, 3, "float32", small=False).tpr
     (32, 4)
+    >>> fl = forward_launch(1 << 21, 128, "bfloat16")
+    >>> fl.name.split("<")[0], fl.block, fl.tpr, fl.grid
+    ('pn_fwd_small', 256, 8, 65536)
     >>> forward_launch(2, 262144, "bfloat16").big
     True
     """
@@ -261,6 +311,14 @@ def forward_launch(
     weight = weight or promote(x, res)
     out = out or promote(x, res)
     vec = VEC[x]
+    sshape = small_shape(d, x) if small and not force_big else None
+    if sshape is not None:
+        lpr, items, wide = sshape
+        rpb = max(1, min(SMALL_THREADS // lpr, _pow2ceil(n)))
+        block = max(32, lpr * rpb)  # whole warps: the shuffles use a full mask
+        rows = block // lpr
+        return Launch(fwd_small_name(x, res, weight, out, items, wide), grid=math.ceil(n / rows),
+                      block=block, shared=0, tpr=lpr, big=False)
     shape = None if force_big else _reg_shape(d, vec, FWD_ITEMS_BY_X[x])
     if shape is not None:
         items, tpr = shape
