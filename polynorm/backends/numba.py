@@ -651,6 +651,16 @@ def _wrap_q(q: np.ndarray, like, qdtype: str):
     return jax.lax.bitcast_convert_type(_interop.from_numpy(q, like), jnp.float8_e4m3fn)
 
 
+_NO_H: dict[np.dtype, np.ndarray] = {}
+
+
+def _stand_in_h(dt: np.dtype) -> np.ndarray:
+    a = _NO_H.get(dt)
+    if a is None:
+        a = _NO_H[dt] = np.empty((1, 1), dt)
+    return a
+
+
 def quant_forward(x, residual, weight, bias, qplan, scale=None):
     """Quantized forward on 2-D rows; the contract is :func:`.reference.quant_forward`.
 
@@ -686,7 +696,7 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
             xn = np.ascontiguousarray(xn)
         flags, _, h_dt, cdt, _ = _info(plan)
         xk = _kview(xn)
-        rk, hk = xk, xk
+        rk, hk = xk, _stand_in_h(xk.dtype)  # h must be writable (a jax x is not)
         if residual is not None:
             rn = _interop.to_numpy(residual)
             if rn.shape[1] > 1 and rn.strides[1] != rn.itemsize:
