@@ -141,8 +141,8 @@ def rms_norm_quant(
     >>> x = np.array([[3.0, 4.0], [1.0, -1.0]], dtype=np.float32)
     >>> q, s = pn.rms_norm_quant(x, dtype="int8", eps=0.0)
     >>> q
-    array([[ 95, 127],
-           [127, -127]], dtype=int8)
+    array([[  95,  127],
+           [ 127, -127]], dtype=int8)
     >>> s
     array([0.00890843, 0.00787402], dtype=float32)
     """
