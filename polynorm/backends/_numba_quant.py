@@ -81,11 +81,14 @@ def int8_bits(v):
 
 @_inline_ir
 def _encode_span(buf, q, i, j0, j1, s, fp8):
+    # unsigned columns: no negative-index wraparound test, so the loops vectorize
+    lo = np.uint64(j0)
+    hi = np.uint64(j1)
     if fp8:
-        for j in range(j0, j1):
+        for j in range(lo, hi):
             q[i, j] = e4m3fn(buf[j] / s)
     else:
-        for j in range(j0, j1):
+        for j in range(lo, hi):
             q[i, j] = int8_bits(buf[j] / s)
 
 
@@ -93,7 +96,7 @@ def _encode_span(buf, q, i, j0, j1, s, fp8):
 def _amax(buf, j0, j1):
     """``max |buf[j0:j1]|`` by the bits of the magnitudes: a NaN (above inf's bits) wins."""
     m = np.uint32(0)
-    for j in range(j0, j1):
+    for j in range(np.uint64(j0), np.uint64(j1)):
         b = _f32_as_u32(buf[j]) & _ABS
         m = b if b > m else m
     return _u32_as_f32(m)
