@@ -19,10 +19,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
 
-from ._numba_codec import _f32_as_u32, _u32_as_f32, is_bf16, load
+from ._numba_codec import _f32_as_u32, _u32_as_f32, is_bf16, load, prefetch_span
 from ._numba_kernels import (
+    _CHUNK_F,
     EPS_INSIDE,
     HAS_B,
     HAS_R,
@@ -39,44 +42,71 @@ from ._numba_refs import borrow
 
 _ABS = np.uint32(0x7FFFFFFF)
 _F32_MIN_NORMAL = np.float32(2.0**-126)
-# float32 bits of 2**-6 (e4m3fn's smallest normal) and the exponent re-bias (127 - 7) << 3
-_E4M3_NORMAL = np.uint32(0x3C800000)
-_REBIAS = np.uint32(120 << 3)
-_HALF_LSB = np.uint32(0x7FFFF)
-_ONE = np.uint32(1)
-_SUB_MAGIC = np.float32(2.0**23)  # a + 2**23 rounds a in [0, 2**22) to an integer (RNE)
-_SUB_MAGIC_BITS = np.uint32(0x4B000000)
-_I8_MAGIC = np.float32(1.5 * 2.0**23)  # the same for a in [-2**22, 2**22)
-_I8_MAGIC_BITS = np.int64(0x4B400000)
-_E4M3_MAX = np.float32(448.0)
-_I8_LO = np.float32(-128.0)
-_I8_HI = np.float32(127.0)
 
 
-@_inline_ir
-def e4m3fn(v):
-    """float32 ``v`` -> float8_e4m3fn bits: saturated to +-448, nearest even, NaN kept."""
-    u = _f32_as_u32(v)
-    sign = (u >> np.uint32(24)) & np.uint32(0x80)
-    au = u & _ABS
-    a = _u32_as_f32(au)
-    a = a if a < _E4M3_MAX else _E4M3_MAX  # NaN is told apart below
-    au = _f32_as_u32(a)
-    nrm = ((au + _HALF_LSB + ((au >> np.uint32(20)) & _ONE)) >> np.uint32(20)) - _REBIAS
-    sub = _f32_as_u32(a * np.float32(512.0) + _SUB_MAGIC) - _SUB_MAGIC_BITS
-    code = sub if au < _E4M3_NORMAL else nrm
-    code = code if v == v else np.uint32(0x7F)
-    return np.uint8(code | sign)
+@intrinsic
+def e4m3fn(typingctx, v):
+    """float32 ``v`` -> float8_e4m3fn bits: saturated to +-448, nearest even, NaN kept (sign too).
+
+    Written in 32-bit integer IR (Numba would widen the integer steps to 64
+    bits, halving the vector width): the magnitude's bits are clamped to
+    448's (positive floats order as their bits), a normal result rounds its
+    mantissa to 3 bits by adding half an ulp plus the kept lsb (nearest
+    even), a subnormal one (below 2**-6) is ``rint(|v| * 2**9)``, computed
+    exactly by adding 2**23 in float32.
+    """
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+
+        def c(n):
+            return ir.Constant(i32, n)
+
+        u = builder.bitcast(args[0], i32)
+        sign = builder.and_(builder.lshr(u, c(24)), c(0x80))
+        au = builder.and_(u, c(0x7FFFFFFF))
+        nan = builder.icmp_unsigned(">", au, c(0x7F800000))
+        au = builder.select(builder.icmp_unsigned("<", au, c(0x43E00000)), au, c(0x43E00000))
+        lsb = builder.and_(builder.lshr(au, c(20)), c(1))
+        nrm = builder.sub(builder.lshr(builder.add(builder.add(au, c(0x7FFFF)), lsb), c(20)),
+                          c(120 << 3))
+        a = builder.bitcast(au, ir.FloatType())
+        t = builder.fadd(builder.fmul(a, ir.Constant(ir.FloatType(), 512.0)),
+                         ir.Constant(ir.FloatType(), 2.0**23))
+        sub = builder.sub(builder.bitcast(t, i32), c(0x4B000000))
+        code = builder.select(builder.icmp_unsigned("<", au, c(0x3C800000)), sub, nrm)
+        code = builder.select(nan, c(0x7F), code)
+        return builder.trunc(builder.or_(code, sign), ir.IntType(8))
+
+    return types.uint8(v), codegen
 
 
-@_inline_ir
-def int8_bits(v):
-    """float32 ``v`` -> int8 (as uint8 bits): NaN -> 0, saturated to [-128, 127], nearest even."""
-    c = v if v == v else np.float32(0.0)
-    c = c if c > _I8_LO else _I8_LO
-    c = c if c < _I8_HI else _I8_HI
-    t = np.int64(_f32_as_u32(c + _I8_MAGIC)) - _I8_MAGIC_BITS
-    return np.uint8(t & 0xFF)
+@intrinsic
+def int8_bits(typingctx, v):
+    """float32 ``v`` -> int8 (as uint8 bits): NaN -> 0, saturated to [-128, 127], nearest even.
+
+    The clamped value plus 1.5 * 2**23 (float32) is rounded to an integer
+    by the addition itself; its low bits are the result (32-bit IR, as
+    :func:`e4m3fn`).
+    """
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        i32 = ir.IntType(32)
+        x = args[0]
+        x = builder.select(builder.fcmp_unordered("uno", x, x), ir.Constant(f32, 0.0), x)
+        x = builder.select(builder.fcmp_ordered(">", x, ir.Constant(f32, -128.0)), x,
+                           ir.Constant(f32, -128.0))
+        x = builder.select(builder.fcmp_ordered("<", x, ir.Constant(f32, 127.0)), x,
+                           ir.Constant(f32, 127.0))
+        t = builder.bitcast(builder.fadd(x, ir.Constant(f32, 1.5 * 2.0**23)), i32)
+        return builder.trunc(builder.sub(t, ir.Constant(i32, 0x4B400000)), ir.IntType(8))
+
+    return types.uint8(v), codegen
 
 
 @_inline_ir
@@ -103,57 +133,89 @@ def _amax(buf, j0, j1):
 
 
 @_inline_ir
-def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static):
-    """Row ``i`` of ``q`` (and of ``sc`` for dynamic scales) from its float32 ``y`` in ``buf``."""
+def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, amax):
+    """Row ``i`` of ``q`` (and of ``sc`` for dynamic scales) from its float32 ``y`` in ``buf``;
+    ``amax``: ``max |y|`` of the row, already known (one group) or < 0 (recomputed here)."""
     d = buf.shape[0]
     if static:
         _encode_span(buf, q, i, 0, d, static_scale, fp8)
         return
     for g in range(d // gs):
         lo = g * gs
-        s = _amax(buf, lo, lo + gs) / qmax
+        m = amax if gs == d and not amax < 0 else _amax(buf, lo, lo + gs)
+        s = m / qmax
         s = np.float32(1.0) if s < _F32_MIN_NORMAL else s
         sc[i, g] = s
         _encode_span(buf, q, i, lo, lo + gs, s, fp8)
 
 
 @_inline_ir
+def _y_span(i, a, abf, w, b, buf, j0, j1, rc, oc, flags, m):
+    """``buf[j0:j1] = y[i, j0:j1]`` (``_out_span``'s four cases, in float32), and the
+    running ``max |y|`` bits ``m`` over them (NaN's bits are above inf's: NaN wins)."""
+    has_w = (flags & HAS_W) != 0
+    has_b = (flags & HAS_B) != 0
+    lo = np.uint64(j0)
+    hi = np.uint64(j1)
+    if has_w and not has_b:
+        for j in range(lo, hi):
+            v = np.float32(load(a[i, j], abf) * rc * (like(w[j], rc) + oc))
+            buf[j] = v
+            u = _f32_as_u32(v) & _ABS
+            m = u if u > m else m
+    elif not has_w and not has_b:
+        for j in range(lo, hi):
+            v = np.float32(load(a[i, j], abf) * rc)
+            buf[j] = v
+            u = _f32_as_u32(v) & _ABS
+            m = u if u > m else m
+    elif has_w:
+        for j in range(lo, hi):
+            val = load(a[i, j], abf) * rc * (like(w[j], rc) + oc)
+            v = np.float32(val + like(b[j], rc))
+            buf[j] = v
+            u = _f32_as_u32(v) & _ABS
+            m = u if u > m else m
+    else:
+        for j in range(lo, hi):
+            v = np.float32(load(a[i, j], abf) * rc + like(b[j], rc))
+            buf[j] = v
+            u = _f32_as_u32(v) & _ABS
+            m = u if u > m else m
+    return m
+
+
+@_inline_ir
 def _y_row(i, a, abf, w, b, buf, rs, flags, k, eps, offset):
-    """``buf = y[i]`` in float32: ``_fwd_norm_row``'s operations (its rstd, its
-    two cases: ``_out_span`` and the wide ``_fwd_row_wide``)."""
+    """``buf = y[i]`` in float32 with ``_fwd_norm_row``'s operations (its rstd, its
+    two cases: ``_out_span`` and the wide ``_fwd_row_wide``); returns ``max |y|``.
+    The next row is prefetched a chunk at a time during the pass, as the
+    forward's output pass does."""
     r64 = _rstd_from(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0, _row_sumsq(a, i, k, abf))
     rs[0] = r64
     rc = rs[0]  # rstd in the compute type
     oc = like(offset, rc)
-    has_w = (flags & HAS_W) != 0
-    has_b = (flags & HAS_B) != 0
     d = a.shape[1]
     if r64 < math.inf and not rc < math.inf:
         rw = like(r64 * 2.0**-64, oc)
         up = like(2.0**64, oc)
         for j in range(d):
             val = load(a[i, j], abf) * up * rw
-            if has_w:
+            if flags & HAS_W:
                 val = val * (like(w[j], oc) + oc)
-            if has_b:
+            if flags & HAS_B:
                 val = val + like(b[j], oc)
             buf[j] = np.float32(val)
-        return
-    lo = np.uint64(0)
-    hi = np.uint64(d)
-    if has_w and not has_b:
-        for j in range(lo, hi):
-            buf[j] = np.float32(load(a[i, j], abf) * rc * (like(w[j], rc) + oc))
-    elif not has_w and not has_b:
-        for j in range(lo, hi):
-            buf[j] = np.float32(load(a[i, j], abf) * rc)
-    elif has_w:
-        for j in range(lo, hi):
-            val = load(a[i, j], abf) * rc * (like(w[j], rc) + oc)
-            buf[j] = np.float32(val + like(b[j], rc))
+        return _amax(buf, 0, d)
+    m = np.uint32(0)
+    if i + 1 < a.shape[0]:
+        for jc in range(0, d, _CHUNK_F):
+            n = min(_CHUNK_F, d - jc)
+            prefetch_span(a, i + 1, jc, n)
+            m = _y_span(i, a, abf, w, b, buf, jc, jc + n, rc, oc, flags, m)
     else:
-        for j in range(lo, hi):
-            buf[j] = np.float32(load(a[i, j], abf) * rc + like(b[j], rc))
+        m = _y_span(i, a, abf, w, b, buf, 0, d, rc, oc, flags, m)
+    return _u32_as_f32(m)
 
 
 @_jit()
@@ -172,13 +234,13 @@ def quant_rows(lo, hi, x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
         hbf = is_bf16(h)
         for i in range(lo, hi):
             _add_row(i, x, r, h, flags)
-            _y_row(i, h, hbf, w, b, buf, rs, flags, k, eps, offset)
-            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static)
+            m = _y_row(i, h, hbf, w, b, buf, rs, flags, k, eps, offset)
+            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m)
     else:
         xbf = is_bf16(x)
         for i in range(lo, hi):
-            _y_row(i, x, xbf, w, b, buf, rs, flags, k, eps, offset)
-            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static)
+            m = _y_row(i, x, xbf, w, b, buf, rs, flags, k, eps, offset)
+            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m)
 
 
 @_jit(parallel=True)
@@ -197,4 +259,4 @@ def quant_parallel(x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
 def quantize_y_rows(lo, hi, y, q, sc, static_scale, gs, qmax, fp8, static):
     """Rows ``[lo, hi)`` of ``q``/``sc`` from float32 rows ``y`` (the llama path)."""
     for i in range(lo, hi):
-        quantize_row(y[i], q, sc, i, static_scale, gs, qmax, fp8, static)
+        quantize_row(y[i], q, sc, i, static_scale, gs, qmax, fp8, static, np.float32(-1.0))
