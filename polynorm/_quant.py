@@ -89,13 +89,14 @@ def rms_norm_quant(
     propagates NaN: a token (group) with a NaN has scale NaN and ``q`` NaN
     (int8: 0).  ``y = q * s`` dequantizes.
 
-    vLLM's conventions, for comparison: its fused norm + quant kernels
-    (``rms_norm_static_fp8_quant``, ``rms_norm_dynamic_per_token_quant``)
+    vLLM's conventions, for comparison: its static kernels
+    (``rms_norm_static_fp8_quant``, ``fused_add_rms_norm_static_fp8_quant``)
     multiply by the reciprocal ``1 / scale`` instead of dividing (one
-    rounding more: a few quotients differ by an ulp before the final
-    rounding), floor a dynamic fp8 scale at ``1 / (448 * 512)`` instead of
-    replacing a tiny one by 1, and accept an upper bound ``scale_ub``; int8
-    saturates to ``[-128, 127]`` as here.
+    rounding more: a quotient may differ by an ulp before the final
+    rounding); its dynamic per-token kernels (``rms_norm_dynamic_per_token_quant``)
+    divide, as here, but floor the fp8 scale at ``1 / (448 * 512)`` (here:
+    a scale below ``2**-126`` becomes 1) and accept an upper bound
+    ``scale_ub``; int8 saturates to ``[-128, 127]`` as here.
 
     Parameters
     ----------
