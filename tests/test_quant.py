@@ -401,3 +401,38 @@ def test_dask():
         assert_q_equal(q.compute(), want_q, "dask")
         assert_scales_equal(np.asarray(s.compute()), want_s)
         np.testing.assert_array_equal(h.compute(), want_h)
+
+
+# --------------------------------------------------------------------------- sweep (slow)
+
+SWEEP_DTYPES = ["float16", "bfloat16", "float32", "float64"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("xdt", SWEEP_DTYPES)
+@pytest.mark.parametrize("qdtype", ["float8_e4m3fn", "int8"])
+def test_sweep(backend, xdt, qdtype):
+    """Every input dtype x format x scale mode x option mix, with and without a
+    residual of another dtype, against the quantized ``y`` of the same backend."""
+    from _oracle import NP_DTYPES
+
+    rng = np.random.default_rng(16)
+    n, d = 11, 96
+    x = (rng.standard_normal((n, d)) * rng.uniform(1e-3, 1e3, (n, 1))).astype(NP_DTYPES[xdt])
+    r = rng.standard_normal((n, d)).astype(np.float32)
+    w = (1 + 0.5 * rng.standard_normal(d)).astype(np.float32)
+    b = (0.1 * rng.standard_normal(d)).astype(np.float32)
+    for opts in (dict(), dict(eps_mode="outside", offset=1.0), dict(partial=0.25, eps=0.5)):
+        for mode in (dict(scale=0.003), dict(scale=7.0), dict(), dict(group_size=32),
+                     dict(group_size=3)):
+            for res in (None, r):
+                kw = dict(backend=backend, **opts)
+                got = pn.rms_norm_quant(x, w, b, residual=res, dtype=qdtype, **mode, **kw)
+                if res is None:
+                    y = pn.rms_norm(x, w, b, out_dtype="float32", **kw)
+                else:
+                    y, h = pn.add_rms_norm(x, res, w, b, out_dtype="float32", **kw)
+                    np.testing.assert_array_equal(got[2], h)
+                want_q, want_s = oracle_quantize(y, qdtype, **mode)
+                assert_q_equal(got[0], want_q, f"{opts} {mode} residual={res is not None}")
+                assert_scales_equal(got[1], want_s)
