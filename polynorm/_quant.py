@@ -13,11 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import array_api_compat as aac
+import numpy as np
 
 from . import _api
 from ._api import Array, Casting, DTypeLike, EpsMode
 from ._dtypes import float_dtype_name
-from ._options import make_quant_plan, parse_quant_dtype
+from ._options import make_quant_plan, parse_quant_dtype, promote
 
 __all__ = ["rms_norm_quant"]
 
@@ -41,6 +42,55 @@ def _scale_arg(scale: Any) -> tuple[Any, Any]:
             return scale, None  # a numpy scalar array: its value
         return None, scale
     return scale, None
+
+
+def _fast(x, weight, bias, residual, qdtype, scale, group_size, eps, axis, partial, offset,
+          eps_mode, casting, backend):
+    """The call on plain numpy arrays (``axis=-1``, ``backend="auto"``, a float or no
+    scale) straight to the Numba backend, or None: then the generic path takes it,
+    with every check and error message its own."""
+    mod = _api._fast_module(backend, axis)
+    if mod is None or type(x) is not np.ndarray or x.ndim == 0:
+        return None
+    if not _api._all_numpy_or_none(weight, bias, residual, None):
+        return None
+    if not (scale is None or scale.__class__ in _api._SCALARS):
+        return None
+    if not (group_size is None or group_size.__class__ is int):
+        return None
+    names = _api._fast_names()
+    xname = names.get(x.dtype)
+    d = x.shape[-1]
+    if xname is None or d == 0 or x.size == 0:
+        return None
+    if not (_api._fast_vector_ok(weight, d, names) and _api._fast_vector_ok(bias, d, names)):
+        return None
+    norm = xname
+    if residual is not None:
+        rname = names.get(residual.dtype)
+        if rname is None or residual.shape != x.shape:
+            return None
+        norm = promote(xname, rname)
+    plan = _api._fast_plan(d, norm, eps, partial, offset, eps_mode, casting, "float32")
+    if plan is None:
+        return None
+    try:
+        qplan = make_quant_plan(plan, qdtype=qdtype, scale=scale, scale_is_array=False,
+                                group_size=group_size)
+    except (TypeError, ValueError):
+        return None
+    n = x.size // d
+    q2, s2, h2 = mod.quant_forward(x.reshape(n, d), None if residual is None
+                                   else residual.reshape(n, d), weight, bias, qplan, None)
+    batch = x.shape[:-1]
+    q = q2.reshape(x.shape)
+    if qplan.static:
+        scales = s2.reshape(())
+    elif group_size is None:
+        scales = s2.reshape(batch)
+    else:
+        scales = s2.reshape(batch + (qplan.groups,))
+    return (q, scales) if residual is None else (q, scales, h2.reshape(x.shape))
 
 
 def rms_norm_quant(
@@ -148,6 +198,10 @@ def rms_norm_quant(
     array([0.00890843, 0.00787402], dtype=float32)
     """
     qdtype = parse_quant_dtype(dtype)
+    fast = _fast(x, weight, bias, residual, qdtype, scale, group_size, eps, axis, partial,
+                 offset, eps_mode, casting, backend)
+    if fast is not None:
+        return fast
     scale_num, scale_arr = _scale_arg(scale)
     x, residual, weight, bias, scale_arr = (
         _api._native(a) for a in (x, residual, weight, bias, scale_arr))
