@@ -15,10 +15,11 @@ from typing import Any, Literal, TypeAlias
 import array_api_compat as aac
 import numpy as _np
 
-from . import _interop
+from . import _fast
 from . import backends as _backends
-from ._dtypes import float_dtype_name, namespace_dtype, parse_dtype
-from ._options import Plan, make_plan, promote
+from ._dtypes import float_dtype_name, namespace_dtype
+from ._memory import check_out_memory, host_view, partly_written
+from ._options import Options, Plan, make_plan, new_options, promote
 
 __all__ = ["rms_norm", "add_rms_norm", "rms_norm_backward", "backends"]
 
@@ -77,7 +78,9 @@ def _namespace(arrays: dict[str, Any]):
     dev = aac.device(first)
     for argname, a in present.items():
         other = aac.device(a)
-        if other != dev:
+        # None: a traced jax array, whose device is jax's to place (a concrete weight
+        # closed over by jit(grad(f)) meets a traced x here)
+        if other != dev and dev is not None and other is not None:
             raise ValueError(
                 f"{first_name} is on device {dev} but {argname} is on device {other}; "
                 "move them to one device"
@@ -251,10 +254,10 @@ def _check_out(out: Any, x: Any, plan: Plan, inputs: tuple = ()) -> None:
     got = float_dtype_name("out", out)
     if got != plan.out_dtype:
         raise TypeError(f"out must have dtype {plan.out_dtype} (the output dtype), got {got}")
-    ov = _host_view(out)
+    ov = host_view(out)
     if ov is not None:
         names = ("x", "residual", "weight", "bias")[:len(inputs)]
-        _check_out_memory(ov, tuple(_host_view(a) for a in inputs), names)
+        check_out_memory(ov, tuple(host_view(a) for a in inputs), names)
 
 
 def _native(a: Any) -> Any:
@@ -270,298 +273,6 @@ def _native(a: Any) -> Any:
     return a.astype(dt.newbyteorder("="))
 
 
-def _same_memory(a: _np.ndarray, b: _np.ndarray) -> bool:
-    """Whether ``a`` and ``b`` are the same elements: address, shape, strides, item size."""
-    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-            and a.shape == b.shape and a.strides == b.strides and a.itemsize == b.itemsize)
-
-
-def _self_overlaps(a: _np.ndarray) -> bool:
-    """Whether two elements of ``a`` share memory (a zero stride, a broadcast view).
-
-    Exact for every layout whose axes nest (each stride spans the axes of
-    smaller strides, as any slice or transpose of one array does); an
-    interleaved ``as_strided`` layout that does not nest is taken as
-    overlapping.
-    """
-    span = a.itemsize
-    for n, st in sorted(((n, abs(st)) for n, st in zip(a.shape, a.strides, strict=True) if n > 1),
-                        key=lambda p: p[1]):
-        if st < span:
-            return True
-        span = st * n
-    return False
-
-
-def _check_out_memory(out: _np.ndarray, inputs: tuple, names: tuple) -> None:
-    """``out`` (a numpy view) must be writable, in native byte order, free of
-    overlapping elements, and share no memory with an input, except being
-    exactly the same elements as ``x`` or ``residual`` (an in-place call).
-
-    Cheap for the usual calls (a (1, 4096) call is ~3 us): two arrays that
-    own their memory are disjoint; else a bounds test per input
-    (``numpy.may_share_memory``, ~0.3 us), and the exact test only when the
-    bounds overlap.
-    """
-    flags = out.flags
-    if not flags.writeable:
-        raise ValueError("out is read-only; pass a writable array (or out=None)")
-    if not out.dtype.isnative:
-        raise TypeError(
-            f"out must have the machine's byte order, got dtype {out.dtype.str!r}; "
-            f"pass an array of dtype {out.dtype.newbyteorder('=').str!r} (or out=None)"
-        )
-    if not (flags.c_contiguous or flags.f_contiguous) and _self_overlaps(out):
-        raise ValueError(
-            f"out's elements overlap (strides {out.strides}, e.g. a broadcast view); "
-            "pass an array whose elements are distinct"
-        )
-    owner = out.base is None
-    for a, argname in zip(inputs, names, strict=True):
-        if a is None or (owner and a is not out and a.base is None):
-            continue  # a and out own their memory: two allocations
-        if a is out and argname in ("x", "residual"):
-            continue  # in place
-        if not _np.may_share_memory(out, a):
-            continue
-        if argname in ("x", "residual") and _same_memory(out, a):
-            continue  # in place: allowed
-        try:
-            shared = _np.shares_memory(out, a, max_work=1 << 16)  # type: ignore[arg-type]
-        except _np.exceptions.TooHardError:
-            shared = True
-        if shared:
-            allowed = "" if argname not in ("x", "residual") else (
-                f" (out may be exactly {argname}: the same memory, shape and strides)")
-            raise ValueError(f"out overlaps {argname}{allowed}; pass a separate array")
-
-
-def _fast_out_ok(out: _np.ndarray, x, residual, weight, bias) -> bool:
-    """The usual ``out=`` of the fast path, cheaply: a writable C-contiguous
-    array owning its memory (no self-overlap), ``x`` and ``residual`` are
-    ``out`` itself or own theirs, and so do ``weight``/``bias``: nothing
-    can overlap.  False sends the call to the full :func:`_check_out_memory`.
-    The fast path has already matched ``out``'s dtype (native byte order)."""
-    flags = out.flags
-    return (flags.writeable and flags.c_contiguous and out.base is None
-            and (x is out or x.base is None)
-            and (residual is None or residual is out or residual.base is None)
-            and (weight is None or weight.base is None)
-            and (bias is None or bias.base is None))
-
-
-def _host_view(a: Any) -> _np.ndarray | None:
-    """A numpy view of a host array (numpy, torch/jax CPU), or None."""
-    if a is None or type(a) is _np.ndarray:
-        return a
-    if not _interop.is_host_array(a):
-        return None
-    try:
-        return _interop.to_numpy(a)
-    except TypeError:
-        return None
-
-
-def _partly_written(exc: BaseException) -> RuntimeError:
-    """The error of a kernel that failed after it may have written ``out``."""
-    err = RuntimeError(
-        f"the kernel failed ({type(exc).__name__}: {exc}); out may be partly written"
-    )
-    err.__cause__ = exc
-    return err
-
-
-# --------------------------------------------------------------------------- numpy fast path
-# Plain numpy arrays, axis=-1, backend="auto": go straight to the numba
-# backend with a cached Plan, skipping the array-API namespace machinery
-# (~10 us of a (1, 4096) call).  Only the valid, simple case is handled here:
-# anything unusual -- another axis, a non-float dtype, a wrong shape, bad
-# options, zero tokens -- returns None and the generic path below runs, so
-# every check and every error message stays the generic path's own.
-
-_FAST_NAMES: dict[Any, str] = {}  # numpy dtype -> float dtype name
-_fast_plans: dict[tuple, Plan] = {}
-_SCALARS = (float, int)  # exact types: bool, numpy scalars etc. take the generic path
-
-
-def _fast_names() -> dict[Any, str]:
-    if not _FAST_NAMES:
-        import ml_dtypes
-
-        for name in ("float16", "float32", "float64"):
-            _FAST_NAMES[_np.dtype(name)] = name
-        _FAST_NAMES[_np.dtype(ml_dtypes.bfloat16)] = "bfloat16"
-    return _FAST_NAMES
-
-
-_fast_mod: list = []  # the numba backend module once it has loaded
-
-
-def _fast_module(backend: Any, axis: Any):
-    """The numba backend module if this call may take the fast path."""
-    if backend.__class__ is not str or backend != "auto" or axis.__class__ is not int or axis != -1:
-        return None
-    if _fast_mod:
-        return _fast_mod[0]
-    if not _backends.usable("numba"):
-        return None
-    _fast_mod.append(_backends._loaded["numba"])
-    return _fast_mod[0]
-
-
-def _fast_plan(d, dtype, eps, partial, offset, eps_mode, casting, out_dtype) -> Plan | None:
-    if (
-        eps.__class__ not in _SCALARS or partial.__class__ not in _SCALARS
-        or offset.__class__ not in _SCALARS or eps_mode.__class__ is not str
-        or casting.__class__ is not str or not (out_dtype is None or out_dtype.__class__ is str)
-    ):
-        return None
-    key = (d, dtype, eps, partial, offset, eps_mode, casting, out_dtype)
-    plan = _fast_plans.get(key)
-    if plan is not None:
-        return plan
-    try:
-        plan = make_plan(d, dtype, eps=eps, partial=partial, offset=offset, eps_mode=eps_mode,
-                         casting=casting, out_dtype=parse_dtype("out_dtype", out_dtype))
-    except (TypeError, ValueError):
-        return None  # the generic path raises it, in its own order
-    if len(_fast_plans) < 1024:
-        _fast_plans[key] = plan
-    return plan
-
-
-def _all_numpy_or_none(a, b, c, e) -> bool:
-    # spelled out: a generator over the arguments costs ~0.3 us of a (1, 4096) call
-    nd = _np.ndarray
-    return ((a is None or type(a) is nd) and (b is None or type(b) is nd)
-            and (c is None or type(c) is nd) and (e is None or type(e) is nd))
-
-
-def _fast_vector_ok(a, d: int, names: dict) -> bool:
-    """weight/bias the fast path can take: absent, or shape (d,) with a float dtype."""
-    return a is None or (a.ndim == 1 and a.shape[0] == d and a.dtype in names)
-
-
-def _fast_forward(mod, x, residual, weight, bias, out, return_rstd, eps, partial, offset,
-                  eps_mode, casting, out_dtype, fused):
-    """``rms_norm``/``add_rms_norm`` on numpy arrays, or None for the generic path."""
-    if type(x) is not _np.ndarray:
-        # torch CPU tensors: the same path on zero-copy numpy views (polynorm._interop)
-        if type(x).__module__ != "torch" or x.ndim == 0:
-            return None
-        views = _interop.torch_host_views((x, residual, weight, bias, out))
-        if views is None:
-            return None
-        if out is not None:
-            # in place: the same view object, which the overlap check knows at once
-            if out is x:
-                views[4] = views[0]
-            elif out is residual:
-                views[4] = views[1]
-        r = _fast_forward(mod, *views, return_rstd, eps, partial, offset, eps_mode, casting,
-                          out_dtype, fused)
-        if r is None:
-            return None
-        r = [_interop.torch_from_host(a) for a in ((r,) if type(r) is _np.ndarray else r)]
-        if out is not None:
-            r[0] = out
-        return r[0] if len(r) == 1 else tuple(r)
-    if x.ndim == 0:
-        return None
-    if not _all_numpy_or_none(residual, weight, bias, out):
-        return None
-    names = _FAST_NAMES or _fast_names()
-    shape = x.shape
-    d = shape[-1]
-    dtype = names.get(x.dtype)
-    if dtype is None or d == 0:
-        return None
-    if not (_fast_vector_ok(weight, d, names) and _fast_vector_ok(bias, d, names)):
-        return None
-    if residual is not None:
-        rdt = names.get(residual.dtype)
-        if rdt is None or residual.shape != shape:
-            return None
-        dtype = promote(dtype, rdt)
-    plan = _fast_plan(d, dtype, eps, partial, offset, eps_mode, casting, out_dtype)
-    if plan is None:
-        return None
-    two_d = len(shape) == 2
-    if out is not None and (
-        not two_d or out.shape != shape or names.get(out.dtype) != plan.out_dtype
-    ):
-        return None
-    n = shape[0] if two_d else x.size // d
-    if n == 0:
-        return None
-    if out is not None and not _fast_out_ok(out, x, residual, weight, bias):
-        _check_out_memory(out, (x, residual, weight, bias), ("x", "residual", "weight", "bias"))
-    if (two_d and residual is None and out is None and n * d < mod.SERIAL_MAX_ELEMENTS
-            and not plan.llama):
-        y, rstd = mod.forward_small(x, weight, bias, plan)
-        return (y, rstd) if return_rstd else y
-    if two_d:
-        try:
-            y, h, rstd = mod.forward(x, residual, weight, bias, plan, out)
-        except Exception as exc:
-            if out is None:
-                raise
-            raise _partly_written(exc) from exc
-    else:
-        r2 = None if residual is None else residual.reshape(n, d)
-        y, h, rstd = mod.forward(x.reshape(n, d), r2, weight, bias, plan, None)
-        y = y.reshape(shape)
-        h = None if h is None else h.reshape(shape)
-        rstd = rstd.reshape(shape[:-1])
-    if out is not None:
-        y = out
-    if fused:
-        return (y, h, rstd) if return_rstd else (y, h)
-    return (y, rstd) if return_rstd else y
-
-
-def _fast_backward(mod, dy, x, weight, bias, rstd, grad_residual, eps, partial, offset,
-                   eps_mode, casting):
-    """``rms_norm_backward`` on numpy arrays, or None for the generic path."""
-    if type(x) is not _np.ndarray and type(x).__module__ == "torch" and x.ndim != 0:
-        views = _interop.torch_host_views((dy, x, weight, bias, rstd, grad_residual))
-        if views is None:
-            return None
-        r = _fast_backward(mod, *views, eps, partial, offset, eps_mode, casting)
-        return None if r is None else tuple(_interop.torch_from_host(a) for a in r)
-    if type(x) is not _np.ndarray or type(dy) is not _np.ndarray or x.ndim == 0:
-        return None
-    if not _all_numpy_or_none(weight, bias, rstd, grad_residual):
-        return None
-    names = _FAST_NAMES or _fast_names()
-    shape = x.shape
-    d = shape[-1]
-    dtype = names.get(x.dtype)
-    if dtype is None or d == 0 or dy.shape != shape or dy.dtype not in names:
-        return None
-    if not (_fast_vector_ok(weight, d, names) and _fast_vector_ok(bias, d, names)):
-        return None
-    if grad_residual is not None and (
-        grad_residual.shape != shape or grad_residual.dtype not in names
-    ):
-        return None
-    plan = _fast_plan(d, dtype, eps, partial, offset, eps_mode, casting, None)
-    if plan is None:
-        return None
-    if rstd is not None and (rstd.shape != shape[:-1] or names.get(rstd.dtype) != plan.rstd_dtype):
-        return None
-    two_d = len(shape) == 2
-    n = shape[0] if two_d else x.size // d
-    if n == 0:
-        return None
-    if two_d:
-        return mod.backward(dy, x, weight, bias, rstd, grad_residual, plan)
-    gr = None if grad_residual is None else grad_residual.reshape(n, d)
-    r1 = None if rstd is None else rstd.reshape(n)
-    dx, dw, db = mod.backward(dy.reshape(n, d), x.reshape(n, d), weight, bias, r1, gr, plan)
-    return dx.reshape(shape), dw, db
-
-
 # --------------------------------------------------------------------------- front end
 
 
@@ -572,21 +283,9 @@ class _Call:
     backend: Any
 
 
-def _prepare(
-    *,
-    x: Any,
-    weight: Any,
-    bias: Any,
-    arrays: dict[str, Any],
-    eps: Any,
-    axis: Any,
-    partial: Any,
-    offset: Any,
-    eps_mode: Any,
-    casting: Any,
-    out_dtype: Any,
-    backend: Any,
-) -> _Call:
+def _prepare(*, x: Any, weight: Any, bias: Any, arrays: dict[str, Any], opts: Options) -> _Call:
+    """Check the arrays against each other, lay them out as rows, resolve the Plan, and
+    choose the backend (``opts.backend``)."""
     xp = _namespace({"x": x, **arrays, "weight": weight, "bias": bias})
     x_dtype = float_dtype_name("x", x)
     for argname, a in {"weight": weight, "bias": bias, **arrays}.items():
@@ -596,36 +295,38 @@ def _prepare(
     if arrays.get("residual") is not None:
         # h = x + residual lives in the promoted dtype; y = rms_norm(h)
         norm_dtype = promote(x_dtype, float_dtype_name("residual", arrays["residual"]))
-    lay = _layout(xp, x, axis)
+    lay = _layout(xp, x, opts.axis)
     _check_shape("weight", weight, lay.norm_shape, "x's shape over the normalized axes")
     _check_shape("bias", bias, lay.norm_shape, "x's shape over the normalized axes")
     for argname in ("residual", "dy", "grad_residual"):
         _check_shape(argname, arrays.get(argname), lay.shape, "the shape of x")
-    plan = make_plan(
-        lay.d,
-        norm_dtype,
-        eps=eps,
-        partial=partial,
-        offset=offset,
-        eps_mode=eps_mode,
-        casting=casting,
-        out_dtype=parse_dtype("out_dtype", out_dtype),
-    )
+    plan = make_plan(lay.d, norm_dtype, opts)
     if plan.out_dtype != norm_dtype:
         # e.g. out_dtype="bfloat16" for array-api-strict, which has none: say so now
         try:
             namespace_dtype(xp, plan.out_dtype, x)
         except TypeError as exc:
-            raise TypeError(f"out_dtype={out_dtype!r} is not available here: {exc}") from None
-    mod = _choose_backend(backend, x)
+            raise TypeError(f"out_dtype={opts.out_dtype!r} is not available here: {exc}") from None
+    mod = _choose_backend(opts.backend, x)
     return _Call(lay=lay, plan=plan, backend=mod)
 
 
-def _forward(x, residual, weight, bias, out, return_rstd, options, *, fused: bool):
+def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: bool = False,
+            fused: bool = False):
+    """:func:`rms_norm` (``fused=False``) or :func:`add_rms_norm` with the options packed.
+
+    The entry of :mod:`polynorm.torch` and :mod:`polynorm.jax` too: the fast path
+    when it takes the call, else the general path.
+    """
+    mod = _fast.numba_module(opts)
+    if mod is not None:
+        r = _fast.forward(mod, x, residual, weight, bias, out, return_rstd, opts, fused)
+        if r is not None:
+            return r
+    x, residual, weight, bias = _native(x), _native(residual), _native(weight), _native(bias)
     weight, bias = _chunk_library_params(x, weight, bias)
-    call = _prepare(
-        x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out}, **options
-    )
+    call = _prepare(x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out},
+                    opts=opts)
     lay, plan = call.lay, call.plan
     _check_out(out, x, plan, (x, residual, weight, bias))
     out2 = _view_rows(lay, out) if out is not None else None
@@ -640,7 +341,7 @@ def _forward(x, residual, weight, bias, out, return_rstd, options, *, fused: boo
         except Exception as exc:
             if out2 is None:  # out is written below, after the kernel: untouched
                 raise
-            raise _partly_written(exc) from exc
+            raise partly_written(exc) from exc
     if out is not None and out2 is not None and y2 is out2:
         y = out
     else:
@@ -673,7 +374,7 @@ def _empty_forward(lay: _Layout, x, residual, plan: Plan):
     y = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.out_dtype, x), device=dev)
     h = None
     if residual is not None:
-        h = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.x_dtype, x), device=dev)
+        h = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.norm_dtype, x), device=dev)
     rstd = xp.empty((0,), dtype=namespace_dtype(xp, plan.compute_dtype, x), device=dev)
     return y, h, rstd
 
@@ -755,16 +456,8 @@ def rms_norm(
     array([[ 0.84852815,  1.1313709 ],
            [ 1.        , -1.        ]], dtype=float32)
     """
-    mod = _fast_module(backend, axis)
-    if mod is not None:
-        r = _fast_forward(mod, x, None, weight, bias, out, return_rstd, eps, partial, offset,
-                          eps_mode, casting, out_dtype, False)
-        if r is not None:
-            return r
-    options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
-                   casting=casting, out_dtype=out_dtype, backend=backend)
-    x, weight, bias = _native(x), _native(weight), _native(bias)
-    return _forward(x, None, weight, bias, out, return_rstd, options, fused=False)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    return forward(x, None, weight, bias, opts, out=out, return_rstd=return_rstd)
 
 
 def add_rms_norm(
@@ -825,16 +518,8 @@ def add_rms_norm(
     """
     if residual is None:
         raise TypeError("residual must be an array, got None")
-    mod = _fast_module(backend, axis)
-    if mod is not None:
-        r = _fast_forward(mod, x, residual, weight, bias, out, return_rstd, eps, partial, offset,
-                          eps_mode, casting, out_dtype, True)
-        if r is not None:
-            return r
-    options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
-                   casting=casting, out_dtype=out_dtype, backend=backend)
-    x, residual, weight, bias = _native(x), _native(residual), _native(weight), _native(bias)
-    return _forward(x, residual, weight, bias, out, return_rstd, options, fused=True)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    return forward(x, residual, weight, bias, opts, out=out, return_rstd=return_rstd, fused=True)
 
 
 def rms_norm_backward(
@@ -911,21 +596,22 @@ def rms_norm_backward(
     if out is not None or return_rstd or out_dtype is not None:
         bad = "out" if out is not None else ("return_rstd" if return_rstd else "out_dtype")
         raise ValueError(f"{bad} is not used by rms_norm_backward; leave it at its default")
-    mod = _fast_module(backend, axis)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, None, backend))
+    return backward(dy, x, weight, bias, rstd, grad_residual, opts)
+
+
+def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options):
+    """:func:`rms_norm_backward` with the options packed (``opts.out_dtype`` is None)."""
+    mod = _fast.numba_module(opts)
     if mod is not None:
-        r = _fast_backward(mod, dy, x, weight, bias, rstd, grad_residual, eps, partial, offset,
-                           eps_mode, casting)
+        r = _fast.backward(mod, dy, x, weight, bias, rstd, grad_residual, opts)
         if r is not None:
             return r
-    options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
-                   casting=casting, out_dtype=None, backend=backend)
     dy, x, weight, bias, rstd, grad_residual = (
         _native(a) for a in (dy, x, weight, bias, rstd, grad_residual))
     weight, bias = _chunk_library_params(x, weight, bias)
-    call = _prepare(
-        x=x, weight=weight, bias=bias,
-        arrays={"dy": dy, "rstd": rstd, "grad_residual": grad_residual}, **options,
-    )
+    call = _prepare(x=x, weight=weight, bias=bias,
+                    arrays={"dy": dy, "rstd": rstd, "grad_residual": grad_residual}, opts=opts)
     lay, plan = call.lay, call.plan
     rstd1 = None
     if rstd is not None:

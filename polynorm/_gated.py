@@ -16,14 +16,15 @@ import array_api_compat as aac
 from . import _api
 from ._api import Array, Casting, DTypeLike, EpsMode
 from ._dtypes import float_dtype_name, namespace_dtype
-from ._options import GatedPlan, make_gated_plan
+from ._memory import check_out_memory, host_view, partly_written
+from ._options import GatedPlan, Options, make_gated_plan, new_options
 
 __all__ = ["rms_norm_gated", "rms_norm_gated_backward"]
 
 
 def _gated_backend(backend: Any, x: Any):
     mod = _api._choose_backend(backend, x)
-    if hasattr(mod, "gated_forward"):
+    if isinstance(mod, _api._backends.GatedKernels):
         return mod
     if backend == "auto":
         return _api._backends.get("array_api")
@@ -31,20 +32,19 @@ def _gated_backend(backend: Any, x: Any):
         f"backend {backend!r} has no gated RMSNorm kernels; use backend='auto' or 'array_api'")
 
 
-def _prepare(x, z, weight, bias, arrays, options, group_size, norm_before_gate):
+def _prepare(x, z, weight, bias, arrays, opts: Options, group_size, norm_before_gate):
     if z is None:
         raise TypeError("z must be an array (the gate), got None")
     weight, bias = _api._chunk_library_params(x, weight, bias)
     if aac.is_dask_array(x) and not aac.is_dask_array(z):
         raise TypeError(f"z must be a dask array like x, got {type(z).__name__}")
-    backend = options.pop("backend")
     call = _api._prepare(x=x, weight=weight, bias=bias, arrays={"z": z, **arrays},
-                         backend="array_api", **options)
+                         opts=opts._replace(backend="array_api"))
     lay = call.lay
     _api._check_shape("z", z, lay.shape, "the shape of x")
     float_dtype_name("z", z)
     gplan = make_gated_plan(call.plan, group_size=group_size, norm_before_gate=norm_before_gate)
-    mod = _gated_backend(backend, x)
+    mod = _gated_backend(opts.backend, x)
     return lay, gplan, mod, weight, bias
 
 
@@ -120,18 +120,24 @@ def rms_norm_gated(
     >>> y.dtype, np.round(y, 3)
     (dtype('float32'), array([[16.971, 22.627]], dtype=float32))
     """
-    options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
-                   casting=casting, out_dtype=out_dtype, backend=backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    return gated_forward(x, z, weight, bias, opts, group_size=group_size,
+                         norm_before_gate=norm_before_gate, out=out, return_rstd=return_rstd)
+
+
+def gated_forward(x, z, weight, bias, opts: Options, *, group_size, norm_before_gate,
+                  out=None, return_rstd: bool = False):
+    """:func:`rms_norm_gated` with the options packed (the entry of torch and jax)."""
     x, z, weight, bias = (_api._native(a) for a in (x, z, weight, bias))
-    lay, gplan, mod, weight, bias = _prepare(x, z, weight, bias, {"out": out}, options,
+    lay, gplan, mod, weight, bias = _prepare(x, z, weight, bias, {"out": out}, opts,
                                              group_size, norm_before_gate)
     plan = gplan.plan
     _api._check_out(out, x, plan, ())
     if out is not None:
-        ov = _api._host_view(out)
+        ov = host_view(out)
         if ov is not None:
-            _api._check_out_memory(ov, tuple(_api._host_view(a) for a in (x, z, weight, bias)),
-                                   ("x", "z", "weight", "bias"))
+            check_out_memory(ov, tuple(host_view(a) for a in (x, z, weight, bias)),
+                             ("x", "z", "weight", "bias"))
     xp = lay.xp
     if lay.n == 0:
         dev = aac.device(x)
@@ -147,7 +153,7 @@ def rms_norm_gated(
         except Exception as exc:
             if out2 is None:
                 raise
-            raise _api._partly_written(exc) from exc
+            raise partly_written(exc) from exc
         if out2 is not None and y2 is out2:
             y2 = None
     if y2 is None:
@@ -226,11 +232,17 @@ def rms_norm_gated_backward(
         raise ValueError(f"{bad} is not used by rms_norm_gated_backward; leave it at its default")
     if dy is None:
         raise TypeError("dy must be an array, got None")
-    options = dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
-                   casting=casting, out_dtype=None, backend=backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, None, backend))
+    return gated_backward(dy, x, z, weight, bias, rstd, opts, group_size=group_size,
+                          norm_before_gate=norm_before_gate)
+
+
+def gated_backward(dy, x, z, weight, bias, rstd, opts: Options, *, group_size,
+                   norm_before_gate):
+    """:func:`rms_norm_gated_backward` with the options packed."""
     dy, x, z, weight, bias, rstd = (_api._native(a) for a in (dy, x, z, weight, bias, rstd))
     lay, gplan, mod, weight, bias = _prepare(x, z, weight, bias, {"dy": dy, "rstd": rstd},
-                                             options, group_size, norm_before_gate)
+                                             opts, group_size, norm_before_gate)
     _api._check_shape("dy", dy, lay.shape, "the shape of x")
     float_dtype_name("dy", dy)
     xp = lay.xp

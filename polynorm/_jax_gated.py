@@ -14,40 +14,38 @@ from typing import Any
 import jax
 
 from . import _gated
+from ._options import Options, new_options
 
 __all__ = ["rms_norm_gated"]
 
 
-def _backend(static: tuple, *arrays) -> str:
-    backend = static[-1]
-    if backend == "auto" and any(isinstance(a, jax.core.Tracer) for a in arrays):
-        return "array_api"
-    return backend
+def _opts(static: tuple, *arrays) -> Options:
+    """The options of ``static = (group_size, norm_before_gate, opts)``; ``backend="auto"``
+    runs the reference on tracers (the kernels need concrete arrays)."""
+    opts = static[2]
+    if opts.backend == "auto" and any(isinstance(a, jax.core.Tracer) for a in arrays):
+        return opts._replace(backend="array_api")
+    return opts
 
 
-def _kw(static: tuple, *arrays) -> dict[str, Any]:
-    group_size, nbg, eps, axis, partial, offset, eps_mode, casting, _ = static
-    return dict(group_size=group_size, norm_before_gate=nbg, eps=eps, axis=axis,
-                partial=partial, offset=offset, eps_mode=eps_mode, casting=casting,
-                backend=_backend(static, *arrays))
+@_partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gated_fn(static, x, z, weight, bias):
+    return _gated.gated_forward(x, z, weight, bias, _opts(static, x, z, weight, bias),
+                                group_size=static[0], norm_before_gate=static[1])
 
 
-@_partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _gated_fn(static, out_dtype, x, z, weight, bias):
-    return _gated.rms_norm_gated(x, z, weight, bias, out_dtype=out_dtype,
-                                 **_kw(static, x, z, weight, bias))
-
-
-def _fwd(static, out_dtype, x, z, weight, bias):
-    y, rstd = _gated.rms_norm_gated(x, z, weight, bias, out_dtype=out_dtype, return_rstd=True,
-                                    **_kw(static, x, z, weight, bias))
+def _fwd(static, x, z, weight, bias):
+    y, rstd = _gated.gated_forward(x, z, weight, bias, _opts(static, x, z, weight, bias),
+                                   group_size=static[0], norm_before_gate=static[1],
+                                   return_rstd=True)
     return y, (x, z, weight, bias, rstd)
 
 
-def _bwd(static, out_dtype, res, dy):
+def _bwd(static, res, dy):
     x, z, weight, bias, rstd = res
-    dx, dz, dw, db = _gated.rms_norm_gated_backward(dy, x, z, weight, bias, rstd=rstd,
-                                                    **_kw(static, dy, x, z, rstd))
+    opts = _opts(static, dy, x, z, rstd)._replace(out_dtype=None)
+    dx, dz, dw, db = _gated.gated_backward(dy, x, z, weight, bias, rstd, opts,
+                                           group_size=static[0], norm_before_gate=static[1])
     return dx, dz, dw, db
 
 
@@ -84,11 +82,7 @@ def rms_norm_gated(x, z, weight=None, bias=None, *, group_size: int | None = Non
     >>> dz.shape, float(dz[0, 0])     # silu'(0) = 1/2, xhat = 1
     ((2, 4), 0.5)
     """
-    ax = tuple(axis) if isinstance(axis, (tuple, list)) else axis
-    static = (group_size, bool(norm_before_gate), float(eps), ax, float(partial), float(offset),
-              eps_mode, casting, backend)
-    if out_dtype is not None and not isinstance(out_dtype, str):
-        from ._dtypes import parse_dtype
+    from .jax import _static
 
-        out_dtype = parse_dtype("out_dtype", out_dtype)
-    return _gated_fn(static, out_dtype, x, z, weight, bias)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    return _gated_fn((group_size, bool(norm_before_gate), _static(opts)), x, z, weight, bias)

@@ -43,9 +43,8 @@ change the backward: it is the derivative of the exact (unrounded) function.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 EPS_MODES = ("inside", "outside")
@@ -72,6 +71,43 @@ def promote(a: str, b: str) -> str:
     return a if ra > rb else b
 
 
+class Options(NamedTuple):
+    """The keyword options of a call, as the caller gave them; built once per call.
+
+    Every public function packs its keywords into one ``Options`` and passes
+    it down: the front end resolves it into a :class:`Plan`
+    (:func:`make_plan`), the torch custom ops carry its fields as their
+    schema arguments (:data:`OPTION_TYPES`), and jax takes it, hashable, as a
+    static argument.  A new option is one field here (with its schema type),
+    its resolution in :func:`make_plan` and the kernels that read the Plan.
+
+    >>> Options(eps=1e-5).eps_mode
+    'inside'
+    """
+
+    eps: Any = 1e-6
+    axis: Any = -1
+    partial: Any = 1.0
+    offset: Any = 0.0
+    eps_mode: Any = "inside"
+    casting: Any = "fp32"
+    out_dtype: Any = None
+    backend: Any = "auto"
+
+
+#: Each option's type in torch's custom-op schema language (``polynorm.torch``).
+OPTION_TYPES: dict[str, str] = {
+    "eps": "float", "axis": "int[]", "partial": "float", "offset": "float",
+    "eps_mode": "str", "casting": "str", "out_dtype": "str?", "backend": "str",
+}
+assert tuple(OPTION_TYPES) == Options._fields
+
+#: ``new_options(Options, (eps, axis, ...))``: an :class:`Options` from its fields in
+#: order, without the NamedTuple's Python ``__new__`` (a third of a microsecond, which
+#: is a tenth of a small call's whole cost).
+new_options = tuple.__new__
+
+
 def compute_dtype(x_dtype: str) -> str:
     """The dtype the math runs in: float64 for float64 input, else float32."""
     return "float64" if x_dtype == "float64" else "float32"
@@ -95,12 +131,15 @@ class Plan:
         Added to the weight (Gemma's ``1 + w`` is ``offset=1.0``).
     llama : bool
         ``casting == "llama"``.
-    x_dtype : str
+    norm_dtype : str
         dtype of the normalized input (``h`` for the fused add).
     compute_dtype : str
         ``"float32"`` or ``"float64"``; also the dtype of ``rstd``.
     out_dtype : str
         dtype of ``y``.
+    memo : dict
+        Per-plan values a backend derives once (its flag words, dtype
+        objects); not part of the plan's identity.
     """
 
     d: int
@@ -109,9 +148,10 @@ class Plan:
     eps_inside: bool
     offset: float
     llama: bool
-    x_dtype: str
+    norm_dtype: str
     compute_dtype: str
     out_dtype: str
+    memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
     def rstd_dtype(self) -> str:
@@ -134,46 +174,56 @@ def _check_real(name: str, value: Any) -> float:
     return float(value)
 
 
-def make_plan(
-    d: int,
-    x_dtype: str,
-    *,
-    eps: float,
-    partial: float,
-    offset: float,
-    eps_mode: str,
-    casting: str,
-    out_dtype: str | None,
-) -> Plan:
-    """Validate the scalar options and resolve them into a :class:`Plan`.
+_PLANS: dict[tuple, Plan] = {}
+_EXACT = (float, int)  # the scalar types a cached plan may be looked up by, unchecked
 
-    Cached: a repeated call with the same options costs one dict lookup,
-    which keeps the per-call overhead of the front end small.  The scalars
-    are checked and converted to ``float`` before the cache lookup: a numpy
-    scalar counts by its value, and a non-number (an unhashable 0-d array
-    included) is a ``TypeError`` naming the argument, not the cache's own
-    "unhashable type" error.
 
-    >>> p = make_plan(10, "bfloat16", eps=1e-6, partial=0.3, offset=0.0,
-    ...               eps_mode="inside", casting="fp32", out_dtype=None)
+def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
+    """Validate the options and resolve them into a :class:`Plan`; cached.
+
+    A repeated call with the same options costs one dict lookup, which keeps
+    the per-call overhead of the front end small.  Options of exact Python
+    types (``float``/``int``/``str``) are looked up as they are; anything
+    else is checked and converted first, so that a numpy scalar counts by its
+    value and a non-number (``True``, an unhashable 0-d array) is a
+    ``TypeError`` naming the argument, not a cache hit or the cache's own
+    "unhashable type" error.  ``opts.axis`` and ``opts.backend`` are the
+    front end's business and not read here.
+
+    >>> p = make_plan(10, "bfloat16", Options(partial=0.3))
     >>> (p.k, p.compute_dtype, p.out_dtype)
     (3, 'float32', 'bfloat16')
     """
+    eps, _, partial, offset, eps_mode, casting, out_dtype, _ = opts
+    exact = (eps.__class__ in _EXACT and partial.__class__ in _EXACT
+             and offset.__class__ in _EXACT and eps_mode.__class__ is str
+             and casting.__class__ is str and (out_dtype is None or out_dtype.__class__ is str))
+    if exact:
+        key = (d, norm_dtype, eps, partial, offset, eps_mode, casting, out_dtype)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan
+    from ._dtypes import parse_dtype
+
+    out_name = parse_dtype("out_dtype", out_dtype)
     if not isinstance(eps_mode, str):
         raise TypeError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
     if not isinstance(casting, str):
         raise TypeError(f"casting must be one of {CASTINGS}, got {casting!r}")
-    return _make_plan(
-        d, x_dtype, eps=_check_real("eps", eps), partial=_check_real("partial", partial),
-        offset=_check_real("offset", offset), eps_mode=eps_mode, casting=casting,
-        out_dtype=out_dtype,
-    )
+    plan = _resolve(d, norm_dtype, eps=_check_real("eps", eps),
+                    partial=_check_real("partial", partial),
+                    offset=_check_real("offset", offset), eps_mode=eps_mode, casting=casting,
+                    out_dtype=out_name)
+    if exact:
+        if len(_PLANS) >= 1024:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
-@lru_cache(maxsize=1024)
-def _make_plan(
+def _resolve(
     d: int,
-    x_dtype: str,
+    norm_dtype: str,
     *,
     eps: float,
     partial: float,
@@ -203,7 +253,7 @@ def _make_plan(
             f"partial must be at least 1/d = {1 / d!r}"
         )
     if out_dtype is None:
-        out_dtype = x_dtype
+        out_dtype = norm_dtype
     elif out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
     return Plan(
@@ -213,8 +263,8 @@ def _make_plan(
         eps_inside=eps_mode == "inside",
         offset=offset,
         llama=casting == "llama",
-        x_dtype=x_dtype,
-        compute_dtype=compute_dtype(x_dtype),
+        norm_dtype=norm_dtype,
+        compute_dtype=compute_dtype(norm_dtype),
         out_dtype=out_dtype,
     )
 
@@ -282,8 +332,7 @@ def make_gated_plan(plan: Plan, *, group_size: Any, norm_before_gate: Any) -> Ga
     group (pRMSNorm's leading ``k`` has no per-group meaning in Mamba, vLLM or
     FLA, so polynorm does not invent one).
 
-    >>> p = make_plan(8, "float32", eps=1e-6, partial=1.0, offset=0.0,
-    ...               eps_mode="inside", casting="fp32", out_dtype=None)
+    >>> p = make_plan(8, "float32", Options())
     >>> make_gated_plan(p, group_size=4, norm_before_gate=False).groups
     2
     """
@@ -388,8 +437,7 @@ def make_quant_plan(plan: Plan, *, qdtype: str, scale: Any, scale_is_array: bool
     ``scale`` (a real number, when not an array) must be positive and finite
     as a float32; ``group_size`` (dynamic scales only) must divide ``d``.
 
-    >>> p = make_plan(8, "float32", eps=1e-6, partial=1.0, offset=0.0,
-    ...               eps_mode="inside", casting="fp32", out_dtype="float32")
+    >>> p = make_plan(8, "float32", Options(out_dtype="float32"))
     >>> make_quant_plan(p, qdtype="int8", scale=None, scale_is_array=False, group_size=4).groups
     2
     """

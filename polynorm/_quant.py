@@ -16,16 +16,17 @@ import array_api_compat as aac
 import numpy as np
 
 from . import _api
+from . import _fast as _fastpath
 from ._api import Array, Casting, DTypeLike, EpsMode
 from ._dtypes import float_dtype_name
-from ._options import make_quant_plan, parse_quant_dtype, promote
+from ._options import Options, make_quant_plan, new_options, parse_quant_dtype, promote
 
 __all__ = ["rms_norm_quant"]
 
 
 def _quant_backend(backend: Any, x: Any):
     mod = _api._choose_backend(backend, x)
-    if hasattr(mod, "quant_forward"):
+    if isinstance(mod, _api._backends.QuantKernels):
         return mod
     if backend == "auto":
         return _api._backends.get("array_api")
@@ -44,26 +45,25 @@ def _scale_arg(scale: Any) -> tuple[Any, Any]:
     return scale, None
 
 
-def _fast(x, weight, bias, residual, qdtype, scale, group_size, eps, axis, partial, offset,
-          eps_mode, casting, backend):
+def _fast(x, weight, bias, residual, qdtype, scale, group_size, opts: Options):
     """The call on plain numpy arrays (``axis=-1``, ``backend="auto"``, a float or no
     scale) straight to the Numba backend, or None: then the generic path takes it,
     with every check and error message its own."""
-    mod = _api._fast_module(backend, axis)
+    mod = _fastpath.numba_module(opts)
     if mod is None or type(x) is not np.ndarray or x.ndim == 0:
         return None
-    if not _api._all_numpy_or_none(weight, bias, residual, None):
+    if not _fastpath._all_numpy_or_none(weight, bias, residual, None):
         return None
-    if not (scale is None or scale.__class__ in _api._SCALARS):
+    if not (scale is None or scale.__class__ in (float, int)):
         return None
     if not (group_size is None or group_size.__class__ is int):
         return None
-    names = _api._fast_names()
+    names = _fastpath._names()
     xname = names.get(x.dtype)
     d = x.shape[-1]
     if xname is None or d == 0 or x.size == 0:
         return None
-    if not (_api._fast_vector_ok(weight, d, names) and _api._fast_vector_ok(bias, d, names)):
+    if not (_fastpath._vector_ok(weight, d, names) and _fastpath._vector_ok(bias, d, names)):
         return None
     norm = xname
     if residual is not None:
@@ -71,7 +71,7 @@ def _fast(x, weight, bias, residual, qdtype, scale, group_size, eps, axis, parti
         if rname is None or residual.shape != x.shape:
             return None
         norm = promote(xname, rname)
-    plan = _api._fast_plan(d, norm, eps, partial, offset, eps_mode, casting, "float32")
+    plan = _fastpath._plan(d, norm, opts)
     if plan is None:
         return None
     try:
@@ -198,8 +198,9 @@ def rms_norm_quant(
     array([0.00890843, 0.00787402], dtype=float32)
     """
     qdtype = parse_quant_dtype(dtype)
-    fast = _fast(x, weight, bias, residual, qdtype, scale, group_size, eps, axis, partial,
-                 offset, eps_mode, casting, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, "float32",
+                                 backend))
+    fast = _fast(x, weight, bias, residual, qdtype, scale, group_size, opts)
     if fast is not None:
         return fast
     scale_num, scale_arr = _scale_arg(scale)
@@ -213,9 +214,8 @@ def rms_norm_quant(
     arrays = {"residual": residual}
     if scale_arr is not None:
         arrays["scale"] = scale_arr
-    call = _api._prepare(x=x, weight=weight, bias=bias, arrays=arrays, eps=eps, axis=axis,
-                         partial=partial, offset=offset, eps_mode=eps_mode, casting=casting,
-                         out_dtype="float32", backend="array_api")
+    call = _api._prepare(x=x, weight=weight, bias=bias, arrays=arrays,
+                         opts=opts._replace(backend="array_api"))
     lay = call.lay
     if scale_arr is not None:
         float_dtype_name("scale", scale_arr)

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from . import _gated
-from .torch import _DTYPE_NAMES, _OPTS, _api_opts, _fake_checks, _op_opts, _out_dtype_arg
+from ._options import Options, new_options
+from .torch import _NOPTS, _OPTS, _fake_checks, _from_op, _op_args
 
 __all__ = ["rms_norm_gated", "RMSNormGated"]
 
@@ -33,26 +34,20 @@ def _rstd_shape(x, axis, group_size, batch):
 
 @torch.library.custom_op(
     "polynorm::rms_norm_gated", mutates_args=(),
-    schema=f"(Tensor x, Tensor z, Tensor? weight, Tensor? bias, {_GATE}, {_OPTS}, "
-    "ScalarType? out_dtype) -> (Tensor, Tensor)",
+    schema=f"(Tensor x, Tensor z, Tensor? weight, Tensor? bias, {_GATE}, {_OPTS}) "
+    "-> (Tensor, Tensor)",
 )
-def _gated_op(x, z, weight, bias, group_size, norm_before_gate, eps, axis, partial, offset,
-              eps_mode, casting, backend, out_dtype):
-    y, rstd = _gated.rms_norm_gated(
-        x, z, weight, bias, group_size=group_size, norm_before_gate=norm_before_gate,
-        return_rstd=True, out_dtype=_DTYPE_NAMES.get(out_dtype),
-        **_api_opts(eps, axis, partial, offset, eps_mode, casting, backend),
-    )
+def _gated_op(x, z, weight, bias, group_size, norm_before_gate, *opts):
+    y, rstd = _gated.gated_forward(x, z, weight, bias, _from_op(opts), group_size=group_size,
+                                   norm_before_gate=norm_before_gate, return_rstd=True)
     return y.contiguous(), rstd.contiguous()
 
 
 @_gated_op.register_fake
-def _(x, z, weight, bias, group_size, norm_before_gate, eps, axis, partial, offset, eps_mode,
-      casting, backend, out_dtype):
-    y_dtype, r_dtype, batch = _fake_checks(x, axis, x.dtype, eps, partial, offset, eps_mode,
-                                           casting, out_dtype)
+def _(x, z, weight, bias, group_size, norm_before_gate, *opts):
+    y_dtype, r_dtype, batch = _fake_checks(x, x.dtype, opts)
     return (x.new_empty(x.shape, dtype=y_dtype),
-            x.new_empty(_rstd_shape(x, axis, group_size, batch), dtype=r_dtype))
+            x.new_empty(_rstd_shape(x, Options(*opts).axis, group_size, batch), dtype=r_dtype))
 
 
 @torch.library.custom_op(
@@ -60,30 +55,26 @@ def _(x, z, weight, bias, group_size, norm_before_gate, eps, axis, partial, offs
     schema=f"(Tensor dy, Tensor x, Tensor z, Tensor? weight, Tensor? bias, Tensor? rstd, "
     f"{_GATE}, {_OPTS}) -> (Tensor, Tensor, Tensor, Tensor)",
 )
-def _gated_backward_op(dy, x, z, weight, bias, rstd, group_size, norm_before_gate, eps, axis,
-                       partial, offset, eps_mode, casting, backend):
-    dx, dz, dw, db = _gated.rms_norm_gated_backward(
-        dy, x, z, weight, bias, rstd=rstd, group_size=group_size,
-        norm_before_gate=norm_before_gate,
-        **_api_opts(eps, axis, partial, offset, eps_mode, casting, backend),
-    )
+def _gated_backward_op(dy, x, z, weight, bias, rstd, group_size, norm_before_gate, *opts):
+    dx, dz, dw, db = _gated.gated_backward(dy, x, z, weight, bias, rstd, _from_op(opts),
+                                           group_size=group_size,
+                                           norm_before_gate=norm_before_gate)
     return (dx.contiguous(), dz.contiguous(),
             x.new_empty(0) if dw is None else dw.contiguous(),
             x.new_empty(0) if db is None else db.contiguous())
 
 
 @_gated_backward_op.register_fake
-def _(dy, x, z, weight, bias, rstd, group_size, norm_before_gate, eps, axis, partial, offset,
-      eps_mode, casting, backend):
+def _(dy, x, z, weight, bias, rstd, group_size, norm_before_gate, *opts):
     return (x.new_empty(x.shape), z.new_empty(z.shape),
             x.new_empty(0) if weight is None else weight.new_empty(weight.shape),
             x.new_empty(0) if bias is None else bias.new_empty(bias.shape))
 
 
 def _setup(ctx, inputs, output):
-    x, z, weight, bias, *opts = inputs
+    x, z, weight, bias, group_size, norm_before_gate, *opts = inputs
     ctx.save_for_backward(x, z, weight, bias, output[1])
-    ctx.opts = tuple(opts[:9])  # group_size, norm_before_gate and the seven options
+    ctx.opts = (group_size, norm_before_gate, *Options(*opts)._replace(out_dtype=None))
     ctx.mark_non_differentiable(output[1])
 
 
@@ -94,7 +85,7 @@ def _bwd(ctx, dy, _drstd):
     need = ctx.needs_input_grad
     return (dx if need[0] else None, dz if need[1] else None,
             dw if weight is not None and need[2] else None,
-            db if bias is not None and need[3] else None, *(None,) * 10)
+            db if bias is not None and need[3] else None, *(None,) * (2 + _NOPTS))
 
 
 _gated_op.register_autograd(_bwd, setup_context=_setup)
@@ -142,10 +133,9 @@ def rms_norm_gated(
     >>> x.grad.shape, z.grad.shape
     (torch.Size([2, 8]), torch.Size([2, 8]))
     """
-    y, _ = torch.ops.polynorm.rms_norm_gated(
-        x, z, weight, bias, group_size, bool(norm_before_gate),
-        *_op_opts(eps, axis, partial, offset, eps_mode, casting, backend),
-        _out_dtype_arg(out_dtype))
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    y, _ = torch.ops.polynorm.rms_norm_gated(x, z, weight, bias, group_size,
+                                             bool(norm_before_gate), *_op_args(opts))
     return y
 
 

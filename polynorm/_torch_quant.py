@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from . import _quant
-from .torch import _OPTS, _api_opts, _fake_checks, _op_opts
+from ._options import Options
+from .torch import _OPTS, _fake_checks, _from_op, _op_args
 
 __all__ = ["rms_norm_quant"]
 
@@ -36,30 +37,30 @@ def _qdtype(dtype: Any) -> torch.dtype:
     f"float? scale_value, ScalarType dtype, int? group_size, {_OPTS}) "
     "-> (Tensor, Tensor, Tensor)",
 )
-def _quant_op(x, weight, bias, residual, scale, scale_value, dtype, group_size, eps, axis,
-              partial, offset, eps_mode, casting, backend):
+def _quant_op(x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
+    o = _from_op(opts)
     out = _quant.rms_norm_quant(
         x, weight, bias, residual=residual, dtype=_QDTYPES[dtype],
         scale=scale if scale is not None else scale_value, group_size=group_size,
-        **_api_opts(eps, axis, partial, offset, eps_mode, casting, backend),
+        eps=o.eps, axis=o.axis, partial=o.partial, offset=o.offset, eps_mode=o.eps_mode,
+        casting=o.casting, backend=o.backend,
     )
     h = out[2].contiguous() if residual is not None else x.new_empty(0)
     return out[0].contiguous(), out[1].contiguous(), h
 
 
 @_quant_op.register_fake
-def _(x, weight, bias, residual, scale, scale_value, dtype, group_size, eps, axis, partial,
-      offset, eps_mode, casting, backend):
+def _(x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
     from ._api import _normalize_axis
     from ._options import promote
 
-    _, _, batch = _fake_checks(x, axis, x.dtype, eps, partial, offset, eps_mode, casting, None)
+    _, _, batch = _fake_checks(x, x.dtype, opts)
     if scale is not None or scale_value is not None:
         s_shape: list = []
     elif group_size is None:
         s_shape = batch
     else:
-        d = math.prod(x.shape[a] for a in _normalize_axis(tuple(axis), x.ndim))
+        d = math.prod(x.shape[a] for a in _normalize_axis(tuple(Options(*opts).axis), x.ndim))
         s_shape = [*batch, d // group_size]
     if residual is None:
         h = x.new_empty(0)
@@ -120,7 +121,7 @@ def rms_norm_quant(
         from ._options import _check_real
 
         sv = _check_real("scale", sv)
+    opts = Options(eps, axis, partial, offset, eps_mode, casting, None, backend)
     q, s, h = torch.ops.polynorm.rms_norm_quant(
-        x, weight, bias, residual, st, sv, _qdtype(dtype), group_size,
-        *_op_opts(eps, axis, partial, offset, eps_mode, casting, backend))
+        x, weight, bias, residual, st, sv, _qdtype(dtype), group_size, *_op_args(opts))
     return (q, s) if residual is None else (q, s, h)

@@ -40,16 +40,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _api, _jax_ffi
+from . import _api, _jax_ffi, _lean
+from ._options import Options, new_options
 
 __all__ = ["rms_norm", "add_rms_norm"]
 
 
-def _static(eps, axis, partial, offset, eps_mode, casting, backend) -> tuple:
-    # hashable: custom_vjp's non-differentiable arguments are static
-    axis = tuple(axis) if isinstance(axis, (list, tuple)) else axis
-    return (("eps", eps), ("axis", axis), ("partial", partial), ("offset", offset),
-            ("eps_mode", eps_mode), ("casting", casting), ("backend", backend))
+def _static(opts: Options) -> Options:
+    """``opts`` hashable (an axis list as a tuple): custom_vjp's non-differentiable
+    arguments are static."""
+    axis = opts.axis
+    return opts._replace(axis=tuple(axis)) if isinstance(axis, list) else opts
 
 
 # ------------------------------------------------------------------ where the work runs
@@ -68,7 +69,7 @@ def _traced(arrays) -> bool:
 
 def _via_host(static, arrays) -> bool:
     """Whether traced ``arrays`` go to the Numba kernels through a host callback."""
-    return dict(static)["backend"] == "numba" and _traced(arrays) and _api._backends.usable(
+    return static.backend == "numba" and _traced(arrays) and _api._backends.usable(
         "numba")
 
 
@@ -125,43 +126,61 @@ def _dispatch(fn, *arrays):
     return jax.tree.unflatten(tree, outs)
 
 
-def _with_backend(static, backend="array_api") -> tuple:
-    return tuple((k, backend if k == "backend" else v) for k, v in static)
+def _with_backend(static: Options, backend="array_api") -> Options:
+    return static._replace(backend=backend)
 
 
-def _forward(x, residual, weight, bias, *, static, out_dtype, out=None):
-    opts = dict(static)
-    if residual is None:
-        return _api.rms_norm(x, weight, bias, out_dtype=out_dtype, return_rstd=True, out=out,
-                             **opts)
-    return _api.add_rms_norm(x, residual, weight, bias, out_dtype=out_dtype, return_rstd=True,
-                             out=out, **opts)
+def _forward(x, residual, weight, bias, *, static, out=None):
+    return _api.forward(x, residual, weight, bias, static, out=out, return_rstd=True,
+                        fused=residual is not None)
 
 
 def _backward(dy, x, weight, bias, rstd, grad_residual, *, static):
-    return _api.rms_norm_backward(dy, x, weight, bias, rstd=rstd, grad_residual=grad_residual,
-                                  **dict(static))
+    return _api.backward(dy, x, weight, bias, rstd, grad_residual,
+                         static._replace(out_dtype=None))
 
 
 # ------------------------------------------------------------------ rms_norm
 
 
+def _keeps_output(save: str, weight, static: Options, rstd) -> bool:
+    """Whether the forward keeps ``y`` for the backward (``save="output"``, polynorm._lean).
+
+    The same answer in the forward and the backward: a concrete weight is read for
+    zeros of ``weight + offset`` (then ``x`` is kept); a traced one cannot be, and
+    ``y`` is kept (such columns give NaN gradients, as documented at :func:`rms_norm`).
+    """
+    if save != "output":
+        return False
+    return (isinstance(weight, jax.core.Tracer)
+            or _lean.recoverable(weight, static.offset, rstd.dtype))
+
+
+def _kept_input(kept, weight, bias, rstd, static: Options, lean: bool):
+    if not lean:
+        return kept
+    axes = _api._normalize_axis(static.axis, kept.ndim)
+    return _lean.recover_input(kept, weight, bias, rstd, axes, static.offset)
+
+
 @_partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _rms_norm(static, out_dtype, x, weight, bias):
-    return _rms_norm_fwd(static, out_dtype, x, weight, bias)[0]
+def _rms_norm(static, keep, x, weight, bias):
+    return _rms_norm_fwd(static, keep, x, weight, bias)[0]
 
 
-def _rms_norm_fwd(static, out_dtype, x, weight, bias):
-    fn = _partial(_forward, static=static, out_dtype=out_dtype)
-    y, rstd = _dispatch(fn, x, None, weight, bias)
-    return y, (x, weight, bias, rstd)
+def _rms_norm_fwd(static, keep, x, weight, bias):
+    y, rstd = _dispatch(_partial(_forward, static=static), x, None, weight, bias)
+    return y, (y if _keeps_output(keep[0], weight, static, rstd) else x, weight, bias, rstd)
 
 
-def _rms_norm_bwd(static, out_dtype, res, dy):
-    x, weight, bias, rstd = res
+def _rms_norm_bwd(static, keep, res, dy):
+    kept, weight, bias, rstd = res
+    lean = _keeps_output(keep[0], weight, static, rstd)
+    x = _kept_input(kept, weight, bias, rstd, static, lean)
     # cotangents may arrive as numpy arrays (jax.test_util does that)
-    return _dispatch(_partial(_backward, static=static), jnp.asarray(dy), x, weight, bias, rstd,
-                     None)
+    dx, dw, db = _dispatch(_partial(_backward, static=static), jnp.asarray(dy), x, weight, bias,
+                           rstd, None)
+    return dx.astype(keep[1]), dw, db
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
@@ -180,6 +199,7 @@ def rms_norm(
     casting: str = "fp32",
     out_dtype: Any = None,
     backend: str = "auto",
+    save: str = "input",
 ) -> jax.Array:
     """Differentiable :func:`polynorm.rms_norm` for jax arrays.
 
@@ -194,6 +214,13 @@ def rms_norm(
         Shape of ``x`` over the normalized axes.
     eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
         As in :func:`polynorm.rms_norm`; static (not traced).
+    save : {"input", "output"}
+        What the vjp keeps as its residual: ``x``, or ``y`` (which the next
+        layer keeps anyway: one activation of ``x``'s size less), from which
+        the backward recovers ``x`` (``polynorm._lean``; gradients equal to
+        ``y``'s precision).  A concrete weight with a zero in ``weight +
+        offset`` keeps ``x``; a traced one (``jit``, ``grad`` over the
+        parameters) cannot be checked, and such columns give NaN gradients.
 
     Returns
     -------
@@ -210,30 +237,32 @@ def rms_norm(
     >>> jax.grad(lambda x: rms_norm(x, eps=0.0).sum())(x)
     Array([[ 0.04525483, -0.03394116]], dtype=float32)
     """
-    static = _static(eps, axis, partial, offset, eps_mode, casting, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    _lean.check_save(save)
     if not _traced((x, weight, bias)):
         # concrete arrays: no transformation is differentiating this call, and the
         # custom_vjp machinery would cost ~200 us in eager mode
-        return _api.rms_norm(x, weight, bias, out_dtype=out_dtype, **dict(static))
-    return _rms_norm(static, out_dtype, x, weight, bias)
+        return _api.forward(x, None, weight, bias, opts)
+    return _rms_norm(_static(opts), (save, jnp.dtype(x.dtype)), x, weight,
+                     bias)
 
 
 # ------------------------------------------------------------------ add_rms_norm
 
 
 @_partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _add_rms_norm(static, out_dtype, in_dtypes, x, residual, weight, bias):
-    return _add_fwd(static, out_dtype, in_dtypes, x, residual, weight, bias)[0]
+def _add_rms_norm(static, save, in_dtypes, x, residual, weight, bias):
+    return _add_fwd(static, save, in_dtypes, x, residual, weight, bias)[0]
 
 
-def _add_fwd(static, out_dtype, in_dtypes, x, residual, weight, bias):
-    fn = _partial(_forward, static=static, out_dtype=out_dtype)
-    y, h, rstd = _dispatch(fn, x, residual, weight, bias)
-    return (y, h), (h, weight, bias, rstd)
+def _add_fwd(static, save, in_dtypes, x, residual, weight, bias):
+    y, h, rstd = _dispatch(_partial(_forward, static=static), x, residual, weight, bias)
+    return (y, h), (y if _keeps_output(save, weight, static, rstd) else h, weight, bias, rstd)
 
 
-def _add_bwd(static, out_dtype, in_dtypes, res, cts):
-    h, weight, bias, rstd = res
+def _add_bwd(static, save, in_dtypes, res, cts):
+    kept, weight, bias, rstd = res
+    h = _kept_input(kept, weight, bias, rstd, static, _keeps_output(save, weight, static, rstd))
     x_dtype, r_dtype = in_dtypes
     dy, dh = (None if c is None else jnp.asarray(c) for c in cts)
     # the gradient reaching h through the residual stream is fused into dx
@@ -258,6 +287,7 @@ def add_rms_norm(
     casting: str = "fp32",
     out_dtype: Any = None,
     backend: str = "auto",
+    save: str = "input",
 ) -> tuple[jax.Array, jax.Array]:
     """Differentiable :func:`polynorm.add_rms_norm`: returns ``(y, h)``, both differentiable.
 
@@ -268,6 +298,8 @@ def add_rms_norm(
     weight, bias : jax.Array, optional
     eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
         As in :func:`polynorm.add_rms_norm`.
+    save : {"input", "output"}
+        As in :func:`rms_norm`: ``"output"`` keeps ``y`` instead of ``h``.
 
     Returns
     -------
@@ -289,11 +321,13 @@ def add_rms_norm(
     """
     if residual is None:
         raise TypeError("residual must be an array, got None")
-    static = _static(eps, axis, partial, offset, eps_mode, casting, backend)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    _lean.check_save(save)
     if not _traced((x, residual, weight, bias)):
-        return _api.add_rms_norm(x, residual, weight, bias, out_dtype=out_dtype, **dict(static))
+        return _api.forward(x, residual, weight, bias, opts, fused=True)
     in_dtypes = (x.dtype, residual.dtype)  # each input's gradient comes back in its dtype
-    return _add_rms_norm(static, out_dtype, in_dtypes, x, residual, weight, bias)
+    return _add_rms_norm(_static(opts), save, in_dtypes, x, residual, weight,
+                         bias)
 
 
 from ._jax_gated import rms_norm_gated  # noqa: E402

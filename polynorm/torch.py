@@ -37,14 +37,10 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import _api
+from . import _api, _lean
+from ._options import OPTION_TYPES, Options, new_options
 
 __all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "patch", "unpatch", "patched", "PatchedRMSNorm"]
-
-
-def _options(eps, axis, partial, offset, eps_mode, casting, backend) -> dict[str, Any]:
-    return dict(eps=eps, axis=axis, partial=partial, offset=offset, eps_mode=eps_mode,
-                casting=casting, backend=backend)
 
 
 def _param_grads(ctx, dw, db, first: int):
@@ -53,44 +49,60 @@ def _param_grads(ctx, dw, db, first: int):
     return (dw if need[first] else None, db if need[first + 1] else None)
 
 
+def _keep(ctx, x, y, weight, bias, rstd, opts: Options, save: str, check: bool) -> None:
+    """Save for the backward ``x`` or, with ``save="output"``, ``y`` (polynorm._lean).
+
+    ``check``: read ``weight`` for zeros of ``weight + offset`` and keep ``x`` where
+    there are (eager calls); a compiled graph cannot branch on data, so there ``y`` is
+    kept and such columns give NaN gradients (documented at :func:`rms_norm`).
+    """
+    lean = save == "output" and (not check or _lean.recoverable(weight, opts.offset, rstd.dtype))
+    ctx.save_for_backward(y if lean else x, weight, bias, rstd)
+    ctx.lean = lean
+    ctx.x_dtype = x.dtype
+    ctx.opts = opts._replace(out_dtype=None)
+
+
+def _kept_input(ctx, kept, weight, bias, rstd):
+    """The forward's input: ``kept`` itself, or recovered from the kept output."""
+    if not ctx.lean:
+        return kept
+    axes = _api._normalize_axis(ctx.opts.axis, kept.ndim)
+    return _lean.recover_input(kept, weight, bias, rstd, axes, ctx.opts.offset)
+
+
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, opts, out_dtype):
-        y, rstd = _api.rms_norm(x, weight, bias, out_dtype=out_dtype, return_rstd=True, **opts)
-        ctx.save_for_backward(x, weight, bias, rstd)
-        ctx.opts = opts
+    def forward(ctx, x, weight, bias, opts, save):
+        y, rstd = _api.forward(x, None, weight, bias, opts, return_rstd=True)
+        _keep(ctx, x, y, weight, bias, rstd, opts, save, True)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
-        x, weight, bias, rstd = ctx.saved_tensors
-        dx, dw, db = _api.rms_norm_backward(
-            dy.contiguous(), x, weight, bias, rstd=rstd, **ctx.opts
-        )
-        return (dx, *_param_grads(ctx, dw, db, 1), None, None)
+        kept, weight, bias, rstd = ctx.saved_tensors
+        x = _kept_input(ctx, kept, weight, bias, rstd)
+        dx, dw, db = _api.backward(dy.contiguous(), x, weight, bias, rstd, None, ctx.opts)
+        return (dx.to(ctx.x_dtype), *_param_grads(ctx, dw, db, 1), None, None)
 
 
 class _AddRMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, opts, out_dtype):
-        y, h, rstd = _api.add_rms_norm(
-            x, residual, weight, bias, out_dtype=out_dtype, return_rstd=True, **opts
-        )
-        ctx.save_for_backward(h, weight, bias, rstd)
-        ctx.opts = opts
+    def forward(ctx, x, residual, weight, bias, opts, save):
+        y, h, rstd = _api.forward(x, residual, weight, bias, opts, return_rstd=True, fused=True)
+        _keep(ctx, h, y, weight, bias, rstd, opts, save, True)
         ctx.dtypes = (x.dtype, residual.dtype)
         return y, h
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dh):
-        h, weight, bias, rstd = ctx.saved_tensors
+        kept, weight, bias, rstd = ctx.saved_tensors
+        h = _kept_input(ctx, kept, weight, bias, rstd)
         # dh: the gradient reaching h through the residual stream, fused into dx
-        dxh, dw, db = _api.rms_norm_backward(
-            dy.contiguous(), h, weight, bias, rstd=rstd,
-            grad_residual=None if dh is None else dh.contiguous(), **ctx.opts,
-        )
+        dxh, dw, db = _api.backward(dy.contiguous(), h, weight, bias, rstd,
+                                    None if dh is None else dh.contiguous(), ctx.opts)
         x_dtype, r_dtype = ctx.dtypes
         need = ctx.needs_input_grad
         gx = dxh.to(x_dtype) if need[0] else None
@@ -103,13 +115,13 @@ class _AddRMSNormFn(torch.autograd.Function):
 # cheapest dispatch); under torch.compile/torch.export the same work is reached
 # through the custom ops below, which the compiler keeps in its graph.
 @torch.compiler.disable
-def _apply_rms_norm(x, weight, bias, opts, out_dtype):
-    return _RMSNormFn.apply(x, weight, bias, opts, out_dtype)
+def _apply_rms_norm(x, weight, bias, opts, save):
+    return _RMSNormFn.apply(x, weight, bias, opts, save)
 
 
 @torch.compiler.disable
-def _apply_add_rms_norm(x, residual, weight, bias, opts, out_dtype):
-    return _AddRMSNormFn.apply(x, residual, weight, bias, opts, out_dtype)
+def _apply_add_rms_norm(x, residual, weight, bias, opts, save):
+    return _AddRMSNormFn.apply(x, residual, weight, bias, opts, save)
 
 
 # ------------------------------------------------------------------ custom ops (torch.compile)
@@ -119,95 +131,84 @@ def _apply_add_rms_norm(x, residual, weight, bias, opts, out_dtype):
 # Results are C-contiguous (the fake implementations say so); absent dweight/dbias come
 # back as empty tensors, since an op cannot return an optional tensor.
 
-_OPTS = "float eps, int[] axis, float partial, float offset, str eps_mode, str casting, str backend"
+#: the options, one schema argument per field of polynorm._options.Options
+_OPTS = ", ".join(f"{kind} {name}" for name, kind in OPTION_TYPES.items())
+_NOPTS = len(OPTION_TYPES)
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,
                  "float32": torch.float32, "float64": torch.float64}
 _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 
 
-def _op_opts(eps, axis, partial, offset, eps_mode, casting, backend) -> tuple:
-    """The options as the ops' schema takes them (axis a list of ints)."""
-    return (eps, list(axis) if isinstance(axis, (tuple, list)) else [axis], partial, offset,
-            eps_mode, casting, backend)
-
-
-def _api_opts(eps, axis, partial, offset, eps_mode, casting, backend) -> dict[str, Any]:
-    # one axis as an int: the front end's fast path takes only an int axis
-    return _options(eps, axis[0] if len(axis) == 1 else tuple(axis), partial, offset, eps_mode,
-                    casting, backend)
-
-
-def _out_dtype_arg(out_dtype: Any) -> torch.dtype | None:
-    if out_dtype is None or isinstance(out_dtype, torch.dtype):
-        return out_dtype
+def _op_args(opts: Options) -> Options:
+    """The options as the ops' schema takes them: axis a list of ints, out_dtype a name."""
     from ._dtypes import parse_dtype
 
-    return _TORCH_DTYPES[parse_dtype("out_dtype", out_dtype)]
+    axis = opts.axis
+    return opts._replace(axis=list(axis) if isinstance(axis, (tuple, list)) else [axis],
+                         out_dtype=parse_dtype("out_dtype", opts.out_dtype))
 
 
-def _fake_checks(x, axis, dtype: torch.dtype, eps, partial, offset, eps_mode, casting, out_dtype):
+def _from_op(args) -> Options:
+    """The ops' schema arguments back as :class:`Options` (one axis as an int: the front
+    end's fast path takes only an int axis)."""
+    opts = Options(*args)
+    axis = opts.axis
+    return opts._replace(axis=axis[0] if len(axis) == 1 else tuple(axis))
+
+
+def _fake_checks(x, dtype: torch.dtype, args):
     """The plan's checks at trace time, and ``(y dtype, rstd dtype, rstd shape)``."""
     from ._api import _normalize_axis
     from ._options import make_plan
 
-    axes = _normalize_axis(tuple(axis), x.ndim)
+    opts = Options(*args)
+    axes = _normalize_axis(tuple(opts.axis), x.ndim)
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         raise TypeError(f"x must have a floating dtype ({', '.join(_TORCH_DTYPES)}), got {dtype}")
     d = math.prod(x.shape[a] for a in axes)
     if isinstance(d, int):  # symbolic sizes are checked when the op runs
-        make_plan(d, name, eps=eps, partial=partial, offset=offset, eps_mode=eps_mode,
-                  casting=casting, out_dtype=None)
+        make_plan(d, name, opts)
     rstd_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     batch = [s for i, s in enumerate(x.shape) if i not in axes]
-    return out_dtype or dtype, rstd_dtype, batch
+    y_dtype = dtype if opts.out_dtype is None else _TORCH_DTYPES[opts.out_dtype]
+    return y_dtype, rstd_dtype, batch
 
 
 @torch.library.custom_op(
     "polynorm::rms_norm", mutates_args=(),
-    schema=f"(Tensor x, Tensor? weight, Tensor? bias, {_OPTS}, ScalarType? out_dtype) "
-    "-> (Tensor, Tensor)",
+    schema=f"(Tensor x, Tensor? weight, Tensor? bias, {_OPTS}, str save) -> (Tensor, Tensor)",
 )
-def _rms_norm_op(x, weight, bias, eps, axis, partial, offset, eps_mode, casting, backend,
-                 out_dtype):
-    y, rstd = _api.rms_norm(
-        x, weight, bias, return_rstd=True, out_dtype=_DTYPE_NAMES.get(out_dtype),
-        **_api_opts(eps, axis, partial, offset, eps_mode, casting, backend),
-    )
+def _rms_norm_op(x, weight, bias, *args):
+    y, rstd = _api.forward(x, None, weight, bias, _from_op(args[:_NOPTS]), return_rstd=True)
     return y.contiguous(), rstd.contiguous()
 
 
 @_rms_norm_op.register_fake
-def _(x, weight, bias, eps, axis, partial, offset, eps_mode, casting, backend, out_dtype):
-    y_dtype, r_dtype, batch = _fake_checks(x, axis, x.dtype, eps, partial, offset, eps_mode,
-                                           casting, out_dtype)
+def _(x, weight, bias, *args):
+    y_dtype, r_dtype, batch = _fake_checks(x, x.dtype, args[:_NOPTS])
     return x.new_empty(x.shape, dtype=y_dtype), x.new_empty(batch, dtype=r_dtype)
 
 
 @torch.library.custom_op(
     "polynorm::add_rms_norm", mutates_args=(),
-    schema=f"(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, {_OPTS}, "
-    "ScalarType? out_dtype) -> (Tensor, Tensor, Tensor)",
+    schema=f"(Tensor x, Tensor residual, Tensor? weight, Tensor? bias, {_OPTS}, str save) "
+    "-> (Tensor, Tensor, Tensor)",
 )
-def _add_rms_norm_op(x, residual, weight, bias, eps, axis, partial, offset, eps_mode, casting,
-                     backend, out_dtype):
-    y, h, rstd = _api.add_rms_norm(
-        x, residual, weight, bias, return_rstd=True, out_dtype=_DTYPE_NAMES.get(out_dtype),
-        **_api_opts(eps, axis, partial, offset, eps_mode, casting, backend),
-    )
+def _add_rms_norm_op(x, residual, weight, bias, *args):
+    y, h, rstd = _api.forward(x, residual, weight, bias, _from_op(args[:_NOPTS]),
+                              return_rstd=True, fused=True)
     return y.contiguous(), h.contiguous(), rstd.contiguous()
 
 
 @_add_rms_norm_op.register_fake
-def _(x, residual, weight, bias, eps, axis, partial, offset, eps_mode, casting, backend,
-      out_dtype):
+def _(x, residual, weight, bias, *args):
     from ._options import promote
 
     hn = promote(_DTYPE_NAMES.get(x.dtype, str(x.dtype)),
                  _DTYPE_NAMES.get(residual.dtype, str(residual.dtype)))
     h_dtype = _TORCH_DTYPES[hn]
-    y_dtype, r_dtype, batch = _fake_checks(x, axis, h_dtype, eps, partial, offset, eps_mode,
-                                           casting, out_dtype)
+    y_dtype, r_dtype, batch = _fake_checks(x, h_dtype, args[:_NOPTS])
     return (x.new_empty(x.shape, dtype=y_dtype), x.new_empty(x.shape, dtype=h_dtype),
             x.new_empty(batch, dtype=r_dtype))
 
@@ -217,20 +218,15 @@ def _(x, residual, weight, bias, eps, axis, partial, offset, eps_mode, casting, 
     schema=f"(Tensor dy, Tensor x, Tensor? weight, Tensor? bias, Tensor? rstd, "
     f"Tensor? grad_residual, {_OPTS}) -> (Tensor, Tensor, Tensor)",
 )
-def _rms_norm_backward_op(dy, x, weight, bias, rstd, grad_residual, eps, axis, partial, offset,
-                          eps_mode, casting, backend):
-    dx, dw, db = _api.rms_norm_backward(
-        dy, x, weight, bias, rstd=rstd, grad_residual=grad_residual,
-        **_api_opts(eps, axis, partial, offset, eps_mode, casting, backend),
-    )
+def _rms_norm_backward_op(dy, x, weight, bias, rstd, grad_residual, *opts):
+    dx, dw, db = _api.backward(dy, x, weight, bias, rstd, grad_residual, _from_op(opts))
     # absent: a fresh empty tensor each (outputs must not alias one another)
     return (dx.contiguous(), x.new_empty(0) if dw is None else dw.contiguous(),
             x.new_empty(0) if db is None else db.contiguous())
 
 
 @_rms_norm_backward_op.register_fake
-def _(dy, x, weight, bias, rstd, grad_residual, eps, axis, partial, offset, eps_mode, casting,
-      backend):
+def _(dy, x, weight, bias, rstd, grad_residual, *opts):
     return (x.new_empty(x.shape),
             x.new_empty(0) if weight is None else weight.new_empty(weight.shape),
             x.new_empty(0) if bias is None else bias.new_empty(bias.shape))
@@ -240,7 +236,7 @@ def _op_backward(ctx, x, weight, bias, rstd, dy, dh, first: int):
     """The op's backward: dx (h's gradient for the fused add), dweight, dbias."""
     dx, dw, db = torch.ops.polynorm.rms_norm_backward(
         dy.contiguous(), x, weight, bias, rstd, None if dh is None else dh.contiguous(),
-        *ctx.opts,
+        *_op_args(ctx.opts),
     )
     need = ctx.needs_input_grad
     return (dx, dw if weight is not None and need[first] else None,
@@ -248,35 +244,38 @@ def _op_backward(ctx, x, weight, bias, rstd, dy, dh, first: int):
 
 
 def _setup_rms_norm(ctx, inputs, output):
-    x, weight, bias, *opts = inputs
-    ctx.save_for_backward(x, weight, bias, output[1])
-    ctx.opts = tuple(opts[:7])
+    x, weight, bias, *args = inputs
+    _keep(ctx, x, output[0], weight, bias, output[1], _from_op(args[:_NOPTS]), args[_NOPTS],
+          False)
     ctx.mark_non_differentiable(output[1])
 
 
 def _rms_norm_op_bwd(ctx, dy, _drstd):
-    x, weight, bias, rstd = ctx.saved_tensors
-    return (*_op_backward(ctx, x, weight, bias, rstd, dy, None, 1), *(None,) * 8)
+    kept, weight, bias, rstd = ctx.saved_tensors
+    x = _kept_input(ctx, kept, weight, bias, rstd)
+    dx, dw, db = _op_backward(ctx, x, weight, bias, rstd, dy, None, 1)
+    return (dx.to(ctx.x_dtype), dw, db, *(None,) * (_NOPTS + 1))
 
 
 _rms_norm_op.register_autograd(_rms_norm_op_bwd, setup_context=_setup_rms_norm)
 
 
 def _setup_add_rms_norm(ctx, inputs, output):
-    x, residual, weight, bias, *opts = inputs
-    ctx.save_for_backward(output[1], weight, bias, output[2])
-    ctx.opts = tuple(opts[:7])
+    x, residual, weight, bias, *args = inputs
+    _keep(ctx, output[1], output[0], weight, bias, output[2], _from_op(args[:_NOPTS]),
+          args[_NOPTS], False)
     ctx.dtypes = (x.dtype, residual.dtype)
     ctx.mark_non_differentiable(output[2])
 
 
 def _add_rms_norm_op_bwd(ctx, dy, dh, _drstd):
-    h, weight, bias, rstd = ctx.saved_tensors
+    kept, weight, bias, rstd = ctx.saved_tensors
+    h = _kept_input(ctx, kept, weight, bias, rstd)
     dxh, dw, db = _op_backward(ctx, h, weight, bias, rstd, dy, dh, 2)
     x_dtype, r_dtype = ctx.dtypes
     need = ctx.needs_input_grad
     return (dxh.to(x_dtype) if need[0] else None, dxh.to(r_dtype) if need[1] else None, dw, db,
-            *(None,) * 8)
+            *(None,) * (_NOPTS + 1))
 
 
 _add_rms_norm_op.register_autograd(_add_rms_norm_op_bwd, setup_context=_setup_add_rms_norm)
@@ -331,6 +330,7 @@ def rms_norm(
     casting: str = "fp32",
     out_dtype: Any = None,
     backend: str = "auto",
+    save: str = "input",
 ) -> torch.Tensor:
     """Differentiable :func:`polynorm.rms_norm` for torch tensors.
 
@@ -351,6 +351,14 @@ def rms_norm(
         float16/bfloat16/float32 input, float64's for float64 input).
     axis, partial, offset, eps_mode, casting, out_dtype, backend
         As in :func:`polynorm.rms_norm`.
+    save : {"input", "output"}
+        What the forward keeps for the backward.  ``"output"`` keeps ``y``
+        (which the next layer usually keeps anyway) instead of ``x``: one
+        activation of ``x``'s size less per norm, and gradients equal to
+        ``"input"``'s to ``y``'s precision (``polynorm._lean``).  Where
+        ``weight + offset`` has a zero, ``x`` cannot be recovered: an eager call
+        checks (reading the weight) and keeps ``x``; under ``torch.compile`` it
+        cannot, and such columns give NaN gradients.
 
     Returns
     -------
@@ -375,15 +383,14 @@ def rms_norm(
         _check_tensors(x=x, weight=weight, bias=bias)
     if eps is None:
         eps = _default_eps(eps, x.dtype)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    if save != "input":
+        _lean.check_save(save)
     if _eager(x):
-        opts = _options(eps, axis, partial, offset, eps_mode, casting, backend)
         if not _records(x, weight, bias):  # inference: no autograd node to build (~5 us)
-            return _api.rms_norm(x, weight, bias, out_dtype=out_dtype, **opts)
-        return _apply_rms_norm(x, weight, bias, opts, out_dtype)
-    return torch.ops.polynorm.rms_norm(
-        x, weight, bias, *_op_opts(eps, axis, partial, offset, eps_mode, casting, backend),
-        _out_dtype_arg(out_dtype),
-    )[0]
+            return _api.forward(x, None, weight, bias, opts)
+        return _apply_rms_norm(x, weight, bias, opts, save)
+    return torch.ops.polynorm.rms_norm(x, weight, bias, *_op_args(opts), save)[0]
 
 
 def add_rms_norm(
@@ -400,6 +407,7 @@ def add_rms_norm(
     casting: str = "fp32",
     out_dtype: Any = None,
     backend: str = "auto",
+    save: str = "input",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable :func:`polynorm.add_rms_norm`: ``h = x + residual``, ``y = rms_norm(h)``.
 
@@ -417,6 +425,8 @@ def add_rms_norm(
         ``x`` or ``residual`` is float64).
     axis, partial, offset, eps_mode, casting, out_dtype, backend
         As in :func:`polynorm.add_rms_norm`.
+    save : {"input", "output"}
+        As in :func:`rms_norm`: ``"output"`` keeps ``y`` instead of ``h``.
 
     Returns
     -------
@@ -440,16 +450,14 @@ def add_rms_norm(
     _check_tensors(x=x, residual=residual, weight=weight, bias=bias)
     if eps is None:
         eps = _default_eps(eps, x.dtype, residual.dtype)
+    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    if save != "input":
+        _lean.check_save(save)
     if _eager(x):
-        opts = _options(eps, axis, partial, offset, eps_mode, casting, backend)
         if not _records(x, residual, weight, bias):
-            return _api.add_rms_norm(x, residual, weight, bias, out_dtype=out_dtype, **opts)
-        return _apply_add_rms_norm(x, residual, weight, bias, opts, out_dtype)
-    y, h, _ = torch.ops.polynorm.add_rms_norm(
-        x, residual, weight, bias,
-        *_op_opts(eps, axis, partial, offset, eps_mode, casting, backend),
-        _out_dtype_arg(out_dtype),
-    )
+            return _api.forward(x, residual, weight, bias, opts, fused=True)
+        return _apply_add_rms_norm(x, residual, weight, bias, opts, save)
+    y, h, _ = torch.ops.polynorm.add_rms_norm(x, residual, weight, bias, *_op_args(opts), save)
     return y, h
 
 
@@ -482,6 +490,9 @@ class RMSNorm(torch.nn.Module):
         See :func:`polynorm.rms_norm`.
     backend : str
         Forced backend, default ``"auto"``.
+    save : {"input", "output"}
+        What the forward keeps for the backward (see :func:`rms_norm`);
+        ``"output"`` saves one activation of the input's size per norm.
 
     Examples
     --------
@@ -513,6 +524,7 @@ class RMSNorm(torch.nn.Module):
         eps_mode: str = "inside",
         casting: str = "fp32",
         backend: str = "auto",
+        save: str = "input",
     ) -> None:
         factory = {"device": device, "dtype": dtype}
         super().__init__()
@@ -526,6 +538,7 @@ class RMSNorm(torch.nn.Module):
         self.eps_mode = eps_mode
         self.casting = casting
         self.backend = backend
+        self.save = _lean.check_save(save)
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
         else:
@@ -535,7 +548,10 @@ class RMSNorm(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
         # fail at construction, not at the first forward, for a bad option
-        _check_options(math.prod(self.normalized_shape), eps, partial, offset, eps_mode, casting)
+        from ._options import make_plan
+
+        make_plan(math.prod(self.normalized_shape), "float32",
+                  Options(1e-6 if eps is None else eps, -1, partial, offset, eps_mode, casting))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -556,6 +572,7 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(
             x, self.weight, self.bias, eps=self.eps, axis=axis, partial=self.partial,
             offset=self.offset, eps_mode=self.eps_mode, casting=self.casting, backend=self.backend,
+            save=self.save,
         )
 
     def extra_repr(self) -> str:
@@ -563,17 +580,10 @@ class RMSNorm(torch.nn.Module):
         if self.bias is not None:
             s += ", bias=True"
         for name, default in (("partial", 1.0), ("offset", 0.0), ("eps_mode", "inside"),
-                              ("casting", "fp32")):
+                              ("casting", "fp32"), ("save", "input")):
             if getattr(self, name) != default:
                 s += f", {name}={getattr(self, name)!r}"
         return s
-
-
-def _check_options(d, eps, partial, offset, eps_mode, casting) -> None:
-    from ._options import make_plan
-
-    make_plan(d, "float32", eps=1e-6 if eps is None else eps, partial=partial, offset=offset,
-              eps_mode=eps_mode, casting=casting, out_dtype=None)
 
 
 # Hugging Face transformers models: swap their RMSNorm modules for polynorm (polynorm/_hf.py)

@@ -180,7 +180,7 @@ def test_emulated_cuda_kernels_are_batch_invariant(dtype):
     """The cupy backend's kernels on the CPU emulator: each token of a padded-row batch has
     the bits of the same token alone (forward y/h/rstd, backward dx)."""
     emul = pytest.importorskip("test_emul_kernels")
-    from polynorm._options import make_plan
+    from polynorm._options import Options, make_plan
 
     try:
         emul.module(dtype)
@@ -188,8 +188,7 @@ def test_emulated_cuda_kernels_are_batch_invariant(dtype):
         pytest.skip(f"emulator unavailable: {exc}")
     rng = np.random.default_rng(7)
     n, d = 5, 33
-    plan = make_plan(d, dtype, eps=1e-6, partial=1.0, offset=0.0, eps_mode="inside",
-                     casting="fp32", out_dtype=None)
+    plan = make_plan(d, dtype, Options())
 
     def padded(a):
         buf = np.zeros((a.shape[0], d + 7), a.dtype)

@@ -23,7 +23,7 @@ import pytest
 from _oracle import TOL, Tol, assert_close
 from emulator import compile_source
 
-from polynorm._options import make_plan
+from polynorm._options import Options, make_plan
 from polynorm.backends import _cuda_launch as cl
 from polynorm.backends import _nvrtc, reference
 from polynorm.backends import cupy as cupy_backend
@@ -181,7 +181,7 @@ def _rand(rng, shape, dtype):
 def _plan(d, x_dtype, **kw):
     o = dict(eps=1e-5, partial=1.0, offset=0.0, eps_mode="inside", casting="fp32", out_dtype=None)
     o.update(kw)
-    return make_plan(d, x_dtype, **o)
+    return make_plan(d, x_dtype, Options(**o))
 
 
 def _tol(dtype: str, factor: float = 4.0) -> Tol:

@@ -27,7 +27,7 @@ import pytest
 from _oracle import TOL, Tol, assert_close, looser
 from emulator import compile_source
 
-from polynorm._options import compute_dtype, make_plan
+from polynorm._options import Options, compute_dtype, make_plan
 from polynorm.backends import _cuda_launch as cl
 from polynorm.backends import reference
 
@@ -184,8 +184,8 @@ def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=F
 
 
 def _plan(d, h_dtype, *, eps=1e-6, partial=1.0, offset=0.0, eps_mode="inside", casting="fp32", out_dtype=None):
-    return make_plan(d, h_dtype, eps=eps, partial=partial, offset=offset, eps_mode=eps_mode,
-                     casting=casting, out_dtype=out_dtype)  # fmt: skip
+    return make_plan(d, h_dtype, Options(eps=eps, partial=partial, offset=offset,
+                                         eps_mode=eps_mode, casting=casting, out_dtype=out_dtype))
 
 
 def _data(rng, n, d, dtype, scale=1.0):
@@ -199,7 +199,7 @@ def _check_forward(x, residual, weight, bias, plan, **kw):
     ry, rh, rr = reference.forward(x, residual, weight, bias, plan)
     tag = f"{launch.name} grid={launch.grid} block={launch.block} shared={launch.shared}"
     assert y.dtype == NP[plan.out_dtype]
-    assert_close(y, ry, looser(plan.x_dtype, plan.out_dtype), f"y of {tag}")
+    assert_close(y, ry, looser(plan.norm_dtype, plan.out_dtype), f"y of {tag}")
     assert_close(rstd, rr, Tol(2e-6, 0.0) if plan.compute_dtype == "float32" else Tol(1e-13, 0.0), f"rstd of {tag}")
     if residual is not None:
         np.testing.assert_array_equal(h.astype(np.float64), np.asarray(rh).astype(np.float64), err_msg=f"h of {tag}")

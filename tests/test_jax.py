@@ -326,3 +326,12 @@ def test_vjp_is_the_hand_written_backward():
     dxn, dwn, _ = pn.rms_norm_backward(*(np.asarray(a) for a in (dy, x, w)))
     np.testing.assert_array_equal(np.asarray(dx), dxn)
     np.testing.assert_array_equal(np.asarray(dw), dwn)
+
+
+def test_jit_of_grad_with_a_closed_over_bias():
+    """A traced x (no device) meets a concrete closed-over bias (cpu:0) in the front end."""
+    w, b = jnp.ones(8), jnp.full(8, 0.5)
+    g = jax.jit(jax.grad(lambda x, w: rms_norm(x, w, b).sum(), argnums=(0, 1)))
+    gx, gw = g(jnp.arange(16.0).reshape(2, 8), w)
+    assert gx.shape == (2, 8) and gw.shape == (8,)
+    assert bool(jnp.isfinite(gx).all())

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import polynorm as pn
-from polynorm._options import make_plan
+from polynorm._options import Options, make_plan
 from polynorm.backends import _rowtree
 
 nb = pytest.importorskip("polynorm.backends.numba")
@@ -77,7 +77,7 @@ def _plan(d, dtype, **kw):
     opts = dict(eps=1e-6, partial=1.0, offset=0.0, eps_mode="inside", casting="fp32",
                 out_dtype=None)
     opts.update(kw)
-    return make_plan(d, dtype, **opts)
+    return make_plan(d, dtype, Options(**opts))
 
 
 @pytest.mark.parametrize("n", [1, 7, 16, 33, 1000, 4099])

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 import polynorm as pn  # noqa: E402
 import polynorm.torch as pnt  # noqa: E402
 from polynorm import _api, _interop  # noqa: E402
+from polynorm._options import Options  # noqa: E402
 from polynorm.torch import RMSNorm, add_rms_norm, rms_norm  # noqa: E402
 
 TORCH_DTYPES = {
@@ -408,19 +409,19 @@ def test_opcheck_forward_ops(name):
     x = x.detach().float().requires_grad_()
     w = None if w is None else w.detach().float().requires_grad_()
     b = None if b is None else b.detach().float().requires_grad_()
-    o = pnt._op_opts(**dict(dict(eps=1e-6, partial=1.0, offset=0.0, eps_mode="inside",
-                                 casting="fp32", backend="auto"), **opts))
-    torch.library.opcheck(torch.ops.polynorm.rms_norm.default, (x, w, b, *o, None))
+    o = pnt._op_args(Options(**opts))
+    for save in ("input", "output"):
+        torch.library.opcheck(torch.ops.polynorm.rms_norm.default, (x, w, b, *o, save))
     r = _randn(*x.shape, seed=9, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.polynorm.add_rms_norm.default,
-                          (x, r, w, b, *o, torch.float16))
+                          (x, r, w, b, *o._replace(out_dtype="float16"), "input"))
 
 
 def test_opcheck_backward_op():
     x, w, b, opts = _args(OPTION_SETS["all"])
     x, w, b = (a.detach() for a in (x, w, b))
     dy = _randn(*x.shape, seed=5, dtype=torch.float64)
-    o = pnt._op_opts(**dict(dict(casting="fp32", backend="auto"), **opts))
+    o = pnt._op_args(Options(**opts))
     for rstd, gr in ((None, None), (pn.rms_norm(x, w, b, return_rstd=True, **opts)[1], dy)):
         torch.library.opcheck(torch.ops.polynorm.rms_norm_backward.default,
                               (dy, x, w, b, rstd, gr, *o))

@@ -1,23 +1,95 @@
-"""Backend registry: one module per backend, imported lazily.
+"""Backend registry and contract: one module per backend, imported lazily.
 
-Every backend module provides the same three names (see
-:mod:`polynorm.backends.reference` for the canonical, documented version):
-
-``available() -> tuple[bool, str]``
-    Whether the backend can run here and, if not, why (and how to fix it).
-``forward(x, residual, weight, bias, plan, out) -> (y, h, rstd)``
-    ``x``/``residual``/``out``: 2-D ``(n, d)``; ``weight``/``bias``: 1-D
-    ``(d,)`` or ``None``; ``h`` is ``None`` when ``residual`` is ``None``.
-``backward(dy, x, weight, bias, rstd, grad_residual, plan) -> (dx, dweight, dbias)``
-
-Arrays arrive in the caller's own array type; a backend converts to its
-native type (DLPack, zero-copy) and returns arrays of the caller's type.
+A backend is a module that satisfies :class:`Backend` (the required names)
+and, optionally, any of the capabilities below; the front end looks for a
+capability with ``hasattr`` and uses the reference where it is missing.
+:mod:`polynorm.backends.reference` is the canonical, documented version.
+Arrays arrive 2-D ``(n, d)`` (weight/bias 1-D ``(d,)``) in the caller's own
+array type; a backend converts to its native type (DLPack, zero-copy) and
+returns arrays of the caller's type.  A new backend is its module plus one
+line in :data:`MODULES` and one in :data:`INSTALL_HINT`.
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any, Protocol, runtime_checkable
+
+from .._options import GatedPlan, Plan, QuantPlan
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every backend module provides."""
+
+    def available(self) -> tuple[bool, str]:
+        """Whether it can run here and, if not, why and how to fix it (asked once)."""
+        ...
+
+    def accepts(self, x: Any) -> bool:
+        """Whether ``backend="auto"`` may send it this array."""
+        ...
+
+    def forward(self, x: Any, residual: Any, weight: Any, bias: Any, plan: Plan,
+                out: Any = None) -> tuple[Any, Any, Any]:
+        """``(y, h, rstd)``; ``h`` is None without a residual; ``y`` may be ``out``."""
+        ...
+
+    def backward(self, dy: Any, x: Any, weight: Any, bias: Any, rstd: Any, grad_residual: Any,
+                 plan: Plan) -> tuple[Any, Any, Any]:
+        """``(dx, dweight, dbias)``, the sums over rows in the row tree's order
+        (:mod:`polynorm.backends._rowtree`)."""
+        ...
+
+
+@runtime_checkable
+class GatedKernels(Protocol):
+    """Optional: gated RMSNorm (:func:`polynorm.rms_norm_gated`); ``rstd`` is ``(n, groups)``."""
+
+    def gated_forward(self, x: Any, z: Any, weight: Any, bias: Any, gplan: GatedPlan,
+                      out: Any = None) -> tuple[Any, Any]:
+        ...
+
+    def gated_backward(self, dy: Any, x: Any, z: Any, weight: Any, bias: Any, rstd: Any,
+                       gplan: GatedPlan) -> tuple[Any, Any, Any, Any]:
+        ...
+
+
+@runtime_checkable
+class QuantKernels(Protocol):
+    """Optional: RMSNorm with quantized output (:func:`polynorm.rms_norm_quant`);
+    ``scale`` is the static scale as a one-element array, or None."""
+
+    def quant_forward(self, x: Any, residual: Any, weight: Any, bias: Any, qplan: QuantPlan,
+                      scale: Any = None) -> tuple[Any, Any, Any]:
+        ...
+
+
+@runtime_checkable
+class SmallCalls(Protocol):
+    """Optional: a cheaper entry for a plain call of fewer than ``SERIAL_MAX_ELEMENTS``
+    elements (no residual, no ``out``, fp32 casting), taken by the fast path."""
+
+    SERIAL_MAX_ELEMENTS: int
+
+    def forward_small(self, x: Any, weight: Any, bias: Any, plan: Plan) -> tuple[Any, Any]:
+        ...
+
+
+@runtime_checkable
+class RowRangeBackward(Protocol):
+    """Optional: the backward of rows ``row0 .. row0 + n`` of ``ntot`` as a partial sum
+    state of the row tree, and ``finish`` of the merged state into dweight/dbias; the
+    dask backend runs it per chunk so that the sums have the bits of one call."""
+
+    def backward_range(self, dy: Any, x: Any, weight: Any, bias: Any, rstd: Any,
+                       grad_residual: Any, plan: Plan, row0: int, ntot: int) -> Any:
+        ...
+
+    def finish(self, total: Any, d: int, weight_dtype: Any, bias_dtype: Any,
+               empty: Any = ...) -> tuple[Any, Any]:
+        ...
 
 #: name -> module path.  Order matters only for listing.
 MODULES: dict[str, str] = {
@@ -58,7 +130,7 @@ def status(name: str) -> tuple[bool, str]:
     return _status[name]
 
 
-def get(name: str) -> ModuleType:
+def get(name: str) -> Any:
     """The module of a usable backend, or a ``ValueError`` saying how to install it."""
     if name not in MODULES:
         raise ValueError(f"backend must be 'auto' or one of {tuple(MODULES)}, got {name!r}")

@@ -119,7 +119,7 @@ def _pick_partial(t, i):
 def _forward_chunk(x, residual, weight, bias, *, plan: Plan):
     if x.shape[0] == 0:  # backends never see zero tokens
         # empties of the chunk's own array type
-        h = None if residual is None else x.astype(numpy_dtype(plan.x_dtype))
+        h = None if residual is None else x.astype(numpy_dtype(plan.norm_dtype))
         return (x.astype(numpy_dtype(plan.out_dtype)), h,
                 x[:, 0].astype(numpy_dtype(plan.compute_dtype)))
     return _inner(x).forward(x, residual, weight, bias, plan, None)
@@ -204,7 +204,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     rows = x.chunks[0]
     residual = _rows(residual, rows)
     weight, bias = _vec(weight), _vec(bias)
-    ydt, xdt, cdt = (numpy_dtype(plan.out_dtype), numpy_dtype(plan.x_dtype),
+    ydt, xdt, cdt = (numpy_dtype(plan.out_dtype), numpy_dtype(plan.norm_dtype),
                      numpy_dtype(plan.compute_dtype))
     # one task per row chunk; its block is the tuple (y, h, rstd), indexed by
     # rows only (dask cannot concatenate tuples over a dropped axis)
@@ -419,7 +419,7 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
                                dtype=np.float32, meta=_meta(x, 2, np.float32))
     h = None
     if residual is not None:
-        hdt = numpy_dtype(p.x_dtype)
+        hdt = numpy_dtype(p.norm_dtype)
         h = da.map_blocks(_pick, parts, 2, new_axis=1, chunks=chunks2, dtype=hdt,
                           meta=_meta(x, 2, hdt))
     return q, scales, h

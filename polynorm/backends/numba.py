@@ -210,24 +210,15 @@ def _vec(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarray:
     return a.astype(cdt)
 
 
-_plan_info: dict[int, tuple] = {}
-
-
 def _info(plan: Plan) -> tuple:
-    """``(flags, y dtype, h dtype, compute dtype, plan)`` for a plan; cached.
-
-    Keyed by ``id(plan)`` (hashing a Plan hashes all its fields, ~0.15 us);
-    the entry keeps the plan alive and is checked to be the same object.
-    """
-    info = _plan_info.get(id(plan))
-    if info is None or info[4] is not plan:
+    """``(flags, y dtype, h dtype, compute dtype)`` for a plan, derived once (``plan.memo``)."""
+    info = plan.memo.get("numba")
+    if info is None:
         K = _k()
         flags = (K.EPS_INSIDE if plan.eps_inside else 0) | (K.LLAMA if plan.llama else 0)
-        info = (flags, numpy_dtype(plan.out_dtype), numpy_dtype(plan.x_dtype),
-                numpy_dtype(plan.compute_dtype), plan)
-        if len(_plan_info) >= 4096:
-            _plan_info.clear()
-        _plan_info[id(plan)] = info
+        info = (flags, numpy_dtype(plan.out_dtype), numpy_dtype(plan.norm_dtype),
+                numpy_dtype(plan.compute_dtype))
+        plan.memo["numba"] = info
     return info
 
 
@@ -236,11 +227,11 @@ def _llama_codes(plan: Plan, weight: np.ndarray | None) -> int:
     from .._options import promote
 
     K = _k()
-    flags = _CODE[plan.x_dtype] << K.XCODE_SHIFT
+    flags = _CODE[plan.norm_dtype] << K.XCODE_SHIFT
     if weight is not None:
         wname = "bfloat16" if _bf(weight) else weight.dtype.name
         flags |= _CODE[wname] << K.WCODE_SHIFT
-        flags |= _CODE[promote(plan.x_dtype, wname)] << K.PCODE_SHIFT
+        flags |= _CODE[promote(plan.norm_dtype, wname)] << K.PCODE_SHIFT
     return flags
 
 
@@ -258,7 +249,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     if residual is None and x.shape[1] > 1 and x.strides[1] != x.itemsize:
         x = np.ascontiguousarray(x)  # _unit_columns: the row reductions take adjacent elements
     n, d = x.shape
-    flags, y_dt, h_dt, cdt, _ = _info(plan)
+    flags, y_dt, h_dt, cdt = _info(plan)
     empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
     y = empty((n, d), y_dt) if out is None else to_numpy(out)
     rstd = empty(n, cdt)
@@ -311,7 +302,7 @@ def forward_small(x: np.ndarray, weight, bias, plan: Plan):
     is most of a (1, 4096) call's time (the front end's numpy fast path).
     """
     K = _kernels or _k()
-    flags, y_dt, _, cdt, _ = _info(plan)
+    flags, y_dt, _, cdt = _info(plan)
     n, d = x.shape
     if d > 1 and x.strides[1] != x.itemsize:
         x = np.ascontiguousarray(x)  # as _unit_columns
@@ -561,7 +552,7 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
     from . import _numba_gated as G
 
     like = x
-    _, y_dt, _, cdt, _ = _info(plan)
+    _, y_dt, _, cdt = _info(plan)
     xc, zc = _gated_rows(x, cdt), _gated_rows(z, cdt)
     n, d = xc.shape
     empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
@@ -694,7 +685,7 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
         xn = _interop.to_numpy(x)
         if xn.shape[1] > 1 and xn.strides[1] != xn.itemsize:
             xn = np.ascontiguousarray(xn)
-        flags, _, h_dt, cdt, _ = _info(plan)
+        flags, _, h_dt, cdt = _info(plan)
         xk = _kview(xn)
         rk, hk = xk, _stand_in_h(xk.dtype)  # h must be writable (a jax x is not)
         if residual is not None:

@@ -102,7 +102,7 @@ def _affine(xp, xhat, x, weight, bias, plan: Plan, cdt):
     if plan.llama:
         xhat = xp.astype(xhat, x.dtype)
         if weight is not None:
-            pdt = namespace_dtype(xp, promote(plan.x_dtype, _name(weight)), x)
+            pdt = namespace_dtype(xp, promote(plan.norm_dtype, _name(weight)), x)
             g = xp.astype(weight + plan.offset, weight.dtype)
             y = xp.astype(xp.astype(xhat, pdt) * xp.astype(g, pdt), cdt)
         else:
@@ -121,7 +121,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     ----------
     x, residual : array, shape (n, d)
         ``residual`` is ``None`` for plain rms_norm; otherwise the normalized
-        input is ``h = x + residual``, rounded to ``plan.x_dtype``.
+        input is ``h = x + residual``, rounded to ``plan.norm_dtype``.
     weight, bias : array, shape (d,), or None
     plan : Plan
     out : array, shape (n, d), or None
@@ -130,7 +130,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     Returns
     -------
     y : array (n, d) of ``plan.out_dtype``
-    h : array (n, d) of ``plan.x_dtype``, or None
+    h : array (n, d) of ``plan.norm_dtype``, or None
     rstd : array (n,) of ``plan.compute_dtype``
     """
     with _quiet():
@@ -143,7 +143,7 @@ def _forward(x, residual, weight, bias, plan: Plan):
     h = None
     if residual is not None:
         h = xp.astype(
-            xp.astype(x, cdt) + xp.astype(residual, cdt), namespace_dtype(xp, plan.x_dtype, x)
+            xp.astype(x, cdt) + xp.astype(residual, cdt), namespace_dtype(xp, plan.norm_dtype, x)
         )
         x = h
     v = xp.astype(x, cdt)
