@@ -353,3 +353,119 @@ def make_gated_plan(plan: Plan, *, group_size: Any, norm_before_gate: Any) -> Ga
             f"partial={plan.k / d!r} (k={plan.k}) cannot be combined with group_size={gs} "
             f"< d={d}: use partial=1.0 with groups")
     return GatedPlan(plan=plan, group_size=gs, norm_before_gate=bool(norm_before_gate))
+
+
+# --------------------------------------------------------------------------- quantized output
+
+#: The formats :func:`polynorm.rms_norm_quant` writes, with the largest
+#: magnitude a scale maps to (``qmax``) and the saturation bounds.
+QUANT_DTYPES = ("float8_e4m3fn", "int8")
+_QRANGE = {"float8_e4m3fn": (448.0, -448.0, 448.0), "int8": (127.0, -128.0, 127.0)}
+#: The smallest positive normal float32: a dynamic scale below it is replaced by 1.
+SCALE_FLOOR = 2.0**-126
+
+
+@dataclass(frozen=True, slots=True)
+class QuantPlan:
+    """A :class:`Plan` (``out_dtype`` float32) plus the quantization's options.
+
+    Per token, with ``y`` the float32 result of the plan (exactly
+    :func:`polynorm.rms_norm` with ``out_dtype="float32"``)::
+
+        static (scale given):   s = float32(scale)                  one for the tensor
+        dynamic, per token:     s = amax(|y|) / qmax                one per token
+        dynamic, per group:     s = amax(|y[g*G:(g+1)*G]|) / qmax   one per group of G
+        dynamic s < 2**-126:    s = 1     (an all-zero token or group; NaN stays NaN)
+        q = encode(clip(y / s, lo, hi))
+
+    ``/`` is float32 division (correctly rounded), ``amax`` propagates NaN,
+    ``clip`` keeps NaN, and ``encode`` rounds to nearest even: to
+    float8_e4m3fn (``qmax = 448``, ``[lo, hi] = [-448, 448]``; NaN stays
+    NaN, its sign kept) or to int8 (``qmax = 127``, ``[lo, hi] = [-128, 127]``;
+    NaN becomes 0).
+    """
+
+    plan: Plan
+    qdtype: str
+    static: bool
+    scale: float | None  # the static scale as a float32 value, None for an array scale
+    group_size: int
+
+    @property
+    def groups(self) -> int:
+        return self.plan.d // self.group_size
+
+    @property
+    def qmax(self) -> float:
+        return _QRANGE[self.qdtype][0]
+
+    @property
+    def lo(self) -> float:
+        return _QRANGE[self.qdtype][1]
+
+    @property
+    def hi(self) -> float:
+        return _QRANGE[self.qdtype][2]
+
+
+def parse_quant_dtype(dtype: Any) -> str:
+    """``"float8_e4m3fn"`` or ``"int8"`` from a name or any library's dtype object.
+
+    >>> import numpy as np
+    >>> parse_quant_dtype(np.int8), parse_quant_dtype("float8_e4m3fn")
+    ('int8', 'float8_e4m3fn')
+    """
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            import numpy as np
+
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(getattr(dtype, "name", dtype))
+        name = name.rsplit(".", 1)[-1].lower()
+    if name not in QUANT_DTYPES:
+        raise TypeError(f"dtype must be one of {QUANT_DTYPES}, got {dtype!r}")
+    return name
+
+
+def make_quant_plan(plan: Plan, *, qdtype: str, scale: Any, scale_is_array: bool,
+                    group_size: Any) -> QuantPlan:
+    """Validate the quantization's options against a resolved :class:`Plan`.
+
+    ``scale`` (a real number, when not an array) must be positive and finite
+    as a float32; ``group_size`` (dynamic scales only) must divide ``d``.
+
+    >>> p = make_plan(8, "float32", Options(out_dtype="float32"))
+    >>> make_quant_plan(p, qdtype="int8", scale=None, scale_is_array=False, group_size=4).groups
+    2
+    """
+    d = plan.d
+    static = scale is not None or scale_is_array
+    value = None
+    if scale is not None:
+        value = _check_real("scale", scale)
+        import numpy as np
+
+        with np.errstate(over="ignore", under="ignore"):
+            v32 = float(np.float32(value))
+        if not (math.isfinite(v32) and v32 > 0):
+            raise ValueError(
+                f"scale must be a positive finite float32 value, got {scale!r}"
+                + (f" (float32: {v32!r})" if v32 != value else ""))
+        value = v32
+    if group_size is None:
+        gs = d
+    else:
+        if static:
+            raise ValueError(
+                "group_size is for dynamic scales: pass scale=None with group_size, "
+                f"or group_size=None with a static scale (got group_size={group_size!r})")
+        if isinstance(group_size, bool) or not hasattr(group_size, "__index__"):
+            raise TypeError(f"group_size must be an int or None, got {group_size!r}")
+        gs = int(group_size.__index__())
+        if gs < 1 or d % gs:
+            raise ValueError(
+                f"group_size={gs} must be >= 1 and divide the normalized size d={d}")
+    return QuantPlan(plan=plan, qdtype=qdtype, static=static, scale=value, group_size=gs)

@@ -333,3 +333,7 @@ def add_rms_norm(
 from ._jax_gated import rms_norm_gated  # noqa: E402
 
 __all__ += ["rms_norm_gated"]
+
+from ._jax_quant import rms_norm_quant  # noqa: E402
+
+__all__ += ["rms_norm_quant"]

@@ -593,3 +593,8 @@ from ._hf import PatchedRMSNorm, patch, patched, unpatch  # noqa: E402
 from ._torch_gated import RMSNormGated, rms_norm_gated  # noqa: E402
 
 __all__ += ["rms_norm_gated", "RMSNormGated"]
+
+# quantized output (polynorm/_torch_quant.py, an inference-only custom op)
+from ._torch_quant import rms_norm_quant  # noqa: E402
+
+__all__ += ["rms_norm_quant"]

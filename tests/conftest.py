@@ -211,6 +211,9 @@ def rng() -> np.random.Generator:
 # one place (``*`` is the only wildcard); a parameter left out of a pattern stays
 # in the default run.
 SLOW_SWEEPS = (
+    # quantized output: every dtype x format x scale mode x options (test_quant's targeted
+    # cases stay in the default run)
+    "tests/test_quant.py::test_sweep[*",
     # hypothesis over shapes, layouts, dtypes and options (the emulated CUDA one stays)
     "tests/test_batch_invariance.py::test_a_tokens_bits_do_not_depend_on_the_batch[*",
     # pn_fwd_small vs pn_fwd over the options: the plain sweep stays in the default run

@@ -11,8 +11,8 @@ import pytest
 import polynorm  # noqa: F401  (registers polynorm.backends)
 
 registry = sys.modules["polynorm.backends"]
-CAPABILITIES = (registry.Backend, registry.GatedKernels, registry.SmallCalls,
-                registry.RowRangeBackward)
+CAPABILITIES = (registry.Backend, registry.GatedKernels, registry.QuantKernels,
+                registry.SmallCalls, registry.RowRangeBackward)
 
 
 def _members(proto) -> dict[str, inspect.Signature | None]:

@@ -79,7 +79,7 @@ from .roof import paired_roof
 SHAPES = ((1, 4096), (8, 4096), (512, 4096), (16384, 4096), (4096, 16384), (65536, 1024))
 QUICK_SHAPES = ((1, 4096), (8, 4096), (512, 4096), (2048, 4096), (8192, 1024), (512, 16384))
 DTYPES = ("float32", "bfloat16", "float16")
-OPS = ("fwd", "fwd-out", "add", "bwd", "gated")
+OPS = ("fwd", "fwd-out", "add", "bwd", "gated", "quant")
 EPS = 1e-6
 
 Progress = Callable[[int, int, str], None]
@@ -95,12 +95,17 @@ def op_bytes(op: str, n: int, d: int, itemsize: int) -> int:
     """Bytes the op must move, as the issue counts them (weight only for bwd).
 
     fwd: read x, write y; add: also read residual, write h; bwd: read x and
-    dy, write dx, plus the weight; gated: read x and z, write y.
+    dy, write dx, plus the weight; gated: read x and z, write y; quant: read
+    x, write the float8 q (one byte each) and the float32 per-token scales.
 
     >>> op_bytes("fwd", 2, 4, 4), op_bytes("add", 2, 4, 4), op_bytes("bwd", 2, 4, 4)
     (64, 128, 112)
+    >>> op_bytes("quant", 2, 4, 2)
+    32
     """
     t = n * d * itemsize
+    if op == "quant":
+        return t + n * d + 4 * n
     if op in ("fwd", "fwd-out"):
         return 2 * t
     if op == "gated":
@@ -145,7 +150,26 @@ def _numpy_fn(op: str, x, w, r, dy) -> Callable[[], Any]:
             zf = r.astype(np.float32)
             return _numpy_fwd((x.astype(np.float32) * (zf / (1 + np.exp(-zf)))).astype(x.dtype), w)
         return gated
+    if op == "quant":
+        return lambda: _numpy_quant(x, w)
     return lambda: _numpy_fwd(x, w, r if op == "add" else None)
+
+
+def _numpy_quant(x, w):
+    import ml_dtypes
+
+    y = _numpy_fwd(x, w).astype(np.float32)
+    s = np.abs(y).max(axis=-1, keepdims=True) / np.float32(448.0)
+    return np.clip(y / s, -448, 448).astype(ml_dtypes.float8_e4m3fn), s
+
+
+def _torch_quant(a, g, d: int):
+    import torch
+    import torch.nn.functional as F
+
+    y = F.rms_norm(a.float(), (d,), g.float(), EPS)
+    s = y.abs().amax(dim=-1, keepdim=True) / 448.0
+    return (y / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s
 
 
 def _torch_fn(op: str, x, w, r, dy) -> Callable[[], Any] | None:
@@ -166,6 +190,8 @@ def _torch_fn(op: str, x, w, r, dy) -> Callable[[], Any] | None:
     if op == "gated":
         tz = t(r)
         return lambda: F.rms_norm(tx * F.silu(tz), (d,), tw, EPS)
+    if op == "quant":
+        return lambda: _torch_quant(tx, tw, d)
     txg = tx.clone().requires_grad_(True)
     twg = tw.clone().requires_grad_(True)
     y = F.rms_norm(txg, (d,), twg, EPS)
@@ -195,6 +221,9 @@ def _compiled_fn(op: str, x, w, r) -> Callable[[], Any] | None:
             tr = _torch_tensor(r)
             f = torch.compile(lambda a, b, g: F.rms_norm(a + b, (d,), g, EPS))
             fn = lambda: f(tx, tr, tw)  # noqa: E731
+        elif op == "quant":
+            f = torch.compile(lambda a, g: _torch_quant(a, g, d))
+            fn = lambda: f(tx, tw)  # noqa: E731
         else:
             f = torch.compile(lambda a, g: F.rms_norm(a, (d,), g, EPS))
             fn = lambda: f(tx, tw)  # noqa: E731
@@ -262,7 +291,7 @@ def _ort_session(kind: str, dt: str, d: int):
 def _ort_fns(op: str, x, w, r, out) -> dict[str, Callable[[], Any]]:
     """ONNX Runtime peers of one case by node name (empty when none runs)."""
     dt = x.dtype.name
-    if op in ("bwd", "gated") or dt not in _ORT_TYPES or _ort_missing(dt):
+    if op in ("bwd", "gated", "quant") or dt not in _ORT_TYPES or _ort_missing(dt):
         return {}
     d = x.shape[-1]
     fns: dict[str, Callable[[], Any]] = {}
@@ -292,7 +321,7 @@ def cases(quick: bool = False, dtypes: list[str] | None = None,
     """``(op, dtype, tokens, d)`` in measurement order.
 
     >>> len(cases()), cases(quick=True)[0]
-    (90, ('fwd', 'float32', 1, 4096))
+    (108, ('fwd', 'float32', 1, 4096))
     """
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     dts = [d for d in DTYPES if dtypes is None or d in dtypes]
@@ -310,6 +339,8 @@ def _polynorm_fn(op: str, x, w, r, dy, out) -> Callable[[], Any]:
         return lambda: pn.add_rms_norm(x, r, w, eps=EPS)
     if op == "gated":  # r as the gate z; Mamba-2's order (gate, then norm)
         return lambda: pn.rms_norm_gated(x, r, w, eps=EPS)
+    if op == "quant":  # float8 e4m3fn with a dynamic per-token scale (vLLM's serving default)
+        return lambda: pn.rms_norm_quant(x, w, eps=EPS)
     # the forward's rstd, as a training step has it (torch's autograd saves it too)
     rstd = pn.rms_norm(x, w, eps=EPS, return_rstd=True)[1]
     return lambda: pn.rms_norm_backward(dy, x, w, eps=EPS, rstd=rstd)
@@ -373,7 +404,7 @@ def run(
         if p.peers:
             ratios["ort"] = min(p.peers.values()) / t
             extra.update({f"ort_{k}_s": v for k, v in p.peers.items()})
-        elif op not in ("bwd", "gated"):
+        elif op not in ("bwd", "gated", "quant"):
             extra["ort"] = _ort_missing(dt)
         tf = _torch_fn(op, x, w, r, dy)
         if tf is not None:

@@ -16,7 +16,7 @@ import importlib
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
-from .._options import GatedPlan, Plan
+from .._options import GatedPlan, Plan, QuantPlan
 
 
 @runtime_checkable
@@ -53,6 +53,16 @@ class GatedKernels(Protocol):
 
     def gated_backward(self, dy: Any, x: Any, z: Any, weight: Any, bias: Any, rstd: Any,
                        gplan: GatedPlan) -> tuple[Any, Any, Any, Any]:
+        ...
+
+
+@runtime_checkable
+class QuantKernels(Protocol):
+    """Optional: RMSNorm with quantized output (:func:`polynorm.rms_norm_quant`);
+    ``scale`` is the static scale as a one-element array, or None."""
+
+    def quant_forward(self, x: Any, residual: Any, weight: Any, bias: Any, qplan: QuantPlan,
+                      scale: Any = None) -> tuple[Any, Any, Any]:
         ...
 
 

@@ -374,3 +374,52 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
             total = total + b_
         out.append(total[0].astype(v.dtype))
     return tuple(out)
+
+
+# ------------------------------------------------------------------ quantized output
+# One task per row chunk, on the chunk's in-memory backend (its quant_forward,
+# or the reference's): q, the scales and h have the in-memory call's bits.
+
+
+def _quant_forward_chunk(x, residual, weight, bias, scale, *, qplan):
+    mod = _gated_inner(x) if x.shape[0] else None
+    if mod is None or not hasattr(mod, "quant_forward"):
+        from . import get
+
+        mod = get("array_api")
+    return mod.quant_forward(x, residual, weight, bias, qplan, scale)
+
+
+def quant_forward(x, residual, weight, bias, qplan, scale=None):
+    """Quantized forward on 2-D dask rows; lazy ``(q (n, d), scales, h or None)``."""
+    import dask.array as da
+
+    from .reference import quant_dtype
+
+    x = _rows(x, da.asarray(x).chunks[0])
+    rows = x.chunks[0]
+    residual = _rows(residual, rows)
+    weight, bias = _vec(weight), _vec(bias)
+    s1 = None if scale is None else da.reshape(da.asarray(scale), (1,)).rechunk((1,))
+    p = qplan.plan
+    parts = da.blockwise(
+        _quant_forward_chunk, "i",
+        *_args([(x, "ij"), (residual, "ij"), (weight, "j"), (bias, "j"), (s1, "k")]),
+        qplan=qplan, dtype=object, meta=np.empty((0,), object), concatenate=True,
+    )
+    qdt = np.dtype(quant_dtype(np, qplan.qdtype, np.empty(0)))
+    chunks2 = (rows, (x.shape[1],))
+    q = da.map_blocks(_pick, parts, 0, new_axis=1, chunks=chunks2, dtype=qdt,
+                      meta=_meta(x, 2, qdt))
+    if qplan.static:
+        scales = (da.asarray(np.float32(qplan.scale)) if s1 is None
+                  else da.reshape(s1.astype(np.float32), ()))
+    else:
+        scales = da.map_blocks(_pick, parts, 1, new_axis=1, chunks=(rows, (qplan.groups,)),
+                               dtype=np.float32, meta=_meta(x, 2, np.float32))
+    h = None
+    if residual is not None:
+        hdt = numpy_dtype(p.norm_dtype)
+        h = da.map_blocks(_pick, parts, 2, new_axis=1, chunks=chunks2, dtype=hdt,
+                          meta=_meta(x, 2, hdt))
+    return q, scales, h

@@ -618,3 +618,102 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
     if bias is not None:
         db = from_numpy(G.tree_sum(lb).astype(_interop.to_numpy(bias).dtype), like)
     return (from_numpy(dx.astype(xn.dtype), like), from_numpy(dz.astype(zn.dtype), like), dw, db)
+
+
+# --------------------------------------------------------------------------- quantized output
+
+
+def _wrap_q(q: np.ndarray, like, qdtype: str):
+    """``q`` (uint8 bits) as the caller's array of the quantized format."""
+    if qdtype == "int8":
+        return _interop.from_numpy(q.view(np.int8), like)
+    if type(like) is np.ndarray:
+        import ml_dtypes
+
+        return q.view(ml_dtypes.float8_e4m3fn)
+    lib = type(like).__module__.split(".")[0]
+    if lib == "torch":
+        import torch
+
+        return torch.from_numpy(q).view(torch.float8_e4m3fn)
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.bitcast_convert_type(_interop.from_numpy(q, like), jnp.float8_e4m3fn)
+
+
+_NO_H: dict[np.dtype, np.ndarray] = {}
+
+
+def _stand_in_h(dt: np.dtype) -> np.ndarray:
+    a = _NO_H.get(dt)
+    if a is None:
+        a = _NO_H[dt] = np.empty((1, 1), dt)
+    return a
+
+
+def quant_forward(x, residual, weight, bias, qplan, scale=None):
+    """Quantized forward on 2-D rows; the contract is :func:`.reference.quant_forward`.
+
+    One kernel pass per token (:mod:`._numba_quant`); ``casting="llama"``
+    runs :func:`forward` into float32 rows first and quantizes those.
+    """
+    from . import _numba_quant as Q
+
+    K = _kernels or _k()
+    plan = qplan.plan
+    like = x
+    n, d = x.shape
+    empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+    if qplan.static:
+        s = qplan.scale if scale is None else float(np.asarray(_interop.to_numpy(scale)
+                                                              ).reshape(()))
+        s32 = np.float32(s)
+    else:
+        s32 = np.float32(1.0)
+    q = empty((n, d), np.uint8)
+    sc = np.empty((n, qplan.groups), np.float32) if not qplan.static else np.empty((1, 1),
+                                                                                   np.float32)
+    qargs = (s32, qplan.group_size, np.float32(qplan.qmax), qplan.qdtype == "float8_e4m3fn",
+             qplan.static)
+    h = None
+    if plan.llama:
+        y, h, _ = forward(x, residual, weight, bias, plan)
+        yn = np.ascontiguousarray(_interop.to_numpy(y))
+        Q.quantize_y_rows(0, n, yn, q, sc, *qargs)
+    else:
+        xn = _interop.to_numpy(x)
+        if xn.shape[1] > 1 and xn.strides[1] != xn.itemsize:
+            xn = np.ascontiguousarray(xn)
+        flags, _, h_dt, cdt = _info(plan)
+        xk = _kview(xn)
+        rk, hk = xk, _stand_in_h(xk.dtype)  # h must be writable (a jax x is not)
+        if residual is not None:
+            rn = _interop.to_numpy(residual)
+            if rn.shape[1] > 1 and rn.strides[1] != rn.itemsize:
+                rn = np.ascontiguousarray(rn)
+            h = empty((n, d), h_dt)
+            flags |= K.HAS_R
+            rk, hk = _kview(rn), _kview(h)
+        w = b = _NO_VEC[cdt]
+        if weight is not None:
+            flags |= K.HAS_W
+            w = _vec(_interop.to_numpy(weight), cdt)
+        if bias is not None:
+            flags |= K.HAS_B
+            b = _vec(_interop.to_numpy(bias), cdt)
+        args = (xk, rk, w, b, hk, q, sc, np.empty(d, np.float32), np.empty(1, cdt), flags,
+                plan.k, plan.eps, plan.offset, *qargs)
+        if _parallel(n, d):
+            with _launch_lock:
+                Q.quant_parallel(*args)
+            if not _omp_used:
+                _note_layer()
+        else:
+            Q.quant_rows(0, n, *args)
+        h = None if h is None else _interop.from_numpy(h, like)
+    if qplan.static:
+        scales = _interop.from_numpy(np.asarray(s32, np.float32).reshape(()), like)
+    else:
+        scales = _interop.from_numpy(sc, like)
+    return _wrap_q(q, like, qplan.qdtype), scales, h

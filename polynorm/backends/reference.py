@@ -322,3 +322,83 @@ def _gated_backward(dy, x, z, weight, bias, rstd, gplan):
     dweight = None if weight is None else xp.astype(xp.sum(dn * xhat, axis=0), weight.dtype)
     dbias = None if bias is None else xp.astype(xp.sum(dn, axis=0), bias.dtype)
     return xp.astype(dx, x.dtype), xp.astype(dz, z.dtype), dweight, dbias
+
+
+# --------------------------------------------------------------------------- quantized output
+
+
+def quant_dtype(xp, name: str, like):
+    """The namespace's dtype object for a quantized format (``TypeError`` where it has none)."""
+    if name == "int8":
+        return xp.int8
+    dt = getattr(xp, name, None)
+    if dt is not None:
+        return dt
+    module = type(like).__module__.split(".")[0]
+    if module == "torch":
+        import torch
+
+        return torch.float8_e4m3fn
+    if module in ("jax", "jaxlib"):
+        import jax.numpy as jnp
+
+        return jnp.float8_e4m3fn
+    if module in ("numpy", "dask"):
+        import ml_dtypes
+
+        return ml_dtypes.float8_e4m3fn
+    raise TypeError(f"dtype={name!r}: the array library {xp.__name__} has no {name} dtype")
+
+
+def quantize(xp, y, qplan, scale=None):
+    """``(q, scales)`` of float32 rows ``y`` (n, d) by :class:`polynorm._options.QuantPlan`.
+
+    ``scale``: the static scale as an array (one element) when the plan has
+    no float; ``scales`` is (n, groups) float32 for dynamic scales, else the
+    static scale as a 0-d float32 array.
+    """
+    with _quiet():
+        return _quantize(xp, y, qplan, scale)
+
+
+def _quantize(xp, y, qplan, scale):
+    n, d = y.shape
+    f32 = y.dtype
+    if qplan.static:
+        if scale is None:
+            s = xp.asarray(qplan.scale, dtype=f32, device=_device(y))
+        else:
+            s = xp.reshape(xp.astype(scale, f32), ())
+        v = y / s
+        scales = s
+    else:
+        from .._options import SCALE_FLOOR
+
+        yg = xp.reshape(y, (n, qplan.groups, qplan.group_size))
+        amax = xp.max(xp.abs(yg), axis=2)
+        s = amax / qplan.qmax
+        # "s < floor" is False for NaN: a NaN token keeps a NaN scale
+        s = xp.where(s < SCALE_FLOOR, xp.ones_like(s), s)
+        v = xp.reshape(yg / s[:, :, None], (n, d))
+        scales = s
+    v = xp.clip(v, qplan.lo, qplan.hi)
+    if qplan.qdtype == "int8":
+        v = xp.round(xp.where(xp.isnan(v), xp.zeros_like(v), v))
+    return xp.astype(v, quant_dtype(xp, qplan.qdtype, y)), scales
+
+
+def _device(a):
+    from array_api_compat import device
+
+    return device(a)
+
+
+def quant_forward(x, residual, weight, bias, qplan, scale=None):
+    """Quantized forward on 2-D rows: ``(q, scales, h)``.
+
+    ``y`` is :func:`forward`'s float32 result for ``qplan.plan``, then
+    :func:`quantize`; ``h`` is ``None`` without a residual.
+    """
+    y, h, _ = forward(x, residual, weight, bias, qplan.plan)
+    q, scales = quantize(_xp(x), y, qplan, scale)
+    return q, scales, h

@@ -1,0 +1,262 @@
+"""Numba kernel of RMSNorm with quantized output (:class:`polynorm._options.QuantPlan`).
+
+One pass over a token: its statistic (the plain forward's own row
+functions, :func:`._numba_kernels._row_sumsq` and ``_rstd_from``), ``y`` in
+float32 into a row buffer of the task (the operations of ``_out_span`` /
+``_fwd_row_wide``, in their order: the bits of ``rms_norm(...,
+out_dtype="float32")``), then the scales and the encoding from that buffer,
+which is still in L1/L2.  float8 e4m3fn has no Numba type: it is encoded
+by bit manipulation into ``uint8`` (round to nearest even, as
+``ml_dtypes``), as :mod:`._numba_codec` does for bfloat16; int8 is written
+into the same ``uint8`` array as its two's complement.
+
+Rows run in ranges under ``prange``; a token's bits depend only on its own
+values (batch invariance), whatever the thread count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
+
+from ._numba_codec import _f32_as_u32, _u32_as_f32, is_bf16, load, prefetch_span
+from ._numba_kernels import (
+    _CHUNK_F,
+    EPS_INSIDE,
+    HAS_B,
+    HAS_R,
+    HAS_W,
+    _add_row,
+    _inline_ir,
+    _jit,
+    _range_rows,
+    _row_sumsq,
+    _rstd_from,
+    like,
+)
+from ._numba_refs import borrow
+
+_ABS = np.uint32(0x7FFFFFFF)
+_F32_MIN_NORMAL = np.float32(2.0**-126)
+
+
+@intrinsic
+def e4m3fn(typingctx, v):
+    """float32 ``v`` -> float8_e4m3fn bits: saturated to +-448, nearest even, NaN kept (sign too).
+
+    Written in 32-bit integer IR (Numba would widen the integer steps to 64
+    bits, halving the vector width): the magnitude's bits are clamped to
+    448's (positive floats order as their bits), a normal result rounds its
+    mantissa to 3 bits by adding half an ulp plus the kept lsb (nearest
+    even), a subnormal one (below 2**-6) is ``rint(|v| * 2**9)``, computed
+    exactly by adding 2**23 in float32.
+    """
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+
+        def c(n):
+            return ir.Constant(i32, n)
+
+        u = builder.bitcast(args[0], i32)
+        sign = builder.and_(builder.lshr(u, c(24)), c(0x80))
+        au = builder.and_(u, c(0x7FFFFFFF))
+        nan = builder.icmp_unsigned(">", au, c(0x7F800000))
+        au = builder.select(builder.icmp_unsigned("<", au, c(0x43E00000)), au, c(0x43E00000))
+        lsb = builder.and_(builder.lshr(au, c(20)), c(1))
+        nrm = builder.sub(builder.lshr(builder.add(builder.add(au, c(0x7FFFF)), lsb), c(20)),
+                          c(120 << 3))
+        a = builder.bitcast(au, ir.FloatType())
+        t = builder.fadd(builder.fmul(a, ir.Constant(ir.FloatType(), 512.0)),
+                         ir.Constant(ir.FloatType(), 2.0**23))
+        sub = builder.sub(builder.bitcast(t, i32), c(0x4B000000))
+        code = builder.select(builder.icmp_unsigned("<", au, c(0x3C800000)), sub, nrm)
+        code = builder.select(nan, c(0x7F), code)
+        return builder.trunc(builder.or_(code, sign), ir.IntType(8))
+
+    return types.uint8(v), codegen
+
+
+@intrinsic
+def int8_bits(typingctx, v):
+    """float32 ``v`` -> int8 (as uint8 bits): NaN -> 0, saturated to [-128, 127], nearest even.
+
+    The clamped value plus 1.5 * 2**23 (float32) is rounded to an integer
+    by the addition itself; its low bits are the result (32-bit IR, as
+    :func:`e4m3fn`).
+    """
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        i32 = ir.IntType(32)
+        x = args[0]
+        x = builder.select(builder.fcmp_unordered("uno", x, x), ir.Constant(f32, 0.0), x)
+        x = builder.select(builder.fcmp_ordered(">", x, ir.Constant(f32, -128.0)), x,
+                           ir.Constant(f32, -128.0))
+        x = builder.select(builder.fcmp_ordered("<", x, ir.Constant(f32, 127.0)), x,
+                           ir.Constant(f32, 127.0))
+        t = builder.bitcast(builder.fadd(x, ir.Constant(f32, 1.5 * 2.0**23)), i32)
+        return builder.trunc(builder.sub(t, ir.Constant(i32, 0x4B400000)), ir.IntType(8))
+
+    return types.uint8(v), codegen
+
+
+@_inline_ir
+def _encode_span(buf, q, i, j0, j1, s, fp8):
+    # unsigned columns: no negative-index wraparound test, so the loops vectorize
+    lo = np.uint64(j0)
+    hi = np.uint64(j1)
+    if fp8:
+        for j in range(lo, hi):
+            q[i, j] = e4m3fn(buf[j] / s)
+    else:
+        for j in range(lo, hi):
+            q[i, j] = int8_bits(buf[j] / s)
+
+
+@_inline_ir
+def _amax(buf, j0, j1):
+    """``max |buf[j0:j1]|`` by the bits of the magnitudes: a NaN (above inf's bits) wins."""
+    m = np.uint32(0)
+    for j in range(np.uint64(j0), np.uint64(j1)):
+        b = _f32_as_u32(buf[j]) & _ABS
+        m = b if b > m else m
+    return _u32_as_f32(m)
+
+
+@_inline_ir
+def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, amax):
+    """Row ``i`` of ``q`` (and of ``sc`` for dynamic scales) from its float32 ``y`` in ``buf``;
+    ``amax``: ``max |y|`` of the row, already known (one group) or < 0 (recomputed here)."""
+    d = buf.shape[0]
+    if static:
+        _encode_span(buf, q, i, 0, d, static_scale, fp8)
+        return
+    for g in range(d // gs):
+        lo = g * gs
+        m = amax if gs == d and not amax < 0 else _amax(buf, lo, lo + gs)
+        s = m / qmax
+        s = np.float32(1.0) if s < _F32_MIN_NORMAL else s
+        sc[i, g] = s
+        _encode_span(buf, q, i, lo, lo + gs, s, fp8)
+
+
+@_inline_ir
+def _y_span(i, a, abf, w, b, buf, j0, j1, rc, oc, flags, m):
+    """``buf[j0:j1] = y[i, j0:j1]`` (``_out_span``'s four cases, in float32), and the
+    running ``max |y|`` bits ``m`` over them (NaN's bits are above inf's: NaN wins)."""
+    has_w = (flags & HAS_W) != 0
+    has_b = (flags & HAS_B) != 0
+    lo = np.uint64(j0)
+    hi = np.uint64(j1)
+    if has_w and not has_b:
+        for j in range(lo, hi):
+            v = np.float32(load(a[i, j], abf) * rc * (like(w[j], rc) + oc))
+            buf[j] = v
+            u = _f32_as_u32(v) & _ABS
+            m = u if u > m else m
+    elif not has_w and not has_b:
+        for j in range(lo, hi):
+            v = np.float32(load(a[i, j], abf) * rc)
+            buf[j] = v
+            u = _f32_as_u32(v) & _ABS
+            m = u if u > m else m
+    elif has_w:
+        for j in range(lo, hi):
+            val = load(a[i, j], abf) * rc * (like(w[j], rc) + oc)
+            v = np.float32(val + like(b[j], rc))
+            buf[j] = v
+            u = _f32_as_u32(v) & _ABS
+            m = u if u > m else m
+    else:
+        for j in range(lo, hi):
+            v = np.float32(load(a[i, j], abf) * rc + like(b[j], rc))
+            buf[j] = v
+            u = _f32_as_u32(v) & _ABS
+            m = u if u > m else m
+    return m
+
+
+@_inline_ir
+def _y_row(i, a, abf, w, b, buf, rs, flags, k, eps, offset):
+    """``buf = y[i]`` in float32 with ``_fwd_norm_row``'s operations (its rstd, its
+    two cases: ``_out_span`` and the wide ``_fwd_row_wide``); returns ``max |y|``.
+    The next row is prefetched a chunk at a time during the pass, as the
+    forward's output pass does."""
+    r64 = _rstd_from(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0, _row_sumsq(a, i, k, abf))
+    rs[0] = r64
+    rc = rs[0]  # rstd in the compute type
+    oc = like(offset, rc)
+    d = a.shape[1]
+    if r64 < math.inf and not rc < math.inf:
+        rw = like(r64 * 2.0**-64, oc)
+        up = like(2.0**64, oc)
+        for j in range(d):
+            val = load(a[i, j], abf) * up * rw
+            if flags & HAS_W:
+                val = val * (like(w[j], oc) + oc)
+            if flags & HAS_B:
+                val = val + like(b[j], oc)
+            buf[j] = np.float32(val)
+        return _amax(buf, 0, d)
+    m = np.uint32(0)
+    if i + 1 < a.shape[0]:
+        for jc in range(0, d, _CHUNK_F):
+            n = min(_CHUNK_F, d - jc)
+            prefetch_span(a, i + 1, jc, n)
+            m = _y_span(i, a, abf, w, b, buf, jc, jc + n, rc, oc, flags, m)
+    else:
+        m = _y_span(i, a, abf, w, b, buf, 0, d, rc, oc, flags, m)
+    return _u32_as_f32(m)
+
+
+@_jit()
+def quant_rows(lo, hi, x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
+               static_scale, gs, qmax, fp8, static):
+    """Rows ``[lo, hi)``: (``h = x + r``,) ``y`` into ``buf``, then ``q`` and ``sc``.
+
+    ``x``, ``r``, ``h``: (n, d) (16-bit floats as integer bits; ``r``/``h``
+    stand-ins without HAS_R); ``w``, ``b``: (d,) in the compute type;
+    ``q``: (n, d) uint8; ``sc``: (n, groups) float32; ``buf``: (d,) float32;
+    ``rs``: (1,) of the compute type (rounds rstd).
+    """
+    x, r, w, b, h, q, sc, buf, rs = (borrow(x), borrow(r), borrow(w), borrow(b), borrow(h),
+                                     borrow(q), borrow(sc), borrow(buf), borrow(rs))
+    if flags & HAS_R:
+        hbf = is_bf16(h)
+        for i in range(lo, hi):
+            _add_row(i, x, r, h, flags)
+            m = _y_row(i, h, hbf, w, b, buf, rs, flags, k, eps, offset)
+            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m)
+    else:
+        xbf = is_bf16(x)
+        for i in range(lo, hi):
+            m = _y_row(i, x, xbf, w, b, buf, rs, flags, k, eps, offset)
+            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m)
+
+
+@_jit(parallel=True)
+def quant_parallel(x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
+                   static_scale, gs, qmax, fp8, static):
+    n = x.shape[0]
+    per = _range_rows(n)
+    parts = (n + per - 1) // per
+    for c in prange(parts):
+        lo = c * per
+        quant_rows(lo, min(n, lo + per), x, r, w, b, h, q, sc, np.empty_like(buf),
+                   np.empty_like(rs), flags, k, eps, offset, static_scale, gs, qmax, fp8, static)
+
+
+@_jit()
+def quantize_y_rows(lo, hi, y, q, sc, static_scale, gs, qmax, fp8, static):
+    """Rows ``[lo, hi)`` of ``q``/``sc`` from float32 rows ``y`` (the llama path)."""
+    for i in range(lo, hi):
+        quantize_row(y[i], q, sc, i, static_scale, gs, qmax, fp8, static, np.float32(-1.0))
