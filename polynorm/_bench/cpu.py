@@ -79,7 +79,7 @@ from .roof import paired_roof
 SHAPES = ((1, 4096), (8, 4096), (512, 4096), (16384, 4096), (4096, 16384), (65536, 1024))
 QUICK_SHAPES = ((1, 4096), (8, 4096), (512, 4096), (2048, 4096), (8192, 1024), (512, 16384))
 DTYPES = ("float32", "bfloat16", "float16")
-OPS = ("fwd", "fwd-out", "add", "bwd", "gated")
+OPS = ("fwd", "fwd-out", "add", "bwd", "gated", "gated-nbg")
 EPS = 1e-6
 
 Progress = Callable[[int, int, str], None]
@@ -95,7 +95,8 @@ def op_bytes(op: str, n: int, d: int, itemsize: int) -> int:
     """Bytes the op must move, as the issue counts them (weight only for bwd).
 
     fwd: read x, write y; add: also read residual, write h; bwd: read x and
-    dy, write dx, plus the weight; gated: read x and z, write y.
+    dy, write dx, plus the weight; gated (``gated-nbg``: norm_before_gate=True):
+    read x and z, write y.
 
     >>> op_bytes("fwd", 2, 4, 4), op_bytes("add", 2, 4, 4), op_bytes("bwd", 2, 4, 4)
     (64, 128, 112)
@@ -103,7 +104,7 @@ def op_bytes(op: str, n: int, d: int, itemsize: int) -> int:
     t = n * d * itemsize
     if op in ("fwd", "fwd-out"):
         return 2 * t
-    if op == "gated":
+    if op in ("gated", "gated-nbg"):
         return 3 * t
     if op == "add":
         return 4 * t
@@ -145,6 +146,12 @@ def _numpy_fn(op: str, x, w, r, dy) -> Callable[[], Any]:
             zf = r.astype(np.float32)
             return _numpy_fwd((x.astype(np.float32) * (zf / (1 + np.exp(-zf)))).astype(x.dtype), w)
         return gated
+    if op == "gated-nbg":
+        def gated_nbg():
+            zf = r.astype(np.float32)
+            y = _numpy_fwd(x, w).astype(np.float32) * (zf / (1 + np.exp(-zf)))
+            return y.astype(x.dtype)
+        return gated_nbg
     return lambda: _numpy_fwd(x, w, r if op == "add" else None)
 
 
@@ -166,6 +173,9 @@ def _torch_fn(op: str, x, w, r, dy) -> Callable[[], Any] | None:
     if op == "gated":
         tz = t(r)
         return lambda: F.rms_norm(tx * F.silu(tz), (d,), tw, EPS)
+    if op == "gated-nbg":
+        tz = t(r)
+        return lambda: F.rms_norm(tx, (d,), tw, EPS) * F.silu(tz)
     txg = tx.clone().requires_grad_(True)
     twg = tw.clone().requires_grad_(True)
     y = F.rms_norm(txg, (d,), twg, EPS)
@@ -262,7 +272,7 @@ def _ort_session(kind: str, dt: str, d: int):
 def _ort_fns(op: str, x, w, r, out) -> dict[str, Callable[[], Any]]:
     """ONNX Runtime peers of one case by node name (empty when none runs)."""
     dt = x.dtype.name
-    if op in ("bwd", "gated") or dt not in _ORT_TYPES or _ort_missing(dt):
+    if op in ("bwd", "gated", "gated-nbg") or dt not in _ORT_TYPES or _ort_missing(dt):
         return {}
     d = x.shape[-1]
     fns: dict[str, Callable[[], Any]] = {}
@@ -292,7 +302,7 @@ def cases(quick: bool = False, dtypes: list[str] | None = None,
     """``(op, dtype, tokens, d)`` in measurement order.
 
     >>> len(cases()), cases(quick=True)[0]
-    (90, ('fwd', 'float32', 1, 4096))
+    (108, ('fwd', 'float32', 1, 4096))
     """
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     dts = [d for d in DTYPES if dtypes is None or d in dtypes]
@@ -310,6 +320,8 @@ def _polynorm_fn(op: str, x, w, r, dy, out) -> Callable[[], Any]:
         return lambda: pn.add_rms_norm(x, r, w, eps=EPS)
     if op == "gated":  # r as the gate z; Mamba-2's order (gate, then norm)
         return lambda: pn.rms_norm_gated(x, r, w, eps=EPS)
+    if op == "gated-nbg":  # Qwen3-Next's order (norm, then gate)
+        return lambda: pn.rms_norm_gated(x, r, w, eps=EPS, norm_before_gate=True)
     # the forward's rstd, as a training step has it (torch's autograd saves it too)
     rstd = pn.rms_norm(x, w, eps=EPS, return_rstd=True)[1]
     return lambda: pn.rms_norm_backward(dy, x, w, eps=EPS, rstd=rstd)
@@ -373,7 +385,7 @@ def run(
         if p.peers:
             ratios["ort"] = min(p.peers.values()) / t
             extra.update({f"ort_{k}_s": v for k, v in p.peers.items()})
-        elif op not in ("bwd", "gated"):
+        elif op not in ("bwd", "gated", "gated-nbg"):
             extra["ort"] = _ort_missing(dt)
         tf = _torch_fn(op, x, w, r, dy)
         if tf is not None:
