@@ -547,11 +547,16 @@ def _gated_rows(a, cdt: np.dtype) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=cdt)
 
 
+def _gated_in(a) -> np.ndarray:
+    """x or z as the gated forward takes it: C-contiguous rows, 16-bit floats as bits."""
+    return _kview(np.ascontiguousarray(_interop.to_numpy(a)))
+
+
 def gated_forward(x, z, weight, bias, gplan, out=None):
     """Gated forward on 2-D rows; the contract is :func:`.reference.gated_forward`.
 
     ``casting="llama"`` runs the reference (its three roundings are not in
-    these kernels); 16-bit rows are converted to float32 first (a copy).
+    these kernels).  ``out`` of unit-stride C rows is written in place.
     """
     plan = gplan.plan
     if plan.llama:
@@ -560,35 +565,41 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
         return reference.gated_forward(x, z, weight, bias, gplan, out)
     from . import _numba_gated as G
 
+    K = _kernels or _k()
     like = x
-    _, y_dt, _, cdt, _ = _info(plan)
-    xc, zc = _gated_rows(x, cdt), _gated_rows(z, cdt)
-    n, d = xc.shape
+    flags, y_dt, _, cdt, _ = _info(plan)
+    flags &= K.EPS_INSIDE
+    if gplan.norm_before_gate:
+        flags |= G.NBG
+    xk, zk = _gated_in(x), _gated_in(z)
+    n, d = xk.shape
     empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
-    direct = y_dt == cdt and out is None
-    y = empty((n, d), y_dt) if direct else np.empty((n, d), cdt)
+    o = None if out is None else _interop.to_numpy(out)
+    direct = o is not None and o.flags.c_contiguous and o.dtype == y_dt
+    y = o if direct else empty((n, d), y_dt)
     rstd = empty((n, gplan.groups), cdt)
-    w = _NO_VEC[cdt] if weight is None else _vec(_interop.to_numpy(weight), cdt)
-    b = _NO_VEC[cdt] if bias is None else _vec(_interop.to_numpy(bias), cdt)
-    args = (xc, zc, w, b, y, rstd, weight is not None, bias is not None, plan.eps,
-            plan.eps_inside, cdt.type(plan.offset), cdt.type(1), gplan.group_size, gplan.k,
-            gplan.norm_before_gate)
+    w = b = _NO_VEC[cdt]
+    if weight is not None:
+        flags |= K.HAS_W
+        w = _vec(_interop.to_numpy(weight), cdt)
+    if bias is not None:
+        flags |= K.HAS_B
+        b = _vec(_interop.to_numpy(bias), cdt)
+    u = np.empty((1, d), cdt)  # the gated row buffer (per task in the parallel driver)
+    args = (xk, zk, w, b, _kview(y), rstd, u, flags, gplan.group_size, gplan.k, plan.eps,
+            plan.offset)
     if _parallel(n, d):
         with _launch_lock:
             G.forward_parallel(*args)
         if not _omp_used:
             _note_layer()
     else:
-        G.forward_serial(*args)
+        G.forward_rows(0, n, *args)
     from_numpy = _interop.from_numpy
-    if out is not None:
-        o = _interop.to_numpy(out)
-        o[...] = y
+    if o is not None:
+        if not direct:
+            o[...] = y
         return out, from_numpy(rstd, like)
-    if not direct:
-        yo = empty((n, d), y_dt)
-        yo[...] = y
-        y = yo
     return from_numpy(y, like), from_numpy(rstd, like)
 
 
