@@ -33,12 +33,16 @@ from ._numba_codec import _HAS_FMA, is_bf16, load, store
 from ._numba_kernels import (
     EPS_INSIDE,
     HAS_B,
+    HAS_RSTD,
     HAS_W,
+    _inline,
     _inline_ir,
     _jit,
     _range_rows,
+    _reduce,
     _row_sumsq,
     _rstd_from,
+    _stats,
     like,
 )
 from ._numba_refs import borrow
@@ -300,69 +304,149 @@ def forward_parallel(x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
         forward_rows(lo, min(n, lo + per), x, z, w, b, y, rstd, own, flags, gs, k, eps, offset)
 
 
-def _backward(dy, x, z, w, b, rstd, dx, dz, lw, lb, has_w, has_b, has_rstd,
-              eps, eps_inside, offset, one, gs, k, nbg):
-    n, d = x.shape
+# --------------------------------------------------------------------------- backward
+# Per row: one elementwise pass fills the task's buffer (rows: silu, silu',
+# the normalized value v = x or u, the gradient reaching the norm dn); per
+# group the statistic (the forward's, so a recomputed rstd has its bits), the
+# dot c = sum g * dn * vhat (float32 partials over DOT_BLOCK elements, added
+# in float64, as the plain backward's), then one elementwise pass writing dx,
+# dz and the dweight leaves.
+
+_S, _DS, _V, _DN = 0, 1, 2, 3  # rows of the backward's buffer
+#: Elements per float32 partial of the backward's dot (as _numba_backward's).
+DOT_BLOCK = 512
+
+
+@_reduce
+def _dot_group(dn, v, w, lo, n, rc, oc):
+    """``sum_j (w[lo + j] + oc) * dn[0, j] * (v[0, j] * rc)`` over ``j < n``, the
+    spans' (1, n) rows; float64 of float32 partials (float64 for float64)."""
+    c = 0.0
+    for b0 in range(np.uint64(0), np.uint64(n), np.uint64(DOT_BLOCK)):
+        e = min(b0 + np.uint64(DOT_BLOCK), np.uint64(n))
+        s = like(0.0, rc)
+        for j in range(b0, e):
+            s += (w[np.uint64(lo) + j] + oc) * (dn[0, j] * (v[0, j] * rc))
+        c += np.float64(s)
+    return c
+
+
+@_inline_ir
+def _bwd_fill(i, dy, x, z, buf, nbg):
+    """The buffer's rows for row ``i``: silu(z), silu'(z), v, dn."""
+    xbf = is_bf16(x)
+    zbf = is_bf16(z)
+    dybf = is_bf16(dy)
+    ref = buf[0, 0]
+    one = like(1.0, ref)
+    d = np.uint64(x.shape[1])
+    if nbg:
+        for j in range(d):
+            zj = like(load(z[i, j], zbf), ref)
+            den = one + exp_c(-zj)
+            s = zj / den  # the forward's silu (same bits)
+            sig = one / den
+            buf[_S, j] = s
+            buf[_DS, j] = sig * (one + zj * (one - sig))
+            buf[_V, j] = like(load(x[i, j], xbf), ref)
+            buf[_DN, j] = like(load(dy[i, j], dybf), ref) * s
+    else:
+        for j in range(d):
+            zj = like(load(z[i, j], zbf), ref)
+            den = one + exp_c(-zj)
+            s = zj / den
+            sig = one / den
+            buf[_S, j] = s
+            buf[_DS, j] = sig * (one + zj * (one - sig))
+            buf[_V, j] = like(load(x[i, j], xbf), ref) * s  # the forward's u
+            buf[_DN, j] = like(load(dy[i, j], dybf), ref)
+
+
+@_inline  # a call: it is called twice per group, which Numba's IR inliner mishandled
+def _bwd_out(i, lo, hi, dy, x, w, b, dx, dz, lw, buf, rc, oc, m, nbg):
+    """dx, dz and the dweight leaves of ``[lo, hi)`` of row ``i`` (``m``: the
+    group's coef, or 0 beyond k)."""
+    xbf = is_bf16(x)
+    dybf = is_bf16(dy)
+    dxbf = is_bf16(dx)
+    dzbf = is_bf16(dz)
+    j0 = np.uint64(lo)
+    j1 = np.uint64(hi)
+    if nbg:
+        for j in range(j0, j1):
+            g = w[j] + oc
+            xh = buf[_V, j] * rc
+            dn = buf[_DN, j]
+            store(dx, (i, j), rc * (dn * g - xh * m), dxbf)
+            pre = xh * g + b[j]
+            store(dz, (i, j), like(load(dy[i, j], dybf), rc) * pre * buf[_DS, j], dzbf)
+            lw[i, j] = dn * xh
+    else:
+        for j in range(j0, j1):
+            xh = buf[_V, j] * rc
+            dn = buf[_DN, j]
+            dv = rc * (dn * (w[j] + oc) - xh * m)
+            store(dx, (i, j), dv * buf[_S, j], dxbf)
+            store(dz, (i, j), dv * like(load(x[i, j], xbf), rc) * buf[_DS, j], dzbf)
+            lw[i, j] = dn * xh
+
+
+@_jit()
+def backward_rows(lo, hi, dy, x, z, w, b, rstd, dx, dz, lw, lb, buf, flags, gs, k, eps, offset):
+    """Rows ``[lo, hi)`` on one thread.  ``w``/``b``: ``(d,)`` in the compute type
+    (ones / zeros when absent, which change no value); ``buf``: ``(4, d)`` of it."""
+    dy, x, z, w, b, rstd, dx, dz, lw, lb, buf = (
+        borrow(dy), borrow(x), borrow(z), borrow(w), borrow(b), borrow(rstd), borrow(dx),
+        borrow(dz), borrow(lw), borrow(lb), borrow(buf))
+    d = x.shape[1]
     groups = d // gs
-    for i in prange(n):
+    nbg = (flags & NBG) != 0
+    inside = (flags & EPS_INSIDE) != 0
+    has_rstd = (flags & HAS_RSTD) != 0
+    xbf = is_bf16(x)
+    oc = like(offset, w[0])
+    zero = like(0.0, oc)
+    for i in range(lo, hi):
+        _bwd_fill(i, dy, x, z, buf, nbg)
         for g in range(groups):
-            lo = g * gs
-            ss = 0.0
-            for j in range(lo, lo + k):
-                zj = z[i, j]
-                v = x[i, j] if nbg else x[i, j] * (zj / (one + math.exp(-zj)))
-                ss += np.float64(v) * np.float64(v)
-            ms = ss / k
-            sq = math.sqrt(ms)
-            # dx[i, lo] is scratch until the last loop writes it: it rounds
-            # float64 scalars to the compute dtype
-            if has_rstd:
-                rc = rstd[i, g]
-            else:
-                dx[i, lo] = 1.0 / math.sqrt(ms + eps) if eps_inside else 1.0 / (sq + eps)
-                rc = dx[i, lo]
-            zero = one - one
-            c = zero
-            for j in range(lo, lo + gs):
-                zj = z[i, j]
-                s = zj / (one + math.exp(-zj))
-                v = x[i, j] if nbg else x[i, j] * s
-                dn = dy[i, j] * s if nbg else dy[i, j]
-                gdy = dn * (w[j] + offset) if has_w else dn
-                c += gdy * (v * rc)
-            dx[i, lo] = c / k
-            if not eps_inside:
-                dx[i, lo] = dx[i, lo] * ((sq + eps) / sq) if sq != 0 else dx[i, lo] * zero
-            coef = dx[i, lo]
-            for j in range(lo, lo + gs):
-                zj = z[i, j]
-                sig = one / (one + math.exp(-zj))
-                s = zj * sig
-                ds = sig * (one + zj * (one - sig))
-                v = x[i, j] if nbg else x[i, j] * s
-                xh = v * rc
-                dn = dy[i, j] * s if nbg else dy[i, j]
-                gdy = dn * (w[j] + offset) if has_w else dn
-                m = coef if j - lo < k else coef * zero
-                dv = rc * (gdy - xh * m)
+            g0 = g * gs
+            # the forward's statistic: of x for norm_before_gate, else of u
+            rms = 0.0
+            r64 = 0.0
+            if not has_rstd or not inside:
                 if nbg:
-                    dx[i, j] = dv
-                    pre = xh * (w[j] + offset) if has_w else xh
-                    if has_b:
-                        pre = pre + b[j]
-                    dz[i, j] = dy[i, j] * pre * ds
+                    rms, r64 = _stats(row_span(x, i, g0, gs), 0, k, xbf, eps, inside)
                 else:
-                    dx[i, j] = dv * s
-                    dz[i, j] = dv * x[i, j] * ds
-                lw[i, j] = dn * xh
-                if has_b:
-                    lb[i, j] = dn
+                    rms, r64 = _stats(row_span(buf, _V, g0, gs), 0, k, False, eps, inside)
+            if has_rstd:
+                r64 = np.float64(rstd[i, g])
+            rc = like(r64, oc)
+            # over the whole group (Plan's backward: only the statistic stops at k)
+            c = _dot_group(row_span(buf, _DN, g0, gs), row_span(buf, _V, g0, gs), w, g0, gs,
+                           rc, oc)
+            coef64 = c / k
+            if not inside:
+                coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)
+            coef = like(coef64, oc)
+            _bwd_out(i, g0, g0 + k, dy, x, w, b, dx, dz, lw, buf, rc, oc, coef, nbg)
+            if k < gs:
+                # beyond k the term is xhat * 0 (NaN for a non-finite token, as the reference)
+                _bwd_out(i, g0 + k, g0 + gs, dy, x, w, b, dx, dz, lw, buf, rc, oc, zero, nbg)
+        if flags & HAS_B:
+            for j in range(np.uint64(d)):
+                lb[i, j] = buf[_DN, j]
 
 
-# backward: one thread (small calls, and a child forked after an OpenMP
-# launch) and prange over tokens: the same row code, so the same bits
-backward_serial = _jit()(_backward)
-backward_parallel = _jit(parallel=True)(_backward)
+@_jit(parallel=True)
+def backward_parallel(dy, x, z, w, b, rstd, dx, dz, lw, lb, buf, flags, gs, k, eps, offset):
+    n = x.shape[0]
+    per = _range_rows(n)
+    parts = (n + per - 1) // per
+    for c in prange(parts):
+        lo = c * per
+        own = np.empty_like(buf)
+        backward_rows(lo, min(n, lo + per), dy, x, z, w, b, rstd, dx, dz, lw, lb, own, flags,
+                      gs, k, eps, offset)
 
 
 def tree_sum(leaves: np.ndarray) -> np.ndarray:
