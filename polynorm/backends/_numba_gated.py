@@ -29,7 +29,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._numba_codec import _HAS_FMA, is_bf16, load, store
+from ._numba_codec import _HAS_FMA, is_bf16, load, prefetch_span, store
 from ._numba_kernels import (
     EPS_INSIDE,
     HAS_B,
@@ -48,8 +48,13 @@ from ._numba_kernels import (
 from ._numba_refs import borrow
 from ._rowtree import TREE_G
 
-#: forward flag: norm_before_gate=True (the other bits are _numba_kernels')
+#: flags: norm_before_gate=True; the forward prefetches the next row's x and
+#: z a chunk at a time during a row's output pass (the other bits are
+#: _numba_kernels')
 NBG = 1 << 8
+PREFETCH = 1 << 9
+#: columns of the forward's output pass per prefetched chunk
+_CHUNK = 256
 
 # --------------------------------------------------------------------------- silu
 
@@ -268,10 +273,11 @@ def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
     buffer of the compute type (the gated row of norm_before_gate=False)."""
     x, z, w, b, y, rstd, u = (borrow(x), borrow(z), borrow(w), borrow(b), borrow(y),
                               borrow(rstd), borrow(u))
-    d = x.shape[1]
+    n, d = x.shape
     groups = d // gs
     oc = like(offset, w[0])
     xbf = is_bf16(x)
+    pf = (flags & PREFETCH) != 0
     if flags & NBG:
         for i in range(lo, hi):
             for g in range(groups):
@@ -279,8 +285,13 @@ def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
                 r64, rc = _group_rstd(x, i, g0, gs, k, xbf, eps, flags, rstd, i, g)
                 if r64 < math.inf and not rc < math.inf:
                     _wide_group(i, g0, g0 + gs, x, z, u, w, b, y, r64, oc, flags)
-                else:
-                    _out_gate(i, g0, g0 + gs, x, z, w, b, y, rc, oc, flags)
+                    continue
+                for jc in range(g0, g0 + gs, _CHUNK):
+                    je = min(jc + _CHUNK, g0 + gs)
+                    if pf and i + 1 < n:
+                        prefetch_span(x, i + 1, jc, je - jc)
+                        prefetch_span(z, i + 1, jc, je - jc)
+                    _out_gate(i, jc, je, x, z, w, b, y, rc, oc, flags)
     else:
         for i in range(lo, hi):
             _gate_in(i, 0, d, x, z, u)
@@ -289,8 +300,13 @@ def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
                 r64, rc = _group_rstd(u, 0, g0, gs, k, False, eps, flags, rstd, i, g)
                 if r64 < math.inf and not rc < math.inf:
                     _wide_group(i, g0, g0 + gs, x, z, u, w, b, y, r64, oc, flags)
-                else:
-                    _out_u(i, g0, g0 + gs, u, w, b, y, rc, oc, flags)
+                    continue
+                for jc in range(g0, g0 + gs, _CHUNK):
+                    je = min(jc + _CHUNK, g0 + gs)
+                    if pf and i + 1 < n:
+                        prefetch_span(x, i + 1, jc, je - jc)
+                        prefetch_span(z, i + 1, jc, je - jc)
+                    _out_u(i, jc, je, u, w, b, y, rc, oc, flags)
 
 
 @_jit(parallel=True)

@@ -534,6 +534,10 @@ def finish(total: np.ndarray, d: int, weight_dtype, bias_dtype, empty=np.empty):
 # --------------------------------------------------------------------------- gated RMSNorm
 
 
+#: The gated forward prefetches the next row's x and z during a row's output pass.
+GATED_PREFETCH = True
+
+
 def _gated_in(a) -> np.ndarray:
     """x or z as the gated forward takes it: C-contiguous rows, 16-bit floats as bits."""
     return _kview(np.ascontiguousarray(_interop.to_numpy(a)))
@@ -558,6 +562,8 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
     flags &= K.EPS_INSIDE
     if gplan.norm_before_gate:
         flags |= G.NBG
+    if GATED_PREFETCH:
+        flags |= G.PREFETCH
     xk, zk = _gated_in(x), _gated_in(z)
     n, d = xk.shape
     empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
