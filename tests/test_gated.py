@@ -290,7 +290,16 @@ def test_numba_parallel_rows_invariant(dtype):
         y, r = pn.rms_norm_gated(x, z, w, b, return_rstd=True, **kw)
         want, _ = oracle(x, z, w, b, group_size=256, nbg=nbg)
         assert_close(y, want, dtype, f"y nbg={nbg}")
+        dy = np.random.default_rng(10).standard_normal(x.shape).astype(x.dtype)
+        dx, dz, _, _ = pn.rms_norm_gated_backward(dy, x, z, w, b, **kw)
         for i in (0, 37, 69):
-            yi, ri = pn.rms_norm_gated(x[i:i + 1], z[i:i + 1], w, b, return_rstd=True, **kw)
-            np.testing.assert_array_equal(yi.view(np.uint16), y[i:i + 1].view(np.uint16))
-            np.testing.assert_array_equal(ri, r[i:i + 1])
+            sl = slice(i, i + 1)
+            yi, ri = pn.rms_norm_gated(x[sl], z[sl], w, b, return_rstd=True, **kw)
+            np.testing.assert_array_equal(yi.view(np.uint16), y[sl].view(np.uint16))
+            np.testing.assert_array_equal(ri, r[sl])
+            # the backward recomputes the forward's rstd bits, or takes them
+            for rs in (None, ri):
+                dxi, dzi, _, _ = pn.rms_norm_gated_backward(dy[sl], x[sl], z[sl], w, b, rstd=rs,
+                                                            **kw)
+                np.testing.assert_array_equal(dxi.view(np.uint16), dx[sl].view(np.uint16))
+                np.testing.assert_array_equal(dzi.view(np.uint16), dz[sl].view(np.uint16))
