@@ -13,10 +13,10 @@ computed by the same compiled row code whatever the thread count or the
 other rows (batch invariance); the parallel driver splits the rows into
 ranges as the plain forward does.
 
-The backward still takes rows converted to the compute dtype by the caller.
-The sum of squares there is accumulated in float64, in index order.
-``dweight``/``dbias`` leave the kernel as per-row leaves and are summed over
-the row tree of :mod:`._rowtree` by :func:`tree_sum`.
+The backward takes its arrays the same way and recomputes a group's
+statistic as the forward does (the same rstd bits); ``dweight``/``dbias``
+leave the kernel as per-row leaves and are summed over the row tree of
+:mod:`._rowtree` by :func:`tree_sum`.
 """
 
 from __future__ import annotations
