@@ -250,3 +250,56 @@ def test_dask_per_chunk():
     np.testing.assert_array_equal(got[1].compute(), want[1])
     for g, e in zip(got[2:], want[2:], strict=True):  # chunk-order sums: not the row tree's bits
         assert_close(np.asarray(g), e.astype(np.float64), "float32", "dweight/dbias")
+
+
+# --------------------------------------------------------------------------- the Numba forward's numerics
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_numba_nbg_rstd_is_rms_norms(dtype):
+    # norm_before_gate=True takes the statistic of x with the plain forward's
+    # reduction: a group's rstd has the bits rms_norm gives it as a row
+    x, z, w, _ = _data(n=5, d=96, dtype=dtype, seed=8)
+    for gs, partial in ((None, 1.0), (None, 0.7), (32, 1.0)):
+        _, r = pn.rms_norm_gated(x, z, w, group_size=gs, norm_before_gate=True, eps=EPS,
+                                 partial=partial, return_rstd=True, backend="numba")
+        rows = x if gs is None else x.reshape(-1, gs)
+        _, want = pn.rms_norm(rows, eps=EPS, partial=partial, return_rstd=True, backend="numba")
+        np.testing.assert_array_equal(np.reshape(r, -1).view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("nbg", [False, True])
+def test_numba_gate_specials(nbg):
+    # silu's exp is the kernels' own: inf, NaN and overflowing z as numpy's float32 formula
+    z = np.array([[np.inf, -np.inf, np.nan, 0.0, -0.0, 88.8, -88.8, 100.0, -100.0, 3.0, -3.0,
+                   1e30]], np.float32)
+    x = np.linspace(0.5, 2.0, z.shape[1], dtype=np.float32)[None]
+    y = pn.rms_norm_gated(x, z, norm_before_gate=nbg, eps=EPS, backend="numba")
+    ya = pn.rms_norm_gated(x, z, norm_before_gate=nbg, eps=EPS, backend="array_api")
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(ya))
+    assert_close(np.where(np.isnan(y), 0, y), np.where(np.isnan(ya), 0, ya).astype(np.float64),
+                 "float32", "y")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_numba_parallel_rows_invariant(dtype):
+    # large enough for the parallel driver: each row's bits are those of the row alone
+    x, z, w, b = _data(n=70, d=1024, dtype=dtype, seed=9)
+    for nbg in (False, True):
+        kw = dict(norm_before_gate=nbg, group_size=256, eps=EPS, backend="numba")
+        y, r = pn.rms_norm_gated(x, z, w, b, return_rstd=True, **kw)
+        want, _ = oracle(x, z, w, b, group_size=256, nbg=nbg)
+        assert_close(y, want, dtype, f"y nbg={nbg}")
+        dy = np.random.default_rng(10).standard_normal(x.shape).astype(x.dtype)
+        dx, dz, _, _ = pn.rms_norm_gated_backward(dy, x, z, w, b, **kw)
+        for i in (0, 37, 69):
+            sl = slice(i, i + 1)
+            yi, ri = pn.rms_norm_gated(x[sl], z[sl], w, b, return_rstd=True, **kw)
+            np.testing.assert_array_equal(yi.view(np.uint16), y[sl].view(np.uint16))
+            np.testing.assert_array_equal(ri, r[sl])
+            # the backward recomputes the forward's rstd bits, or takes them
+            for rs in (None, ri):
+                dxi, dzi, _, _ = pn.rms_norm_gated_backward(dy[sl], x[sl], z[sl], w, b, rstd=rs,
+                                                            **kw)
+                np.testing.assert_array_equal(dxi.view(np.uint16), dx[sl].view(np.uint16))
+                np.testing.assert_array_equal(dzi.view(np.uint16), dz[sl].view(np.uint16))

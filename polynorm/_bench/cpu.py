@@ -79,7 +79,7 @@ from .roof import paired_roof
 SHAPES = ((1, 4096), (8, 4096), (512, 4096), (16384, 4096), (4096, 16384), (65536, 1024))
 QUICK_SHAPES = ((1, 4096), (8, 4096), (512, 4096), (2048, 4096), (8192, 1024), (512, 16384))
 DTYPES = ("float32", "bfloat16", "float16")
-OPS = ("fwd", "fwd-out", "add", "bwd", "gated", "quant")
+OPS = ("fwd", "fwd-out", "add", "bwd", "gated", "gated-nbg", "quant")
 EPS = 1e-6
 
 Progress = Callable[[int, int, str], None]
@@ -95,8 +95,9 @@ def op_bytes(op: str, n: int, d: int, itemsize: int) -> int:
     """Bytes the op must move, as the issue counts them (weight only for bwd).
 
     fwd: read x, write y; add: also read residual, write h; bwd: read x and
-    dy, write dx, plus the weight; gated: read x and z, write y; quant: read
-    x, write the float8 q (one byte each) and the float32 per-token scales.
+    dy, write dx, plus the weight; gated (``gated-nbg``: norm_before_gate=True):
+    read x and z, write y; quant: read x, write the float8 q (one byte each)
+    and the float32 per-token scales.
 
     >>> op_bytes("fwd", 2, 4, 4), op_bytes("add", 2, 4, 4), op_bytes("bwd", 2, 4, 4)
     (64, 128, 112)
@@ -108,7 +109,7 @@ def op_bytes(op: str, n: int, d: int, itemsize: int) -> int:
         return t + n * d + 4 * n
     if op in ("fwd", "fwd-out"):
         return 2 * t
-    if op == "gated":
+    if op in ("gated", "gated-nbg"):
         return 3 * t
     if op == "add":
         return 4 * t
@@ -150,6 +151,12 @@ def _numpy_fn(op: str, x, w, r, dy) -> Callable[[], Any]:
             zf = r.astype(np.float32)
             return _numpy_fwd((x.astype(np.float32) * (zf / (1 + np.exp(-zf)))).astype(x.dtype), w)
         return gated
+    if op == "gated-nbg":
+        def gated_nbg():
+            zf = r.astype(np.float32)
+            y = _numpy_fwd(x, w).astype(np.float32) * (zf / (1 + np.exp(-zf)))
+            return y.astype(x.dtype)
+        return gated_nbg
     if op == "quant":
         return lambda: _numpy_quant(x, w)
     return lambda: _numpy_fwd(x, w, r if op == "add" else None)
@@ -190,6 +197,9 @@ def _torch_fn(op: str, x, w, r, dy) -> Callable[[], Any] | None:
     if op == "gated":
         tz = t(r)
         return lambda: F.rms_norm(tx * F.silu(tz), (d,), tw, EPS)
+    if op == "gated-nbg":
+        tz = t(r)
+        return lambda: F.rms_norm(tx, (d,), tw, EPS) * F.silu(tz)
     if op == "quant":
         return lambda: _torch_quant(tx, tw, d)
     txg = tx.clone().requires_grad_(True)
@@ -291,7 +301,7 @@ def _ort_session(kind: str, dt: str, d: int):
 def _ort_fns(op: str, x, w, r, out) -> dict[str, Callable[[], Any]]:
     """ONNX Runtime peers of one case by node name (empty when none runs)."""
     dt = x.dtype.name
-    if op in ("bwd", "gated", "quant") or dt not in _ORT_TYPES or _ort_missing(dt):
+    if op in ("bwd", "gated", "gated-nbg", "quant") or dt not in _ORT_TYPES or _ort_missing(dt):
         return {}
     d = x.shape[-1]
     fns: dict[str, Callable[[], Any]] = {}
@@ -321,7 +331,7 @@ def cases(quick: bool = False, dtypes: list[str] | None = None,
     """``(op, dtype, tokens, d)`` in measurement order.
 
     >>> len(cases()), cases(quick=True)[0]
-    (108, ('fwd', 'float32', 1, 4096))
+    (126, ('fwd', 'float32', 1, 4096))
     """
     shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
     dts = [d for d in DTYPES if dtypes is None or d in dtypes]
@@ -339,6 +349,8 @@ def _polynorm_fn(op: str, x, w, r, dy, out) -> Callable[[], Any]:
         return lambda: pn.add_rms_norm(x, r, w, eps=EPS)
     if op == "gated":  # r as the gate z; Mamba-2's order (gate, then norm)
         return lambda: pn.rms_norm_gated(x, r, w, eps=EPS)
+    if op == "gated-nbg":  # Qwen3-Next's order (norm, then gate)
+        return lambda: pn.rms_norm_gated(x, r, w, eps=EPS, norm_before_gate=True)
     if op == "quant":  # float8 e4m3fn with a dynamic per-token scale (vLLM's serving default)
         return lambda: pn.rms_norm_quant(x, w, eps=EPS)
     # the forward's rstd, as a training step has it (torch's autograd saves it too)
@@ -404,7 +416,7 @@ def run(
         if p.peers:
             ratios["ort"] = min(p.peers.values()) / t
             extra.update({f"ort_{k}_s": v for k, v in p.peers.items()})
-        elif op not in ("bwd", "gated", "quant"):
+        elif op not in ("bwd", "gated", "gated-nbg", "quant"):
             extra["ort"] = _ort_missing(dt)
         tf = _torch_fn(op, x, w, r, dy)
         if tf is not None:

@@ -1,11 +1,22 @@
 """Numba kernels of gated RMSNorm (:class:`polynorm._options.GatedPlan`).
 
-Rows arrive in the compute dtype (float32 or float64, converted by the
-caller), C-contiguous; the kernels run ``prange`` over tokens and each row
-is computed by the same serial code whatever the thread count or the other
-rows (batch invariance).  The sum of squares is accumulated in float64, in
-index order.  ``dweight``/``dbias`` leave the kernel as per-row leaves and
-are summed over the row tree of :mod:`._rowtree` by :func:`tree_sum`.
+The forward takes x, z and y as :mod:`._numba_kernels` takes them (16-bit
+floats as integer bits, decoded in registers by :mod:`._numba_codec`),
+C-contiguous; weight and bias in the compute type.  Each group's statistic
+is the plain forward's (``_row_sumsq`` / ``_rstd_from`` on the group as a
+``(1, group_size)`` row): for ``norm_before_gate=True`` it is taken on x
+itself, so a group's rstd has the bits ``rms_norm`` gives that group as a
+row; for ``False`` on ``u = x * silu(z)``, computed in the compute type
+into a per-task row buffer and summed from there.  ``silu`` runs in the
+compute type with an exp LLVM can vectorize (:func:`silu`).  Every row is
+computed by the same compiled row code whatever the thread count or the
+other rows (batch invariance); the parallel driver splits the rows into
+ranges as the plain forward does.
+
+The backward takes its arrays the same way and recomputes a group's
+statistic as the forward does (the same rstd bits); ``dweight``/``dbias``
+leave the kernel as per-row leaves and are summed over the row tree of
+:mod:`._rowtree` by :func:`tree_sum`.
 """
 
 from __future__ import annotations
@@ -13,122 +24,445 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
-from ._numba_kernels import _jit
+from ._numba_codec import _HAS_FMA, is_bf16, load, prefetch_span, store
+from ._numba_kernels import (
+    EPS_INSIDE,
+    HAS_B,
+    HAS_RSTD,
+    HAS_W,
+    _inline,
+    _inline_ir,
+    _jit,
+    _range_rows,
+    _reduce,
+    _row_sumsq,
+    _rstd_from,
+    _stats,
+    like,
+)
+from ._numba_refs import borrow
 from ._rowtree import TREE_G
 
+#: flags: norm_before_gate=True; the forward prefetches the next row's x and
+#: z a chunk at a time during a row's output pass (the other bits are
+#: _numba_kernels')
+NBG = 1 << 8
+PREFETCH = 1 << 9
+#: columns of the forward's output pass per prefetched chunk
+_CHUNK = 256
 
-def _forward(x, z, w, b, y, rstd, has_w, has_b, eps, eps_inside, offset, one, gs, k, nbg):
+# --------------------------------------------------------------------------- silu
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_LOG2E = 1.4426950408889634
+_ROUND = 12582912.0  # 1.5 * 2**23: adding it rounds to an integer, kept in the low bits
+_LN2_HI = 0.693359375  # Cody-Waite split of ln 2: n * _LN2_HI is exact for |n| < 2**15
+_LN2_LO = -2.12194440e-4
+# Cephes' expf polynomial (relative error ~1 ulp on [-ln2/2, ln2/2])
+_EXP_P = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+          1.6666665459e-1, 5.0000001201e-1)
+_EXP_HI = 88.72283935546875  # above: exp overflows float32
+#: below: exp is taken as 0.  exp(-86) ~ 2**-124 is far below 2**-24, where
+#: ``1 + exp(-z)`` already rounds to 1, so silu and sigmoid lose nothing.
+_EXP_LO = -86.0
+
+
+@intrinsic
+def _expf(typingctx, v):
+    """float32 ``exp(v)`` as straight-line IR (no libm call, so LLVM vectorizes
+    the loops that use it): ``2**n * p(r)`` with ``n = rint(v / ln 2)``.
+    +inf above :data:`_EXP_HI`, 0 below :data:`_EXP_LO`, NaN for NaN (the
+    rounding trick keeps every step defined for any input: no poison)."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        x = args[0]
+
+        def c(val):
+            return ir.Constant(_F32, val)
+
+        if _HAS_FMA:
+            fn = cgutils.get_or_insert_function(builder.module,
+                                                ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+
+            def fma(a, b, d):
+                return builder.call(fn, [a, b, d])
+        else:
+            def fma(a, b, d):
+                return builder.fadd(builder.fmul(a, b), d)
+
+        t = fma(x, c(_LOG2E), c(_ROUND))
+        nf = builder.fsub(t, c(_ROUND))
+        r = fma(nf, c(-_LN2_HI), x)
+        r = fma(nf, c(-_LN2_LO), r)
+        p = c(_EXP_P[0])
+        for q in _EXP_P[1:]:
+            p = fma(p, r, c(q))
+        e = builder.fadd(fma(p, builder.fmul(r, r), r), c(1.0))
+        # 2**(n - 1) from n in t's low bits (n in [-124, 128] on the range kept), times 2
+        n = builder.sub(builder.bitcast(t, _I32), builder.bitcast(c(_ROUND), _I32))
+        scale = builder.bitcast(builder.shl(builder.add(n, ir.Constant(_I32, 126)),
+                                            ir.Constant(_I32, 23)), _F32)
+        e = builder.fmul(builder.fmul(e, scale), c(2.0))
+        e = builder.select(builder.fcmp_ordered(">", x, c(_EXP_HI)), c(math.inf), e)
+        return builder.select(builder.fcmp_ordered("<", x, c(_EXP_LO)), c(0.0), e)
+
+    return types.float32(v), codegen
+
+
+def exp_c(v):  # pragma: no cover - replaced by the overload
+    """``exp(v)`` in ``v``'s type: :func:`_expf` for float32, libm for float64."""
+    raise NotImplementedError
+
+
+@overload(exp_c, inline="always")
+def _ov_exp_c(v):
+    if v == types.float32:
+        return lambda v: _expf(v)
+    if v == types.float64:
+        return lambda v: math.exp(v)
+    return None
+
+
+@_inline_ir
+def silu(v):
+    """``v / (1 + exp(-v))`` in ``v``'s type (inf for +inf, NaN for -inf and NaN, as numpy)."""
+    return v / (like(1.0, v) + exp_c(-v))
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@intrinsic
+def row_span(typingctx, a, i, j, n):
+    """``a[i, j : j + n]`` as a borrowed ``(1, n)`` C-contiguous array (unit
+    column stride): a group handed to the plain forward's row reductions,
+    which then reduce it as they reduce a row of ``n`` elements."""
+    if not isinstance(a, types.Array) or a.ndim != 2:
+        return None
+    ret = a.copy(layout="C")
+
+    def codegen(context, builder, sig, args):
+        src = context.make_array(sig.args[0])(context, builder, args[0])
+        out = context.make_array(sig.return_type)(context, builder)
+        intp = context.get_value_type(types.intp)
+        row = context.cast(builder, args[1], sig.args[1], types.intp)
+        col = context.cast(builder, args[2], sig.args[2], types.intp)
+        cnt = context.cast(builder, args[3], sig.args[3], types.intp)
+        s0 = builder.extract_value(src.strides, 0)
+        base = builder.bitcast(src.data, cgutils.voidptr_t)
+        off = builder.add(builder.mul(row, s0), builder.mul(col, src.itemsize))
+        out.meminfo = cgutils.get_null_value(src.meminfo.type)
+        out.parent = cgutils.get_null_value(src.parent.type)
+        out.nitems = cnt
+        out.itemsize = src.itemsize
+        out.data = builder.bitcast(builder.gep(base, [off]), src.data.type)
+        out.shape = cgutils.pack_array(builder, [intp(1), cnt])
+        out.strides = cgutils.pack_array(builder, [builder.mul(cnt, src.itemsize),
+                                                   src.itemsize])
+        return out._getvalue()
+
+    return ret(a, types.intp, types.intp, types.intp), codegen
+
+
+@_inline_ir
+def _group_rstd(a, ai, lo, gs, k, bf, eps, flags, rstd, i, g):
+    """rstd of ``a[ai, lo : lo + gs]`` (over its first ``k``), the plain forward's
+    statistic of that span as a row: stored to ``rstd[i, g]``; ``(r64, rc)``."""
+    s = row_span(a, ai, lo, gs)
+    inside = (flags & EPS_INSIDE) != 0
+    r64 = _rstd_from(s, 0, k, bf, eps, inside, _row_sumsq(s, 0, k, bf))
+    rstd[i, g] = r64
+    return r64, rstd[i, g]
+
+
+@_inline_ir
+def _out_gate(i, lo, hi, x, z, w, b, y, rc, oc, flags):
+    """``y[i, lo:hi] = (x * rstd * (w + offset) + b) * silu(z)`` (norm_before_gate)."""
+    xbf = is_bf16(x)
+    zbf = is_bf16(z)
+    ybf = is_bf16(y)
+    has_w = (flags & HAS_W) != 0
+    has_b = (flags & HAS_B) != 0
+    j0 = np.uint64(lo)
+    j1 = np.uint64(hi)
+    # one branch-free loop per case (they vectorize)
+    if has_w and not has_b:
+        for j in range(j0, j1):
+            t = like(load(x[i, j], xbf), rc) * rc * (w[j] + oc)
+            store(y, (i, j), t * silu(like(load(z[i, j], zbf), rc)), ybf)
+    elif not has_w and not has_b:
+        for j in range(j0, j1):
+            t = like(load(x[i, j], xbf), rc) * rc
+            store(y, (i, j), t * silu(like(load(z[i, j], zbf), rc)), ybf)
+    elif has_w:
+        for j in range(j0, j1):
+            t = like(load(x[i, j], xbf), rc) * rc * (w[j] + oc) + b[j]
+            store(y, (i, j), t * silu(like(load(z[i, j], zbf), rc)), ybf)
+    else:
+        for j in range(j0, j1):
+            t = like(load(x[i, j], xbf), rc) * rc + b[j]
+            store(y, (i, j), t * silu(like(load(z[i, j], zbf), rc)), ybf)
+
+
+@_inline_ir
+def _gate_in(i, lo, hi, x, z, u):
+    """``u[0, lo:hi] = x[i] * silu(z[i])`` in the compute type (u's)."""
+    xbf = is_bf16(x)
+    zbf = is_bf16(z)
+    ref = u[0, 0]
+    for j in range(np.uint64(lo), np.uint64(hi)):
+        u[0, j] = like(load(x[i, j], xbf), ref) * silu(like(load(z[i, j], zbf), ref))
+
+
+@_inline_ir
+def _out_u(i, lo, hi, u, w, b, y, rc, oc, flags):
+    """``y[i, lo:hi] = u * rstd * (w + offset) + b`` (u: the gated row buffer)."""
+    ybf = is_bf16(y)
+    has_w = (flags & HAS_W) != 0
+    has_b = (flags & HAS_B) != 0
+    j0 = np.uint64(lo)
+    j1 = np.uint64(hi)
+    if has_w and not has_b:
+        for j in range(j0, j1):
+            store(y, (i, j), u[0, j] * rc * (w[j] + oc), ybf)
+    elif not has_w and not has_b:
+        for j in range(j0, j1):
+            store(y, (i, j), u[0, j] * rc, ybf)
+    elif has_w:
+        for j in range(j0, j1):
+            store(y, (i, j), u[0, j] * rc * (w[j] + oc) + b[j], ybf)
+    else:
+        for j in range(j0, j1):
+            store(y, (i, j), u[0, j] * rc + b[j], ybf)
+
+
+@_inline_ir
+def _wide_group(i, lo, hi, x, z, u, w, b, y, r64, oc, flags):
+    """A group whose rstd overflows the compute type (float32 values of rms
+    < ~3e-39 with a tiny eps): ``v * 2**64 * (rstd * 2**-64)``, both in range;
+    v is x (norm_before_gate, then gated) or the buffer's u."""
+    xbf = is_bf16(x)
+    zbf = is_bf16(z)
+    nbg = (flags & NBG) != 0
+    rc = like(r64 * 2.0**-64, oc)
+    up = like(2.0**64, oc)
+    for j in range(lo, hi):
+        v = like(load(x[i, j], xbf), oc) if nbg else u[0, j]
+        t = v * up * rc
+        if flags & HAS_W:
+            t = t * (w[j] + oc)
+        if flags & HAS_B:
+            t = t + b[j]
+        if nbg:
+            t = t * silu(like(load(z[i, j], zbf), oc))
+        store(y, (i, j), t, is_bf16(y))
+
+
+
+@_jit()
+def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
+    """Rows ``[lo, hi)`` on one thread (the serial path).  ``u``: a ``(1, d)``
+    buffer of the compute type (the gated row of norm_before_gate=False)."""
+    x, z, w, b, y, rstd, u = (borrow(x), borrow(z), borrow(w), borrow(b), borrow(y),
+                              borrow(rstd), borrow(u))
     n, d = x.shape
     groups = d // gs
-    for i in prange(n):
+    oc = like(offset, w[0])
+    xbf = is_bf16(x)
+    pf = (flags & PREFETCH) != 0
+    if flags & NBG:
+        for i in range(lo, hi):
+            for g in range(groups):
+                g0 = g * gs
+                r64, rc = _group_rstd(x, i, g0, gs, k, xbf, eps, flags, rstd, i, g)
+                if r64 < math.inf and not rc < math.inf:
+                    _wide_group(i, g0, g0 + gs, x, z, u, w, b, y, r64, oc, flags)
+                    continue
+                for jc in range(g0, g0 + gs, _CHUNK):
+                    je = min(jc + _CHUNK, g0 + gs)
+                    if pf and i + 1 < n:
+                        prefetch_span(x, i + 1, jc, je - jc)
+                        prefetch_span(z, i + 1, jc, je - jc)
+                    _out_gate(i, jc, je, x, z, w, b, y, rc, oc, flags)
+    else:
+        for i in range(lo, hi):
+            _gate_in(i, 0, d, x, z, u)
+            for g in range(groups):
+                g0 = g * gs
+                r64, rc = _group_rstd(u, 0, g0, gs, k, False, eps, flags, rstd, i, g)
+                if r64 < math.inf and not rc < math.inf:
+                    _wide_group(i, g0, g0 + gs, x, z, u, w, b, y, r64, oc, flags)
+                    continue
+                for jc in range(g0, g0 + gs, _CHUNK):
+                    je = min(jc + _CHUNK, g0 + gs)
+                    if pf and i + 1 < n:
+                        prefetch_span(x, i + 1, jc, je - jc)
+                        prefetch_span(z, i + 1, jc, je - jc)
+                    _out_u(i, jc, je, u, w, b, y, rc, oc, flags)
+
+
+@_jit(parallel=True)
+def forward_parallel(x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
+    n = x.shape[0]
+    per = _range_rows(n)
+    parts = (n + per - 1) // per
+    for c in prange(parts):
+        lo = c * per
+        own = np.empty_like(u)  # one row buffer per task
+        forward_rows(lo, min(n, lo + per), x, z, w, b, y, rstd, own, flags, gs, k, eps, offset)
+
+
+# --------------------------------------------------------------------------- backward
+# Per row: one elementwise pass fills the task's buffer (rows: silu, silu',
+# the normalized value v = x or u, the gradient reaching the norm dn); per
+# group the statistic (the forward's, so a recomputed rstd has its bits), the
+# dot c = sum g * dn * vhat (float32 partials over DOT_BLOCK elements, added
+# in float64, as the plain backward's), then one elementwise pass writing dx,
+# dz and the dweight leaves.
+
+_S, _DS, _V, _DN = 0, 1, 2, 3  # rows of the backward's buffer
+#: Elements per float32 partial of the backward's dot (as _numba_backward's).
+DOT_BLOCK = 512
+
+
+@_reduce
+def _dot_group(dn, v, w, lo, n, rc, oc):
+    """``sum_j (w[lo + j] + oc) * dn[0, j] * (v[0, j] * rc)`` over ``j < n``, the
+    spans' (1, n) rows; float64 of float32 partials (float64 for float64)."""
+    c = 0.0
+    for b0 in range(np.uint64(0), np.uint64(n), np.uint64(DOT_BLOCK)):
+        e = min(b0 + np.uint64(DOT_BLOCK), np.uint64(n))
+        s = like(0.0, rc)
+        for j in range(b0, e):
+            s += (w[np.uint64(lo) + j] + oc) * (dn[0, j] * (v[0, j] * rc))
+        c += np.float64(s)
+    return c
+
+
+@_inline_ir
+def _bwd_fill(i, dy, x, z, buf, nbg):
+    """The buffer's rows for row ``i``: silu(z), silu'(z), v, dn."""
+    xbf = is_bf16(x)
+    zbf = is_bf16(z)
+    dybf = is_bf16(dy)
+    ref = buf[0, 0]
+    one = like(1.0, ref)
+    d = np.uint64(x.shape[1])
+    if nbg:
+        for j in range(d):
+            zj = like(load(z[i, j], zbf), ref)
+            den = one + exp_c(-zj)
+            s = zj / den  # the forward's silu (same bits)
+            sig = one / den
+            buf[_S, j] = s
+            buf[_DS, j] = sig * (one + zj * (one - sig))
+            buf[_V, j] = like(load(x[i, j], xbf), ref)
+            buf[_DN, j] = like(load(dy[i, j], dybf), ref) * s
+    else:
+        for j in range(d):
+            zj = like(load(z[i, j], zbf), ref)
+            den = one + exp_c(-zj)
+            s = zj / den
+            sig = one / den
+            buf[_S, j] = s
+            buf[_DS, j] = sig * (one + zj * (one - sig))
+            buf[_V, j] = like(load(x[i, j], xbf), ref) * s  # the forward's u
+            buf[_DN, j] = like(load(dy[i, j], dybf), ref)
+
+
+@_inline  # a call: it is called twice per group, which Numba's IR inliner mishandled
+def _bwd_out(i, lo, hi, dy, x, w, b, dx, dz, lw, buf, rc, oc, m, nbg):
+    """dx, dz and the dweight leaves of ``[lo, hi)`` of row ``i`` (``m``: the
+    group's coef, or 0 beyond k)."""
+    xbf = is_bf16(x)
+    dybf = is_bf16(dy)
+    dxbf = is_bf16(dx)
+    dzbf = is_bf16(dz)
+    j0 = np.uint64(lo)
+    j1 = np.uint64(hi)
+    if nbg:
+        for j in range(j0, j1):
+            g = w[j] + oc
+            xh = buf[_V, j] * rc
+            dn = buf[_DN, j]
+            store(dx, (i, j), rc * (dn * g - xh * m), dxbf)
+            pre = xh * g + b[j]
+            store(dz, (i, j), like(load(dy[i, j], dybf), rc) * pre * buf[_DS, j], dzbf)
+            lw[i, j] = dn * xh
+    else:
+        for j in range(j0, j1):
+            xh = buf[_V, j] * rc
+            dn = buf[_DN, j]
+            dv = rc * (dn * (w[j] + oc) - xh * m)
+            store(dx, (i, j), dv * buf[_S, j], dxbf)
+            store(dz, (i, j), dv * like(load(x[i, j], xbf), rc) * buf[_DS, j], dzbf)
+            lw[i, j] = dn * xh
+
+
+@_jit()
+def backward_rows(lo, hi, dy, x, z, w, b, rstd, dx, dz, lw, lb, buf, flags, gs, k, eps, offset):
+    """Rows ``[lo, hi)`` on one thread.  ``w``/``b``: ``(d,)`` in the compute type
+    (ones / zeros when absent, which change no value); ``buf``: ``(4, d)`` of it."""
+    dy, x, z, w, b, rstd, dx, dz, lw, lb, buf = (
+        borrow(dy), borrow(x), borrow(z), borrow(w), borrow(b), borrow(rstd), borrow(dx),
+        borrow(dz), borrow(lw), borrow(lb), borrow(buf))
+    d = x.shape[1]
+    groups = d // gs
+    nbg = (flags & NBG) != 0
+    inside = (flags & EPS_INSIDE) != 0
+    has_rstd = (flags & HAS_RSTD) != 0
+    xbf = is_bf16(x)
+    oc = like(offset, w[0])
+    zero = like(0.0, oc)
+    for i in range(lo, hi):
+        _bwd_fill(i, dy, x, z, buf, nbg)
         for g in range(groups):
-            lo = g * gs
-            ss = 0.0
-            if nbg:
-                for j in range(lo, lo + k):
-                    v = x[i, j]
-                    ss += np.float64(v) * np.float64(v)
-            else:
-                # the gated value is parked in y: the output pass reads it
-                # back instead of computing the exp a second time
-                for j in range(lo, lo + k):
-                    zj = z[i, j]
-                    v = x[i, j] * (zj / (one + math.exp(-zj)))
-                    y[i, j] = v
-                    ss += np.float64(v) * np.float64(v)
-            ms = ss / k
-            r = 1.0 / math.sqrt(ms + eps) if eps_inside else 1.0 / (math.sqrt(ms) + eps)
-            rstd[i, g] = r
-            rc = rstd[i, g]  # rounded to the compute dtype, as the reference's rstd
-            for j in range(lo, lo + gs):
+            g0 = g * gs
+            # the forward's statistic: of x for norm_before_gate, else of u
+            rms = 0.0
+            r64 = 0.0
+            if not has_rstd or not inside:
                 if nbg:
-                    zj = z[i, j]
-                    s = zj / (one + math.exp(-zj))
-                    v = x[i, j]
-                elif j - lo < k:
-                    s = one
-                    v = y[i, j]
+                    rms, r64 = _stats(row_span(x, i, g0, gs), 0, k, xbf, eps, inside)
                 else:
-                    zj = z[i, j]
-                    s = one
-                    v = x[i, j] * (zj / (one + math.exp(-zj)))
-                t = v * rc
-                if has_w:
-                    t = t * (w[j] + offset)
-                if has_b:
-                    t = t + b[j]
-                if nbg:
-                    t = t * s
-                y[i, j] = t
-
-
-def _backward(dy, x, z, w, b, rstd, dx, dz, lw, lb, has_w, has_b, has_rstd,
-              eps, eps_inside, offset, one, gs, k, nbg):
-    n, d = x.shape
-    groups = d // gs
-    for i in prange(n):
-        for g in range(groups):
-            lo = g * gs
-            ss = 0.0
-            for j in range(lo, lo + k):
-                zj = z[i, j]
-                v = x[i, j] if nbg else x[i, j] * (zj / (one + math.exp(-zj)))
-                ss += np.float64(v) * np.float64(v)
-            ms = ss / k
-            sq = math.sqrt(ms)
-            # dx[i, lo] is scratch until the last loop writes it: it rounds
-            # float64 scalars to the compute dtype
+                    rms, r64 = _stats(row_span(buf, _V, g0, gs), 0, k, False, eps, inside)
             if has_rstd:
-                rc = rstd[i, g]
-            else:
-                dx[i, lo] = 1.0 / math.sqrt(ms + eps) if eps_inside else 1.0 / (sq + eps)
-                rc = dx[i, lo]
-            zero = one - one
-            c = zero
-            for j in range(lo, lo + gs):
-                zj = z[i, j]
-                s = zj / (one + math.exp(-zj))
-                v = x[i, j] if nbg else x[i, j] * s
-                dn = dy[i, j] * s if nbg else dy[i, j]
-                gdy = dn * (w[j] + offset) if has_w else dn
-                c += gdy * (v * rc)
-            dx[i, lo] = c / k
-            if not eps_inside:
-                dx[i, lo] = dx[i, lo] * ((sq + eps) / sq) if sq != 0 else dx[i, lo] * zero
-            coef = dx[i, lo]
-            for j in range(lo, lo + gs):
-                zj = z[i, j]
-                sig = one / (one + math.exp(-zj))
-                s = zj * sig
-                ds = sig * (one + zj * (one - sig))
-                v = x[i, j] if nbg else x[i, j] * s
-                xh = v * rc
-                dn = dy[i, j] * s if nbg else dy[i, j]
-                gdy = dn * (w[j] + offset) if has_w else dn
-                m = coef if j - lo < k else coef * zero
-                dv = rc * (gdy - xh * m)
-                if nbg:
-                    dx[i, j] = dv
-                    pre = xh * (w[j] + offset) if has_w else xh
-                    if has_b:
-                        pre = pre + b[j]
-                    dz[i, j] = dy[i, j] * pre * ds
-                else:
-                    dx[i, j] = dv * s
-                    dz[i, j] = dv * x[i, j] * ds
-                lw[i, j] = dn * xh
-                if has_b:
-                    lb[i, j] = dn
+                r64 = np.float64(rstd[i, g])
+            rc = like(r64, oc)
+            # over the whole group (Plan's backward: only the statistic stops at k)
+            c = _dot_group(row_span(buf, _DN, g0, gs), row_span(buf, _V, g0, gs), w, g0, gs,
+                           rc, oc)
+            coef64 = c / k
+            if not inside:
+                coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)
+            coef = like(coef64, oc)
+            _bwd_out(i, g0, g0 + k, dy, x, w, b, dx, dz, lw, buf, rc, oc, coef, nbg)
+            if k < gs:
+                # beyond k the term is xhat * 0 (NaN for a non-finite token, as the reference)
+                _bwd_out(i, g0 + k, g0 + gs, dy, x, w, b, dx, dz, lw, buf, rc, oc, zero, nbg)
+        if flags & HAS_B:
+            for j in range(np.uint64(d)):
+                lb[i, j] = buf[_DN, j]
 
 
-# one thread (small calls, and a child forked after an OpenMP launch) and
-# prange over tokens: the same row code, so the same bits
-forward_serial = _jit()(_forward)
-forward_parallel = _jit(parallel=True)(_forward)
-backward_serial = _jit()(_backward)
-backward_parallel = _jit(parallel=True)(_backward)
+@_jit(parallel=True)
+def backward_parallel(dy, x, z, w, b, rstd, dx, dz, lw, lb, buf, flags, gs, k, eps, offset):
+    n = x.shape[0]
+    per = _range_rows(n)
+    parts = (n + per - 1) // per
+    for c in prange(parts):
+        lo = c * per
+        own = np.empty_like(buf)
+        backward_rows(lo, min(n, lo + per), dy, x, z, w, b, rstd, dx, dz, lw, lb, own, flags,
+                      gs, k, eps, offset)
 
 
 def tree_sum(leaves: np.ndarray) -> np.ndarray:

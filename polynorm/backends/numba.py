@@ -525,24 +525,20 @@ def finish(total: np.ndarray, d: int, weight_dtype, bias_dtype, empty=np.empty):
 # --------------------------------------------------------------------------- gated RMSNorm
 
 
-def _gated_rows(a, cdt: np.dtype) -> np.ndarray:
-    """Rows in the compute dtype, C-contiguous: the gated kernels' input (a copy for 16-bit)."""
-    a = _interop.to_numpy(a)
-    if a.dtype.name == "bfloat16" and cdt == np.float32:
-        # bfloat16 -> float32 is exact (the bits shifted up): the codec's
-        # compiled loop gives numpy's bits in one pass
-        from ._numba_codec import decode_array
+#: The gated forward prefetches the next row's x and z during a row's output pass.
+GATED_PREFETCH = True
 
-        bits = np.ascontiguousarray(a).view(np.uint16)
-        return decode_array(bits.reshape(-1), True).reshape(a.shape)
-    return np.ascontiguousarray(a, dtype=cdt)
+
+def _gated_in(a) -> np.ndarray:
+    """x or z as the gated forward takes it: C-contiguous rows, 16-bit floats as bits."""
+    return _kview(np.ascontiguousarray(_interop.to_numpy(a)))
 
 
 def gated_forward(x, z, weight, bias, gplan, out=None):
     """Gated forward on 2-D rows; the contract is :func:`.reference.gated_forward`.
 
     ``casting="llama"`` runs the reference (its three roundings are not in
-    these kernels); 16-bit rows are converted to float32 first (a copy).
+    these kernels).  ``out`` of unit-stride C rows is written in place.
     """
     plan = gplan.plan
     if plan.llama:
@@ -551,35 +547,43 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
         return reference.gated_forward(x, z, weight, bias, gplan, out)
     from . import _numba_gated as G
 
+    K = _kernels or _k()
     like = x
-    _, y_dt, _, cdt = _info(plan)
-    xc, zc = _gated_rows(x, cdt), _gated_rows(z, cdt)
-    n, d = xc.shape
+    flags, y_dt, _, cdt = _info(plan)
+    flags &= K.EPS_INSIDE
+    if gplan.norm_before_gate:
+        flags |= G.NBG
+    if GATED_PREFETCH:
+        flags |= G.PREFETCH
+    xk, zk = _gated_in(x), _gated_in(z)
+    n, d = xk.shape
     empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
-    direct = y_dt == cdt and out is None
-    y = empty((n, d), y_dt) if direct else np.empty((n, d), cdt)
+    o = None if out is None else _interop.to_numpy(out)
+    direct = o is not None and o.flags.c_contiguous and o.dtype == y_dt
+    y = o if direct else empty((n, d), y_dt)
     rstd = empty((n, gplan.groups), cdt)
-    w = _NO_VEC[cdt] if weight is None else _vec(_interop.to_numpy(weight), cdt)
-    b = _NO_VEC[cdt] if bias is None else _vec(_interop.to_numpy(bias), cdt)
-    args = (xc, zc, w, b, y, rstd, weight is not None, bias is not None, plan.eps,
-            plan.eps_inside, cdt.type(plan.offset), cdt.type(1), gplan.group_size, gplan.k,
-            gplan.norm_before_gate)
+    w = b = _NO_VEC[cdt]
+    if weight is not None:
+        flags |= K.HAS_W
+        w = _vec(_interop.to_numpy(weight), cdt)
+    if bias is not None:
+        flags |= K.HAS_B
+        b = _vec(_interop.to_numpy(bias), cdt)
+    u = np.empty((1, d), cdt)  # the gated row buffer (per task in the parallel driver)
+    args = (xk, zk, w, b, _kview(y), rstd, u, flags, gplan.group_size, gplan.k, plan.eps,
+            plan.offset)
     if _parallel(n, d):
         with _launch_lock:
             G.forward_parallel(*args)
         if not _omp_used:
             _note_layer()
     else:
-        G.forward_serial(*args)
+        G.forward_rows(0, n, *args)
     from_numpy = _interop.from_numpy
-    if out is not None:
-        o = _interop.to_numpy(out)
-        o[...] = y
+    if o is not None:
+        if not direct:
+            o[...] = y
         return out, from_numpy(rstd, like)
-    if not direct:
-        yo = empty((n, d), y_dt)
-        yo[...] = y
-        y = yo
     return from_numpy(y, like), from_numpy(rstd, like)
 
 
@@ -587,37 +591,50 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
     """Gated backward on 2-D rows; ``dweight``/``dbias`` in the row tree's order."""
     from . import _numba_gated as G
 
+    K = _kernels or _k()
     plan = gplan.plan
     like = x
     cdt = numpy_dtype(plan.compute_dtype)
-    xc, zc, dyc = _gated_rows(x, cdt), _gated_rows(z, cdt), _gated_rows(dy, cdt)
-    n, d = xc.shape
-    dx = np.empty((n, d), cdt)
-    dz = np.empty((n, d), cdt)
+    xn, zn = _interop.to_numpy(x), _interop.to_numpy(z)
+    xk, zk, dyk = _gated_in(xn), _gated_in(zn), _gated_in(dy)
+    n, d = xk.shape
+    empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+    dx = empty((n, d), xn.dtype)
+    dz = empty((n, d), zn.dtype)
     lw = np.empty((n, d), cdt)  # written also without weight (then dropped): one kernel variant
     lb = np.empty((n, d) if bias is not None else (1, 1), cdt)
-    w = _NO_VEC[cdt] if weight is None else _vec(_interop.to_numpy(weight), cdt)
-    b = _NO_VEC[cdt] if bias is None else _vec(_interop.to_numpy(bias), cdt)
-    r = np.empty((1, 1), cdt) if rstd is None else np.ascontiguousarray(_interop.to_numpy(rstd))
-    args = (dyc, xc, zc, w, b, r, dx, dz, lw, lb, weight is not None, bias is not None,
-            rstd is not None, plan.eps, plan.eps_inside, cdt.type(plan.offset), cdt.type(1),
-            gplan.group_size,
-            gplan.k, gplan.norm_before_gate)
+    flags = K.EPS_INSIDE if plan.eps_inside else 0
+    if gplan.norm_before_gate:
+        flags |= G.NBG
+    if weight is not None:
+        flags |= K.HAS_W
+    if bias is not None:
+        flags |= K.HAS_B
+    # absent weight/bias as ones/zeros: they change no value, and one loop serves all cases
+    w = np.ones(d, cdt) if weight is None else _vec(_interop.to_numpy(weight), cdt)
+    b = np.zeros(d, cdt) if bias is None else _vec(_interop.to_numpy(bias), cdt)
+    if rstd is None:
+        r = np.empty((1, 1), cdt)
+    else:
+        flags |= K.HAS_RSTD
+        r = np.ascontiguousarray(_interop.to_numpy(rstd), dtype=cdt)
+    buf = np.empty((4, d), cdt)
+    args = (dyk, xk, zk, w, b, r, _kview(dx), _kview(dz), lw, lb, buf, flags, gplan.group_size,
+            gplan.k, plan.eps, plan.offset)
     if _parallel(n, d):
         with _launch_lock:
             G.backward_parallel(*args)
         if not _omp_used:
             _note_layer()
     else:
-        G.backward_serial(*args)
-    xn, zn = _interop.to_numpy(x), _interop.to_numpy(z)
+        G.backward_rows(0, n, *args)
     from_numpy = _interop.from_numpy
     dw = db = None
     if weight is not None:
         dw = from_numpy(G.tree_sum(lw).astype(_interop.to_numpy(weight).dtype), like)
     if bias is not None:
         db = from_numpy(G.tree_sum(lb).astype(_interop.to_numpy(bias).dtype), like)
-    return (from_numpy(dx.astype(xn.dtype), like), from_numpy(dz.astype(zn.dtype), like), dw, db)
+    return from_numpy(dx, like), from_numpy(dz, like), dw, db
 
 
 # --------------------------------------------------------------------------- quantized output
