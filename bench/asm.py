@@ -3,11 +3,12 @@
 Compiles the Numba forward (``forward_rows``: plain, ``out=`` and fused add
 rows) and backward (``backward_range``) for bfloat16 and float16 on this CPU,
 takes each innermost loop of their machine code that converts 16-bit data
-(``vpmovzxwd``/``vcvtph2ps`` in, ``vpmovdw``/``vpackusdw``/``vcvtps2ph`` out) and
-prints, per 16 elements: all instructions, the vector ones (an ``xmm``/``ymm``/
-``zmm``/mask register operand), the rounding ones (the integer bfloat16 encode:
-``vpsrld vpandd vpaddd vpcmpgtd vpord vptestnmd vpblendmd vcmpunordps
-vpmovdw ...``), and the loop's streams (16-bit arrays loaded/stored, float32
+(``vpmovzxwd``/``vcvtph2ps`` in, ``vpmovdw``/``vpackusdw``/``vcvtps2ph``/
+``vcvtneps2bf16`` out) and prints, per 16 elements: all instructions, the vector
+ones (an ``xmm``/``ymm``/``zmm``/mask register operand), the rounding ones (the
+integer bfloat16 encode: ``vpsrld vpandd vpaddd vpcmpgtd vpord vptestnmd
+vpblendmd vcmpunordps vpmovdw ...``; or the hardware one, ``vcvtneps2bf16``
+with its subnormal test ``vfpclassps``/``korw``), and the loop's streams (16-bit arrays loaded/stored, float32
 arrays loaded/stored).  A count of instructions is steady where timings on a
 shared machine are not; ``--save DIR`` keeps the whole listings.
 
@@ -37,9 +38,10 @@ _STEP = re.compile(r"^(?:addq|subq)\s+\$(-?\d+),\s*(%\w+)$")
 #: the integer bfloat16 encode and 16-bit packing (float16 goes through vcvtps2ph)
 ROUNDING = {"vpsrld", "vpandd", "vpand", "vpaddd", "vpcmpgtd", "vpcmpeqd", "vpmaxud", "vpord",
             "vpor", "vptestnmd", "vptestmd", "vpblendmd", "vblendvps", "vcmpunordps",
-            "vandps", "vorps", "vpmovdw", "vpackusdw", "vpermq", "vinserti64x4"}
+            "vandps", "vorps", "vpmovdw", "vpackusdw", "vpermq", "vinserti64x4",
+            "vcvtneps2bf16", "vfpclassps", "korw"}
 DECODE_IN = ("vpmovzxwd", "vcvtph2ps")
-ENCODE_OUT = ("vpmovdw", "vpackusdw", "vcvtps2ph")
+ENCODE_OUT = ("vpmovdw", "vpackusdw", "vcvtps2ph", "vcvtneps2bf16")
 
 
 def innermost_loops(asm: str) -> list[list[str]]:
