@@ -50,28 +50,6 @@ def _f32_as_u32(typingctx, v):
     return types.uint32(v), codegen
 
 
-@intrinsic
-def _f64_as_u64(typingctx, v):
-    if v != types.float64:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(64))
-
-    return types.uint64(v), codegen
-
-
-@intrinsic
-def _u64_as_f64(typingctx, v):
-    if not isinstance(v, types.Integer) or v.bitwidth != 64:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-
-    return types.float64(v), codegen
-
-
 # numpy error model: see _numba_kernels.ERROR_MODEL (no exception can leave a kernel)
 _jit = njit(nogil=True, error_model="numpy")
 
@@ -346,8 +324,10 @@ def _ov_store(a, i, v, bfloat):
     return None
 
 
-#: Runtime format codes for :func:`round_to` (llama casting).
-F16, BF16, F32, F64 = 0, 1, 2, 3
+#: Runtime format codes of :func:`round_to` (llama casting), by dtype name; the
+#: kernels' flag words carry them (``polynorm.backends.numba._llama_codes``).
+FORMAT_CODE = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+_F16, _BF16, _F32 = FORMAT_CODE["float16"], FORMAT_CODE["bfloat16"], FORMAT_CODE["float32"]
 
 
 def round_to(v, code):  # pragma: no cover - replaced by the overload
@@ -359,19 +339,19 @@ def round_to(v, code):  # pragma: no cover - replaced by the overload
 def _ov_round_to(v, code):
     if v == types.float32:
         def impl(v, code):
-            if code == 0:
+            if code == _F16:
                 return f16_to_f32(f32_to_f16(v))
-            if code == 1:
+            if code == _BF16:
                 return bf16_to_f32(f32_to_bf16(v))
             return v
         return impl
     if v == types.float64:
         def impl(v, code):
-            if code == 0:
+            if code == _F16:
                 return np.float64(f16_to_f32(f64_to_f16(v)))
-            if code == 1:
+            if code == _BF16:
                 return np.float64(bf16_to_f32(f64_to_bf16(v)))
-            if code == 2:
+            if code == _F32:
                 return np.float64(np.float32(v))
             return v
         return impl

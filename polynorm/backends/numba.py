@@ -65,7 +65,6 @@ _STAGE = 256
 _BWD_BLOCKS_PER_THREAD = 8
 _BWD_SCRATCH = 1 << 22
 
-_CODE = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
 _launch_lock = threading.Lock()
 _kernels = None  # the compiled-kernel modules, imported on first use
 _bwd_kernels = None
@@ -225,13 +224,14 @@ def _info(plan: Plan) -> tuple:
 def _llama_codes(plan: Plan, weight: np.ndarray | None) -> int:
     """Rounding formats of llama casting: xhat to x's dtype, g to weight's, product to both's."""
     from .._options import promote
+    from ._numba_codec import FORMAT_CODE as code
 
     K = _k()
-    flags = _CODE[plan.norm_dtype] << K.XCODE_SHIFT
+    flags = code[plan.norm_dtype] << K.XCODE_SHIFT
     if weight is not None:
         wname = "bfloat16" if _bf(weight) else weight.dtype.name
-        flags |= _CODE[wname] << K.WCODE_SHIFT
-        flags |= _CODE[promote(plan.norm_dtype, wname)] << K.PCODE_SHIFT
+        flags |= code[wname] << K.WCODE_SHIFT
+        flags |= code[promote(plan.norm_dtype, wname)] << K.PCODE_SHIFT
     return flags
 
 
