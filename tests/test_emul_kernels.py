@@ -140,7 +140,7 @@ def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=c
 def _colsum(part, d: int, ct: str, want: str):
     kout = cl.colsum_out(ct, want)
     out = _garbage((d,), kout)
-    launch = cl.colsum_launch(part.shape[0], d, ct, kout)
+    launch = cl.colsum_launch(d, ct, kout)
     args = (part, np.int64(part.shape[0]), np.int64(part.shape[1]), np.int32(d), out)
     _launch(launch, args, "float32")
     return out if kout == want else out.astype(NP[want])

@@ -208,7 +208,7 @@ def launches(arch: str) -> dict[str, list[dict]]:
                 if bl.partial_rows:
                     ct = cl.compute_dtype(t[0])
                     for o in {cl.colsum_out(ct, t[0]), cl.colsum_out(ct, ct)}:
-                        add(cl.colsum_launch(bl.partial_rows, d, ct, o), d, n, "colsum")
+                        add(cl.colsum_launch(d, ct, o), d, n, "colsum")
     return {k: list(v.values()) for k, v in seen.items()}
 
 

@@ -386,7 +386,7 @@ def backward_launch(
 
 
 @lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small
-def colsum_launch(rows: int, d: int, compute: str, out: str) -> Launch:
+def colsum_launch(d: int, compute: str, out: str) -> Launch:
     """Launch of pn_colsum (``out`` as returned by :func:`colsum_out`)."""
     return Launch(colsum_name(compute, out), grid=math.ceil(d / 32), block=256, shared=0,
                   tpr=0, big=False)

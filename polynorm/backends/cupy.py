@@ -324,6 +324,6 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
 def _colsum(part, d: int, ct: str, want: str, like: Any):
     kout = cl.colsum_out(ct, want)
     out = _empty((d,), kout)
-    launch = cl.colsum_launch(part.shape[0], d, ct, kout)
+    launch = cl.colsum_launch(d, ct, kout)
     _launch(launch, (_ptr(part), np.int64(part.shape[0]), np.int64(part.shape[1]), np.int32(d), _ptr(out)))
     return _cast(_interop.from_cupy(out, like, kout), want)
