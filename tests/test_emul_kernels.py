@@ -648,7 +648,7 @@ def _small_vs_fwd(x, res, w, b, plan, tag):
         if a is not None:
             np.testing.assert_array_equal(_bits(a), _bits(r), err_msg=f"{what} of {got[3].name} vs {ref[3].name} {tag}")
     ry, _, rr = reference.forward(x, res, w, b, plan)
-    assert_close(got[0], ry, looser(plan.x_dtype, plan.out_dtype), f"y of {got[3].name} {tag}")
+    assert_close(got[0], ry, looser(plan.norm_dtype, plan.out_dtype), f"y of {got[3].name} {tag}")
     return got[3]
 
 
