@@ -156,6 +156,17 @@ def _choose_backend(backend: str, x: Any):
     return mod
 
 
+def _capable_backend(backend: str, x: Any, capability: type, what: str):
+    """The backend for ``x`` if it offers ``capability`` (a Protocol of
+    :mod:`polynorm.backends`); ``backend="auto"`` falls back to the reference."""
+    mod = _choose_backend(backend, x)
+    if isinstance(mod, capability):
+        return mod
+    if backend == "auto":
+        return _backends.get("array_api")
+    raise ValueError(f"backend {backend!r} has no {what} kernels; use backend='auto' or 'array_api'")
+
+
 # --------------------------------------------------------------------------- layout
 
 

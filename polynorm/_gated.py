@@ -23,13 +23,7 @@ __all__ = ["rms_norm_gated", "rms_norm_gated_backward"]
 
 
 def _gated_backend(backend: Any, x: Any):
-    mod = _api._choose_backend(backend, x)
-    if isinstance(mod, _api._backends.GatedKernels):
-        return mod
-    if backend == "auto":
-        return _api._backends.get("array_api")
-    raise ValueError(
-        f"backend {backend!r} has no gated RMSNorm kernels; use backend='auto' or 'array_api'")
+    return _api._capable_backend(backend, x, _api._backends.GatedKernels, "gated RMSNorm")
 
 
 def _prepare(x, z, weight, bias, arrays, opts: Options, group_size, norm_before_gate):

@@ -25,13 +25,7 @@ __all__ = ["rms_norm_quant"]
 
 
 def _quant_backend(backend: Any, x: Any):
-    mod = _api._choose_backend(backend, x)
-    if isinstance(mod, _api._backends.QuantKernels):
-        return mod
-    if backend == "auto":
-        return _api._backends.get("array_api")
-    raise ValueError(
-        f"backend {backend!r} has no quantized-output kernels; use backend='auto' or 'array_api'")
+    return _api._capable_backend(backend, x, _api._backends.QuantKernels, "quantized-output")
 
 
 def _scale_arg(scale: Any) -> tuple[Any, Any]:

@@ -209,6 +209,20 @@ def _vec(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarray:
     return a.astype(cdt)
 
 
+def _affine_operands(weight, bias, cdt: np.dtype, flags: int) -> tuple:
+    """``(w, b, flags)``: weight/bias in the compute dtype (a stand-in where absent)
+    and the kernel flags with HAS_W/HAS_B set for those present."""
+    K = _kernels or _k()
+    w = b = _NO_VEC[cdt]
+    if weight is not None:
+        flags |= K.HAS_W
+        w = _vec(_interop.to_numpy(weight), cdt)
+    if bias is not None:
+        flags |= K.HAS_B
+        b = _vec(_interop.to_numpy(bias), cdt)
+    return w, b, flags
+
+
 def _info(plan: Plan) -> tuple:
     """``(flags, y dtype, h dtype, compute dtype)`` for a plan, derived once (``plan.memo``)."""
     info = plan.memo.get("numba")
@@ -562,13 +576,7 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
     direct = o is not None and o.flags.c_contiguous and o.dtype == y_dt
     y = o if direct else empty((n, d), y_dt)
     rstd = empty((n, gplan.groups), cdt)
-    w = b = _NO_VEC[cdt]
-    if weight is not None:
-        flags |= K.HAS_W
-        w = _vec(_interop.to_numpy(weight), cdt)
-    if bias is not None:
-        flags |= K.HAS_B
-        b = _vec(_interop.to_numpy(bias), cdt)
+    w, b, flags = _affine_operands(weight, bias, cdt, flags)
     u = np.empty((1, d), cdt)  # the gated row buffer (per task in the parallel driver)
     args = (xk, zk, w, b, _kview(y), rstd, u, flags, gplan.group_size, gplan.k, plan.eps,
             plan.offset)
@@ -712,13 +720,7 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
             h = empty((n, d), h_dt)
             flags |= K.HAS_R
             rk, hk = _kview(rn), _kview(h)
-        w = b = _NO_VEC[cdt]
-        if weight is not None:
-            flags |= K.HAS_W
-            w = _vec(_interop.to_numpy(weight), cdt)
-        if bias is not None:
-            flags |= K.HAS_B
-            b = _vec(_interop.to_numpy(bias), cdt)
+        w, b, flags = _affine_operands(weight, bias, cdt, flags)
         args = (xk, rk, w, b, hk, q, sc, np.empty(d, np.float32), np.empty(1, cdt), flags,
                 plan.k, plan.eps, plan.offset, *qargs)
         if _parallel(n, d):
