@@ -1,4 +1,4 @@
-"""Memory of a training step with ``save="input"`` and ``save="output"``.
+"""Memory of a training step with ``save="input"``, ``save="output"`` and ``in_place``.
 
     flock /tmp/polynorm-bench.lock python bench/lean_memory.py [--layers 8] [--tokens 2048]
         [--hidden 1024] [--dtype bfloat16] [--pairs 5] [--json bench/results/lean-memory.json]
@@ -12,6 +12,11 @@ Memory is the bytes autograd keeps for the backward: every saved tensor's
 storage counted once (``torch.autograd.graph.saved_tensors_hooks``), exact and
 independent of the machine's load.  The step time of both settings is measured
 alternately and quoted as the median ratio over pairs.
+
+``in_place=True`` (the backward writes ``dx`` over ``dy``) saves no saved tensor
+but an allocation in the backward: measured as the peak of the memory polynorm's
+kernels allocate during the backward (their results are numpy allocations, which
+``tracemalloc`` traces; torch's own are not traced), with and without it.
 """
 
 from __future__ import annotations
@@ -28,13 +33,13 @@ import torch
 import polynorm.torch as pnt
 
 
-def _model(layers: int, hidden: int, dtype, save: str) -> torch.nn.Module:
+def _model(layers: int, hidden: int, dtype, save: str, in_place: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
 
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.norm = pnt.RMSNorm(hidden, eps=1e-6, save=save, dtype=dtype)
+            self.norm = pnt.RMSNorm(hidden, eps=1e-6, save=save, in_place=in_place, dtype=dtype)
             self.up = torch.nn.Linear(hidden, 4 * hidden, bias=False, dtype=dtype)
             self.down = torch.nn.Linear(4 * hidden, hidden, bias=False, dtype=dtype)
 
@@ -56,6 +61,19 @@ def _saved_bytes(model, x) -> int:
         loss = model(x).float().square().mean()
     loss.backward()
     return sum(seen.values())
+
+
+def _backward_peak_traced(model, x) -> int:
+    """Peak bytes traced by ``tracemalloc`` (numpy's allocations) during the backward."""
+    import tracemalloc
+
+    loss = model(x).float().square().mean()
+    tracemalloc.start()
+    try:
+        loss.backward()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
 
 
 def _step(model, x) -> float:
@@ -84,6 +102,10 @@ def main(argv=None) -> int:
         order = ("input", "output") if i % 2 == 0 else ("output", "input")
         t = {s: _step(models[s], x) for s in order}
         ratios.append(t["output"] / t["input"])
+    in_place = {ip: _model(a.layers, a.hidden, dtype, "input", ip) for ip in (False, True)}
+    for m in in_place.values():
+        _step(m, x)
+    peak = {ip: _backward_peak_traced(m, x) for ip, m in in_place.items()}
     norm_input = a.tokens * a.hidden * x.element_size() * a.layers
     rec = {
         "bench": "lean_memory", "date": time.strftime("%Y-%m-%d"),
@@ -94,6 +116,9 @@ def main(argv=None) -> int:
         "bytes_saved": saved["input"] - saved["output"],
         "norm_inputs_bytes": norm_input,
         "step_time_ratio_output_over_input": statistics.median(ratios),
+        "backward_peak_traced_bytes": peak[False],
+        "backward_peak_traced_bytes_in_place": peak[True],
+        "activation_bytes": a.tokens * a.hidden * x.element_size(),
         "pairs": a.pairs,
     }
     print(json.dumps(rec, indent=1))

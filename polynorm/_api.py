@@ -252,9 +252,15 @@ def _view_rows(lay: _Layout, out: Any) -> Any:
     return None
 
 
-def _check_out(out: Any, x: Any, plan: Plan, inputs: tuple = ()) -> None:
-    """``out``'s type, shape and dtype; for host memory also its byte order,
-    writability and overlap with the ``inputs`` (x, residual, weight, bias)."""
+_FORWARD_INPUTS = ("x", "residual", "weight", "bias")
+
+
+def _check_out(out: Any, x: Any, dtype: str, inputs: tuple = (),
+               names: tuple = _FORWARD_INPUTS, in_place: tuple = ("x", "residual"),
+               what: str = "the output dtype") -> None:
+    """``out``'s type, shape and dtype (``dtype``, ``what`` it is); for host memory
+    also its byte order, writability and overlap with the ``inputs`` (called
+    ``names``; ``out`` may be exactly one of those named in ``in_place``)."""
     if out is None:
         return
     if type(out) is not type(x):
@@ -263,12 +269,11 @@ def _check_out(out: Any, x: Any, plan: Plan, inputs: tuple = ()) -> None:
         raise TypeError("out= is not supported for jax arrays, which are immutable")
     _check_shape("out", out, tuple(x.shape), "the shape of x")
     got = float_dtype_name("out", out)
-    if got != plan.out_dtype:
-        raise TypeError(f"out must have dtype {plan.out_dtype} (the output dtype), got {got}")
+    if got != dtype:
+        raise TypeError(f"out must have dtype {dtype} ({what}), got {got}")
     ov = host_view(out)
     if ov is not None:
-        names = ("x", "residual", "weight", "bias")[:len(inputs)]
-        check_out_memory(ov, tuple(host_view(a) for a in inputs), names)
+        check_out_memory(ov, tuple(host_view(a) for a in inputs), names[:len(inputs)], in_place)
 
 
 def _native(a: Any) -> Any:
@@ -339,7 +344,7 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     call = _prepare(x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out},
                     opts=opts)
     lay, plan = call.lay, call.plan
-    _check_out(out, x, plan, (x, residual, weight, bias))
+    _check_out(out, x, plan.out_dtype, (x, residual, weight, bias))
     out2 = _view_rows(lay, out) if out is not None else None
     if lay.n == 0:
         y2, h2, rstd = _empty_forward(lay, x, residual, plan)
@@ -583,9 +588,16 @@ def rms_norm_backward(
         gradient of both ``x`` and ``residual``).
     eps, axis, partial, offset, eps_mode, casting, backend
         As in the forward.  ``casting`` does not change the backward (the
-        derivative of the unrounded function); ``out_dtype``, ``return_rstd``
-        and ``out`` are accepted for a uniform signature and must be left at
-        their defaults.
+        derivative of the unrounded function); ``out_dtype`` and
+        ``return_rstd`` are accepted for a uniform signature and must be left
+        at their defaults.
+    out : array, optional
+        Where to write ``dx``: the type and shape of ``x``, ``x``'s dtype.  It
+        may be exactly ``dy`` or ``grad_residual`` (the same memory, shape and
+        strides), which saves an allocation of ``x``'s size (Liger's
+        ``in_place``); ``dy`` then holds ``dx`` afterwards, so only pass it
+        where nothing else reads ``dy`` later.  Otherwise it must not overlap
+        an input.  The Numba backend writes into it; the others copy into it.
 
     Returns
     -------
@@ -604,16 +616,16 @@ def rms_norm_backward(
     >>> dw
     array([0.84852814, 1.13137085])
     """
-    if out is not None or return_rstd or out_dtype is not None:
-        bad = "out" if out is not None else ("return_rstd" if return_rstd else "out_dtype")
+    if return_rstd or out_dtype is not None:
+        bad = "return_rstd" if return_rstd else "out_dtype"
         raise ValueError(f"{bad} is not used by rms_norm_backward; leave it at its default")
     opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, None, backend))
-    return backward(dy, x, weight, bias, rstd, grad_residual, opts)
+    return backward(dy, x, weight, bias, rstd, grad_residual, opts, out)
 
 
-def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options):
+def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
     """:func:`rms_norm_backward` with the options packed (``opts.out_dtype`` is None)."""
-    mod = _fast.numba_module(opts)
+    mod = _fast.numba_module(opts) if out is None else None
     if mod is not None:
         r = _fast.backward(mod, dy, x, weight, bias, rstd, grad_residual, opts)
         if r is not None:
@@ -631,15 +643,30 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options):
         if got != plan.rstd_dtype:
             raise TypeError(f"rstd must have dtype {plan.rstd_dtype}, got {got}")
         rstd1 = lay.xp.reshape(rstd, (lay.n,))
+    _check_out(out, x, float_dtype_name("x", x), (dy, grad_residual, x, weight, bias, rstd),
+               ("dy", "grad_residual", "x", "weight", "bias", "rstd"), ("dy", "grad_residual"),
+               "x's dtype, that of dx")
+    out2 = _view_rows(lay, out) if out is not None else None
     if lay.n == 0:
         xp = lay.xp
-        dx = xp.empty(lay.shape, dtype=x.dtype, device=aac.device(x))
+        dx = xp.empty(lay.shape, dtype=x.dtype, device=aac.device(x)) if out is None else out
         dw = None if weight is None else xp.zeros(weight.shape, dtype=weight.dtype, device=aac.device(x))
         db = None if bias is None else xp.zeros(bias.shape, dtype=bias.dtype, device=aac.device(x))
         return dx, dw, db
-    with _no_autograd(x):
-        dx2, dw, db = call.backend.backward(
-            lay.rows(dy), lay.rows(x), lay.flat(weight), lay.flat(bias), rstd1,
-            lay.rows(grad_residual), plan,
-        )
-    return lay.unrows(dx2), lay.unflat(dw), lay.unflat(db)
+    try:
+        with _no_autograd(x):
+            dx2, dw, db = call.backend.backward(
+                lay.rows(dy), lay.rows(x), lay.flat(weight), lay.flat(bias), rstd1,
+                lay.rows(grad_residual), plan, out2,
+            )
+    except Exception as exc:
+        if out2 is None:
+            raise
+        raise partly_written(exc) from exc
+    if out is None:
+        dx = lay.unrows(dx2)
+    else:
+        if out2 is None or dx2 is not out2:
+            out[...] = lay.unrows(dx2)
+        dx = out
+    return dx, lay.unflat(dw), lay.unflat(db)

@@ -38,10 +38,11 @@ def self_overlaps(a: np.ndarray) -> bool:
     return False
 
 
-def check_out_memory(out: np.ndarray, inputs: tuple, names: tuple) -> None:
+def check_out_memory(out: np.ndarray, inputs: tuple, names: tuple,
+                     in_place: tuple = ("x", "residual")) -> None:
     """``out`` (a numpy view) must be writable, in native byte order, free of
     overlapping elements, and share no memory with an input, except being
-    exactly the same elements as ``x`` or ``residual`` (an in-place call).
+    exactly the same elements as one named in ``in_place`` (an in-place call).
 
     Cheap for the usual calls (a (1, 4096) call is ~3 us): two arrays that
     own their memory are disjoint; else a bounds test per input
@@ -65,18 +66,18 @@ def check_out_memory(out: np.ndarray, inputs: tuple, names: tuple) -> None:
     for a, argname in zip(inputs, names, strict=True):
         if a is None or (owner and a is not out and a.base is None):
             continue  # a and out own their memory: two allocations
-        if a is out and argname in ("x", "residual"):
+        if a is out and argname in in_place:
             continue  # in place
         if not np.may_share_memory(out, a):
             continue
-        if argname in ("x", "residual") and same_memory(out, a):
+        if argname in in_place and same_memory(out, a):
             continue  # in place: allowed
         try:
             shared = np.shares_memory(out, a, max_work=1 << 16)  # type: ignore[arg-type]
         except np.exceptions.TooHardError:
             shared = True
         if shared:
-            allowed = "" if argname not in ("x", "residual") else (
+            allowed = "" if argname not in in_place else (
                 f" (out may be exactly {argname}: the same memory, shape and strides)")
             raise ValueError(f"out overlaps {argname}{allowed}; pass a separate array")
 

@@ -63,6 +63,11 @@ def _keep(ctx, x, y, weight, bias, rstd, opts: Options, save: str, check: bool) 
     ctx.opts = opts._replace(out_dtype=None)
 
 
+def _dx_memory(ctx, dy):
+    """``dy`` itself where the backward may write ``dx`` into it (``in_place``), else None."""
+    return dy if ctx.in_place and dy.dtype == ctx.x_dtype else None
+
+
 def _kept_input(ctx, kept, weight, bias, rstd):
     """The forward's input: ``kept`` itself, or recovered from the kept output."""
     if not ctx.lean:
@@ -73,9 +78,10 @@ def _kept_input(ctx, kept, weight, bias, rstd):
 
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, opts, save):
+    def forward(ctx, x, weight, bias, opts, save, in_place):
         y, rstd = _api.forward(x, None, weight, bias, opts, return_rstd=True)
         _keep(ctx, x, y, weight, bias, rstd, opts, save, True)
+        ctx.in_place = in_place
         return y
 
     @staticmethod
@@ -83,16 +89,18 @@ class _RMSNormFn(torch.autograd.Function):
     def backward(ctx, dy):
         kept, weight, bias, rstd = ctx.saved_tensors
         x = _kept_input(ctx, kept, weight, bias, rstd)
-        dx, dw, db = _api.backward(dy.contiguous(), x, weight, bias, rstd, None, ctx.opts)
-        return (dx.to(ctx.x_dtype), *_param_grads(ctx, dw, db, 1), None, None)
+        dy = dy.contiguous()
+        dx, dw, db = _api.backward(dy, x, weight, bias, rstd, None, ctx.opts, _dx_memory(ctx, dy))
+        return (dx.to(ctx.x_dtype), *_param_grads(ctx, dw, db, 1), None, None, None)
 
 
 class _AddRMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, opts, save):
+    def forward(ctx, x, residual, weight, bias, opts, save, in_place):
         y, h, rstd = _api.forward(x, residual, weight, bias, opts, return_rstd=True, fused=True)
         _keep(ctx, h, y, weight, bias, rstd, opts, save, True)
         ctx.dtypes = (x.dtype, residual.dtype)
+        ctx.in_place = in_place
         return y, h
 
     @staticmethod
@@ -101,13 +109,15 @@ class _AddRMSNormFn(torch.autograd.Function):
         kept, weight, bias, rstd = ctx.saved_tensors
         h = _kept_input(ctx, kept, weight, bias, rstd)
         # dh: the gradient reaching h through the residual stream, fused into dx
-        dxh, dw, db = _api.backward(dy.contiguous(), h, weight, bias, rstd,
-                                    None if dh is None else dh.contiguous(), ctx.opts)
+        dy = dy.contiguous()
+        dxh, dw, db = _api.backward(dy, h, weight, bias, rstd,
+                                    None if dh is None else dh.contiguous(), ctx.opts,
+                                    _dx_memory(ctx, dy))
         x_dtype, r_dtype = ctx.dtypes
         need = ctx.needs_input_grad
         gx = dxh.to(x_dtype) if need[0] else None
         gr = dxh.to(r_dtype) if need[1] else None
-        return (gx, gr, *_param_grads(ctx, dw, db, 2), None, None)
+        return (gx, gr, *_param_grads(ctx, dw, db, 2), None, None, None)
 
 
 # torch.compile must not trace into the kernels (numba's dispatcher crashes dynamo).
@@ -115,13 +125,13 @@ class _AddRMSNormFn(torch.autograd.Function):
 # cheapest dispatch); under torch.compile/torch.export the same work is reached
 # through the custom ops below, which the compiler keeps in its graph.
 @torch.compiler.disable
-def _apply_rms_norm(x, weight, bias, opts, save):
-    return _RMSNormFn.apply(x, weight, bias, opts, save)
+def _apply_rms_norm(x, weight, bias, opts, save, in_place=False):
+    return _RMSNormFn.apply(x, weight, bias, opts, save, in_place)
 
 
 @torch.compiler.disable
-def _apply_add_rms_norm(x, residual, weight, bias, opts, save):
-    return _AddRMSNormFn.apply(x, residual, weight, bias, opts, save)
+def _apply_add_rms_norm(x, residual, weight, bias, opts, save, in_place=False):
+    return _AddRMSNormFn.apply(x, residual, weight, bias, opts, save, in_place)
 
 
 # ------------------------------------------------------------------ custom ops (torch.compile)
@@ -309,6 +319,12 @@ def _check_tensors(**arrays: Any) -> None:
             )
 
 
+def _check_in_place(in_place: Any) -> bool:
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+    return in_place
+
+
 def _default_eps(eps: Any, *dtypes: Any) -> Any:
     """``eps=None``: torch's default, the machine epsilon of the dtype torch computes in
     (float32 for float16/bfloat16/float32 input, float64 when an input is float64)."""
@@ -331,6 +347,7 @@ def rms_norm(
     out_dtype: Any = None,
     backend: str = "auto",
     save: str = "input",
+    in_place: bool = False,
 ) -> torch.Tensor:
     """Differentiable :func:`polynorm.rms_norm` for torch tensors.
 
@@ -359,6 +376,19 @@ def rms_norm(
         ``weight + offset`` has a zero, ``x`` cannot be recovered: an eager call
         checks (reading the weight) and keeps ``x``; under ``torch.compile`` it
         cannot, and such columns give NaN gradients.
+    in_place : bool
+        The backward writes ``dx`` into the memory of the incoming gradient
+        ``dy`` (when it has ``x``'s dtype), saving one allocation of ``x``'s
+        size, as Liger's ``in_place``.  Off by default: it is safe only where no
+        other backward reads that ``dy`` afterwards, i.e. where ``y`` feeds one
+        op that hands the norm a gradient of its own (a pre-norm's
+        ``y -> Linear``).  It is not safe where autograd passes one gradient
+        tensor to several consumers: ``y`` used twice, or ``y`` added to a
+        residual stream (a post-norm, ``h + norm(a)``, as in Gemma-2's
+        ``post_*_layernorm``: Liger-Kernel#370), whose other branch would read
+        ``dx``.  Under ``torch.compile`` it is ignored (``dx`` is a new tensor;
+        the compiler plans memory itself); on CUDA ``dx`` is computed into a
+        new tensor and copied (the CUDA kernels do not write ``dx`` over ``dy``).
 
     Returns
     -------
@@ -386,10 +416,12 @@ def rms_norm(
     opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
     if save != "input":
         _lean.check_save(save)
+    if in_place is not False:
+        _check_in_place(in_place)
     if _eager(x):
         if not _records(x, weight, bias):  # inference: no autograd node to build (~5 us)
             return _api.forward(x, None, weight, bias, opts)
-        return _apply_rms_norm(x, weight, bias, opts, save)
+        return _apply_rms_norm(x, weight, bias, opts, save, in_place)
     return torch.ops.polynorm.rms_norm(x, weight, bias, *_op_args(opts), save)[0]
 
 
@@ -408,6 +440,7 @@ def add_rms_norm(
     out_dtype: Any = None,
     backend: str = "auto",
     save: str = "input",
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable :func:`polynorm.add_rms_norm`: ``h = x + residual``, ``y = rms_norm(h)``.
 
@@ -427,6 +460,9 @@ def add_rms_norm(
         As in :func:`polynorm.add_rms_norm`.
     save : {"input", "output"}
         As in :func:`rms_norm`: ``"output"`` keeps ``y`` instead of ``h``.
+    in_place : bool
+        As in :func:`rms_norm`: the backward writes the gradient of ``x`` and
+        ``residual`` into ``y``'s incoming gradient.
 
     Returns
     -------
@@ -453,10 +489,12 @@ def add_rms_norm(
     opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
     if save != "input":
         _lean.check_save(save)
+    if in_place is not False:
+        _check_in_place(in_place)
     if _eager(x):
         if not _records(x, residual, weight, bias):
             return _api.forward(x, residual, weight, bias, opts, fused=True)
-        return _apply_add_rms_norm(x, residual, weight, bias, opts, save)
+        return _apply_add_rms_norm(x, residual, weight, bias, opts, save, in_place)
     y, h, _ = torch.ops.polynorm.add_rms_norm(x, residual, weight, bias, *_op_args(opts), save)
     return y, h
 
@@ -493,6 +531,9 @@ class RMSNorm(torch.nn.Module):
     save : {"input", "output"}
         What the forward keeps for the backward (see :func:`rms_norm`);
         ``"output"`` saves one activation of the input's size per norm.
+    in_place : bool
+        The backward writes ``dx`` over the incoming gradient (see
+        :func:`rms_norm` for when that is safe).  Default False.
 
     Examples
     --------
@@ -525,6 +566,7 @@ class RMSNorm(torch.nn.Module):
         casting: str = "fp32",
         backend: str = "auto",
         save: str = "input",
+        in_place: bool = False,
     ) -> None:
         factory = {"device": device, "dtype": dtype}
         super().__init__()
@@ -539,6 +581,7 @@ class RMSNorm(torch.nn.Module):
         self.casting = casting
         self.backend = backend
         self.save = _lean.check_save(save)
+        self.in_place = _check_in_place(in_place)
         if elementwise_affine:
             self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
         else:
@@ -572,7 +615,7 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(
             x, self.weight, self.bias, eps=self.eps, axis=axis, partial=self.partial,
             offset=self.offset, eps_mode=self.eps_mode, casting=self.casting, backend=self.backend,
-            save=self.save,
+            save=self.save, in_place=self.in_place,
         )
 
     def extra_repr(self) -> str:
@@ -580,7 +623,7 @@ class RMSNorm(torch.nn.Module):
         if self.bias is not None:
             s += ", bias=True"
         for name, default in (("partial", 1.0), ("offset", 0.0), ("eps_mode", "inside"),
-                              ("casting", "fp32"), ("save", "input")):
+                              ("casting", "fp32"), ("save", "input"), ("in_place", False)):
             if getattr(self, name) != default:
                 s += f", {name}={getattr(self, name)!r}"
         return s

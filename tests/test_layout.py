@@ -191,6 +191,49 @@ def test_out_is_x_in_place(case, fused, rng):
     assert_close(case.to_numpy(x), want, "float64", "x now holds y")
 
 
+@pytest.mark.parametrize("into", ["dy", "grad_residual", "separate", "strided"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_backward_out(case, into, dtype, rng):
+    """``rms_norm_backward(out=...)``: dx written into ``out`` (may be exactly ``dy`` or
+    ``grad_residual``, Liger's in-place), the same bits as a new dx; dweight/dbias unchanged."""
+    _mutable(case)
+    case.skip_unless_dtype(dtype)
+    A = case.asarray
+    x_np, dy_np, gr_np = (rng.standard_normal((9, 40)) for _ in range(3))
+    w_np, b_np = rng.standard_normal(40), rng.standard_normal(40)
+    kw = dict(partial=0.5, offset=0.5, backend=case.backend)
+    x, w, b = A(x_np, dtype), A(w_np, "float32"), A(b_np, "float32")
+    want = pn.rms_norm_backward(A(dy_np, dtype), x, w, b, grad_residual=A(gr_np, dtype), **kw)
+    dy, gr = A(dy_np, dtype), A(gr_np, dtype)
+    buf = None
+    if into == "strided":
+        buf = A(np.full((9, 80), 7.0), dtype)
+        out = buf[:, ::2]
+    else:
+        out = {"dy": dy, "grad_residual": gr}.get(into, A(np.zeros((9, 40)), dtype))
+    got = pn.rms_norm_backward(dy, x, w, b, grad_residual=gr, out=out, **kw)
+    assert got[0] is out
+    np.testing.assert_array_equal(case.to_numpy(out), case.to_numpy(want[0]))
+    for g, e in zip(got[1:], want[1:], strict=True):
+        np.testing.assert_array_equal(case.to_numpy(g), case.to_numpy(e))
+    if buf is not None:
+        np.testing.assert_array_equal(case.to_numpy(buf)[:, 1::2].astype(np.float64), 7.0)
+
+
+def test_backward_out_refused(case, rng):
+    """The backward's out must have x's dtype and may overlap no input but dy/grad_residual."""
+    _mutable(case)
+    A = case.asarray
+    x, dy, w = A(rng.standard_normal((4, 8))), A(rng.standard_normal((4, 8))), A(np.ones(8))
+    with pytest.raises(TypeError, match="out must have dtype float64"):
+        pn.rms_norm_backward(dy, x, w, out=A(np.zeros((4, 8)), "float32"), backend=case.backend)
+    with pytest.raises(ValueError, match="out must have shape|shape"):
+        pn.rms_norm_backward(dy, x, w, out=A(np.zeros((4, 9))), backend=case.backend)
+    if case.module in ("numpy", "torch"):  # host memory: overlap is checked
+        with pytest.raises(ValueError, match="out overlaps x"):
+            pn.rms_norm_backward(dy, x, w, out=x, backend=case.backend)
+
+
 # ------------------------------------------------------------------ zero tokens, types, purity
 
 

@@ -37,9 +37,11 @@ class Backend(Protocol):
         ...
 
     def backward(self, dy: Any, x: Any, weight: Any, bias: Any, rstd: Any, grad_residual: Any,
-                 plan: Plan) -> tuple[Any, Any, Any]:
+                 plan: Plan, out: Any = None) -> tuple[Any, Any, Any]:
         """``(dx, dweight, dbias)``, the sums over rows in the row tree's order
-        (:mod:`polynorm.backends._rowtree`)."""
+        (:mod:`polynorm.backends._rowtree`).  ``out``: rows of ``x``'s dtype to write
+        ``dx`` into, possibly ``dy`` itself (checked by the front end); a backend may
+        return a new ``dx`` instead, which the front end then copies into ``out``."""
         ...
 
 

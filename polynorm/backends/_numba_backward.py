@@ -124,6 +124,13 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
             rms, r64 = _stats(x, i, k, xbf, eps, inside)
     # rc: rstd in the compute type (float64 for float64 x, else float32)
     rc = like(r64, load(x[i, 0], xbf))
+    if flags & HAS_B:
+        # dbias's terms before dx is written: dx may be dy's memory (out=dy)
+        ob = d if flags & HAS_W else 0
+        P = _PAD
+        for j in range(d):
+            pc[rtmp, P + j] = like(load(dy[i, j], dybf), pc[rtmp, P])
+        _fold(pc, ro, e0, e1, e2, rtmp, ob, d)
     if r64 < math.inf and not rc < math.inf:
         _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, e0, e1, e2,
                       rtmp)
@@ -166,12 +173,6 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
             _dx_plain(i, 0, k, dy, x, w, gr, dx, rc, oc, coef, flags)
             if k < d:
                 _dx_plain(i, k, d, dy, x, w, gr, dx, rc, oc, zero, flags)
-    if flags & HAS_B:
-        ob = d if flags & HAS_W else 0
-        P = _PAD
-        for j in range(d):
-            pc[rtmp, P + j] = like(load(dy[i, j], dybf), pc[rtmp, P])
-        _fold(pc, ro, e0, e1, e2, rtmp, ob, d)
 
 
 @_inline

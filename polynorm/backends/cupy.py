@@ -287,8 +287,12 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
         return y, h, _interop.from_cupy(rstd, x)
 
 
-def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
-    """Backward on 2-D rows (see :mod:`polynorm.backends.reference`)."""
+def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
+    """Backward on 2-D rows (see :mod:`polynorm.backends.reference`).
+
+    ``dx`` is always a new array (``out``, even ``dy`` itself, gets a copy from the
+    front end): the kernels are not written for ``dx`` aliasing ``dy``.
+    """
     xd, wd, bd = _name(x), _name(weight), _name(bias)
     types = cl.backward_types(xd, _name(dy), _name(grad_residual), wd)
     ct = types.compute

@@ -225,13 +225,14 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     return y, h, rstd
 
 
-def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
+def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     """Backward on 2-D dask rows; lazy.  See :mod:`polynorm.backends.reference`.
 
     ``dx`` is chunked like ``x``'s rows; ``dweight``/``dbias`` are the tree
     reduction (fan-in :data:`SPLIT_EVERY`) of the chunks' row-tree states
     (host chunks on Numba: the in-memory bits), or of float64 per-chunk
     partial sums (other chunks), rounded once to the dtype of ``weight``/``bias``.
+    ``out`` is ignored (dask arrays are immutable; the front end assigns into it).
     """
     import dask.array as da
 

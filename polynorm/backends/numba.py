@@ -365,8 +365,22 @@ def _unit_columns(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
-    """Kernel arguments for the backward: ``(like, xn, dx, wn, bn, width, flags, args)``."""
+def _out_rows(out) -> np.ndarray | None:
+    """A numpy view of ``out`` (rows of ``x``'s dtype, checked by the front end)
+    if its rows' elements are adjacent, else None (the kernels write such rows)."""
+    if out is None:
+        return None
+    a = _interop.to_numpy(out)
+    return a if a.shape[1] <= 1 or a.strides[1] == a.itemsize else None
+
+
+def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan, dx=None):
+    """Kernel arguments for the backward: ``(like, xn, dx, wn, bn, width, flags, args)``.
+
+    ``dx``: a numpy array to write into (:func:`_out_rows`), else a new one.  It
+    may be ``dy`` itself: every kernel reads an element of ``dy`` before it
+    writes that element of ``dx``, and no kernel reads it after.
+    """
     K = _kernels or _k()
     like = x
     to_numpy = _interop.to_numpy
@@ -399,8 +413,9 @@ def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         grn = to_numpy(grad_residual)
         flags |= K.HAS_GR
         gr = _kview(grn)
-    empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
-    dx = empty((n, d), xn.dtype)
+    if dx is None:
+        empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+        dx = empty((n, d), xn.dtype)
     width = d * ((wn is not None) + (bn is not None))
     args = (dyk, _kview(xn), w, rs, gr, _kview(dx), flags, plan.k, plan.eps, plan.offset)
     return like, xn, dx, wn, bn, width, args
@@ -416,7 +431,7 @@ def _pools(m: int, width: int, cdt: np.dtype, per_thread: bool = False):
     return np.empty(lead + spc, cdt), np.empty(lead + s64, np.float64)
 
 
-def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
+def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     """Hand-written backward on 2-D rows (formula in :mod:`polynorm._options`).
 
     ``dweight``/``dbias`` are summed over the row tree of :mod:`._rowtree`:
@@ -426,8 +441,9 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     (:func:`backward_range`, used by the dask backend).
     """
     KB = _bwd_kernels or _kb()
+    dx_out = _out_rows(out)
     like, xn, dx, wn, bn, width, args = _backward_prepare(
-        dy, x, weight, bias, rstd, grad_residual, plan)
+        dy, x, weight, bias, rstd, grad_residual, plan, dx_out)
     n, d = xn.shape
     m = _block_level(n, width, _threads())
     nb = ((n - 1) >> m) + 1
@@ -457,7 +473,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         dw, db = finish(vals[0], d, None if wn is None else wn.dtype,
                         None if bn is None else bn.dtype, empty)
     from_numpy = _interop.from_numpy
-    return (from_numpy(dx, like), None if dw is None else from_numpy(dw, like),
+    return (out if dx_out is not None else from_numpy(dx, like),
+            None if dw is None else from_numpy(dw, like),
             None if db is None else from_numpy(db, like))
 
 

@@ -160,7 +160,7 @@ def _name(a) -> str:
     return dtype_name(a.dtype)
 
 
-def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
+def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     """Hand-written backward on 2-D rows (formula in :mod:`polynorm._options`).
 
     Returns
@@ -168,6 +168,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     dx : array (n, d) of ``x``'s dtype
     dweight : array (d,) of ``weight``'s dtype, or None
     dbias : array (d,) of ``bias``'s dtype, or None
+
+    ``out`` is not written here: the front end copies ``dx`` into it.
     """
     with _quiet():
         return _backward(dy, x, weight, bias, rstd, grad_residual, plan)
