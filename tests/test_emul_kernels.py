@@ -781,7 +781,7 @@ def _items2_module():
 
 
 @pytest.mark.parametrize("types", _ITEMS2_TYPES, ids=[t[0] for t in _ITEMS2_TYPES])
-@pytest.mark.parametrize("d", [5, 100, 256, 1000, 2048])
+@pytest.mark.parametrize("d", [5, 100, 256, 1000, 1024])
 def test_emul_backward_items2_sums_over_the_items1_tree(types, d):
     """pn_bwd's body at ITEMS=2 (instantiated here only: the dispatcher keeps ITEMS=1,
     as ITEMS=2 spills within 64 registers) gives the ITEMS=1 launch's dx and partial-row
