@@ -147,8 +147,10 @@ def _colsum(part, d: int, ct: str, want: str):
 
 
 def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=False,
-                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS):  # fmt: skip
-    """``polynorm.backends.cupy.backward`` with numpy buffers; returns (dx, dw, db, launch)."""
+                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS, flags=None):  # fmt: skip
+    """``polynorm.backends.cupy.backward`` with numpy buffers; returns (dx, dw, db, launch).
+
+    ``flags``: (HAS_W, HAS_G) of the pn_bwd instantiation, when not the arrays' own."""
     xd, wd, bd = _name(x), _name(weight), _name(bias)
     types = cl.backward_types(xd, _name(dy), _name(grad_residual), wd)
     ct = types.compute
@@ -160,7 +162,9 @@ def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=F
     dx = _garbage((n, d), xd)
     want = weight is not None or bias is not None
     launch = cl.backward_launch(n, d, xd, types.dy, types.weight, partials=want, num_sms=num_sms,
-                                max_smem=max_smem, force_big=force_big)
+                                max_smem=max_smem, force_big=force_big,
+                                has_w=weight is not None if flags is None else flags[0],
+                                has_g=grad_residual is not None if flags is None else flags[1])
     shape = (launch.partial_rows, launch.ldp)
 
     def part():
@@ -454,6 +458,32 @@ def test_emul_backward_options(dtype, opt, d, force_big):
     _check_backward(dy, x, w, b, rstd, g, plan, force_big=force_big)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [5, 64, 200, 1000])
+def test_emul_backward_flag_specialisations_bits(dtype, d):
+    """pn_bwd<.., HAS_W=false> gives the bits of HAS_W=true with a weight of ones
+    (offset 0: g = (1 + 0) * dy = dy exactly), and HAS_G=false those of HAS_G=true with
+    a grad_residual of -0.0 (o + -0.0 == o for every o), also with a persistent grid
+    smaller than the row groups and float32 rows whose squares or g*dy*xhat overflow."""
+    rng = np.random.default_rng(_seed(dtype, d, 11))
+    dy, x, _, b, _, _, plan = _bwd_case(rng, 45, d, dtype, dict(bias=True))
+    if dtype == "float32":
+        x[3] *= np.float32(1e25)  # the squares' double fallback
+        dy[4] *= np.float32(1e30)  # the g*dy*xhat double fallback
+    ones = np.ones(d, NP[dtype])
+    negz = np.full(x.shape, -0.0, NP[dtype])
+    for num_sms in (1, cl.DEFAULT_SMS):
+        want = emul_backward(dy, x, ones, b, None, negz, plan, num_sms=num_sms)
+        assert want[3].name.endswith(", 1, true, true>") or want[3].big
+        if want[3].big:
+            pytest.skip("a row too long for pn_bwd")
+        for flags, w, g in (((False, True), None, negz), ((True, False), ones, None), ((False, False), None, None)):
+            got = emul_backward(dy, x, w, b, None, g, plan, num_sms=num_sms, flags=flags)
+            assert got[3].name.endswith(f", 1, {'true' if flags[0] else 'false'}, {'true' if flags[1] else 'false'}>")
+            np.testing.assert_array_equal(_bits(got[0]), _bits(want[0]), err_msg=f"dx of {got[3].name}")
+            np.testing.assert_array_equal(_bits(got[2]), _bits(want[2]), err_msg=f"dbias of {got[3].name}")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_emul_backward_persistent_grid_and_stash(dtype):
     """More row groups than blocks (each block strides over several; partial rows
@@ -737,3 +767,50 @@ def test_emul_small_rows_follow_pn_fwds_tree():
         _, _, rstd, _ = emul_forward(x, None, None, None, plan)
         differ = (rstd != _rstd_sequential_f64(x, 1e-6)).mean()
         assert differ > 0.2, f"d={d}: only {differ:.2f} of the rows tell the summation orders apart"
+
+
+# ----------------------------------------------------------------------------- pn_bwd at ITEMS=2
+
+_ITEMS2_TYPES = (("bfloat16", "bfloat16", "bfloat16"), ("float32",) * 3, ("float64",) * 3)
+
+
+@functools.cache
+def _items2_module():
+    names = [cl.bwd_name(*t, items, True, hg) for t in _ITEMS2_TYPES for items in (1, 2) for hg in (False, True)]
+    return compile_source(cl.SOURCE_PATH, names)
+
+
+@pytest.mark.parametrize("types", _ITEMS2_TYPES, ids=[t[0] for t in _ITEMS2_TYPES])
+@pytest.mark.parametrize("d", [5, 100, 256, 1000, 1024])
+def test_emul_backward_items2_sums_over_the_items1_tree(types, d):
+    """pn_bwd's body at ITEMS=2 (instantiated here only: the dispatcher keeps ITEMS=1,
+    as ITEMS=2 spills within 64 registers) gives the ITEMS=1 launch's dx and partial-row
+    bits with half the threads per row and per block and the same rows per block and
+    grid: its row sums follow the ITEMS=1 tree (in-lane level, warp sums, red[] order)."""
+    x_t, dy_t, w_t = types
+    ct = compute_dtype(x_t)
+    rng = np.random.default_rng(_seed(types, d, 13))
+    n = 45
+    x = _data(rng, n, d, x_t)
+    dy = _data(rng, n, d, dy_t)
+    if x_t == "float32":
+        x[3] *= np.float32(1e25)
+        dy[4] *= np.float32(1e30)
+    w = _data(rng, 1, d, w_t)[0]
+    for hg in (False, True):
+        g = _data(rng, n, d, dy_t) if hg else None
+        one = cl.backward_launch(n, d, *types, num_sms=1, has_g=hg)
+        if one.big or one.block % 64:
+            pytest.skip("no ITEMS=2 shape for this row")
+        outs = []
+        for items in (1, 2):
+            dx = _garbage((n, d), x_t)
+            dwp, dbp = _garbage((one.partial_rows, one.ldp), ct), _garbage((one.partial_rows, one.ldp), ct)
+            args = (dy, _rs(dy), x, _rs(x), w, None, g, _rs(g), dx, _rs(dx), dwp, dbp, np.int64(one.ldp),
+                    np.int64(n), np.int32(d), np.int32(d), np.int32(one.tpr // items),
+                    np.float64(1e-6), np.int32(1), np.float64(0.5))  # fmt: skip
+            _items2_module().launch(cl.bwd_name(*types, items, True, hg), one.grid, one.block // items, args,
+                                    one.shared)
+            outs.append((dx, dwp[:, :d], dbp[:, :d]))
+        for what, a, b in zip(("dx", "dweight partials", "dbias partials"), *outs, strict=True):
+            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{what}, d={d}, grad_residual={hg}")

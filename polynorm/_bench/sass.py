@@ -202,8 +202,8 @@ def launches(arch: str) -> dict[str, list[dict]]:
         for n in N_VALUES:
             for t in cl.FWD_TYPES:
                 add(cl.forward_launch(n, d, *t, max_smem=smem), d, n, "forward")
-            for t in cl.BWD_TYPES:
-                bl = cl.backward_launch(n, d, *t, num_sms=sms, max_smem=smem)
+            for t, hw, hg in ((t, hw, hg) for t in cl.BWD_TYPES for hw in (False, True) for hg in (False, True)):
+                bl = cl.backward_launch(n, d, *t, num_sms=sms, max_smem=smem, has_w=hw, has_g=hg)
                 add(bl, d, n, "backward")
                 if bl.partial_rows:
                     ct = cl.compute_dtype(t[0])

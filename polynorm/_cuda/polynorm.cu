@@ -1003,30 +1003,81 @@ __device__ __forceinline__ double pn_bwd_coef(double c, double rms, int k, doubl
     return coef;
 }
 
-// g*dy for one chunk at column j: (w + offset) * dy, or dy without a weight
-template <int N, typename WT, typename CT>
-__device__ __forceinline__ void pn_geff(const WT* w, int j, bool vw, CT off, const CT (&dy)[N], CT (&g)[N]) {
-    if (w != nullptr) {
-        CT wv[N];
-        pn_ld<N>(w + j, vw, wv);
+// pn_bwd: rows in registers (same layout rules as pn_fwd); a persistent grid
+// walks groups of blockDim.x/lpr rows.  A row is handled by `lpr` lanes
+// (power of two); lane p stands for the ITEMS "virtual threads"
+// v = p + q * lpr of the ITEMS=1 launch of the same row (tpr T = lpr * ITEMS,
+// T >= 2 * VEC): virtual thread v holds chunk v and tail element v, and every
+// row sum is taken over that launch's tree (pn_bwd_reduce), so the bits do not
+// depend on ITEMS.  Each row slot accumulates its dweight / dbias partial sums
+// in dynamic shared memory (2 * rows * ldp * sizeof(CT) bytes when there is
+// any partial, else 0); at the end the slots are added in order (0, 1, ...)
+// into the block's row of dwp / dbp.
+//
+// Whether there is a weight (HAS_W) and a grad_residual (HAS_G) is fixed at
+// compile time, and the body is instantiated for VA (every array present
+// moves chunks as 16-byte vectors) and its element-by-element twin: a lane
+// issues its x and dy loads before the first use.  The weight and
+// grad_residual chunks are read where they are used (the weight twice, from
+// L1): holding them too spills within the 64 registers.
+
+// a row sum (MAX: NaN-propagating max) of the virtual threads' values v[q]
+// over the ITEMS=1 launch's tree: for T <= 32 its butterfly levels of distance
+// >= lpr pair items of one lane; for T > 32 each item is one virtual warp (or
+// lpr / 32 of them), reduced by the 32-lane butterfly, and the virtual warps'
+// sums are added in order, as pn_row_reduce adds its red[] entries
+template <bool MAX, int Q>
+__device__ __forceinline__ double pn_bwd_reduce2(double (&v)[Q], int lpr, double* red) {
+    if (lpr * Q <= 32) {
 #pragma unroll
-        for (int e = 0; e < N; ++e) g[e] = (wv[e] + off) * dy[e];
+        for (int o = Q / 2; o > 0; o >>= 1)
+#pragma unroll
+            for (int q = 0; q < o; ++q) v[q] = MAX ? pn_max_nan(v[q], v[q + o]) : v[q] + v[q + o];
+        return pn_row_reduce<MAX>(v[0], lpr, red);
+    }
+    double w[Q];
+#pragma unroll
+    for (int q = 0; q < Q; ++q) w[q] = pn_row_reduce<MAX>(v[q], 32, red);
+    if (lpr == 32) {
+        double s = w[0];
+#pragma unroll
+        for (int q = 1; q < Q; ++q) s = MAX ? pn_max_nan(s, w[q]) : s + w[q];
+        return s;
+    }
+    const int nw = lpr / 32;
+    const int first = (threadIdx.x / lpr) * nw * Q;
+    __syncthreads();  // `red` may still be read by the previous reduction
+    if (threadIdx.x % 32 == 0)
+#pragma unroll
+        for (int q = 0; q < Q; ++q) red[first + q * nw + (threadIdx.x % lpr) / 32] = w[q];
+    __syncthreads();
+    double s = red[first];
+    for (int i = 1; i < nw * Q; ++i) s = MAX ? pn_max_nan(s, red[first + i]) : s + red[first + i];
+    return s;
+}
+
+template <bool MAX, int Q>
+__device__ __forceinline__ double pn_bwd_reduce(double (&v)[Q], int lpr, double* red) {
+    if constexpr (Q == 1) {
+        return pn_row_reduce<MAX>(v[0], lpr, red);
     } else {
-#pragma unroll
-        for (int e = 0; e < N; ++e) g[e] = dy[e];
+        return pn_bwd_reduce2<MAX, Q>(v, lpr, red);
     }
 }
 
-// pn_bwd: rows in registers (same layout rules as pn_fwd); a persistent grid
-// walks groups of blockDim.x/tpr rows.  Each sub-row accumulates its dweight /
-// dbias partial sums in dynamic shared memory (2 * rows * ldp * sizeof(CT)
-// bytes when there is any partial, else 0); at the end the sub-rows are added
-// in order (0, 1, ...) into the block's row of dwp / dbp.
-//
-// The body of pn_bwd, instantiated for VA (every array present moves chunks
-// as 16-byte vectors) and its element-by-element twin: no load needs a
-// vector/scalar merge, so a thread's x and dy loads are all in flight at once.
-template <typename XT, typename DYT, typename WT, int ITEMS, bool VA>
+// g*dy for one chunk at column j: (w + offset) * dy, or dy without a weight
+template <int N, bool HAS_W, bool VA, typename WT, typename DYT, typename CT>
+__device__ __forceinline__ void pn_bwd_geff(const WT* w, int j, CT off, const DYT (&da)[N], CT (&g)[N]) {
+    CT wv[N];
+    if constexpr (HAS_W) pn_ld<N>(w + j, VA, wv);
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+        const CT dv = pn_conv<CT>::in(da[e]);
+        g[e] = HAS_W ? (wv[e] + off) * dv : dv;
+    }
+}
+
+template <typename XT, typename DYT, typename WT, int ITEMS, bool HAS_W, bool HAS_G, bool VA>
 __device__ __forceinline__ void pn_bwd_rows(
     const DYT* __restrict__ dy, long long sdy,
     const XT* __restrict__ x, long long sx,
@@ -1036,54 +1087,44 @@ __device__ __forceinline__ void pn_bwd_rows(
     XT* dx, long long sdx,
     typename pn_compute<XT>::type* dwp,
     typename pn_compute<XT>::type* dbp, long long ldp,
-    long long n, int d, int k, int tpr,
+    long long n, int d, int k, int lpr,
     double eps, int eps_inside, double offset, const pn_rowlay L, double* red, pn_smem_unit* pn_dyn_smem)
 {
     typedef typename pn_compute<XT>::type CT;
     constexpr int VEC = 16 / sizeof(XT);
+    constexpr int Q = ITEMS;
 
-    const int tr = threadIdx.x % tpr;
-    const int rpb = blockDim.x / tpr;
-    const int sub = threadIdx.x / tpr;
-    const bool has_w = w != nullptr, has_g = gres != nullptr;
+    const int p = threadIdx.x % lpr;
+    const int rpb = blockDim.x / lpr;
+    const int sub = threadIdx.x / lpr;
     const bool want_w = dwp != nullptr, want_b = dbp != nullptr;
     const bool need_ss = rstd_in == nullptr || !eps_inside;
-    constexpr bool vdy = VA, vg = VA, vdx = VA, vw = VA;
     const CT off = (CT)offset;
 
-    // At most one head or tail element per thread (thread tr < head: head
-    // element tr; head <= tr < head + tail: tail element tr - head; the launch
-    // keeps tpr >= 2 * VEC so every one has a thread): a second scalar slot
-    // per thread costs ~60 registers.  Index 0 of the [2] arrays is used.
-    int je[2];
-    je[0] = tr < L.head ? tr : (tr < L.head + L.tail ? L.body * VEC + tr : -1);
-    je[1] = -1;
+    // The tail element of virtual thread p (item 0; lpr >= VEC > tail, so no
+    // other item has one): column body*VEC + p for p < tail.
+    const int je = p < L.tail ? L.body * VEC + p : -1;
 
     // dweight / dbias accumulators in shared memory, not registers: slot row
-    // 2*sub (dweight) and 2*sub+1 (dbias), row stride ldp; body element (c, e)
-    // at c*VEC+e, head element tr at body*VEC+tr, tail element tr at
-    // body*VEC+head+tr.  Each thread only touches its own slots until the end.
+    // 2*sub (dweight) and 2*sub+1 (dbias), row stride ldp; element j at j.
+    // Each lane only touches its own slots until the end.
     const bool want = want_w || want_b;  // block-uniform; no shared memory otherwise
     CT* acc = reinterpret_cast<CT*>(pn_dyn_smem);
     CT* accw = acc + (long long)(2 * sub) * ldp;
     CT* accb = accw + ldp;
-    int qe[2];
-    qe[0] = L.body * VEC + tr;
-    qe[1] = qe[0];
     if (want) {
         CT z[VEC];
 #pragma unroll
         for (int e = 0; e < VEC; ++e) z[e] = (CT)0;
 #pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
-            const int c = tr + i * tpr;
+        for (int q = 0; q < Q; ++q) {
+            const int c = p + q * lpr;
             if (c < L.body) {
                 pn_st<VEC>(accw + c * VEC, true, z);
                 pn_st<VEC>(accb + c * VEC, true, z);
             }
         }
-        for (int s = 0; s < 1; ++s)
-            if (je[s] >= 0) { accw[qe[s]] = (CT)0; accb[qe[s]] = (CT)0; }
+        if (je >= 0) { accw[je] = (CT)0; accb[je] = (CT)0; }
     }
 
     for (long long g0 = (long long)blockIdx.x * rpb; g0 < n; g0 += (long long)gridDim.x * rpb) {
@@ -1092,83 +1133,91 @@ __device__ __forceinline__ void pn_bwd_rows(
         const long long rr = active ? row : 0;
         const XT* xr = x + rr * sx;
         const DYT* dyr = dy + rr * sdy;
+        const DYT* gr = HAS_G ? gres + rr * sg : nullptr;
 
-        // x and dy stay in registers; g = w + offset is re-read (L1) where needed
-        CT xv[ITEMS][VEC], dyv[ITEMS][VEC];
-        CT xe[2], ge[2], dye[2];  // ge: g*dy
+        // ---- the row slice, raw: every load issued before the first use.  A
+        // chunk past the body loads chunk 0 instead (unconditional loads, no
+        // branch between them); live[q] masks it out of every use.
+        bool live[Q];
+        XT xa[Q][VEC];
+        DYT da[Q][VEC];
+        if (L.body > 0) {
 #pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
-            const int c = tr + i * tpr;
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) { xv[i][e] = (CT)0; dyv[i][e] = (CT)0; }
-            if (active && c < L.body) {
-                const int j = L.head + c * VEC;
-                pn_ld<VEC>(xr + j, VA, xv[i]);
-                pn_ld<VEC>(dyr + j, vdy, dyv[i]);
+            for (int q = 0; q < Q; ++q) {
+                const int c = p + q * lpr;
+                live[q] = active && c < L.body;
+                const int j = (c < L.body ? c : 0) * VEC;
+                pn_ld_raw<VEC>(xr + j, VA, xa[q]);
+                pn_ld_raw<VEC>(dyr + j, VA, da[q]);
             }
+        } else {
+#pragma unroll
+            for (int q = 0; q < Q; ++q) live[q] = false;
         }
-        for (int s = 0; s < 1; ++s) {
-            xe[s] = dye[s] = ge[s] = (CT)0;
-            if (active && je[s] >= 0) {
-                xe[s] = pn_conv<CT>::in(xr[je[s]]);
-                dye[s] = pn_conv<CT>::in(dyr[je[s]]);
-                ge[s] = has_w ? (pn_conv<CT>::in(w[je[s]]) + off) * dye[s] : dye[s];
-            }
+        CT xe[Q], ge[Q], dye[Q];  // the tail elements (ge: g*dy); zero for q > 0
+#pragma unroll
+        for (int q = 0; q < Q; ++q) xe[q] = dye[q] = ge[q] = (CT)0;
+        if (active && je >= 0) {
+            xe[0] = pn_conv<CT>::in(xr[je]);
+            dye[0] = pn_conv<CT>::in(dyr[je]);
+            if constexpr (HAS_W) ge[0] = (pn_conv<CT>::in(w[je]) + off) * dye[0];
+            else ge[0] = dye[0];
         }
 
         // ---- r and rms
         double rms = 0.0, r_d = 0.0;
         if (need_ss) {
             double m = 1.0;
-            if (sizeof(CT) == 8) {
-                m = 0.0;
+            if constexpr (sizeof(CT) == 8) {
+                double mq[Q];
 #pragma unroll
-                for (int i = 0; i < ITEMS; ++i) {
-                    const int j0 = L.head + (tr + i * tpr) * VEC;
+                for (int q = 0; q < Q; ++q) {
+                    const int j0 = (p + q * lpr) * VEC;
+                    mq[q] = 0.0;
+                    if (live[q]) {
 #pragma unroll
-                    for (int e = 0; e < VEC; ++e)
-                        if (j0 + e < k) m = pn_max_nan(m, fabs((double)xv[i][e]));
+                        for (int e = 0; e < VEC; ++e)
+                            if (j0 + e < k) mq[q] = pn_max_nan(mq[q], fabs((double)pn_conv<CT>::in(xa[q][e])));
+                    }
                 }
-                for (int s = 0; s < 1; ++s)
-                    if (je[s] >= 0 && je[s] < k) m = pn_max_nan(m, fabs((double)xe[s]));
-                m = pn_row_reduce<true>(m, tpr, red);
+                if (je >= 0 && je < k) mq[0] = pn_max_nan(mq[0], fabs((double)xe[0]));
+                m = pn_bwd_reduce<true, Q>(mq, lpr, red);
             }
             const double inv = m > 0.0 ? 1.0 / m : 1.0;
-            double ss = 0.0;
-            // float compute: this thread's squares (at most ITEMS*VEC <= 16) summed
-            // in float when none can overflow or underflow (|x| in [1e-18, 1e18]),
-            // else exactly in double; the sum over threads is in double
-            bool exact = sizeof(CT) == 8;
-            if (sizeof(CT) == 4) {
-                float sf = 0.0f, mf = 0.0f;
+            // float compute: a virtual thread's squares (one chunk) summed in
+            // float when none can overflow or underflow (|x| in [1e-18, 1e18]),
+            // else exactly in double; the sum over virtual threads is in double
+            double s[Q];
 #pragma unroll
-                for (int i = 0; i < ITEMS; ++i) {
-                    const int j0 = L.head + (tr + i * tpr) * VEC;
+            for (int q = 0; q < Q; ++q) {
+                const int j0 = (p + q * lpr) * VEC;
+                s[q] = 0.0;
+                bool exact = sizeof(CT) == 8;
+                if (sizeof(CT) == 4 && live[q]) {
+                    float sf = 0.0f, mf = 0.0f;
 #pragma unroll
                     for (int e = 0; e < VEC; ++e)
                         if (j0 + e < k) {
-                            const float v = (float)xv[i][e];
+                            const float v = (float)pn_conv<CT>::in(xa[q][e]);
                             const float av = v < 0.0f ? -v : v;
                             sf += v * v;
                             mf = av > mf ? av : mf;
                         }
+                    if (mf <= 1.0e18f && (mf >= 1.0e-18f || mf == 0.0f)) s[q] = (double)sf;
+                    else exact = true;
                 }
-                if (mf <= 1.0e18f && (mf >= 1.0e-18f || mf == 0.0f)) ss = (double)sf;
-                else exact = true;
-            }
-            if (exact) {
-#pragma unroll
-                for (int i = 0; i < ITEMS; ++i) {
-                    const int j0 = L.head + (tr + i * tpr) * VEC;
+                if (exact && live[q]) {
 #pragma unroll
                     for (int e = 0; e < VEC; ++e)
-                        if (j0 + e < k) { const double q = (double)xv[i][e] * inv; ss += q * q; }
+                        if (j0 + e < k) {
+                            const double t = (double)pn_conv<CT>::in(xa[q][e]) * inv;
+                            s[q] += t * t;
+                        }
                 }
             }
-            for (int s = 0; s < 1; ++s)
-                if (je[s] >= 0 && je[s] < k) { const double q = (double)xe[s] * inv; ss += q * q; }
-            ss = pn_row_reduce<false>(ss, tpr, red);
-            if (sizeof(CT) == 8) {
+            if (je >= 0 && je < k) { const double t = (double)xe[0] * inv; s[0] += t * t; }
+            const double ss = pn_bwd_reduce<false, Q>(s, lpr, red);
+            if constexpr (sizeof(CT) == 8) {
                 rms = pn_rms_scaled(m, ss, k);
                 r_d = pn_rstd_from_rms(rms, eps, eps_inside);
             } else {
@@ -1178,106 +1227,137 @@ __device__ __forceinline__ void pn_bwd_rows(
         }
         const CT r = rstd_in != nullptr ? (active ? rstd_in[rr] : (CT)0) : (CT)r_d;
 
-        // ---- c = sum g*dy*xhat over all columns: this thread's chunks in CT
-        // (exactly in double where a float product or sum overflows), then double
-        CT cf = (CT)0;
+        // ---- c = sum g*dy*xhat over all columns: a virtual thread's chunk in
+        // CT (exactly in double where a float product or sum overflows), its
+        // tail term added in double, then the double sum over virtual threads
+        double cs[Q];
 #pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
-            const int c = tr + i * tpr;
-            if (active && c < L.body) {
+        for (int q = 0; q < Q; ++q) {
+            const int j = (p + q * lpr) * VEC;
+            CT cf = (CT)0;
+            if (live[q]) {
                 CT g[VEC];
-                pn_geff<VEC>(w, L.head + c * VEC, vw, off, dyv[i], g);
+                pn_bwd_geff<VEC, HAS_W, VA>(w, j, off, da[q], g);
 #pragma unroll
-                for (int e = 0; e < VEC; ++e) cf += g[e] * (xv[i][e] * r);
+                for (int e = 0; e < VEC; ++e) cf += g[e] * (pn_conv<CT>::in(xa[q][e]) * r);
             }
-        }
-        double cs = (double)cf;
-        if (sizeof(CT) == 4 && cf - cf != (CT)0) {
-            cs = 0.0;
+            cs[q] = (double)cf;
+            if (sizeof(CT) == 4 && live[q] && cf - cf != (CT)0) {
+                // recomputed from the raw chunk: nothing of the float pass stays live
+                CT g[VEC];
+                pn_bwd_geff<VEC, HAS_W, VA>(w, j, off, da[q], g);
+                cs[q] = 0.0;
 #pragma unroll
-            for (int i = 0; i < ITEMS; ++i) {
-                const int c = tr + i * tpr;
-                if (active && c < L.body) {
-                    CT g[VEC];
-                    pn_geff<VEC>(w, L.head + c * VEC, vw, off, dyv[i], g);
-#pragma unroll
-                    for (int e = 0; e < VEC; ++e) cs += (double)g[e] * (double)(xv[i][e] * r);
-                }
+                for (int e = 0; e < VEC; ++e) cs[q] += (double)g[e] * (double)(pn_conv<CT>::in(xa[q][e]) * r);
             }
+            cs[q] += (double)ge[q] * (double)(xe[q] * r);
         }
-        for (int s = 0; s < 1; ++s) cs += (double)ge[s] * (double)(xe[s] * r);
-        cs = pn_row_reduce<false>(cs, tpr, red);
-        const CT coef = (CT)pn_bwd_coef(cs, rms, k, eps, eps_inside);
+        const double csum = pn_bwd_reduce<false, Q>(cs, lpr, red);
+        const CT coef = (CT)pn_bwd_coef(csum, rms, k, eps, eps_inside);
 
         // ---- dx and the partial sums
         XT* dxr = dx + rr * sdx;
-        const DYT* gr = has_g ? gres + rr * sg : nullptr;
 #pragma unroll
-        for (int i = 0; i < ITEMS; ++i) {
-            const int c = tr + i * tpr;
-            if (active && c < L.body) {
-                const int j = L.head + c * VEC;
-                CT o[VEC], t[VEC], g[VEC];
-                if (has_g) pn_ld<VEC>(gr + j, vg, t);
-                pn_geff<VEC>(w, j, vw, off, dyv[i], g);
+        for (int q = 0; q < Q; ++q) {
+            const int c = p + q * lpr;
+            if (live[q]) {
+                const int j = c * VEC;
+                CT o[VEC], t[VEC], g[VEC], xv[VEC], dv[VEC];
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) {
-                    const CT xh = xv[i][e] * r;
-                    CT q = g[e];
-                    if (j + e < k) q = q - xh * coef;
-                    o[e] = r * q;
-                    if (has_g) o[e] = o[e] + t[e];
+                    xv[e] = pn_conv<CT>::in(xa[q][e]);
+                    dv[e] = pn_conv<CT>::in(da[q][e]);
                 }
-                pn_st<VEC>(dxr + j, vdx, o);
+                if constexpr (HAS_G) pn_ld<VEC>(gr + j, VA, t);
+                pn_bwd_geff<VEC, HAS_W, VA>(w, j, off, da[q], g);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) {
+                    const CT xh = xv[e] * r;
+                    CT qv = g[e];
+                    if (j + e < k) qv = qv - xh * coef;
+                    o[e] = r * qv;
+                    if (HAS_G) o[e] = o[e] + t[e];
+                }
+                pn_st<VEC>(dxr + j, VA, o);
                 if (want) {
                     CT aw[VEC], ab[VEC];
                     pn_ld<VEC>(accw + c * VEC, true, aw);
                     pn_ld<VEC>(accb + c * VEC, true, ab);
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) {
-                        aw[e] += dyv[i][e] * (xv[i][e] * r);
-                        ab[e] += dyv[i][e];
+                        aw[e] += dv[e] * (xv[e] * r);
+                        ab[e] += dv[e];
                     }
                     pn_st<VEC>(accw + c * VEC, true, aw);
                     pn_st<VEC>(accb + c * VEC, true, ab);
                 }
             }
         }
-        for (int s = 0; s < 1; ++s) {
-            if (active && je[s] >= 0) {
-                const int j = je[s];
-                const CT xh = xe[s] * r;
-                CT q = ge[s];
-                if (j < k) q = q - xh * coef;
-                CT o = r * q;
-                if (has_g) o = o + pn_conv<CT>::in(gr[j]);
-                dxr[j] = pn_out<XT>::from(o);
-                if (want) {
-                    accw[qe[s]] += dye[s] * xh;
-                    accb[qe[s]] += dye[s];
-                }
+        if (active && je >= 0) {
+            const CT xh = xe[0] * r;
+            CT qv = ge[0];
+            if (je < k) qv = qv - xh * coef;
+            CT o = r * qv;
+            if (HAS_G) o = o + pn_conv<CT>::in(gr[je]);
+            dxr[je] = pn_out<XT>::from(o);
+            if (want) {
+                accw[je] += dye[0] * xh;
+                accb[je] += dye[0];
             }
         }
     }
 
-    // ---- partial sums: one row per block, sub-rows added in order
+    // ---- partial sums: one row per block, row slots added in order
     if (!want) return;
     __syncthreads();
     for (int q = threadIdx.x; q < d; q += blockDim.x) {
-        const int bv = L.body * VEC;
-        const int col = q < bv ? L.head + q : (q < bv + L.head ? q - bv : q);
         for (int a2 = 0; a2 < 2; ++a2) {
-            CT* p = a2 == 0 ? dwp : dbp;
-            if (p == nullptr) continue;
+            CT* pp = a2 == 0 ? dwp : dbp;
+            if (pp == nullptr) continue;
             CT v = acc[(long long)a2 * ldp + q];
             for (int s2 = 1; s2 < rpb; ++s2) v = v + acc[(long long)(2 * s2 + a2) * ldp + q];
-            p[(long long)blockIdx.x * ldp + col] = v;
+            pp[(long long)blockIdx.x * ldp + q] = v;
         }
     }
 }
 
+// whether every array present moves chunks as vectors (the VA body)
+template <typename XT, typename DYT, typename WT, bool HAS_W, bool HAS_G>
+__device__ __forceinline__ bool pn_bwd_va(const DYT* dy, long long sdy, const XT* x, long long sx, const WT* w,
+                                          const DYT* gres, long long sg, const XT* dx, long long sdx,
+                                          long long n, const pn_rowlay L) {
+    constexpr int VEC = 16 / sizeof(XT);
+    return L.vec && pn_vec_ok<VEC>(dy, sdy, n, 0, true) && pn_vec_ok<VEC>(dx, sdx, n, 0, true)
+           && (!HAS_G || pn_vec_ok<VEC>(gres, sg, n, 0, true)) && (!HAS_W || pn_vec_ok<VEC>(w, 0, 1, 0, true));
+}
+
+template <typename XT, typename DYT, typename WT, int ITEMS, bool HAS_W, bool HAS_G>
+__device__ __forceinline__ void pn_bwd_entry(
+    const DYT* __restrict__ dy, long long sdy,
+    const XT* __restrict__ x, long long sx,
+    const WT* __restrict__ w,
+    const typename pn_compute<XT>::type* __restrict__ rstd_in,
+    const DYT* __restrict__ gres, long long sg,
+    XT* dx, long long sdx,
+    typename pn_compute<XT>::type* dwp,
+    typename pn_compute<XT>::type* dbp, long long ldp,
+    long long n, int d, int k, int lpr,
+    double eps, int eps_inside, double offset, double* red, pn_smem_unit* pn_dyn_smem)
+{
+    constexpr int VEC = 16 / sizeof(XT);
+    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
+    if (pn_bwd_va<XT, DYT, WT, HAS_W, HAS_G>(dy, sdy, x, sx, w, gres, sg, dx, sdx, n, L))
+        pn_bwd_rows<XT, DYT, WT, ITEMS, HAS_W, HAS_G, true>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp,
+                                                            ldp, n, d, k, lpr, eps, eps_inside, offset, L, red,
+                                                            pn_dyn_smem);
+    else
+        pn_bwd_rows<XT, DYT, WT, ITEMS, HAS_W, HAS_G, false>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp,
+                                                             ldp, n, d, k, lpr, eps, eps_inside, offset, L, red,
+                                                             pn_dyn_smem);
+}
+
 // At most 64 registers (two 512-thread blocks, 50% occupancy, per SM).
-template <typename XT, typename DYT, typename WT, int ITEMS>
+template <typename XT, typename DYT, typename WT, int ITEMS, bool HAS_W, bool HAS_G>
 __global__ void __launch_bounds__(512, 2) pn_bwd(
     const DYT* __restrict__ dy, long long sdy,
     const XT* __restrict__ x, long long sx,
@@ -1290,19 +1370,10 @@ __global__ void __launch_bounds__(512, 2) pn_bwd(
     long long n, int d, int k, int tpr,
     double eps, int eps_inside, double offset)
 {
-    constexpr int VEC = 16 / sizeof(XT);
     __shared__ double red[32];
     extern __shared__ pn_smem_unit pn_dyn_smem[];
-    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
-    const bool va = L.vec && pn_vec_ok<VEC>(dy, sdy, n, L.head, true) && pn_vec_ok<VEC>(dx, sdx, n, L.head, true)
-                    && (gres == nullptr || pn_vec_ok<VEC>(gres, sg, n, L.head, true))
-                    && (w == nullptr || pn_vec_ok<VEC>(w, 0, 1, L.head, true));
-    if (va)
-        pn_bwd_rows<XT, DYT, WT, ITEMS, true>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
-                                              n, d, k, tpr, eps, eps_inside, offset, L, red, pn_dyn_smem);
-    else
-        pn_bwd_rows<XT, DYT, WT, ITEMS, false>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
-                                               n, d, k, tpr, eps, eps_inside, offset, L, red, pn_dyn_smem);
+    pn_bwd_entry<XT, DYT, WT, ITEMS, HAS_W, HAS_G>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
+                                                   n, d, k, tpr, eps, eps_inside, offset, red, pn_dyn_smem);
 }
 
 // pn_bwd_big: one row at a time per block (tpr = blockDim.x), persistent grid;

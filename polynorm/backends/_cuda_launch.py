@@ -48,7 +48,9 @@ FWD_ITEMS = (1, 2, 4)  # register chunks per thread, pn_fwd (the union over dtyp
 #: 512-thread blocks per SM, 50% occupancy) without spilling; longer rows go
 #: to pn_fwd_big
 FWD_ITEMS_BY_X = {"float16": (1, 2), "bfloat16": (1, 2), "float32": (1, 2, 4), "float64": (1, 2)}
-BWD_ITEMS = (1,)  # pn_bwd holds x and dy in registers (ITEMS=2 spills within 64 registers)
+#: pn_bwd's chunks per lane.  The body sums every row over the ITEMS=1 tree
+#: for any ITEMS, but ITEMS=2 spills within the 64 registers
+BWD_ITEMS = (1,)
 REG_THREADS = 512  # __launch_bounds__ of pn_fwd / pn_bwd
 #: rows up to this long go to pn_fwd_small (several rows per warp)
 SMALL_D = 256
@@ -139,10 +141,14 @@ def small_shape(d: int, x: str) -> tuple[int, int, bool] | None:
     return max(1, t // SMALL_ITEMS), SMALL_ITEMS, False
 
 
-def bwd_name(x: str, dy: str, w: str, items: int | None) -> str:
+def _tf(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def bwd_name(x: str, dy: str, w: str, items: int | None, has_w: bool = True, has_g: bool = False) -> str:
     if items is None:
         return f"pn_bwd_big<{_ct(x, dy, w)}>"
-    return f"pn_bwd<{_ct(x, dy, w)}, {items}>"
+    return f"pn_bwd<{_ct(x, dy, w)}, {items}, {_tf(has_w)}, {_tf(has_g)}>"
 
 
 def colsum_name(ct: str, out: str) -> str:
@@ -161,7 +167,10 @@ def specialisations() -> list[str]:
         names += [fwd_name(*t, items) for items in (*FWD_ITEMS_BY_X[t[0]], None)]
         names += [fwd_small_name(*t, items, wide) for items, wide in small_shapes(t[0])]
     for t in BWD_TYPES:
-        names += [bwd_name(*t, items) for items in (*BWD_ITEMS, None)]
+        for hw in (False, True):
+            for hg in (False, True):
+                names += [bwd_name(*t, items, hw, hg) for items in BWD_ITEMS]
+        names.append(bwd_name(*t, None))
     names += [colsum_name(*t) for t in COLSUM_TYPES]
     return names
 
@@ -347,16 +356,21 @@ def backward_launch(
     num_sms: int = DEFAULT_SMS,
     max_smem: int = DEFAULT_SMEM,
     force_big: bool = False,
+    has_w: bool = True,
+    has_g: bool = False,
 ) -> Launch:
     """Launch of pn_bwd / pn_bwd_big (persistent grid) for ``n`` rows of ``d``.
 
     ``partials``: whether dweight or dbias partial sums are wanted (the
     caller allocates ``partial_rows x ldp`` buffers of the compute dtype,
-    zero-filled for the big kernel).
+    zero-filled for the big kernel).  ``has_w`` / ``has_g``: whether a weight /
+    grad_residual is passed (compile-time parameters of pn_bwd).
 
     >>> bl = backward_launch(4096, 4096, "bfloat16", num_sms=132)
     >>> bl.name, bl.grid, bl.partial_rows, bl.ldp
-    ('pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1>', 264, 264, 4096)
+    ('pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, true, false>', 264, 264, 4096)
+    >>> backward_launch(8, 128, "float32", has_w=False, has_g=True).name
+    'pn_bwd<float, float, float, 1, false, true>'
     """
     dy = dy or x
     weight = weight or x
@@ -366,13 +380,13 @@ def backward_launch(
     # pn_bwd gives each thread at most one head or tail element: tpr >= 2 * VEC
     shape = None if force_big else _reg_shape(d, vec, BWD_ITEMS, min_tpr=2 * vec)
     if shape is not None:
-        items, tpr = shape
+        _, tpr = shape
         block = _row_block(n, tpr)
         rows = block // tpr
         grid = max(1, min(math.ceil(n / rows), num_sms * max(1, BWD_THREADS_PER_SM // block)))
         # dweight/dbias accumulators: (2 * rows, ldp) of the compute dtype
         shared = 2 * rows * ldp * ITEMSIZE[ct] if partials else 0
-        return Launch(bwd_name(x, dy, weight, items), grid=grid, block=block, shared=shared,
+        return Launch(bwd_name(x, dy, weight, 1, has_w, has_g), grid=grid, block=block, shared=shared,
                       tpr=tpr, big=False, partial_rows=grid if partials else 0, ldp=ldp)
     chunks = d // vec
     per_chunk = vec * (ITEMSIZE[x] + ITEMSIZE[dy])

@@ -1,0 +1,61 @@
+"""Launch rules of the register backward kernel pn_bwd (pure Python, no compiler).
+
+Whether a weight / grad_residual is passed is a compile-time parameter of
+pn_bwd (HAS_W / HAS_G): it picks the instantiation and nothing else, so the
+grid, block, rows per block and partial buffers (which fix the order of the
+dweight / dbias sums) are the same for every combination.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from polynorm.backends import _cuda_launch as cl
+
+FLAGS = [(hw, hg) for hw in (False, True) for hg in (False, True)]
+
+
+def _tf(v: bool) -> str:
+    return "true" if v else "false"
+
+
+@pytest.mark.parametrize("x", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("d", [1, 3, 8, 31, 64, 100, 128, 255, 256, 257, 1000, 2048, 4096, 6000, 8192])
+def test_bwd_flags_pick_the_instantiation_only(x, d):
+    names = set(cl.specialisations())
+    for n in (1, 2, 7, 64, 4096, 1 << 21):
+        for num_sms in (1, 108, 132):
+            for t in (tt for tt in cl.BWD_TYPES if tt[0] == x):
+                base = None
+                for hw, hg in FLAGS:
+                    la = cl.backward_launch(n, d, *t, num_sms=num_sms, has_w=hw, has_g=hg)
+                    assert la.name in names
+                    if la.big:
+                        assert la.name == cl.bwd_name(*t, None)
+                        continue
+                    assert la.name == cl.bwd_name(*t, 1, hw, hg)
+                    assert la.name.endswith(f", 1, {_tf(hw)}, {_tf(hg)}>")
+                    shape = dataclasses.replace(la, name="")
+                    base = base or shape
+                    assert shape == base, (n, d, t, hw, hg)
+
+
+def test_bwd_specialisations_cover_every_flag():
+    names = cl.specialisations()
+    bwd = [nm for nm in names if nm.startswith("pn_bwd<")]
+    assert len(bwd) == len(cl.BWD_TYPES) * len(cl.BWD_ITEMS) * len(FLAGS) == len(set(bwd))
+    for t in cl.BWD_TYPES:
+        for hw, hg in FLAGS:
+            assert cl.bwd_name(*t, 1, hw, hg) in names
+
+
+def test_bwd_headline_shapes():
+    """The README's backward cases: the launch shape of the ITEMS=1 kernel, unchanged."""
+    la = cl.backward_launch(16384, 4096, "bfloat16", num_sms=132)
+    assert la.name == "pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, true, false>"
+    assert (la.block, la.tpr, la.grid, la.shared) == (512, 512, 264, 2 * 4096 * 4)
+    la = cl.backward_launch(1 << 21, 128, "bfloat16", num_sms=132, has_w=False, has_g=True)
+    assert la.name == "pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, false, true>"
+    assert (la.block, la.tpr, la.grid) == (256, 16, 528)
