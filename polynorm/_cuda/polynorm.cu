@@ -1945,12 +1945,12 @@ __device__ __forceinline__ unsigned char pn_int8(float v) {
 //   dynamic:                  per group of gs columns, s = max|y| / qmax
 //                             (1 where below 2^-126; NaN wins), sc[row, g] = s,
 //                             q = enc(y / s)
-// enc: pn_e4m3fn (fp8) or pn_int8.  One segment per row (tpr threads, the
+// enc: pn_e4m3fn (FP8) or pn_int8.  One segment per row (tpr threads, the
 // split of pn_gated_fwd with one group): pass 1 the statistic, then per
 // group a pass for max|y| (dynamic only) and one that encodes, each
 // recomputing y from x (and res), which stay in L1/L2.  `w`, `b` in the
 // compute type, may be null; q: uint8 bits, row stride sq; sc: (n, d/gs) float32.
-template <typename XT>
+template <typename XT, bool FP8>
 __global__ void __launch_bounds__(1024) pn_quant_fwd(
     const XT* __restrict__ x, long long sx,
     const XT* __restrict__ res, long long sr,
@@ -1961,7 +1961,7 @@ __global__ void __launch_bounds__(1024) pn_quant_fwd(
     float* sc,
     const float* __restrict__ scale,
     long long n, int d, int k, int gs, int tpr,
-    double eps, int eps_inside, double offset, int fp8)
+    double eps, int eps_inside, double offset)
 {
     typedef typename pn_compute<XT>::type CT;
     constexpr int VEC = 16 / sizeof(XT);
@@ -2022,7 +2022,7 @@ __global__ void __launch_bounds__(1024) pn_quant_fwd(
             for (int e = 0; e < cnt; ++e) {
                 const int j = g0 + j0 + e;
                 const float u = yval(j) / s;
-                qr[j] = fp8 ? pn_e4m3fn(u) : pn_int8(u);
+                qr[j] = FP8 ? pn_e4m3fn(u) : pn_int8(u);
             }
         }, active, tr, tpr, gs);
     };
@@ -2030,7 +2030,7 @@ __global__ void __launch_bounds__(1024) pn_quant_fwd(
         for (int g0 = 0; g0 < d; g0 += gs) encode(g0, *scale);
         return;
     }
-    const float qmax = fp8 ? 448.0f : 127.0f;
+    const float qmax = FP8 ? 448.0f : 127.0f;
     for (int g0 = 0; g0 < d; g0 += gs) {
         // max |y| by the magnitudes' bits (a NaN's are above inf's: it wins), exact in double
         unsigned m = 0;

@@ -165,7 +165,7 @@ def specialisations() -> list[str]:
     names += [colsum_name(*t) for t in COLSUM_TYPES]
     names += [gated_fwd_name(*t) for t in GATED_FWD_TYPES]
     names += [gated_bwd_name(*t) for t in GATED_BWD_TYPES]
-    names += [quant_name(t) for t in FLOAT_DTYPES]
+    names += [quant_name(t, fp8) for t in FLOAT_DTYPES for fp8 in (True, False)]
     return names
 
 
@@ -461,8 +461,8 @@ def gated_bwd_name(x: str, z: str, dy: str) -> str:
     return f"pn_gated_bwd<{_ct(x, z, dy)}>"
 
 
-def quant_name(x: str) -> str:
-    return f"pn_quant_fwd<{_ct(x)}>"
+def quant_name(x: str, fp8: bool) -> str:
+    return f"pn_quant_fwd<{_ct(x)}, {'true' if fp8 else 'false'}>"
 
 
 def kernel_dtype(x: str, other: str | None) -> str:
@@ -516,10 +516,10 @@ def gated_backward_launch(n: int, d: int, group_size: int, x: str, z: str | None
 
 
 @lru_cache(maxsize=4096)
-def quant_launch(n: int, d: int, x: str) -> Launch:
+def quant_launch(n: int, d: int, x: str, fp8: bool = True) -> Launch:
     """Launch of pn_quant_fwd: one segment per row.
 
     >>> quant_launch(3, 4096, "float32").tpr == forward_launch(3, 4096, "float32").tpr
     True
     """
-    return _segment_launch(quant_name(x), n, d, x)
+    return _segment_launch(quant_name(x, fp8), n, d, x)
