@@ -402,3 +402,66 @@ def test_fusion_launches_cover_the_segments_and_do_not_depend_on_n():
                     assert la.grid * (la.block // la.tpr) >= segs
                 tprs.add((cl.gated_forward_launch(n, d, gs, x).tpr, cl.quant_launch(n, d, x).tpr))
             assert len(tprs) == 1, (x, d, gs, tprs)
+
+
+# ----------------------------------------------------------------------------- polynorm/backends/cupy.py
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """test_emul_cupy_backend.py's stand-in cupy (numpy arrays, kernels in the emulator)."""
+    import test_emul_cupy_backend as E
+
+    from polynorm.backends import _nvrtc
+    from polynorm.backends import cupy as cupy_backend
+
+    monkeypatch.setitem(sys.modules, "cupy", E._make_fake_cupy(3, 227 * 1024))
+    monkeypatch.setattr(_nvrtc, "available", lambda: (True, "stubbed"))
+    monkeypatch.setattr(_nvrtc, "cached_cubin", E._stub_cached_cubin)
+    monkeypatch.setattr(cupy_backend, "_kernels", {})
+    monkeypatch.setattr(cupy_backend, "_device_info", {})
+    E._POINTERS.clear()
+    E._Kernel.launches.clear()
+    yield cupy_backend, E._fake, E._Kernel.launches
+    E._POINTERS.clear()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_emul_fusion_backend_glue(fake_cupy, dtype):
+    """The cupy backend's gated_forward / gated_backward / quant_forward (its casts,
+    pointers, strides, buffers and row-tree sums) give the launchers' bits above,
+    on strided rows and with a cast z; inputs are left as they were."""
+    backend, fake, launches = fake_cupy
+    rng = np.random.default_rng(11)
+    n, d = 5, 96
+    base = _data(rng, (2 * n, d + 8), dtype)
+    x = np.ascontiguousarray(base[::2, 4:4 + d])
+    z = _data(rng, (n, d), "float32" if dtype == "float16" else dtype, 2.0)
+    w, b, dy, res = _data(rng, d, dtype), _data(rng, d, dtype), _data(rng, (n, d), dtype), _data(rng, (n, d), dtype)
+    fx = fake(base.copy())[::2, 4:4 + d]
+    fz, fw, fb, fdy, fres = (fake(a.copy()) for a in (z, w, b, dy, res))
+    for nbg, gs in ((False, 32), (True, None)):
+        gp = _gplan(d, dtype, gs, nbg)
+        y, r = backend.gated_forward(fx, fz, fw, fb, gp)
+        ey, er = emul_gated_forward(x, z, w, b, gp)
+        for a, e in ((y, ey), (r, er)):
+            assert type(a).__module__ == "cupy" and a.dtype == e.dtype
+            np.testing.assert_array_equal(_bits(np.asarray(a)), _bits(e))
+        got = backend.gated_backward(fdy, fx, fz, fw, fb, None, gp)
+        want = emul_gated_backward(dy, x, z, w, b, None, gp)
+        for a, e in zip(got, want, strict=True):
+            assert a.dtype == e.dtype
+            np.testing.assert_array_equal(_bits(np.asarray(a)), _bits(e))
+    for qp, scale in ((_qplan(d, dtype, "int8", None, 32), None), (_qplan(d, dtype, "int8", 0.05), None),
+                      (_qplan(d, dtype, "int8", 1.0), 0.03)):
+        if scale is not None:
+            qp = make_quant_plan(qp.plan, qdtype="int8", scale=None, scale_is_array=True, group_size=None)
+        fs = None if scale is None else fake(np.array([scale], np.float32))
+        q, s, h = backend.quant_forward(fx, fres, fw, fb, qp, fs)
+        eq, es, eh = emul_quant_forward(x, res, w, b, qp, scale)
+        assert q.dtype == np.int8 and s.dtype == np.float32 and s.shape == np.shape(es)
+        np.testing.assert_array_equal(_qbits(q), _qbits(eq))
+        np.testing.assert_array_equal(_bits(np.asarray(s, np.float32)), _bits(np.asarray(es, np.float32)))
+        np.testing.assert_array_equal(_bits(np.asarray(h)), _bits(eh))
+    np.testing.assert_array_equal(np.asarray(fx), x)
+    assert {nm.split("<")[0] for nm, *_ in launches} == {"pn_gated_fwd", "pn_gated_bwd", "pn_quant_fwd"}
