@@ -95,14 +95,15 @@ def emul_gated_backward(dy, x, z, w, b, rstd, gplan):
     plan = gplan.plan
     xd, zd, ct = _name(x), _name(z), plan.compute_dtype
     kz, kdy = cl.kernel_dtype(xd, zd), cl.kernel_dtype(xd, _name(dy))
-    zk, dyk, wk, bk = _as(z, kz), _as(dy, kdy), _as(w, ct), _as(b, ct)
+    x, zk, dyk = (np.ascontiguousarray(a) for a in (x, _as(z, kz), _as(dy, kdy)))
+    wk, bk = _as(w, ct), _as(b, ct)
     rk = None if rstd is None else np.ascontiguousarray(_as(rstd, ct))
     n, d = x.shape
     dx, dz = _garbage((n, d), xd), _garbage((n, d), kz)
     lw = _garbage((n, d), ct) if w is not None else None
     lb = _garbage((n, d), ct) if b is not None else None
     launch = cl.gated_backward_launch(n, d, gplan.group_size, xd, kz, kdy)
-    args = (dyk, _rs(dyk), x, _rs(x), zk, _rs(zk), wk, bk, rk, dx, _rs(dx), dz, _rs(dz), lw, lb,
+    args = (dyk, x, zk, wk, bk, rk, dx, dz, lw, lb,
             np.int64(n), np.int32(d), np.int32(gplan.group_size), np.int32(gplan.k),
             np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
             np.float64(plan.offset), np.int32(gplan.norm_before_gate))
@@ -465,3 +466,12 @@ def test_emul_fusion_backend_glue(fake_cupy, dtype):
         np.testing.assert_array_equal(_bits(np.asarray(h)), _bits(eh))
     np.testing.assert_array_equal(np.asarray(fx), x)
     assert {nm.split("<")[0] for nm, *_ in launches} == {"pn_gated_fwd", "pn_gated_bwd", "pn_quant_fwd"}
+
+
+def test_cupy_backend_offers_the_fusions():
+    """The front end sends CUDA arrays to these kernels only if the module has the capabilities."""
+    from polynorm import backends as registry
+    from polynorm.backends import cupy as cupy_backend
+
+    assert isinstance(cupy_backend, registry.GatedKernels)
+    assert isinstance(cupy_backend, registry.QuantKernels)

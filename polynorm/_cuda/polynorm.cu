@@ -1624,23 +1624,35 @@ __device__ __forceinline__ bool pn_seg_vec(const T* p, long long s, long long n,
     return p == nullptr || pn_vec_ok<VEC>(p, s, n, col0, true);
 }
 
-// The segment's rstd (in double) from its values, over its first k columns:
-// `val(j, o)` fills the VEC values of the chunk at segment column j (o[e]
-// for columns j + e < cnt; the others are left alone) and `one(j)` returns
-// column j's value.  float compute: pn_fwd's float runs; double: scaled by
-// the segment maximum, as pn_fwd.  `rms_out` (double compute and eps
-// outside need it) is the segment's rms.
-template <int VEC, typename CT, typename VAL, typename ONE>
-__device__ __forceinline__ double pn_seg_rstd(VAL val, ONE one, bool active, int tr, int tpr, int len, int k,
+// The segment's rstd (in double) from its values over its first k columns,
+// `one(j)` giving column j's value (recomputed, not held: a chunk's values
+// are not kept in registers across the silu's division calls).  float
+// compute: pn_ss_run's float runs, each chunk's FMA chain formed on the fly
+// and recomputed in double where pn_ss_run would be; double: scaled by the
+// segment maximum, as pn_fwd.  `rms_out` (the backward's eps outside needs
+// it) receives the segment's rms.
+template <int VEC, typename CT, typename ONE>
+__device__ __forceinline__ double pn_seg_rstd(ONE one, bool active, int tr, int tpr, int len, int k,
                                               double eps, int eps_inside, double* red, double* rms_out) {
     const int body = len / VEC, tail = len - body * VEC;
     const int jt = (active && tr < tail) ? body * VEC + tr : -1;
     if constexpr (sizeof(CT) == 4) {
         double ss = 0.0;
         for (int c = tr; active && c < body && c * VEC < k; c += tpr) {
-            CT v[VEC];
-            val(c * VEC, v);
-            ss += pn_ss_run<VEC>(v, c * VEC, k);
+            const int j0 = c * VEC;
+            float s = 0.0f;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+                if (j0 + e < k) { const float v = one(j0 + e); s = __fmaf_rn(v, v, s); }
+            if (s >= PN_RUN_TINY && s <= PN_FLT_MAX) {
+                ss += (double)s;
+            } else {
+                double t = 0.0;
+#pragma unroll
+                for (int e = 0; e < VEC; ++e)
+                    if (j0 + e < k) { const double v = (double)one(j0 + e); t += v * v; }
+                ss += t;
+            }
         }
         if (jt >= 0 && jt < k) { const double t = (double)one(jt); ss += t * t; }
         ss = pn_row_reduce<false>(ss, tpr, red);
@@ -1649,22 +1661,18 @@ __device__ __forceinline__ double pn_seg_rstd(VAL val, ONE one, bool active, int
     } else {
         double m = 0.0;
         for (int c = tr; active && c < body && c * VEC < k; c += tpr) {
-            CT v[VEC];
-            val(c * VEC, v);
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-                if (c * VEC + e < k) m = pn_max_nan(m, fabs((double)v[e]));
+                if (c * VEC + e < k) m = pn_max_nan(m, fabs((double)one(c * VEC + e)));
         }
         if (jt >= 0 && jt < k) m = pn_max_nan(m, fabs((double)one(jt)));
         m = pn_row_reduce<true>(m, tpr, red);
         const double inv = m > 0.0 ? 1.0 / m : 1.0;
         double ss = 0.0;
         for (int c = tr; active && c < body && c * VEC < k; c += tpr) {
-            CT v[VEC];
-            val(c * VEC, v);
 #pragma unroll
             for (int e = 0; e < VEC; ++e)
-                if (c * VEC + e < k) { const double q = (double)v[e] * inv; ss += q * q; }
+                if (c * VEC + e < k) { const double q = (double)one(c * VEC + e) * inv; ss += q * q; }
         }
         if (jt >= 0 && jt < k) { const double q = (double)one(jt) * inv; ss += q * q; }
         ss = pn_row_reduce<false>(ss, tpr, red);
@@ -1719,25 +1727,13 @@ __global__ void __launch_bounds__(1024) pn_gated_fwd(
     OT* yr = y + row * sy + g0;
     const CT* wr = w ? w + g0 : nullptr;
     const CT* br = b ? b + g0 : nullptr;
-    const bool vx = gs % VEC == 0 && pn_seg_vec<VEC>(x, sx, n, g0) && pn_seg_vec<VEC>(z, sz, n, g0);
-    const bool vo = gs % VEC == 0 && pn_seg_vec<VEC>(y, sy, n, g0) && pn_seg_vec<VEC>(w, 0, 1, g0)
-                    && pn_seg_vec<VEC>(b, 0, 1, g0);
 
-    // the normalized value of a chunk / a column: x, or u = x * silu(z)
-    auto val = [&](int j, CT (&v)[VEC]) {
-        pn_ld<VEC>(xr + j, vx, v);
-        if (!nbg) {
-            ZT za[VEC];
-            pn_ld_raw<VEC>(zr + j, vx, za);
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) v[e] = v[e] * pn_silu<CT>(pn_conv<CT>::in(za[e]));
-        }
-    };
+    // the normalized value of a column: x, or u = x * silu(z)
     auto one = [&](int j) -> CT {
         const CT xv = pn_conv<CT>::in(xr[j]);
         return nbg ? xv : xv * pn_silu<CT>(pn_conv<CT>::in(zr[j]));
     };
-    const double r_d = pn_seg_rstd<VEC, CT>(val, one, active, tr, tpr, gs, k, eps, eps_inside, red, nullptr);
+    const double r_d = pn_seg_rstd<VEC, CT>(one, active, tr, tpr, gs, k, eps, eps_inside, red, nullptr);
     const CT r = (CT)r_d;
     if (active && tr == 0) rstd[seg] = r;
     const bool wide = pn_wide_rstd<CT>(r_d);
@@ -1753,18 +1749,10 @@ __global__ void __launch_bounds__(1024) pn_gated_fwd(
         if (nbg) t = t * pn_silu<CT>(zv);
         return t;
     };
-    pn_seg_each<VEC>([&](int j, int cnt) {
-        if (cnt == VEC) {
-            XT xa[VEC];
-            ZT za[VEC];
-            pn_ld_raw<VEC>(xr + j, vx, xa);
-            pn_ld_raw<VEC>(zr + j, vx, za);
-            OT o[VEC];
-#pragma unroll
-            for (int e = 0; e < VEC; ++e)
-                o[e] = pn_out<OT>::from(yval(j + e, pn_conv<CT>::in(xa[e]), pn_conv<CT>::in(za[e])));
-            pn_st_raw<VEC>(yr + j, vo, o);
-        } else {
+    pn_seg_each<VEC>([&](int j0, int cnt) {
+#pragma unroll 1
+        for (int e = 0; e < cnt; ++e) {
+            const int j = j0 + e;
             yr[j] = pn_out<OT>::from(yval(j, pn_conv<CT>::in(xr[j]), pn_conv<CT>::in(zr[j])));
         }
     }, active, tr, tpr, gs);
@@ -1783,14 +1771,13 @@ __global__ void __launch_bounds__(1024) pn_gated_fwd(
 // are summed over rows in the row tree's order outside (polynorm._rowtree).
 template <typename XT, typename ZT, typename DYT>
 __global__ void __launch_bounds__(1024) pn_gated_bwd(
-    const DYT* __restrict__ dy, long long sdy,
-    const XT* __restrict__ x, long long sx,
-    const ZT* __restrict__ z, long long sz,
+    const DYT* __restrict__ dy,
+    const XT* __restrict__ x,
+    const ZT* __restrict__ z,
     const typename pn_compute<XT>::type* __restrict__ w,
     const typename pn_compute<XT>::type* __restrict__ b,
     const typename pn_compute<XT>::type* __restrict__ rstd_in,
-    XT* dx, long long sdx,
-    ZT* dz, long long sdz,
+    XT* dx, ZT* dz,
     typename pn_compute<XT>::type* lw,
     typename pn_compute<XT>::type* lb,
     long long n, int d, int gs, int k, int tpr,
@@ -1805,28 +1792,18 @@ __global__ void __launch_bounds__(1024) pn_gated_bwd(
     const bool active = seg < n * groups;
     const long long row = active ? seg / groups : 0;
     const int g0 = active ? (int)(seg % groups) * gs : 0;
-    const XT* xr = x + row * sx + g0;
-    const ZT* zr = z + row * sz + g0;
-    const DYT* dyr = dy + row * sdy + g0;
-    const CT* wr = w ? w + g0 : nullptr;
-    const CT* br = b ? b + g0 : nullptr;
-    const bool vx = gs % VEC == 0 && pn_seg_vec<VEC>(x, sx, n, g0) && pn_seg_vec<VEC>(z, sz, n, g0);
+    // every (n, d) array is C-contiguous: one offset for all seven (fewer registers)
+    const long long od = row * (long long)d + g0;
+    const XT* xr = x + od;
+    const ZT* zr = z + od;
+    const DYT* dyr = dy + od;
 
-    auto val = [&](int j, CT (&v)[VEC]) {
-        pn_ld<VEC>(xr + j, vx, v);
-        if (!nbg) {
-            ZT za[VEC];
-            pn_ld_raw<VEC>(zr + j, vx, za);
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) v[e] = v[e] * pn_silu<CT>(pn_conv<CT>::in(za[e]));
-        }
-    };
     auto one = [&](int j) -> CT {
         const CT xv = pn_conv<CT>::in(xr[j]);
         return nbg ? xv : xv * pn_silu<CT>(pn_conv<CT>::in(zr[j]));
     };
     double rms = 0.0;
-    double r_d = pn_seg_rstd<VEC, CT>(val, one, active, tr, tpr, gs, k, eps, eps_inside, red, &rms);
+    double r_d = pn_seg_rstd<VEC, CT>(one, active, tr, tpr, gs, k, eps, eps_inside, red, &rms);
     if (rstd_in != nullptr && active) r_d = (double)rstd_in[seg];
     const CT r = (CT)r_d;
     const CT off = (CT)offset;
@@ -1846,7 +1823,7 @@ __global__ void __launch_bounds__(1024) pn_gated_bwd(
         o.xv = xv;
         return o;
     };
-    auto gw = [&](int j) -> CT { return wr ? wr[j] + off : (CT)1; };
+    auto gw = [&](int j) -> CT { return w ? w[g0 + j] + off : (CT)1; };
 
     // c = sum g*dn*vhat: per chunk a float run (pn_dot_run's, its terms formed
     // one at a time: few registers), exactly in double when that overflows;
@@ -1882,10 +1859,6 @@ __global__ void __launch_bounds__(1024) pn_gated_bwd(
     c = pn_row_reduce<false>(c, tpr, red);
     const CT coef = (CT)pn_bwd_coef(c, rms, k, eps, eps_inside);
 
-    XT* dxr = dx + row * sdx + g0;
-    ZT* dzr = dz + row * sdz + g0;
-    CT* lwr = lw ? lw + row * (long long)d + g0 : nullptr;
-    CT* lbr = lb ? lb + row * (long long)d + g0 : nullptr;
     pn_seg_each<VEC>([&](int j0, int cnt) {
 #pragma unroll 1
         for (int e = 0; e < cnt; ++e) {
@@ -1896,16 +1869,16 @@ __global__ void __launch_bounds__(1024) pn_gated_bwd(
             const CT m = j < k ? coef : (CT)0;
             const CT dv = pn_mul(r, pn_mul(q.dn, g) - pn_mul(vh, m));
             if (nbg) {
-                dxr[j] = pn_out<XT>::from(dv);
+                dx[od + j] = pn_out<XT>::from(dv);
                 CT pre = pn_mul(vh, g);
-                if (br) pre = pre + br[j];
-                dzr[j] = pn_out<ZT>::from(pn_mul(pn_mul(q.dyv, pre), q.ds));
+                if (b) pre = pre + b[g0 + j];
+                dz[od + j] = pn_out<ZT>::from(pn_mul(pn_mul(q.dyv, pre), q.ds));
             } else {
-                dxr[j] = pn_out<XT>::from(pn_mul(dv, q.s));
-                dzr[j] = pn_out<ZT>::from(pn_mul(pn_mul(dv, q.xv), q.ds));
+                dx[od + j] = pn_out<XT>::from(pn_mul(dv, q.s));
+                dz[od + j] = pn_out<ZT>::from(pn_mul(pn_mul(dv, q.xv), q.ds));
             }
-            if (lwr) lwr[j] = pn_mul(q.dn, vh);
-            if (lbr) lbr[j] = q.dn;
+            if (lw) lw[od + j] = pn_mul(q.dn, vh);
+            if (lb) lb[od + j] = q.dn;
         }
     }, active, tr, tpr, gs);
 }
@@ -1982,29 +1955,20 @@ __global__ void __launch_bounds__(1024) pn_quant_fwd(
         const CT xv = pn_conv<CT>::in(xr[j]);
         return has_res ? pn_conv<CT>::in(pn_out<XT>::from(xv + pn_conv<CT>::in(rr[j]))) : xv;
     };
-    auto val = [&](int j, CT (&v)[VEC]) {
-        pn_ld<VEC>(xr + j, vx, v);
-        if (has_res) {
-            CT rv[VEC];
-            pn_ld<VEC>(rr + j, vx, rv);
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) v[e] = pn_conv<CT>::in(pn_out<XT>::from(v[e] + rv[e]));
-            pn_st<VEC>(hr + j, vx, v);
-        }
-    };
-    auto one = [&](int j) -> CT {
-        const CT hv = hval(j);
-        if (has_res) hr[j] = pn_out<XT>::from(hv);
-        return hv;
-    };
-    // h beyond k (not visited by the statistic) is written here
+    // h, written once (chunks as vectors where aligned)
     if (has_res && active) {
         const int body = d / VEC, tail = d - body * VEC;
-        for (int c = tr; c < body; c += tpr)
-            if (c * VEC >= k) { CT v[VEC]; val(c * VEC, v); }
-        if (tr < tail && body * VEC + tr >= k) one(body * VEC + tr);
+        for (int c = tr; c < body; c += tpr) {
+            CT v[VEC], rv[VEC];
+            pn_ld<VEC>(xr + c * VEC, vx, v);
+            pn_ld<VEC>(rr + c * VEC, vx, rv);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) v[e] = v[e] + rv[e];
+            pn_st<VEC>(hr + c * VEC, vx, v);
+        }
+        if (tr < tail) hr[body * VEC + tr] = pn_out<XT>::from(hval(body * VEC + tr));
     }
-    const double r_d = pn_seg_rstd<VEC, CT>(val, one, active, tr, tpr, d, k, eps, eps_inside, red, nullptr);
+    const double r_d = pn_seg_rstd<VEC, CT>(hval, active, tr, tpr, d, k, eps, eps_inside, red, nullptr);
     const CT r = (CT)r_d;
     const bool wide = pn_wide_rstd<CT>(r_d);
     const CT rw = wide ? (CT)(r_d * 5.421010862427522e-20) : r;  // 2^-64
