@@ -94,7 +94,8 @@ def rms_norm_gated(
         ``False`` (Mamba-2's default) gates before the norm.
     eps, axis, partial, offset, eps_mode, casting, out_dtype, out, backend
         As in :func:`polynorm.rms_norm`.  ``backend="auto"`` runs the Numba
-        kernels for host memory and the array-API reference otherwise.
+        kernels for host memory, the CUDA kernels for CUDA arrays and the
+        array-API reference otherwise.
     return_rstd : bool
         Also return ``rstd``: the shape of ``x`` without the normalized axes,
         plus a trailing axis of ``d // group_size`` groups when

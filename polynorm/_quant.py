@@ -168,9 +168,9 @@ def rms_norm_quant(
         of ``d``); ``None`` is one scale per token.  Not with ``scale``.
     eps, axis, partial, offset, eps_mode, casting
         As in :func:`polynorm.rms_norm`.
-    backend : {"auto", "numba", "dask", "array_api"}
-        ``"auto"`` runs the Numba kernel for host memory and the array-API
-        reference otherwise (CUDA arrays included: no CUDA kernel yet).
+    backend : {"auto", "numba", "cupy", "dask", "array_api"}
+        ``"auto"`` runs the Numba kernel for host memory, the CUDA kernel
+        (``pn_quant_fwd``) for CUDA arrays and the array-API reference otherwise.
 
     Returns
     -------

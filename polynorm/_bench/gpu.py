@@ -1,6 +1,9 @@
 """GPU benchmark: the cupy backend against a device copy and its peers.
 
-For fwd, add (fused residual add + norm) and bwd, at tokens x hidden sizes
+For fwd, add (fused residual add + norm), bwd and the fusions -- gated
+(``rms_norm_gated``, Mamba-2's default: ``norm_before_gate=False``, one group)
+and quant (``rms_norm_quant`` with a residual and a static float8_e4m3fn
+scale: vLLM's ``fused_add_rms_norm_static_fp8_quant``) -- at tokens x hidden sizes
 (:data:`TOKENS` x :data:`HIDDEN`) in bfloat16, float16 and float32, each case
 records polynorm's effective bandwidth (bytes the op must move / time) and:
 
@@ -11,7 +14,9 @@ records polynorm's effective bandwidth (bytes the op must move / time) and:
   recorded once and replayed, no host work between): what the kernels reach
   where the end-to-end call is bound by the host (small shapes);
 * ``torch``, ``torch.compile``, ``liger``, ``quack``: peer time / polynorm time
-  (> 1: polynorm faster), for the peers importable here.
+  (> 1: polynorm faster), for the peers importable here; for gated, Mamba's
+  ``rmsnorm_fn`` (``mamba``) and for quant vLLM's kernel (``vllm``), or the
+  reason they were skipped in the record's ``extra``.
 
 Arrays are torch CUDA tensors when torch has CUDA (needed for bfloat16 and
 the peers), cupy arrays otherwise.  Times are CUDA-event medians.  Cases
@@ -35,7 +40,7 @@ TOKENS = (4096, 32768, 128, 1)  # the targets are at >= 4096 tokens: measured fi
 HIDDEN = (1024, 4096, 8192, 16384, 65536, 262144)
 #: (tokens, d) measured besides TOKENS x HIDDEN
 EXTRA_SHAPES = ((1 << 21, 128), (8, 262144), (4096, 65536))
-OPS = ("fwd", "add", "bwd")
+OPS = ("fwd", "add", "bwd", "gated", "quant")
 DTYPES = ("bfloat16", "float16", "float32")
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 EPS = 1e-6
@@ -53,7 +58,7 @@ def cases(quick: bool = False, dtypes: list[str] | None = None) -> list[tuple[st
     """(op, dtype, tokens, d) in the order they are measured.
 
     >>> len(cases()), cases(quick=True)[0]
-    (234, ('fwd', 'bfloat16', 4096, 4096))
+    (390, ('fwd', 'bfloat16', 4096, 4096))
     """
     tokens = (4096,) if quick else TOKENS
     hidden = (4096, 65536) if quick else HIDDEN
@@ -66,14 +71,16 @@ def cases(quick: bool = False, dtypes: list[str] | None = None) -> list[tuple[st
 
 
 def op_bytes(op: str, dtype: str, n: int, d: int) -> int:
-    """Bytes the op must move: each token-sized array once, plus weight.
+    """Bytes the op must move: each token-sized array once, plus weight (quant: x,
+    residual and h at the dtype's size, q at one byte per element).
 
-    >>> op_bytes("fwd", "bfloat16", 2, 8)
-    80
+    >>> op_bytes("fwd", "bfloat16", 2, 8), op_bytes("quant", "bfloat16", 2, 8)
+    (80, 128)
     """
     a = n * d * ITEMSIZE[dtype]
     w = d * ITEMSIZE[dtype]
-    return {"fwd": 2 * a + w, "add": 4 * a + w, "bwd": 3 * a + 2 * w}[op]
+    return {"fwd": 2 * a + w, "add": 4 * a + w, "bwd": 3 * a + 2 * w, "gated": 3 * a + w,
+            "quant": 3 * a + n * d + w}[op]
 
 
 # ------------------------------------------------------------------ array library glue
@@ -161,7 +168,46 @@ def _polynorm(lib: _Lib, op: str, x, r, w, dy, rstd):
         return lambda: pn.rms_norm(x, w, eps=EPS)
     if op == "add":
         return lambda: pn.add_rms_norm(x, r, w, eps=EPS)
+    if op == "gated":  # r is the gate z
+        return lambda: pn.rms_norm_gated(x, r, w, eps=EPS)
+    if op == "quant":
+        return lambda: pn.rms_norm_quant(x, w, residual=r, scale=QUANT_SCALE, eps=EPS)
     return lambda: pn.rms_norm_backward(dy, x, w, rstd=rstd, eps=EPS)
+
+
+#: the static scale of the quant case
+QUANT_SCALE = 0.05
+
+
+def _fusion_peers(torch, op: str, x, r, w, skipped: dict) -> dict[str, Callable]:
+    """torch eager compositions and the fused kernels of Mamba (gated) / vLLM (quant);
+    a peer that does not import or set up is left out with its reason in ``skipped``."""
+    F = torch.nn.functional
+    d = x.shape[-1]
+    out: dict[str, Callable] = {}
+    if op == "gated":
+        out["torch"] = lambda: F.rms_norm(x * F.silu(r), (d,), w, EPS)
+        try:
+            from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+
+            out["mamba"] = lambda: rmsnorm_fn(x, w, None, z=r, eps=EPS, group_size=None,
+                                              norm_before_gate=False)
+        except Exception as exc:
+            skipped["mamba"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        return out
+    f8 = torch.float8_e4m3fn
+    out["torch"] = lambda: (F.rms_norm(x + r, (d,), w, EPS).float() / QUANT_SCALE).clamp(-448, 448).to(f8)
+    try:
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+        kern = torch.ops._C.fused_add_rms_norm_static_fp8_quant
+        q = torch.empty(x.shape, dtype=f8, device=x.device)
+        res = r.clone()  # updated in place (h): the bytes of our h
+        scale = torch.tensor([QUANT_SCALE], dtype=torch.float32, device=x.device)
+        out["vllm"] = lambda: kern(q, x, res, w, scale, EPS)
+    except Exception as exc:
+        skipped["vllm"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    return out
 
 
 def _peers(lib: _Lib, op: str, dtype: str, x, r, w, dy, compiled: dict) -> dict[str, Callable]:
@@ -169,6 +215,8 @@ def _peers(lib: _Lib, op: str, dtype: str, x, r, w, dy, compiled: dict) -> dict[
     torch = lib.torch
     if torch is None:
         return {}
+    if op in ("gated", "quant"):
+        return _fusion_peers(torch, op, x, r, w, compiled.setdefault(("skipped", op), {}))
     F = torch.nn.functional
     d = x.shape[-1]
     out: dict[str, Callable] = {}
@@ -260,7 +308,7 @@ def run(
         try:
             x = lib.randn((n, d), dt)
             w = lib.randn((d,), dt)
-            r = lib.randn((n, d), dt) if op == "add" else None
+            r = lib.randn((n, d), dt) if op in ("add", "gated", "quant") else None
             dy = lib.randn((n, d), dt) if op == "bwd" else None
             rstd = pn.rms_norm(x, w, eps=EPS, return_rstd=True)[1] if op == "bwd" else None
             call = _polynorm(lib, op, x, r, w, dy, rstd)
@@ -280,6 +328,8 @@ def run(
                         rec.ratios[name] = lib.time(fn) / t
                     except Exception as exc:  # OOM, unsupported shape, ...
                         rec.extra[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+                for name, why in compiled.get(("skipped", op), {}).items():
+                    rec.extra[f"{name}_skipped"] = why
             records.append(rec)
         except Exception as exc:
             skipped.append(f"{label}: {type(exc).__name__}: {str(exc)[:200]}")
@@ -317,6 +367,10 @@ def _launch_info(op: str, dtype: str, n: int, d: int) -> dict:
         sms, smem = cupy_backend._device()
         if op == "bwd":
             la = cl.backward_launch(n, d, dtype, dtype, dtype, num_sms=sms, max_smem=smem)
+        elif op == "gated":
+            la = cl.gated_forward_launch(n, d, d, dtype)
+        elif op == "quant":
+            la = cl.quant_launch(n, d, dtype)
         else:
             la = cl.forward_launch(n, d, dtype, dtype if op == "add" else None, dtype, dtype, max_smem=smem)
         paths = sorted({v for (_, name), v in cupy_backend.compile_paths.items() if name == la.name})
@@ -356,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.dry_run:
         peers = {}
-        for mod in ("torch", "liger_kernel", "quack", "cupy"):
+        for mod in ("torch", "liger_kernel", "quack", "cupy", "mamba_ssm", "vllm"):
             try:
                 __import__(mod)
                 peers[mod] = "importable"

@@ -172,6 +172,9 @@ def specialisations() -> list[str]:
                 names += [bwd_name(*t, items, hw, hg) for items in BWD_ITEMS]
         names.append(bwd_name(*t, None))
     names += [colsum_name(*t) for t in COLSUM_TYPES]
+    names += [gated_fwd_name(*t) for t in GATED_FWD_TYPES]
+    names += [gated_bwd_name(*t) for t in GATED_BWD_TYPES]
+    names += [quant_name(t, fp8) for t in FLOAT_DTYPES for fp8 in (True, False)]
     return names
 
 
@@ -445,3 +448,92 @@ def include_dirs() -> list[str]:
         if (inc / "cuda_fp16.h").exists() and (inc / "cuda_bf16.h").exists():
             return [str(inc)]
     return []
+
+
+# ------------------------------------------------------------------ fusions (gated, quant)
+# One kernel per dtype combination for every d: a "segment" (a group of the
+# gated norm, a row of the quantized one) is handled by `tpr` threads that
+# loop over its chunks; tpr depends only on the segment's length and x's
+# dtype (pn_fwd's choice for a row of that length, or FUSE_THREADS beyond),
+# never on n, so a token's bits do not depend on the other tokens.
+
+#: (x, z, out) dtypes of pn_gated_fwd: z and out in x's dtype or the compute dtype
+GATED_FWD_TYPES: tuple[tuple[str, str, str], ...] = tuple(
+    (t, zt, o) for t in FLOAT_DTYPES for zt in _options(t) for o in _options(t))
+#: (x, z, dy) dtypes of pn_gated_bwd
+GATED_BWD_TYPES: tuple[tuple[str, str, str], ...] = tuple(
+    (t, zt, g) for t in FLOAT_DTYPES for zt in _options(t) for g in _options(t))
+#: __launch_bounds__ of the fusion kernels, and the most threads of one segment
+FUSE_THREADS = 1024
+
+
+def gated_fwd_name(x: str, z: str, out: str) -> str:
+    return f"pn_gated_fwd<{_ct(x, z, out)}>"
+
+
+def gated_bwd_name(x: str, z: str, dy: str) -> str:
+    return f"pn_gated_bwd<{_ct(x, z, dy)}>"
+
+
+def quant_name(x: str, fp8: bool) -> str:
+    return f"pn_quant_fwd<{_ct(x)}, {'true' if fp8 else 'false'}>"
+
+
+def kernel_dtype(x: str, other: str | None) -> str:
+    """The dtype a fusion kernel takes an operand in: ``x``'s when it has it, else
+    the compute dtype (an exact cast either way: it holds every value of ``other``).
+
+    >>> kernel_dtype("bfloat16", "float16"), kernel_dtype("bfloat16", "bfloat16")
+    ('float32', 'bfloat16')
+    """
+    return x if other in (None, x) else compute_dtype(x)
+
+
+def segment_tpr(length: int, x: str) -> int:
+    """Threads of one segment of ``length`` columns: pn_fwd's tpr for a row of that
+    length where pn_fwd holds it (the same float runs and tree: the same sums),
+    else :data:`FUSE_THREADS`.
+
+    >>> segment_tpr(4096, "bfloat16"), segment_tpr(64, "float32"), segment_tpr(1 << 20, "float32")
+    (256, 16, 1024)
+    """
+    shape = _reg_shape(length, VEC[x], FWD_ITEMS_BY_X[x])
+    return FUSE_THREADS if shape is None else shape[1]
+
+
+def _segment_launch(name: str, segments: int, length: int, x: str) -> Launch:
+    tpr = segment_tpr(length, x)
+    block = _row_block(segments, tpr)
+    return Launch(name, grid=max(1, math.ceil(segments / (block // tpr))), block=block, shared=0,
+                  tpr=tpr, big=False)
+
+
+@lru_cache(maxsize=4096)
+def gated_forward_launch(n: int, d: int, group_size: int, x: str, z: str | None = None,
+                         out: str | None = None) -> Launch:
+    """Launch of pn_gated_fwd: one segment per (row, group), kernel dtypes given.
+
+    >>> gl = gated_forward_launch(8, 4096, 1024, "bfloat16")
+    >>> gl.name, gl.tpr, gl.block, gl.grid
+    ('pn_gated_fwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>', 128, 256, 16)
+    """
+    return _segment_launch(gated_fwd_name(x, z or x, out or x), n * (d // group_size),
+                           group_size, x)
+
+
+@lru_cache(maxsize=4096)
+def gated_backward_launch(n: int, d: int, group_size: int, x: str, z: str | None = None,
+                          dy: str | None = None) -> Launch:
+    """Launch of pn_gated_bwd (the segments of :func:`gated_forward_launch`)."""
+    return _segment_launch(gated_bwd_name(x, z or x, dy or x), n * (d // group_size),
+                           group_size, x)
+
+
+@lru_cache(maxsize=4096)
+def quant_launch(n: int, d: int, x: str, fp8: bool = True) -> Launch:
+    """Launch of pn_quant_fwd: one segment per row.
+
+    >>> quant_launch(3, 4096, "float32").tpr == forward_launch(3, 4096, "float32").tpr
+    True
+    """
+    return _segment_launch(quant_name(x, fp8), n, d, x)

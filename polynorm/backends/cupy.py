@@ -27,12 +27,13 @@ import numpy as np
 
 from .. import _interop
 from .._dtypes import dtype_name, namespace_dtype
-from .._options import Plan, compute_dtype
+from .._options import Plan, compute_dtype, promote
 from . import _cuda_launch as cl
 
 name = "cupy"
 
-_NP_STORAGE = {"float16": np.float16, "bfloat16": np.int16, "float32": np.float32, "float64": np.float64}
+_NP_STORAGE = {"float16": np.float16, "bfloat16": np.int16, "float32": np.float32, "float64": np.float64,
+               "uint8": np.uint8}
 
 
 def available() -> tuple[bool, str]:
@@ -332,3 +333,185 @@ def _colsum(part, d: int, ct: str, want: str, like: Any):
     launch = cl.colsum_launch(d, ct, kout)
     _launch(launch, (_ptr(part), np.int64(part.shape[0]), np.int64(part.shape[1]), np.int32(d), _ptr(out)))
     return _cast(_interop.from_cupy(out, like, kout), want)
+
+
+# ------------------------------------------------------------------ fusions (gated, quantized output)
+
+
+def _rows_for(a: Any, dtype: str) -> Any:
+    """``a`` cast exactly to the kernel's ``dtype`` (see ``_cuda_launch.kernel_dtype``), as a view."""
+    return _view(_cast(a, dtype))
+
+
+def _tree_sum(leaves: Any, cdt: str) -> Any:
+    """Sum of ``leaves`` (rows, d) over rows in the row tree's order
+    (:mod:`._rowtree`): adjacent pairs level by level, a lone last row carried
+    up, in the compute dtype below ``TREE_G`` and in float64 from it up -- the
+    adds of ``_numba_gated.tree_sum``, one elementwise kernel per level."""
+    from ._rowtree import TREE_G
+
+    cur = leaves
+    level = 1
+    while cur.shape[0] > 1:
+        m = cur.shape[0]
+        if level == TREE_G and cdt != "float64":
+            cur = cur.astype(np.float64)
+        pairs = cur[0:m - 1:2] + cur[1:m:2]
+        if m % 2:
+            nxt = _empty((m // 2 + 1, cur.shape[1]), "float64" if cur.dtype == np.float64 else cdt)
+            nxt[: m // 2] = pairs
+            nxt[m // 2] = cur[m - 1]
+            cur = nxt
+        else:
+            cur = pairs
+        level += 1
+    return cur[0].astype(np.float64)
+
+
+def gated_forward(x, z, weight, bias, gplan, out=None):
+    """Gated forward on 2-D rows (see :func:`.reference.gated_forward`): pn_gated_fwd.
+
+    ``casting="llama"`` runs the reference on the device (its roundings are not
+    in the kernel).  z and the output move in x's dtype or the compute dtype
+    (exact casts otherwise); weight and bias in the compute dtype.
+    """
+    plan = gplan.plan
+    if plan.llama:
+        from . import reference
+
+        return reference.gated_forward(x, z, weight, bias, gplan, out)
+    xd = _name(x)
+    ct = plan.compute_dtype
+    kz = cl.kernel_dtype(xd, _name(z))
+    ko = cl.kernel_dtype(xd, plan.out_dtype)
+    with _on_callers_stream(x):
+        xc, zc = _view(x), _rows_for(z, kz)
+        wc, bc = _rows_for(weight, ct), _rows_for(bias, ct)
+        n, d = xc.shape
+        yc = _empty((n, d), ko)
+        rstd = _empty((n, gplan.groups), ct)
+        launch = cl.gated_forward_launch(n, d, gplan.group_size, xd, kz, ko)
+        args = (
+            _ptr(xc), _rs(xc), _ptr(zc), _rs(zc), _ptr(wc), _ptr(bc), _ptr(yc), _rs(yc), _ptr(rstd),
+            np.int64(n), np.int32(d), np.int32(gplan.group_size), np.int32(gplan.k),
+            np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
+            np.float64(plan.offset), np.int32(gplan.norm_before_gate),
+        )
+        _launch(launch, args)
+        y = _cast(_interop.from_cupy(yc, x, ko), plan.out_dtype)
+        return y, _interop.from_cupy(rstd, x)
+
+
+def gated_backward(dy, x, z, weight, bias, rstd, gplan):
+    """Gated backward on 2-D rows: pn_gated_bwd writes dx, dz and per-row dweight /
+    dbias leaves, summed over rows in the row tree's order (:func:`_tree_sum`)."""
+    plan = gplan.plan
+    xd, zd = _name(x), _name(z)
+    ct = plan.compute_dtype
+    kz = cl.kernel_dtype(xd, zd)
+    kdy = cl.kernel_dtype(xd, _name(dy))
+    with _on_callers_stream(x):
+        import cupy
+
+        # the kernel takes C-contiguous rows (one offset for all its arrays: fewer registers)
+        xc, zc, dyc, rc = (None if a is None else cupy.ascontiguousarray(_view(a))
+                           for a in (x, _cast(z, kz), _cast(dy, kdy),
+                                     None if rstd is None else _cast(rstd, ct)))
+        wc, bc = _rows_for(weight, ct), _rows_for(bias, ct)
+        n, d = xc.shape
+        dxc = _empty((n, d), xd)
+        dzc = _empty((n, d), kz)
+        lw = _empty((n, d), ct) if weight is not None else None
+        lb = _empty((n, d), ct) if bias is not None else None
+        launch = cl.gated_backward_launch(n, d, gplan.group_size, xd, kz, kdy)
+        args = (
+            _ptr(dyc), _ptr(xc), _ptr(zc), _ptr(wc), _ptr(bc), _ptr(rc),
+            _ptr(dxc), _ptr(dzc), _ptr(lw), _ptr(lb),
+            np.int64(n), np.int32(d), np.int32(gplan.group_size), np.int32(gplan.k),
+            np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
+            np.float64(plan.offset), np.int32(gplan.norm_before_gate),
+        )
+        _launch(launch, args)
+        dx = _interop.from_cupy(dxc, x, xd)
+        dz = _cast(_interop.from_cupy(dzc, x, kz), zd)
+        dw = db = None
+        if weight is not None:
+            dw = _cast(_interop.from_cupy(_tree_sum(lw, ct), x), _name(weight))
+        if bias is not None:
+            db = _cast(_interop.from_cupy(_tree_sum(lb, ct), x), _name(bias))
+        return dx, dz, dw, db
+
+
+def _wrap_q(q: Any, like: Any, qdtype: str) -> Any:
+    """``q`` (uint8 bits, cupy) as the caller's array of the quantized format."""
+    mod = type(like).__module__.split(".")[0]
+    if qdtype == "int8":
+        q = q.view(np.int8)
+        return q if mod == "cupy" else _interop.from_cupy(q, like)
+    if mod == "torch":
+        import torch
+
+        return torch.from_dlpack(q).view(torch.float8_e4m3fn)
+    if mod in ("jax", "jaxlib"):
+        import jax
+        import jax.numpy as jnp
+
+        return jax.lax.bitcast_convert_type(jnp.from_dlpack(q), jnp.float8_e4m3fn)
+    raise TypeError(f"dtype={qdtype!r}: {mod} arrays have no {qdtype} dtype")
+
+
+def quant_forward(x, residual, weight, bias, qplan, scale=None):
+    """Quantized forward on 2-D rows (see :func:`.reference.quant_forward`): pn_quant_fwd.
+
+    x and residual move in their promoted dtype when they differ (exact);
+    weight and bias in the compute dtype.  ``casting="llama"`` runs
+    :func:`forward` into float32 rows and quantizes them with the reference's
+    array code on the device.
+    """
+    plan = qplan.plan
+    if plan.llama:
+        from . import reference
+
+        y, h, _ = forward(x, residual, weight, bias, plan)
+        from array_api_compat import array_namespace
+
+        q, scales = reference.quantize(array_namespace(y), y, qplan, scale)
+        return q, scales, h
+    xd = _name(x)
+    hd = xd if residual is None else promote(xd, _name(residual))
+    ct = plan.compute_dtype
+    with _on_callers_stream(x):
+        xc, rc = _rows_for(x, hd), _rows_for(residual, hd)
+        wc, bc = _rows_for(weight, ct), _rows_for(bias, ct)
+        n, d = xc.shape
+        hc = _empty((n, d), hd) if rc is not None else None
+        q = _empty((n, d), "uint8")
+        if qplan.static:
+            sdev = _empty((1,), "float32")
+            if scale is None:
+                sdev[0] = np.float32(qplan.scale)
+            else:
+                sdev[...] = _view(_cast(_interop_reshape(scale), "float32"))
+            sc = None
+        else:
+            sdev = None
+            sc = _empty((n, qplan.groups), "float32")
+        launch = cl.quant_launch(n, d, hd, qplan.qdtype == "float8_e4m3fn")
+        args = (
+            _ptr(xc), _rs(xc), _ptr(rc), _rs(rc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
+            _ptr(q), _rs(q), _ptr(sc), _ptr(sdev),
+            np.int64(n), np.int32(d), np.int32(plan.k), np.int32(qplan.group_size),
+            np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
+            np.float64(plan.offset),
+        )
+        _launch(launch, args)
+        scales = _interop.from_cupy(sdev.reshape(()) if qplan.static else sc, x)
+        return (_wrap_q(q, x, qplan.qdtype), scales,
+                _interop.from_cupy(hc, x, hd) if hc is not None else None)
+
+
+def _interop_reshape(scale: Any) -> Any:
+    """A one-element scale array of any CUDA library as a (1,) array of its library."""
+    from array_api_compat import array_namespace
+
+    return array_namespace(scale).reshape(scale, (1,))
