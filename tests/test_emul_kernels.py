@@ -16,6 +16,7 @@ Needs g++; without it these tests fail (EmulatorUnavailable), they do not skip.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import zlib
@@ -103,7 +104,7 @@ def _rs(a) -> np.int64:
 
 
 def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=cl.DEFAULT_SMEM, out=None,
-                 small=True):
+                 small=True, split=True, num_sms=cl.DEFAULT_SMS):
     """``polynorm.backends.cupy.forward`` with numpy buffers for device memory.
 
     Returns ``(y, h, rstd, launch)``, or ``None`` where the backend has no
@@ -123,16 +124,19 @@ def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=c
     hc = _garbage((n, d), types.h) if rk is not None else None
     rstd = _garbage((n,), ct)
     launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out,
-                               max_smem=max_smem, force_big=force_big, small=small)
-    args = (
-        xk, _rs(xk), rk, _rs(rk), hc, _rs(hc), wk, bk,
-        yc, _rs(yc), rstd,
-        np.int64(n), np.int32(d), np.int32(plan.k),
-        np.int32(launch.stash if launch.big else launch.tpr),
-        np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
-        np.int32(plan.llama),
-    )  # fmt: skip
-    _launch(launch, args, types.x)
+                               max_smem=max_smem, force_big=force_big, small=small, split=split,
+                               num_sms=num_sms)  # fmt: skip
+    head = (xk, _rs(xk), rk, _rs(rk), hc, _rs(hc), wk, bk, yc, _rs(yc), rstd)
+    tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset), np.int32(plan.llama))
+    if launch.slices:  # pn_fwd_split: phase 1 and 2 around the per-slice sums
+        part = _garbage((n * launch.slices,), "float64")
+        args = (*head, part, np.int64(n), np.int32(d), np.int32(plan.k), np.int32(launch.slices), *tail)
+        _launch(launch, args, types.x)
+        _launch(dataclasses.replace(launch, name=launch.name2), args, types.x)
+    else:
+        args = (*head, np.int64(n), np.int32(d), np.int32(plan.k),
+                np.int32(launch.stash if launch.big else launch.tpr), *tail)  # fmt: skip
+        _launch(launch, args, types.x)
     y = yc if types.out == plan.out_dtype else yc.astype(NP[plan.out_dtype])
     return y, hc, rstd, launch
 
@@ -351,8 +355,10 @@ def test_emul_largest_hidden_size(dtype):
     d = 262144
     x = _data(rng, 1, d, dtype)
     w = _data(rng, 1, d, dtype)[0]
-    launch = _check_forward(x, None, w, None, _plan(d, dtype))
+    launch = _check_forward(x, None, w, None, _plan(d, dtype), split=False)
     assert launch.big and 0 < launch.shared <= cl.DEFAULT_SMEM
+    launch = _check_forward(x, None, w, None, _plan(d, dtype))
+    assert launch.slices == cl.slice_count(d, dtype) > 1 and launch.grid == launch.slices
     dy, x, w, b, rstd, g, plan = _bwd_case(rng, 2, d, dtype, dict(bias=True))
     launch = _check_backward(dy, x, w, b, rstd, g, plan)
     assert launch.big and 0 < launch.shared <= cl.DEFAULT_SMEM
@@ -737,3 +743,90 @@ def test_emul_small_rows_follow_pn_fwds_tree():
         _, _, rstd, _ = emul_forward(x, None, None, None, plan)
         differ = (rstd != _rstd_sequential_f64(x, 1e-6)).mean()
         assert differ > 0.2, f"d={d}: only {differ:.2f} of the rows tell the summation orders apart"
+
+
+# ----------------------------------------------------------------------------- pn_fwd_split
+
+
+def _split_d(dtype: str) -> int:
+    """An odd d of three slices (the last one partial) with a tail: two full slices of
+    pn_fwd_big's 1024-thread passes, 37 chunks more, then tail elements."""
+    vec = cl.VEC[dtype]
+    return 2 * cl.SLICE_MIN_PASSES * cl.BIG_THREADS * vec + 37 * vec + vec - 1
+
+
+def test_split_launch_rule():
+    """pn_fwd_split takes float-compute rows of two or more slices when there are fewer
+    rows than SMs; its slices are a function of d alone and cover the row."""
+    for dtype in DTYPES:
+        vec = cl.VEC[dtype]
+        for d in (4101, _split_d(dtype), 65536, 262144, 1 << 22):
+            body, span, s = d // vec, cl.slice_span(d, dtype), cl.slice_count(d, dtype)
+            assert span % cl.big_block(d, dtype) == 0 and s <= cl.SLICE_MAX
+            assert (s - 1) * span < body <= s * span or (s == 1 and body <= span)
+            for n in (1, 7, 131, 132, 4096):
+                la = cl.forward_launch(n, d, dtype, num_sms=132)
+                want = dtype != "float64" and n < 132 and s >= 2
+                assert bool(la.slices) == want == cl.takes_split(n, d, dtype, dtype, 132), (dtype, d, n)
+                if want:
+                    assert la.slices == s and la.grid == n * s and la.block == cl.big_block(d, dtype)
+                    assert la.name.endswith(", 1>") and la.name2.endswith(", 2>")
+                    assert la.name in cl.specialisations() and la.name2 in cl.specialisations()
+                else:
+                    assert la.name2 == "" and (la.big or d <= 4101)
+    # mixed pairs: a float32 h from 16-bit x takes it; a float64 residual does not
+    assert cl.forward_launch(2, 65536, "bfloat16", "float32", "float32", "float32").slices == 4
+    assert not cl.takes_split(2, 65536, "float32", "float64")
+
+
+SPLIT_OPTS = ("plain", "residual_bias", "partial_outside", "llama_offset", "residual_f32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("opt", SPLIT_OPTS)
+def test_emul_split_same_bits_as_big(dtype, opt):
+    """A few rows at large d go to pn_fwd_split; y, h and rstd bits equal pn_fwd_big's for
+    the same rows (so a token's bits do not depend on how many rows share the call),
+    for aligned and misaligned rows, and y is close to the reference."""
+    rng = np.random.default_rng(_seed("split", dtype, opt))
+    d = _split_d(dtype)
+    x, res, w, b, plan = _small_case(rng, 3, d, dtype, opt)
+    if cl.forward_types(_name(x), _name(res), _name(w), plan.out_dtype, plan.llama) is None:
+        pytest.skip("no kernel: the cupy backend runs the reference for this combination")
+    wide = np.concatenate([x, x[:, :3]], axis=1)[:, 1 : d + 1]  # rows not 16-byte aligned
+    for xs in (x, wide):
+        got = emul_forward(xs, res, w, b, plan)
+        big = emul_forward(xs, res, w, b, plan, split=False)
+        assert got[3].slices == 3 and got[3].grid == 9 and big[3].big, (got[3], big[3])
+        for a, r, what in zip(got[:3], big[:3], ("y", "h", "rstd"), strict=True):
+            if a is not None:
+                np.testing.assert_array_equal(_bits(a), _bits(r), err_msg=f"{what} of {got[3].name} {opt}")
+        ry, _, rr = reference.forward(xs, res, w, b, plan)
+        assert_close(got[0], ry, looser(plan.norm_dtype, plan.out_dtype), f"y of {got[3].name} {opt}")
+        assert_close(got[2], rr, Tol(2e-6, 0.0), f"rstd of {got[3].name} {opt}")
+    # the same token alone (split) and among more rows than SMs (pn_fwd_big): the same bits
+    one = emul_forward(x[1:2], None if res is None else res[1:2], w, b, plan)
+    many = emul_forward(x, res, w, b, plan, num_sms=2)
+    assert one[3].slices and many[3].big
+    np.testing.assert_array_equal(_bits(one[0][0]), _bits(many[0][1]))
+    np.testing.assert_array_equal(_bits(one[2]), _bits(many[2][1:2]))
+
+
+def test_emul_split_extreme_values():
+    """NaN/Inf and zero rows stay in their row, float runs' exact fallback (squares that
+    overflow float32 or are tiny), eps 0: pn_fwd_big's bits."""
+    rng = np.random.default_rng(21)
+    for dtype, scale in (("float32", 1e25), ("float32", 1e-30), ("bfloat16", 1e30), ("float16", 1e4)):
+        d = _split_d(dtype)
+        x = _data(rng, 4, d, dtype, scale)
+        x[1] = 0
+        x[2, d - 3] = np.inf
+        x[3, ::3] *= 1e-3
+        plan = _plan(d, dtype, eps=0.0)
+        got = emul_forward(x, None, None, None, plan)
+        big = emul_forward(x, None, None, None, plan, split=False)
+        assert got[3].slices and big[3].big
+        for a, r in zip(got[:3:2], big[:3:2], strict=True):
+            np.testing.assert_array_equal(_bits(a), _bits(r), err_msg=f"{dtype} scale={scale}")
+        y = got[0].astype(np.float64)
+        assert np.isnan(y[1]).all() and np.isnan(y[2]).all() and np.isfinite(y[[0, 3]]).all()

@@ -67,6 +67,10 @@ DEFAULT_SMEM = 227 * 1024  # opt-in shared memory per block, sm_90
 #: static shared memory of the *_big kernels (red[32] doubles) plus slack: the
 #: opt-in limit covers static + dynamic
 STATIC_SMEM = 1024
+#: the row slices of the *_big kernels (common.cu.j2 pn_slice_span): at least
+#: this many passes of the block over the row per slice, at most this many slices
+SLICE_MIN_PASSES = 2
+SLICE_MAX = 32
 
 
 def _options(h: str) -> tuple[str, ...]:
@@ -100,6 +104,10 @@ def fwd_name(x: str, res: str, w: str, out: str, items: int | None) -> str:
     if items is None:
         return f"pn_fwd_big<{_ct(x, res, w, out)}>"
     return f"pn_fwd<{_ct(x, res, w, out)}, {items}>"
+
+
+def fwd_split_name(x: str, res: str, w: str, out: str, phase: int) -> str:
+    return f"pn_fwd_split<{_ct(x, res, w, out)}, {phase}>"
 
 
 def fwd_small_name(x: str, res: str, w: str, out: str, items: int, wide: bool) -> str:
@@ -160,6 +168,8 @@ def specialisations() -> list[str]:
     for t in FWD_TYPES:
         names += [fwd_name(*t, items) for items in (*FWD_ITEMS_BY_X[t[0]], None)]
         names += [fwd_small_name(*t, items, wide) for items, wide in small_shapes(t[0])]
+        if compute_dtype(promote(t[0], t[1])) == "float32":
+            names += [fwd_split_name(*t, phase) for phase in (1, 2)]
     for t in BWD_TYPES:
         names += [bwd_name(*t, items) for items in (*BWD_ITEMS, None)]
     names += [colsum_name(*t) for t in COLSUM_TYPES]
@@ -255,6 +265,10 @@ class Launch:
     stash: int = 0
     partial_rows: int = 0
     ldp: int = 0
+    #: split-row launch (pn_fwd_split): ``name`` is phase 1, ``name2`` phase 2, both on
+    #: ``grid = n * slices`` blocks, with an ``n * slices`` float64 partial buffer
+    slices: int = 0
+    name2: str = ""
 
 
 def _pow2ceil(v: int) -> int:
@@ -270,6 +284,51 @@ def _reg_shape(d: int, vec: int, items_choices: tuple[int, ...], min_tpr: int = 
         if tpr <= limit:
             return items, tpr
     return None
+
+
+def big_block(d: int, x: str) -> int:
+    """The block (threads per row) of pn_fwd_big / pn_bwd_big for rows of ``d``."""
+    chunks = d // VEC[x]
+    return BIG_THREADS if chunks >= BIG_THREADS else max(32, _pow2ceil(chunks))
+
+
+def slice_span(d: int, x: str) -> int:
+    """Chunks per row slice of the *_big kernels' statistic (mirror of ``pn_slice_span``).
+
+    >>> slice_span(262144, "bfloat16"), slice_span(8192, "bfloat16")
+    (2048, 2048)
+    >>> slice_span(1 << 24, "bfloat16") // big_block(1 << 24, "bfloat16")  # 2048 passes, 32 slices
+    64
+    """
+    tpr = big_block(d, x)
+    passes = -(-(d // VEC[x]) // tpr)
+    return max(SLICE_MIN_PASSES, -(-passes // SLICE_MAX)) * tpr
+
+
+def slice_count(d: int, x: str) -> int:
+    """Slices of a row of ``d`` (1 when one slice holds the whole row).
+
+    >>> slice_count(262144, "bfloat16"), slice_count(65536, "bfloat16"), slice_count(16389, "bfloat16")
+    (16, 4, 1)
+    """
+    body, span = d // VEC[x], slice_span(d, x)
+    return -(-body // span) if body > span else 1
+
+
+def takes_split(n: int, d: int, x: str, h: str, num_sms: int = DEFAULT_SMS) -> bool:
+    """Whether a big forward row goes to pn_fwd_split instead of pn_fwd_big.
+
+    pn_fwd_big runs one 1024-thread block per row and one such block per SM
+    (64 registers), so fewer rows than SMs leave SMs idle; the split launch
+    gives each (row, slice) a block.  Float compute only, and only rows of at
+    least two slices.
+
+    >>> takes_split(8, 262144, "bfloat16", "bfloat16"), takes_split(4096, 65536, "bfloat16", "bfloat16")
+    (True, False)
+    >>> takes_split(8, 262144, "float64", "float64"), takes_split(8, 16389, "bfloat16", "bfloat16")
+    (False, False)
+    """
+    return compute_dtype(h) == "float32" and n < num_sms and slice_count(d, x) >= 2
 
 
 def _row_block(n: int, tpr: int) -> int:
@@ -292,20 +351,27 @@ def forward_launch(
     max_smem: int = DEFAULT_SMEM,
     force_big: bool = False,
     small: bool = True,
+    num_sms: int = DEFAULT_SMS,
+    split: bool = True,
 ) -> Launch:
     """Launch of pn_fwd_small / pn_fwd / pn_fwd_big for ``n`` rows of ``d`` (kernel dtypes given).
 
     ``res``/``weight``/``out`` default to ``x`` (as the kernels need a type
     even when the array is absent).  Rows of ``d <= SMALL_D`` go to
     pn_fwd_small (the same bits as pn_fwd, which ``small=False`` requests).
+    Big rows go to pn_fwd_split where :func:`takes_split` says so (the same
+    bits as pn_fwd_big, which ``split=False`` requests).
 
     >>> forward_launch(8, 3, "float32").block, forward_launch(8, 3, "float32", small=False).tpr
     (32, 4)
     >>> fl = forward_launch(1 << 21, 128, "bfloat16")
     >>> fl.name.split("<")[0], fl.block, fl.tpr, fl.grid
     ('pn_fwd_small', 256, 8, 65536)
-    >>> forward_launch(2, 262144, "bfloat16").big
+    >>> forward_launch(2, 262144, "bfloat16", split=False).big
     True
+    >>> fl = forward_launch(2, 262144, "bfloat16")
+    >>> fl.name, fl.grid, fl.block, fl.slices
+    ('pn_fwd_split<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1>', 32, 1024, 16)
     """
     res = res or x
     weight = weight or promote(x, res)
@@ -327,10 +393,14 @@ def forward_launch(
         return Launch(fwd_name(x, res, weight, out, items), grid=math.ceil(n / rows),
                       block=block, shared=0, tpr=tpr, big=False)
     h = promote(x, res)
+    block = big_block(d, x)
+    if split and takes_split(n, d, x, h, num_sms):
+        s = slice_count(d, x)
+        return Launch(fwd_split_name(x, res, weight, out, 1), grid=n * s, block=block, shared=0,
+                      tpr=block, big=False, slices=s, name2=fwd_split_name(x, res, weight, out, 2))
     chunks = d // vec
     per_chunk = vec * ITEMSIZE[h]
     stash = max(0, min(chunks, (max_smem - STATIC_SMEM) // per_chunk))
-    block = BIG_THREADS if chunks >= BIG_THREADS else max(32, _pow2ceil(chunks))
     return Launch(fwd_name(x, res, weight, out, None), grid=n, block=block,
                   shared=stash * per_chunk, tpr=block, big=True, stash=stash)
 

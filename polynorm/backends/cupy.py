@@ -20,6 +20,7 @@ runs the array-API reference on the same device instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Any
 
@@ -268,16 +269,25 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
         hc = _empty((n, d), types.h) if rc is not None else None
         rstd = _empty((n,), ct)
         num_sms, max_smem = _device()
-        launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out, max_smem=max_smem)
-        args = (
+        launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out, max_smem=max_smem,
+                                   num_sms=num_sms)
+        head = (
             _ptr(xc), _rs(xc), _ptr(rc), _rs(rc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
             _ptr(yc), _rs(yc), _ptr(rstd),
-            np.int64(n), np.int32(d), np.int32(plan.k),
-            np.int32(launch.stash if launch.big else launch.tpr),
+        )
+        tail = (
             np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
             np.int32(plan.llama),
         )
-        _launch(launch, args)
+        if launch.slices:  # pn_fwd_split: two launches around the per-slice sums
+            part = _empty((n * launch.slices,), "float64")
+            args = (*head, _ptr(part), np.int64(n), np.int32(d), np.int32(plan.k), np.int32(launch.slices), *tail)
+            _launch(launch, args)
+            _launch(dataclasses.replace(launch, name=launch.name2), args)
+        else:
+            args = (*head, np.int64(n), np.int32(d), np.int32(plan.k),
+                    np.int32(launch.stash if launch.big else launch.tpr), *tail)
+            _launch(launch, args)
         if direct:
             y = out
         else:
