@@ -151,7 +151,7 @@ def _colsum(part, d: int, ct: str, want: str):
 
 
 def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=False,
-                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS):  # fmt: skip
+                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS, split=True):  # fmt: skip
     """``polynorm.backends.cupy.backward`` with numpy buffers; returns (dx, dw, db, launch)."""
     xd, wd, bd = _name(x), _name(weight), _name(bias)
     types = cl.backward_types(xd, _name(dy), _name(grad_residual), wd)
@@ -164,7 +164,7 @@ def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=F
     dx = _garbage((n, d), xd)
     want = weight is not None or bias is not None
     launch = cl.backward_launch(n, d, xd, types.dy, types.weight, partials=want, num_sms=num_sms,
-                                max_smem=max_smem, force_big=force_big)
+                                max_smem=max_smem, force_big=force_big, split=split)
     shape = (launch.partial_rows, launch.ldp)
 
     def part():
@@ -172,14 +172,17 @@ def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=F
 
     dwp = part() if weight is not None else None
     dbp = part() if bias is not None else None
-    args = (
-        dyk, _rs(dyk), x, _rs(x), wk, rk, gk, _rs(gk),
-        dx, _rs(dx), dwp, dbp, np.int64(launch.ldp),
-        np.int64(n), np.int32(d), np.int32(plan.k),
-        np.int32(launch.stash if launch.big else launch.tpr),
-        np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
-    )  # fmt: skip
-    _launch(launch, args, xd)
+    head = (dyk, _rs(dyk), x, _rs(x), wk, rk, gk, _rs(gk), dx, _rs(dx), dwp, dbp, np.int64(launch.ldp))
+    tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset))
+    if launch.slices:  # pn_bwd_split: phase 1 and 2 around the per-slice sums
+        part = _garbage((2 * n * launch.slices,), "float64")
+        args = (*head, part, np.int64(n), np.int32(d), np.int32(plan.k), np.int32(launch.slices), *tail)
+        _launch(launch, args, xd)
+        _launch(dataclasses.replace(launch, name=launch.name2), args, xd)
+    else:
+        args = (*head, np.int64(n), np.int32(d), np.int32(plan.k),
+                np.int32(launch.stash if launch.big else launch.tpr), *tail)  # fmt: skip
+        _launch(launch, args, xd)
     dw = _colsum(dwp, d, ct, wd) if weight is not None else None
     db = _colsum(dbp, d, ct, bd) if bias is not None else None
     return dx, dw, db, launch
@@ -279,7 +282,7 @@ def test_emul_forward_big_kernel_sizes_and_stash(dtype):
     d_big = 2 * cl.REG_THREADS * cl.FWD_ITEMS_BY_X[dtype][-1] * vec + 5  # past pn_fwd's reach
     x = _data(rng, 2, d_big, dtype)
     w = _data(rng, 1, d_big, dtype)[0]
-    launch = _check_forward(x, None, w, None, _plan(d_big, dtype))
+    launch = _check_forward(x, None, w, None, _plan(d_big, dtype), split=False)
     assert launch.big and launch.block == 1024
     x = _data(rng, 3, 4101, dtype)
     w = _data(rng, 1, 4101, dtype)[0]
@@ -360,8 +363,10 @@ def test_emul_largest_hidden_size(dtype):
     launch = _check_forward(x, None, w, None, _plan(d, dtype))
     assert launch.slices == cl.slice_count(d, dtype) > 1 and launch.grid == launch.slices
     dy, x, w, b, rstd, g, plan = _bwd_case(rng, 2, d, dtype, dict(bias=True))
-    launch = _check_backward(dy, x, w, b, rstd, g, plan)
+    launch = _check_backward(dy, x, w, b, rstd, g, plan, split=False)
     assert launch.big and 0 < launch.shared <= cl.DEFAULT_SMEM
+    launch = _check_backward(dy, x, w, b, rstd, g, plan)
+    assert launch.slices == cl.slice_count(d, dtype) and launch.partial_rows == 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -592,12 +597,14 @@ def test_emul_every_specialisation_compiles_with_the_abi_signature(family):
         if expr.startswith("pn_fwd"):
             r, w, o = (rev[t] for t in targs[1:4])
             h = cl.promote(x, r)
-            sub = {"X": x, "R": r, "H": h, "W": w, "O": o, "C": compute_dtype(h)}
-            want = _FWD_SIG
+            sub = {"X": x, "R": r, "H": h, "W": w, "O": o, "C": compute_dtype(h), "P": "float64"}
+            # pn_fwd_split: the float64 slice sums after rstd
+            want = _FWD_SIG[:11] + ["*P"] + _FWD_SIG[11:] if expr.startswith("pn_fwd_split") else _FWD_SIG
         else:
             g, w = (rev[t] for t in targs[1:3])
-            sub = {"X": x, "G": g, "W": w, "C": compute_dtype(x)}
-            want = _BWD_SIG
+            sub = {"X": x, "G": g, "W": w, "C": compute_dtype(x), "P": "float64"}
+            # pn_bwd_split: the float64 slice sums after ldp
+            want = _BWD_SIG[:13] + ["*P"] + _BWD_SIG[13:] if expr.startswith("pn_bwd_split") else _BWD_SIG
         want = [s[:-1] + _CODE[sub[s[-1]]] if "*" in s else s for s in want]
         assert got == want, expr
 
@@ -830,3 +837,34 @@ def test_emul_split_extreme_values():
             np.testing.assert_array_equal(_bits(a), _bits(r), err_msg=f"{dtype} scale={scale}")
         y = got[0].astype(np.float64)
         assert np.isnan(y[1]).all() and np.isnan(y[2]).all() and np.isfinite(y[[0, 3]]).all()
+
+
+SPLIT_BWD_OPTS = ("plain", "no_weight", "bias", "partial", "eps_outside", "rstd_given", "grad_residual",
+                  "weight_f32", "dy_f32", "everything")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("opt", SPLIT_BWD_OPTS)
+def test_emul_bwd_split_same_bits_as_big(dtype, opt):
+    """A few rows at large d go to pn_bwd_split: dx, dweight and dbias bits equal
+    pn_bwd_big's (one block per row) for aligned and misaligned rows, its partial rows
+    are written without a zero fill (the emulator hands it NaN bytes), and a token's dx
+    alone equals its dx among more rows than SMs (pn_bwd_big's persistent grid)."""
+    rng = np.random.default_rng(_seed("bsplit", dtype, opt))
+    d = _split_d(dtype)
+    dy, x, w, b, rstd, g, plan = _bwd_case(rng, 3, d, dtype, BWD_OPTIONS[opt])
+    wide = np.concatenate([x, x[:, :5]], axis=1)[:, 3 : d + 3]  # rows not 16-byte aligned
+    for xs in (x, wide):
+        got = emul_backward(dy, xs, w, b, rstd, g, plan)
+        big = emul_backward(dy, xs, w, b, rstd, g, plan, split=False)
+        assert got[3].slices == 3 and got[3].grid == 9 and big[3].big and big[3].grid == 3, (got[3], big[3])
+        for a, r, what in zip(got[:3], big[:3], ("dx", "dweight", "dbias"), strict=True):
+            assert (a is None) == (r is None)
+            if a is not None:
+                np.testing.assert_array_equal(_bits(a), _bits(r), err_msg=f"{what} of {got[3].name} {opt}")
+        _check_backward(dy, xs, w, b, rstd, g, plan)
+    one = emul_backward(dy[1:2], x[1:2], w, b, None if rstd is None else rstd[1:2],
+                        None if g is None else g[1:2], plan)  # fmt: skip
+    many = emul_backward(dy, x, w, b, rstd, g, plan, num_sms=2)
+    assert one[3].slices and many[3].big
+    np.testing.assert_array_equal(_bits(one[0][0]), _bits(many[0][1]))

@@ -1398,37 +1398,54 @@ __device__ __forceinline__ void pn_bwd_big_rows(
         }
         __syncthreads();  // the previous row's readers of the stash are done
 
-        // ---- pass 1: stash; sum of squares and (float compute) sum g*dy*x
+        // ---- pass 1: stash; sum of squares and (float compute) sum g*dy*x,
+        // slice by slice as in pn_fwd_big (pn_slice_span; float64: one slice),
+        // the tree pn_bwd_split computes with one block per slice
+        const int span = sizeof(CT) == 4 ? pn_slice_span(L.body, tpr) : pn_slices_whole(L.body, tpr);
+        const int nsl = pn_slice_count(L.body, span);
         double ss = 0.0, px = 0.0;
-        for (int s = 0; s < 1; ++s) {
-            if (je[s] >= 0 && je[s] < k) ss += (double)xe[s] * (double)xe[s];
-            px += (double)ge[s] * (double)xe[s];
-        }
-        for (int c = tr; c < L.body; c += tpr) {
-            const int j = L.head + c * VEC;
-            XT xraw[VEC];
-            DYT draw[VEC];
-            pn_ld_raw<VEC>(xr + j, VA, xraw);
-            pn_ld_raw<VEC>(dyr + j, vdy, draw);
-            if (c < stash) {
-                pn_pack<XT, VEC> qx;
-                pn_pack<DYT, VEC> qd;
-                for (int e = 0; e < VEC; ++e) { qx.v[e] = xraw[e]; qd.v[e] = draw[e]; }
-                *reinterpret_cast<pn_pack<XT, VEC>*>(sx_ + (long long)c * VEC) = qx;
-                *reinterpret_cast<pn_pack<DYT, VEC>*>(sdy_ + (long long)c * VEC) = qd;
-            }
-            if constexpr (sizeof(CT) == 4) {
-                // float runs (one per chunk) added in double: pn_ss_run, pn_dot_run
-                CT wv[VEC], xc[VEC], g[VEC];
-                if (has_w) pn_ld<VEC>(w + j, vw, wv);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) {
-                    xc[e] = pn_conv<CT>::in(xraw[e]);
-                    const CT dyc = pn_conv<CT>::in(draw[e]);
-                    g[e] = has_w ? (wv[e] + off) * dyc : dyc;
+        for (int sl = 0; sl < nsl; ++sl) {
+            double as = 0.0, ap = 0.0;
+            if (sl == 0)
+                for (int s = 0; s < 1; ++s) {
+                    if (je[s] >= 0 && je[s] < k) as += (double)xe[s] * (double)xe[s];
+                    ap += (double)ge[s] * (double)xe[s];
                 }
-                if (j < k) ss += pn_ss_run<VEC>(xc, j, k);
-                px += pn_dot_run<VEC>(g, xc);
+            const int cend = L.body < (sl + 1) * span ? L.body : (sl + 1) * span;
+            for (int c = sl * span + tr; c < cend; c += tpr) {
+                const int j = L.head + c * VEC;
+                XT xraw[VEC];
+                DYT draw[VEC];
+                pn_ld_raw<VEC>(xr + j, VA, xraw);
+                pn_ld_raw<VEC>(dyr + j, vdy, draw);
+                if (c < stash) {
+                    pn_pack<XT, VEC> qx;
+                    pn_pack<DYT, VEC> qd;
+                    for (int e = 0; e < VEC; ++e) { qx.v[e] = xraw[e]; qd.v[e] = draw[e]; }
+                    *reinterpret_cast<pn_pack<XT, VEC>*>(sx_ + (long long)c * VEC) = qx;
+                    *reinterpret_cast<pn_pack<DYT, VEC>*>(sdy_ + (long long)c * VEC) = qd;
+                }
+                if constexpr (sizeof(CT) == 4) {
+                    // float runs (one per chunk) added in double: pn_ss_run, pn_dot_run
+                    CT wv[VEC], xc[VEC], g[VEC];
+                    if (has_w) pn_ld<VEC>(w + j, vw, wv);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) {
+                        xc[e] = pn_conv<CT>::in(xraw[e]);
+                        const CT dyc = pn_conv<CT>::in(draw[e]);
+                        g[e] = has_w ? (wv[e] + off) * dyc : dyc;
+                    }
+                    if (j < k) as += pn_ss_run<VEC>(xc, j, k);
+                    ap += pn_dot_run<VEC>(g, xc);
+                }
+            }
+            if (sizeof(CT) == 4) {
+                if (need_ss) {
+                    as = pn_row_reduce<false>(as, tpr, red);
+                    ss = sl == 0 ? as : ss + as;
+                }
+                ap = pn_row_reduce<false>(ap, tpr, red);
+                px = sl == 0 ? ap : px + ap;
             }
         }
 
@@ -1436,12 +1453,10 @@ __device__ __forceinline__ void pn_bwd_big_rows(
         double rms = 0.0, r_d = 0.0, cs = 0.0;
         if (sizeof(CT) == 4) {
             if (need_ss) {
-                ss = pn_row_reduce<false>(ss, tpr, red);
                 rms = sqrt((ss > 1.0e308 ? ss - ss : ss) / (double)k);
                 r_d = pn_rstd_from_ss(ss, k, eps, eps_inside);
             }
             const CT r0 = rstd_in != nullptr ? rstd_in[row] : (CT)r_d;
-            px = pn_row_reduce<false>(px, tpr, red);
             cs = px * (double)r0;
         } else {
             // float64: max, scaled sum of squares, then c from xhat: extra passes
@@ -1764,5 +1779,177 @@ __global__ void __launch_bounds__(1024) pn_fwd_split(
     else
         pn_fwd_split_rows<XT, RT, WT, OT, PHASE, false>(x, sx, res, sr, h, sh, w, b, y, sy, rstd, part, n, d, k,
                                                         slices, eps, eps_inside, offset, llama, L, red);
+}
+
+// pn_bwd_split: the backward of few rows at large d, a block per (row, slice)
+// as pn_fwd_split, in two launches:
+//
+// - PHASE 1: block (row, s) writes slice s's sum of squares (when rstd is
+//   recomputed or eps is outside) to part[row * slices + s] and its sum of
+//   g*dy*x to part[(n + row) * slices + s], each reduced over the tpr threads
+//   as pn_bwd_big reduces that slice;
+// - PHASE 2: every block adds the row's slice sums from slice 0 up (as
+//   pn_bwd_big does), forms r and coef, and writes dx for its slice and the
+//   row's dweight / dbias terms (dy*xhat, dy) to row `row` of dwp / dbp:
+//   written once, never read back, so the caller neither zero-fills them nor
+//   reads them before pn_colsum.  These are pn_bwd_big's partial rows when it
+//   has one block per row (n <= grid), so pn_colsum gives the same dweight.
+//
+// float compute only.
+
+template <typename XT, typename DYT, typename WT, int PHASE, bool VA>
+__device__ __forceinline__ void pn_bwd_split_rows(
+    const DYT* __restrict__ dy, long long sdy,
+    const XT* __restrict__ x, long long sx,
+    const WT* __restrict__ w,
+    const typename pn_compute<XT>::type* __restrict__ rstd_in,
+    const DYT* __restrict__ gres, long long sg,
+    XT* dx, long long sdx,
+    typename pn_compute<XT>::type* dwp,
+    typename pn_compute<XT>::type* dbp, long long ldp,
+    double* part,
+    long long n, int d, int k, int slices,
+    double eps, int eps_inside, double offset, const pn_rowlay L, double* red)
+{
+    typedef typename pn_compute<XT>::type CT;
+    static_assert(sizeof(CT) == 4, "pn_bwd_split: float compute only");
+    constexpr int VEC = 16 / sizeof(XT);
+
+    const int tr = threadIdx.x;
+    const int tpr = blockDim.x;
+    const long long row = blockIdx.x / slices;
+    const int sl = (int)(blockIdx.x % slices);
+    const int span = pn_slice_span(L.body, tpr);
+    const int clo = sl * span;
+    const int chi = L.body < clo + span ? L.body : clo + span;
+    const bool has_w = w != nullptr, has_g = gres != nullptr;
+    const bool need_ss = rstd_in == nullptr || !eps_inside;
+    const CT off = (CT)offset;
+    const XT* xr = x + row * sx;
+    const DYT* dyr = dy + row * sdy;
+    // the tail element of this thread (slice 0 holds the tail, as in pn_bwd_big)
+    const int jt = (sl == 0 && tr < L.tail) ? L.body * VEC + tr : -1;
+    CT xe = (CT)0, dye = (CT)0, ge = (CT)0;
+    if (jt >= 0) {
+        xe = pn_conv<CT>::in(xr[jt]);
+        dye = pn_conv<CT>::in(dyr[jt]);
+        ge = has_w ? (pn_conv<CT>::in(w[jt]) + off) * dye : dye;
+    }
+
+    if constexpr (PHASE == 1) {
+        double as = 0.0, ap = 0.0;
+        if (jt >= 0 && jt < k) as += (double)xe * (double)xe;
+        ap += (double)ge * (double)xe;
+        for (int c = clo + tr; c < chi; c += tpr) {
+            const int j = c * VEC;
+            XT xraw[VEC];
+            DYT draw[VEC];
+            CT wv[VEC], xc[VEC], g[VEC];
+            pn_ld_raw<VEC>(xr + j, VA, xraw);
+            pn_ld_raw<VEC>(dyr + j, VA, draw);
+            if (has_w) pn_ld<VEC>(w + j, VA, wv);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                xc[e] = pn_conv<CT>::in(xraw[e]);
+                const CT dyc = pn_conv<CT>::in(draw[e]);
+                g[e] = has_w ? (wv[e] + off) * dyc : dyc;
+            }
+            if (j < k) as += pn_ss_run<VEC>(xc, j, k);
+            ap += pn_dot_run<VEC>(g, xc);
+        }
+        if (need_ss) {
+            as = pn_row_reduce<false>(as, tpr, red);
+            if (tr == 0) part[row * slices + sl] = as;
+        }
+        ap = pn_row_reduce<false>(ap, tpr, red);
+        if (tr == 0) part[(n + row) * slices + sl] = ap;
+    } else {
+        double rms = 0.0, r_d = 0.0;
+        if (need_ss) {
+            const double* ps = part + row * slices;
+            double ss = ps[0];
+            for (int s = 1; s < slices; ++s) ss = ss + ps[s];
+            rms = sqrt((ss > 1.0e308 ? ss - ss : ss) / (double)k);
+            r_d = pn_rstd_from_ss(ss, k, eps, eps_inside);
+        }
+        const double* pp = part + (n + row) * slices;
+        double px = pp[0];
+        for (int s = 1; s < slices; ++s) px = px + pp[s];
+        const CT r = rstd_in != nullptr ? rstd_in[row] : (CT)r_d;
+        const double cs = px * (double)r;
+        const CT coef = (CT)pn_bwd_coef(cs, rms, k, eps, eps_inside);
+
+        XT* dxr = dx + row * sdx;
+        const DYT* gr = has_g ? gres + row * sg : nullptr;
+        CT* pw = dwp != nullptr ? dwp + row * ldp : nullptr;
+        CT* pb = dbp != nullptr ? dbp + row * ldp : nullptr;
+        const bool vpw = VA && pn_vec_ok<VEC>(pw, 0, 1, 0, true);
+        const bool vpb = VA && pn_vec_ok<VEC>(pb, 0, 1, 0, true);
+        if (jt >= 0) {
+            const CT xh = xe * r;
+            CT q = ge;
+            if (jt < k) q = q - xh * coef;
+            CT o = r * q;
+            if (has_g) o = o + pn_conv<CT>::in(gr[jt]);
+            dxr[jt] = pn_out<XT>::from(o);
+            if (pw) pw[jt] = dye * xh;
+            if (pb) pb[jt] = dye;
+        }
+        for (int c = clo + tr; c < chi; c += tpr) {
+            const int j = c * VEC;
+            CT v[VEC], dv[VEC], wv[VEC], t[VEC], o[VEC];
+            pn_ld<VEC>(xr + j, VA, v);
+            pn_ld<VEC>(dyr + j, VA, dv);
+            if (has_w) pn_ld<VEC>(w + j, VA, wv);
+            if (has_g) pn_ld<VEC>(gr + j, VA, t);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const CT xh = v[e] * r;
+                CT q = has_w ? (wv[e] + off) * dv[e] : dv[e];
+                if (j + e < k) q = q - xh * coef;
+                o[e] = r * q;
+                if (has_g) o[e] = o[e] + t[e];
+            }
+            pn_st<VEC>(dxr + j, VA, o);
+            if (pw) {
+                CT a[VEC];
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) a[e] = dv[e] * (v[e] * r);
+                pn_st<VEC>(pw + j, vpw, a);
+            }
+            if (pb) pn_st<VEC>(pb + j, vpb, dv);
+        }
+    }
+}
+
+// Arguments: pn_bwd_big's, with `double* part` (2 * n * slices) after ldp and
+// `int slices` for `stash`; dwp / dbp have n rows.  grid = n * slices, block =
+// pn_bwd_big's block for the row.
+template <typename XT, typename DYT, typename WT, int PHASE>
+__global__ void __launch_bounds__(1024) pn_bwd_split(
+    const DYT* __restrict__ dy, long long sdy,
+    const XT* __restrict__ x, long long sx,
+    const WT* __restrict__ w,
+    const typename pn_compute<XT>::type* __restrict__ rstd_in,
+    const DYT* __restrict__ gres, long long sg,
+    XT* dx, long long sdx,
+    typename pn_compute<XT>::type* dwp,
+    typename pn_compute<XT>::type* dbp, long long ldp,
+    double* part,
+    long long n, int d, int k, int slices,
+    double eps, int eps_inside, double offset)
+{
+    constexpr int VEC = 16 / sizeof(XT);
+    __shared__ double red[32];
+    const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
+    const bool va = L.vec && pn_vec_ok<VEC>(dy, sdy, n, L.head, true) && pn_vec_ok<VEC>(dx, sdx, n, L.head, true)
+                    && (gres == nullptr || pn_vec_ok<VEC>(gres, sg, n, L.head, true))
+                    && (w == nullptr || pn_vec_ok<VEC>(w, 0, 1, L.head, true));
+    if (va)
+        pn_bwd_split_rows<XT, DYT, WT, PHASE, true>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
+                                                    part, n, d, k, slices, eps, eps_inside, offset, L, red);
+    else
+        pn_bwd_split_rows<XT, DYT, WT, PHASE, false>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp,
+                                                     part, n, d, k, slices, eps, eps_inside, offset, L, red);
 }
 

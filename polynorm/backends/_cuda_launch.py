@@ -153,6 +153,10 @@ def bwd_name(x: str, dy: str, w: str, items: int | None) -> str:
     return f"pn_bwd<{_ct(x, dy, w)}, {items}>"
 
 
+def bwd_split_name(x: str, dy: str, w: str, phase: int) -> str:
+    return f"pn_bwd_split<{_ct(x, dy, w)}, {phase}>"
+
+
 def colsum_name(ct: str, out: str) -> str:
     return f"pn_colsum<{_ct(ct, out)}>"
 
@@ -172,6 +176,8 @@ def specialisations() -> list[str]:
             names += [fwd_split_name(*t, phase) for phase in (1, 2)]
     for t in BWD_TYPES:
         names += [bwd_name(*t, items) for items in (*BWD_ITEMS, None)]
+        if compute_dtype(t[0]) == "float32":
+            names += [bwd_split_name(*t, phase) for phase in (1, 2)]
     names += [colsum_name(*t) for t in COLSUM_TYPES]
     return names
 
@@ -417,12 +423,20 @@ def backward_launch(
     num_sms: int = DEFAULT_SMS,
     max_smem: int = DEFAULT_SMEM,
     force_big: bool = False,
+    split: bool = True,
 ) -> Launch:
-    """Launch of pn_bwd / pn_bwd_big (persistent grid) for ``n`` rows of ``d``.
+    """Launch of pn_bwd / pn_bwd_big (persistent grid) / pn_bwd_split for ``n`` rows of ``d``.
 
     ``partials``: whether dweight or dbias partial sums are wanted (the
     caller allocates ``partial_rows x ldp`` buffers of the compute dtype,
-    zero-filled for the big kernel).
+    zero-filled for the big kernel).  Big rows go to pn_bwd_split where
+    :func:`takes_split` says so (``split=False``: pn_bwd_big, the same bits):
+    its partial rows are one per row, written once (no zero fill), and it
+    needs a ``2 * n * slices`` float64 buffer.
+
+    >>> bl = backward_launch(8, 262144, "bfloat16")
+    >>> bl.name2, bl.grid, bl.partial_rows, bl.slices
+    ('pn_bwd_split<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2>', 128, 8, 16)
 
     >>> bl = backward_launch(4096, 4096, "bfloat16", num_sms=132)
     >>> bl.name, bl.grid, bl.partial_rows, bl.ldp
@@ -444,12 +458,18 @@ def backward_launch(
         shared = 2 * rows * ldp * ITEMSIZE[ct] if partials else 0
         return Launch(bwd_name(x, dy, weight, items), grid=grid, block=block, shared=shared,
                       tpr=tpr, big=False, partial_rows=grid if partials else 0, ldp=ldp)
+    if split and takes_split(n, d, x, x, num_sms):
+        s = slice_count(d, x)
+        block = big_block(d, x)
+        return Launch(bwd_split_name(x, dy, weight, 1), grid=n * s, block=block, shared=0, tpr=block,
+                      big=False, partial_rows=n if partials else 0, ldp=ldp, slices=s,
+                      name2=bwd_split_name(x, dy, weight, 2))
     chunks = d // vec
     per_chunk = vec * (ITEMSIZE[x] + ITEMSIZE[dy])
     # the dy stash starts at the next 16-byte boundary after the x stash
     stash = max(0, min(chunks, (max_smem - STATIC_SMEM - 16) // per_chunk))
     shared = -(-stash * vec * ITEMSIZE[x] // 16) * 16 + stash * vec * ITEMSIZE[dy]
-    block = BIG_THREADS if chunks >= BIG_THREADS else max(32, _pow2ceil(chunks))
+    block = big_block(d, x)
     grid = max(1, min(n, num_sms))
     return Launch(bwd_name(x, dy, weight, None), grid=grid, block=block, shared=shared,
                   tpr=block, big=True, stash=stash, partial_rows=grid if partials else 0, ldp=ldp)

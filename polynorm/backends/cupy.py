@@ -317,14 +317,20 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         shape = (launch.partial_rows, launch.ldp)
         dwp = _empty(shape, ct, zero=launch.big) if weight is not None else None
         dbp = _empty(shape, ct, zero=launch.big) if bias is not None else None
-        args = (
+        head = (
             _ptr(dyc), _rs(dyc), _ptr(xc), _rs(xc), _ptr(wc), _ptr(rc), _ptr(gc), _rs(gc),
             _ptr(dxc), _rs(dxc), _ptr(dwp), _ptr(dbp), np.int64(launch.ldp),
-            np.int64(n), np.int32(d), np.int32(plan.k),
-            np.int32(launch.stash if launch.big else launch.tpr),
-            np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
         )
-        _launch(launch, args)
+        tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset))
+        if launch.slices:  # pn_bwd_split: two launches around the per-slice sums
+            part = _empty((2 * n * launch.slices,), "float64")
+            args = (*head, _ptr(part), np.int64(n), np.int32(d), np.int32(plan.k), np.int32(launch.slices), *tail)
+            _launch(launch, args)
+            _launch(dataclasses.replace(launch, name=launch.name2), args)
+        else:
+            args = (*head, np.int64(n), np.int32(d), np.int32(plan.k),
+                    np.int32(launch.stash if launch.big else launch.tpr), *tail)
+            _launch(launch, args)
         dx = _interop.from_cupy(dxc, x, xd)
         dweight = _colsum(dwp, d, ct, wd, x) if weight is not None else None
         dbias = _colsum(dbp, d, ct, bd, x) if bias is not None else None
