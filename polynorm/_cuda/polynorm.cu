@@ -1401,9 +1401,10 @@ __device__ __forceinline__ void pn_bwd_big_rows(
         // ---- pass 1: stash; sum of squares and (float compute) sum g*dy*x,
         // slice by slice as in pn_fwd_big (pn_slice_span; float64: one slice),
         // the tree pn_bwd_split computes with one block per slice
+        // (the running slice totals live in red[32..33], written by thread 0, so
+        // that no register holds them across the chunk loop: 64 registers)
         const int span = sizeof(CT) == 4 ? pn_slice_span(L.body, tpr) : pn_slices_whole(L.body, tpr);
         const int nsl = pn_slice_count(L.body, span);
-        double ss = 0.0, px = 0.0;
         for (int sl = 0; sl < nsl; ++sl) {
             double as = 0.0, ap = 0.0;
             if (sl == 0)
@@ -1442,12 +1443,14 @@ __device__ __forceinline__ void pn_bwd_big_rows(
             if (sizeof(CT) == 4) {
                 if (need_ss) {
                     as = pn_row_reduce<false>(as, tpr, red);
-                    ss = sl == 0 ? as : ss + as;
+                    if (tr == 0) red[32] = sl == 0 ? as : red[32] + as;
                 }
                 ap = pn_row_reduce<false>(ap, tpr, red);
-                px = sl == 0 ? ap : px + ap;
+                if (tr == 0) red[33] = sl == 0 ? ap : red[33] + ap;
             }
         }
+        __syncthreads();  // thread 0's totals are visible
+        double ss = red[32], px = red[33];
 
         // ---- r, rms, c
         double rms = 0.0, r_d = 0.0, cs = 0.0;
@@ -1580,7 +1583,7 @@ __global__ void __launch_bounds__(1024) pn_bwd_big(
     double eps, int eps_inside, double offset)
 {
     constexpr int VEC = 16 / sizeof(XT);
-    __shared__ double red[32];
+    __shared__ double red[34];  // pn_row_reduce's 32, then pn_bwd_big_rows' two slice totals
     extern __shared__ pn_smem_unit pn_dyn_smem[];
     const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
     const bool va = L.vec && pn_vec_ok<VEC>(dy, sdy, n, L.head, true) && pn_vec_ok<VEC>(dx, sdx, n, L.head, true)
