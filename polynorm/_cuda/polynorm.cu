@@ -609,9 +609,10 @@ __device__ __forceinline__ void pn_fwd_big_rows(
     // float64: plain double sum of squares), slice by slice (pn_slice_span):
     // each slice reduced over the block, the slice sums added from slice 0 up,
     // the tree pn_fwd_split computes with one block per slice
+    // (the running total lives in red[32], written by thread 0, so that no
+    // register holds it across the chunk loop: 64 registers without spills)
     const int span = sizeof(CT) == 4 ? pn_slice_span(L.body, tpr) : pn_slices_whole(L.body, tpr);
     const int nsl = pn_slice_count(L.body, span);
-    double ss = 0.0;
     for (int sl = 0; sl < nsl; ++sl) {
         double acc = 0.0;
         if (sl == 0)
@@ -657,8 +658,10 @@ __device__ __forceinline__ void pn_fwd_big_rows(
             }
         }
         acc = pn_row_reduce<false>(acc, tpr, red);
-        ss = sl == 0 ? acc : ss + acc;
+        if (tr == 0) red[32] = sl == 0 ? acc : red[32] + acc;
     }
+    __syncthreads();  // thread 0's total is visible
+    double ss = red[32];
     // the normalized row, chunk c (from shared memory when stashed)
     const HT* src = has_res ? (const HT*)hr : (const HT*)xr;
     const bool vsrc = has_res ? vh : VA;
@@ -754,7 +757,7 @@ __global__ void __launch_bounds__(1024) pn_fwd_big(
     double eps, int eps_inside, double offset, int llama)
 {
     constexpr int VEC = 16 / sizeof(XT);
-    __shared__ double red[32];
+    __shared__ double red[33];  // pn_row_reduce's 32, then pn_fwd_big_rows' running total
     extern __shared__ pn_smem_unit pn_dyn_smem[];
     const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
     const bool va = L.vec && (res == nullptr || (pn_vec_ok<VEC>(res, sr, n, L.head, true) &&
