@@ -355,3 +355,31 @@ def test_emul_cupy_recording_replays_the_same_kernels(fake_cupy):
     for a, b in zip((y, h, rstd), want, strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
     assert cupy_backend._recorded is None  # recording ended
+
+
+@pytest.mark.parametrize("xd", ["float16", "float32"])
+def test_emul_cupy_split_rows(fake_cupy, xd):
+    """Fewer rows than SMs at large d: the backend launches both phases of pn_fwd_split
+    and pn_bwd_split (their slice-sum buffers allocated by it, uninitialised: the fake
+    cupy.empty fills NaN bytes), then pn_colsum over one partial row per row."""
+    d = 2 * cl.SLICE_MIN_PASSES * cl.BIG_THREADS * cl.VEC[xd] + 3 * cl.VEC[xd] + 1
+    rng = np.random.default_rng(d)
+    x, r, dy = (_rand(rng, (1, d), xd) for _ in range(3))
+    w, b = _rand(rng, d, xd), _rand(rng, d, xd)
+    plan = _plan(d, xd, partial=0.7)
+    y, h, rstd = cupy_backend.forward(*(_fake(a.copy()) for a in (x, r, w, b)), plan)
+    yr, hr, rr = reference.forward(x, r, w, b, plan)
+    assert_close(np.asarray(y), yr, _tol(xd))
+    assert_close(np.asarray(rstd), rr, _tol(plan.compute_dtype))
+    np.testing.assert_array_equal(np.asarray(h), hr)
+    fwd = [nm for nm, *_ in _Kernel.launches]
+    assert [nm.rsplit(",", 1)[1] for nm in fwd] == [" 1>", " 2>"] and all("pn_fwd_split" in nm for nm in fwd)
+    assert {g for _, g, *_ in _Kernel.launches} == {cl.slice_count(d, xd)}
+    _Kernel.launches.clear()
+    got = cupy_backend.backward(*(_fake(a.copy()) for a in (dy, x, w, b)), None, None, plan)
+    want = reference.backward(dy, x, w, b, None, None, plan)
+    for a, e, what in zip(got, want, ("dx", "dweight", "dbias"), strict=True):
+        assert_close(np.asarray(a).astype(np.float64), np.asarray(e).astype(np.float64), _tol(xd), what)
+    names = [nm for nm, *_ in _Kernel.launches]
+    assert names[:2] == [cl.bwd_split_name(xd, xd, xd, 1), cl.bwd_split_name(xd, xd, xd, 2)]
+    assert sum(nm.startswith("pn_colsum") for nm in names) == 2

@@ -16,6 +16,7 @@ Needs g++; without it these tests fail (EmulatorUnavailable), they do not skip.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import zlib
@@ -103,7 +104,7 @@ def _rs(a) -> np.int64:
 
 
 def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=cl.DEFAULT_SMEM, out=None,
-                 small=True):
+                 small=True, split=True, num_sms=cl.DEFAULT_SMS):
     """``polynorm.backends.cupy.forward`` with numpy buffers for device memory.
 
     Returns ``(y, h, rstd, launch)``, or ``None`` where the backend has no
@@ -123,16 +124,19 @@ def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=c
     hc = _garbage((n, d), types.h) if rk is not None else None
     rstd = _garbage((n,), ct)
     launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out,
-                               max_smem=max_smem, force_big=force_big, small=small)
-    args = (
-        xk, _rs(xk), rk, _rs(rk), hc, _rs(hc), wk, bk,
-        yc, _rs(yc), rstd,
-        np.int64(n), np.int32(d), np.int32(plan.k),
-        np.int32(launch.stash if launch.big else launch.tpr),
-        np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
-        np.int32(plan.llama),
-    )  # fmt: skip
-    _launch(launch, args, types.x)
+                               max_smem=max_smem, force_big=force_big, small=small, split=split,
+                               num_sms=num_sms)  # fmt: skip
+    head = (xk, _rs(xk), rk, _rs(rk), hc, _rs(hc), wk, bk, yc, _rs(yc), rstd)
+    tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset), np.int32(plan.llama))
+    if launch.slices:  # pn_fwd_split: phase 1 and 2 around the per-slice sums
+        part = _garbage((n * launch.slices,), "float64")
+        args = (*head, part, np.int64(n), np.int32(d), np.int32(plan.k), np.int32(launch.slices), *tail)
+        _launch(launch, args, types.x)
+        _launch(dataclasses.replace(launch, name=launch.name2), args, types.x)
+    else:
+        args = (*head, np.int64(n), np.int32(d), np.int32(plan.k),
+                np.int32(launch.stash if launch.big else launch.tpr), *tail)  # fmt: skip
+        _launch(launch, args, types.x)
     y = yc if types.out == plan.out_dtype else yc.astype(NP[plan.out_dtype])
     return y, hc, rstd, launch
 
@@ -147,7 +151,7 @@ def _colsum(part, d: int, ct: str, want: str):
 
 
 def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=False,
-                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS, flags=None):  # fmt: skip
+                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS, flags=None, split=True):  # fmt: skip
     """``polynorm.backends.cupy.backward`` with numpy buffers; returns (dx, dw, db, launch).
 
     ``flags``: (HAS_W, HAS_G) of the pn_bwd instantiation, when not the arrays' own."""
@@ -162,7 +166,7 @@ def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=F
     dx = _garbage((n, d), xd)
     want = weight is not None or bias is not None
     launch = cl.backward_launch(n, d, xd, types.dy, types.weight, partials=want, num_sms=num_sms,
-                                max_smem=max_smem, force_big=force_big,
+                                max_smem=max_smem, force_big=force_big, split=split,
                                 has_w=weight is not None if flags is None else flags[0],
                                 has_g=grad_residual is not None if flags is None else flags[1])
     shape = (launch.partial_rows, launch.ldp)
@@ -172,14 +176,17 @@ def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=F
 
     dwp = part() if weight is not None else None
     dbp = part() if bias is not None else None
-    args = (
-        dyk, _rs(dyk), x, _rs(x), wk, rk, gk, _rs(gk),
-        dx, _rs(dx), dwp, dbp, np.int64(launch.ldp),
-        np.int64(n), np.int32(d), np.int32(plan.k),
-        np.int32(launch.stash if launch.big else launch.tpr),
-        np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
-    )  # fmt: skip
-    _launch(launch, args, xd)
+    head = (dyk, _rs(dyk), x, _rs(x), wk, rk, gk, _rs(gk), dx, _rs(dx), dwp, dbp, np.int64(launch.ldp))
+    tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset))
+    if launch.slices:  # pn_bwd_split: phase 1 and 2 around the per-slice sums
+        part = _garbage((2 * n * launch.slices,), "float64")
+        args = (*head, part, np.int64(n), np.int32(d), np.int32(plan.k), np.int32(launch.slices), *tail)
+        _launch(launch, args, xd)
+        _launch(dataclasses.replace(launch, name=launch.name2), args, xd)
+    else:
+        args = (*head, np.int64(n), np.int32(d), np.int32(plan.k),
+                np.int32(launch.stash if launch.big else launch.tpr), *tail)  # fmt: skip
+        _launch(launch, args, xd)
     dw = _colsum(dwp, d, ct, wd) if weight is not None else None
     db = _colsum(dbp, d, ct, bd) if bias is not None else None
     return dx, dw, db, launch
@@ -279,7 +286,7 @@ def test_emul_forward_big_kernel_sizes_and_stash(dtype):
     d_big = 2 * cl.REG_THREADS * cl.FWD_ITEMS_BY_X[dtype][-1] * vec + 5  # past pn_fwd's reach
     x = _data(rng, 2, d_big, dtype)
     w = _data(rng, 1, d_big, dtype)[0]
-    launch = _check_forward(x, None, w, None, _plan(d_big, dtype))
+    launch = _check_forward(x, None, w, None, _plan(d_big, dtype), split=False)
     assert launch.big and launch.block == 1024
     x = _data(rng, 3, 4101, dtype)
     w = _data(rng, 1, 4101, dtype)[0]
@@ -355,11 +362,15 @@ def test_emul_largest_hidden_size(dtype):
     d = 262144
     x = _data(rng, 1, d, dtype)
     w = _data(rng, 1, d, dtype)[0]
+    launch = _check_forward(x, None, w, None, _plan(d, dtype), split=False)
+    assert launch.big and 0 < launch.shared <= cl.DEFAULT_SMEM
     launch = _check_forward(x, None, w, None, _plan(d, dtype))
-    assert launch.big and 0 < launch.shared <= cl.DEFAULT_SMEM
+    assert launch.slices == cl.slice_count(d, dtype) > 1 and launch.grid == launch.slices
     dy, x, w, b, rstd, g, plan = _bwd_case(rng, 2, d, dtype, dict(bias=True))
-    launch = _check_backward(dy, x, w, b, rstd, g, plan)
+    launch = _check_backward(dy, x, w, b, rstd, g, plan, split=False)
     assert launch.big and 0 < launch.shared <= cl.DEFAULT_SMEM
+    launch = _check_backward(dy, x, w, b, rstd, g, plan)
+    assert launch.slices == cl.slice_count(d, dtype) and launch.partial_rows == 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -616,12 +627,14 @@ def test_emul_every_specialisation_compiles_with_the_abi_signature(family):
         if expr.startswith("pn_fwd"):
             r, w, o = (rev[t] for t in targs[1:4])
             h = cl.promote(x, r)
-            sub = {"X": x, "R": r, "H": h, "W": w, "O": o, "C": compute_dtype(h)}
-            want = _FWD_SIG
+            sub = {"X": x, "R": r, "H": h, "W": w, "O": o, "C": compute_dtype(h), "P": "float64"}
+            # pn_fwd_split: the float64 slice sums after rstd
+            want = _FWD_SIG[:11] + ["*P"] + _FWD_SIG[11:] if expr.startswith("pn_fwd_split") else _FWD_SIG
         else:
             g, w = (rev[t] for t in targs[1:3])
-            sub = {"X": x, "G": g, "W": w, "C": compute_dtype(x)}
-            want = _BWD_SIG
+            sub = {"X": x, "G": g, "W": w, "C": compute_dtype(x), "P": "float64"}
+            # pn_bwd_split: the float64 slice sums after ldp
+            want = _BWD_SIG[:13] + ["*P"] + _BWD_SIG[13:] if expr.startswith("pn_bwd_split") else _BWD_SIG
         want = [s[:-1] + _CODE[sub[s[-1]]] if "*" in s else s for s in want]
         assert got == want, expr
 
@@ -814,3 +827,121 @@ def test_emul_backward_items2_sums_over_the_items1_tree(types, d):
             outs.append((dx, dwp[:, :d], dbp[:, :d]))
         for what, a, b in zip(("dx", "dweight partials", "dbias partials"), *outs, strict=True):
             np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{what}, d={d}, grad_residual={hg}")
+
+
+# ----------------------------------------------------------------------------- pn_fwd_split
+
+
+def _split_d(dtype: str) -> int:
+    """An odd d of three slices (the last one partial) with a tail: two full slices of
+    pn_fwd_big's 1024-thread passes, 37 chunks more, then tail elements."""
+    vec = cl.VEC[dtype]
+    return 2 * cl.SLICE_MIN_PASSES * cl.BIG_THREADS * vec + 37 * vec + vec - 1
+
+
+def test_split_launch_rule():
+    """pn_fwd_split takes float-compute rows of two or more slices when there are fewer
+    rows than SMs; its slices are a function of d alone and cover the row."""
+    for dtype in DTYPES:
+        vec = cl.VEC[dtype]
+        for d in (4101, _split_d(dtype), 65536, 262144, 1 << 22):
+            body, span, s = d // vec, cl.slice_span(d, dtype), cl.slice_count(d, dtype)
+            assert span % cl.big_block(d, dtype) == 0 and s <= cl.SLICE_MAX
+            assert (s - 1) * span < body <= s * span or (s == 1 and body <= span)
+            for n in (1, 7, 131, 132, 4096):
+                la = cl.forward_launch(n, d, dtype, num_sms=132)
+                want = dtype != "float64" and n < 132 and s >= 2
+                assert bool(la.slices) == want == cl.takes_split(n, d, dtype, dtype, 132), (dtype, d, n)
+                if want:
+                    assert la.slices == s and la.grid == n * s and la.block == cl.big_block(d, dtype)
+                    assert la.name.endswith(", 1>") and la.name2.endswith(", 2>")
+                    assert la.name in cl.specialisations() and la.name2 in cl.specialisations()
+                else:
+                    assert la.name2 == "" and (la.big or d <= 4101)
+    # mixed pairs: a float32 h from 16-bit x takes it; a float64 residual does not
+    assert cl.forward_launch(2, 65536, "bfloat16", "float32", "float32", "float32").slices == 4
+    assert not cl.takes_split(2, 65536, "float32", "float64")
+
+
+SPLIT_OPTS = ("plain", "residual_bias", "partial_outside", "llama_offset", "residual_f32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("opt", SPLIT_OPTS)
+def test_emul_split_same_bits_as_big(dtype, opt):
+    """A few rows at large d go to pn_fwd_split; y, h and rstd bits equal pn_fwd_big's for
+    the same rows (so a token's bits do not depend on how many rows share the call),
+    for aligned and misaligned rows, and y is close to the reference."""
+    rng = np.random.default_rng(_seed("split", dtype, opt))
+    d = _split_d(dtype)
+    x, res, w, b, plan = _small_case(rng, 3, d, dtype, opt)
+    if cl.forward_types(_name(x), _name(res), _name(w), plan.out_dtype, plan.llama) is None:
+        pytest.skip("no kernel: the cupy backend runs the reference for this combination")
+    wide = np.concatenate([x, x[:, :3]], axis=1)[:, 1 : d + 1]  # rows not 16-byte aligned
+    for xs in (x, wide):
+        got = emul_forward(xs, res, w, b, plan)
+        big = emul_forward(xs, res, w, b, plan, split=False)
+        assert got[3].slices == 3 and got[3].grid == 9 and big[3].big, (got[3], big[3])
+        for a, r, what in zip(got[:3], big[:3], ("y", "h", "rstd"), strict=True):
+            if a is not None:
+                np.testing.assert_array_equal(_bits(a), _bits(r), err_msg=f"{what} of {got[3].name} {opt}")
+        ry, _, rr = reference.forward(xs, res, w, b, plan)
+        assert_close(got[0], ry, looser(plan.norm_dtype, plan.out_dtype), f"y of {got[3].name} {opt}")
+        assert_close(got[2], rr, Tol(2e-6, 0.0), f"rstd of {got[3].name} {opt}")
+    # the same token alone (split) and among more rows than SMs (pn_fwd_big): the same bits
+    one = emul_forward(x[1:2], None if res is None else res[1:2], w, b, plan)
+    many = emul_forward(x, res, w, b, plan, num_sms=2)
+    assert one[3].slices and many[3].big
+    np.testing.assert_array_equal(_bits(one[0][0]), _bits(many[0][1]))
+    np.testing.assert_array_equal(_bits(one[2]), _bits(many[2][1:2]))
+
+
+def test_emul_split_extreme_values():
+    """NaN/Inf and zero rows stay in their row, float runs' exact fallback (squares that
+    overflow float32 or are tiny), eps 0: pn_fwd_big's bits."""
+    rng = np.random.default_rng(21)
+    for dtype, scale in (("float32", 1e25), ("float32", 1e-30), ("bfloat16", 1e30), ("float16", 1e4)):
+        d = _split_d(dtype)
+        x = _data(rng, 4, d, dtype, scale)
+        x[1] = 0
+        x[2, d - 3] = np.inf
+        x[3, ::3] *= 1e-3
+        plan = _plan(d, dtype, eps=0.0)
+        got = emul_forward(x, None, None, None, plan)
+        big = emul_forward(x, None, None, None, plan, split=False)
+        assert got[3].slices and big[3].big
+        for a, r in zip(got[:3:2], big[:3:2], strict=True):
+            np.testing.assert_array_equal(_bits(a), _bits(r), err_msg=f"{dtype} scale={scale}")
+        y = got[0].astype(np.float64)
+        assert np.isnan(y[1]).all() and np.isnan(y[2]).all() and np.isfinite(y[[0, 3]]).all()
+
+
+SPLIT_BWD_OPTS = ("plain", "no_weight", "bias", "partial", "eps_outside", "rstd_given", "grad_residual",
+                  "weight_f32", "dy_f32", "everything")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("opt", SPLIT_BWD_OPTS)
+def test_emul_bwd_split_same_bits_as_big(dtype, opt):
+    """A few rows at large d go to pn_bwd_split: dx, dweight and dbias bits equal
+    pn_bwd_big's (one block per row) for aligned and misaligned rows, its partial rows
+    are written without a zero fill (the emulator hands it NaN bytes), and a token's dx
+    alone equals its dx among more rows than SMs (pn_bwd_big's persistent grid)."""
+    rng = np.random.default_rng(_seed("bsplit", dtype, opt))
+    d = _split_d(dtype)
+    dy, x, w, b, rstd, g, plan = _bwd_case(rng, 3, d, dtype, BWD_OPTIONS[opt])
+    wide = np.concatenate([x, x[:, :5]], axis=1)[:, 3 : d + 3]  # rows not 16-byte aligned
+    for xs in (x, wide):
+        got = emul_backward(dy, xs, w, b, rstd, g, plan)
+        big = emul_backward(dy, xs, w, b, rstd, g, plan, split=False)
+        assert got[3].slices == 3 and got[3].grid == 9 and big[3].big and big[3].grid == 3, (got[3], big[3])
+        for a, r, what in zip(got[:3], big[:3], ("dx", "dweight", "dbias"), strict=True):
+            assert (a is None) == (r is None)
+            if a is not None:
+                np.testing.assert_array_equal(_bits(a), _bits(r), err_msg=f"{what} of {got[3].name} {opt}")
+        _check_backward(dy, xs, w, b, rstd, g, plan)
+    one = emul_backward(dy[1:2], x[1:2], w, b, None if rstd is None else rstd[1:2],
+                        None if g is None else g[1:2], plan)  # fmt: skip
+    many = emul_backward(dy, x, w, b, rstd, g, plan, num_sms=2)
+    assert one[3].slices and many[3].big
+    np.testing.assert_array_equal(_bits(one[0][0]), _bits(many[0][1]))

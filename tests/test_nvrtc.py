@@ -74,11 +74,13 @@ def test_dispatch_only_requests_compiled_kernels():
         for n in (1, 5, 4096):
             for t in cl.FWD_TYPES:
                 for big in (False, True):
-                    assert cl.forward_launch(n, d, *t, force_big=big).name in names
+                    la = cl.forward_launch(n, d, *t, force_big=big)
+                    assert la.name in names and (not la.slices or la.name2 in names)
             for t in cl.BWD_TYPES:
                 for big in (False, True):
                     for hw, hg in ((False, False), (False, True), (True, False), (True, True)):
-                        assert cl.backward_launch(n, d, *t, force_big=big, has_w=hw, has_g=hg).name in names
+                        la = cl.backward_launch(n, d, *t, force_big=big, has_w=hw, has_g=hg)
+                        assert la.name in names and (not la.slices or la.name2 in names)
     for t in cl.COLSUM_TYPES:
         assert cl.colsum_launch(10, *t).name in names
 
@@ -94,6 +96,14 @@ def test_launch_shapes_cover_the_row(d, x):
             if launch.big:
                 assert launch.tpr == launch.block and 0 <= launch.stash <= d // vec
                 assert launch.shared <= cl.DEFAULT_SMEM
+            elif launch.slices:
+                # pn_*_split: a block per (row, slice), the big kernels' block and slices
+                assert launch.block == launch.tpr == cl.big_block(d, x) and launch.shared == 0
+                assert launch.grid == n * launch.slices == n * cl.slice_count(d, x) and launch.slices >= 2
+                assert cl.slice_span(d, x) * launch.slices >= d // vec and n < cl.DEFAULT_SMS
+                if "pn_bwd" in launch.name:
+                    assert launch.ldp >= d and launch.partial_rows == n
+                continue
             else:
                 assert launch.block <= cl.REG_THREADS
                 if launch.name.startswith("pn_fwd_small"):

@@ -94,6 +94,8 @@ def predict(op: str, dtype: str, n: int, d: int, dev: Device, kernels: dict) -> 
         la = cl.backward_launch(n, d, dtype, dtype, dtype, num_sms=dev.sms, max_smem=smem_cap)
     else:
         la = cl.forward_launch(n, d, dtype, dtype if op == "add" else None, dtype, dtype, max_smem=smem_cap)
+    if la.slices:
+        return _predict_split(op, dtype, n, d, dev, kernels, la)
     k = kernels[(dev.arch, la.name)]
     per_sm, limiter = _occupancy(dev, k["regs"], la.block, la.shared, k["static_smem"])
     occ = per_sm * math.ceil(la.block / 32) / dev.warps
@@ -119,6 +121,42 @@ def predict(op: str, dtype: str, n: int, d: int, dev: Device, kernels: dict) -> 
             "ldg128_inflight": k["ldg128_inflight"], "occupancy": round(occ, 4), "limiter": limiter,
             "sms_used": used_sms, "inflight_per_sm": inflight, "bound_gbps": round(bound / 1e9, 1),
             "moved_over_useful": round(moved / useful, 4), "frac": round(frac, 4)}
+
+
+def _predict_split(op: str, dtype: str, n: int, d: int, dev: Device, kernels: dict, la: cl.Launch) -> dict:
+    """:func:`predict` for a pn_*_split launch: its two phases in turn, each bound by its own
+    bytes in flight.  Phase 1 reads the row (and writes h), phase 2 reads it again (counted
+    as DRAM traffic although it is mostly an L2 hit) and writes the outputs and, in the
+    backward, one dweight + dbias partial row per row."""
+    from .gpu import op_bytes
+
+    a = n * d * cl.ITEMSIZE[dtype]
+    useful = op_bytes(op, dtype, n, d)
+    first = {"fwd": a, "add": 3 * a, "bwd": 2 * a}[op]
+    second = {"fwd": 2 * a, "add": 2 * a, "bwd": 3 * a}[op] + (useful - {"fwd": 2, "add": 4, "bwd": 3}[op] * a)
+    if op == "bwd" and la.partial_rows:
+        second += 2 * la.partial_rows * la.ldp * cl.ITEMSIZE[cl.compute_dtype(dtype)]
+    seconds, parts = 0.0, []
+    for name, moved in ((la.name, first), (la.name2, second)):
+        k = kernels[(dev.arch, name)]
+        per_sm, limiter = _occupancy(dev, k["regs"], la.block, la.shared, k["static_smem"])
+        active = min(per_sm, math.ceil(la.grid / dev.sms)) if per_sm else 0
+        inflight = active * la.block * max(1, k["ldg128_inflight"]) * 16
+        used_sms = min(dev.sms, la.grid)
+        bound = min(dev.bandwidth, inflight * used_sms / dev.latency)
+        seconds += moved / bound if bound else math.inf
+        parts.append((k, per_sm, limiter, inflight, bound, used_sms))
+    if op == "bwd" and la.partial_rows:  # pn_colsum reads the partial rows back
+        seconds += 2 * la.partial_rows * la.ldp * cl.ITEMSIZE[cl.compute_dtype(dtype)] / dev.bandwidth
+    k, per_sm, limiter, inflight, _, used_sms = min(parts, key=lambda p: p[4])
+    occ = per_sm * math.ceil(la.block / 32) / dev.warps
+    return {"op": op, "dtype": dtype, "n": n, "d": d, "device": dev.name, "kernel": la.name,
+            "grid": la.grid, "block": la.block, "shared": la.shared, "regs": k["regs"],
+            "ldg128_inflight": k["ldg128_inflight"], "occupancy": round(occ, 4), "limiter": limiter,
+            "sms_used": used_sms, "inflight_per_sm": inflight,
+            "bound_gbps": round((first + second) / seconds / 1e9, 1),
+            "moved_over_useful": round((first + second) / useful, 4),
+            "frac": round(useful / seconds / dev.bandwidth, 4)}
 
 
 def table(rows: list[dict]) -> str:

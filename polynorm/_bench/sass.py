@@ -31,7 +31,7 @@ import re
 import shutil
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..backends import _cuda_launch as cl
@@ -201,10 +201,15 @@ def launches(arch: str) -> dict[str, list[dict]]:
     for d in D_VALUES:
         for n in N_VALUES:
             for t in cl.FWD_TYPES:
-                add(cl.forward_launch(n, d, *t, max_smem=smem), d, n, "forward")
+                fl = cl.forward_launch(n, d, *t, max_smem=smem, num_sms=sms)
+                add(fl, d, n, "forward")
+                if fl.name2:  # pn_fwd_split's phase 2: the same grid and block
+                    add(replace(fl, name=fl.name2), d, n, "forward")
             for t, hw, hg in ((t, hw, hg) for t in cl.BWD_TYPES for hw in (False, True) for hg in (False, True)):
                 bl = cl.backward_launch(n, d, *t, num_sms=sms, max_smem=smem, has_w=hw, has_g=hg)
                 add(bl, d, n, "backward")
+                if bl.name2:
+                    add(replace(bl, name=bl.name2), d, n, "backward")
                 if bl.partial_rows:
                     ct = cl.compute_dtype(t[0])
                     for o in {cl.colsum_out(ct, t[0]), cl.colsum_out(ct, ct)}:

@@ -69,6 +69,10 @@ DEFAULT_SMEM = 227 * 1024  # opt-in shared memory per block, sm_90
 #: static shared memory of the *_big kernels (red[32] doubles) plus slack: the
 #: opt-in limit covers static + dynamic
 STATIC_SMEM = 1024
+#: the row slices of the *_big kernels (common.cu.j2 pn_slice_span): at least
+#: this many passes of the block over the row per slice, at most this many slices
+SLICE_MIN_PASSES = 2
+SLICE_MAX = 32
 
 
 def _options(h: str) -> tuple[str, ...]:
@@ -102,6 +106,10 @@ def fwd_name(x: str, res: str, w: str, out: str, items: int | None) -> str:
     if items is None:
         return f"pn_fwd_big<{_ct(x, res, w, out)}>"
     return f"pn_fwd<{_ct(x, res, w, out)}, {items}>"
+
+
+def fwd_split_name(x: str, res: str, w: str, out: str, phase: int) -> str:
+    return f"pn_fwd_split<{_ct(x, res, w, out)}, {phase}>"
 
 
 def fwd_small_name(x: str, res: str, w: str, out: str, items: int, wide: bool) -> str:
@@ -151,6 +159,10 @@ def bwd_name(x: str, dy: str, w: str, items: int | None, has_w: bool = True, has
     return f"pn_bwd<{_ct(x, dy, w)}, {items}, {_tf(has_w)}, {_tf(has_g)}>"
 
 
+def bwd_split_name(x: str, dy: str, w: str, phase: int) -> str:
+    return f"pn_bwd_split<{_ct(x, dy, w)}, {phase}>"
+
+
 def colsum_name(ct: str, out: str) -> str:
     return f"pn_colsum<{_ct(ct, out)}>"
 
@@ -166,11 +178,15 @@ def specialisations() -> list[str]:
     for t in FWD_TYPES:
         names += [fwd_name(*t, items) for items in (*FWD_ITEMS_BY_X[t[0]], None)]
         names += [fwd_small_name(*t, items, wide) for items, wide in small_shapes(t[0])]
+        if compute_dtype(promote(t[0], t[1])) == "float32":
+            names += [fwd_split_name(*t, phase) for phase in (1, 2)]
     for t in BWD_TYPES:
         for hw in (False, True):
             for hg in (False, True):
                 names += [bwd_name(*t, items, hw, hg) for items in BWD_ITEMS]
         names.append(bwd_name(*t, None))
+        if compute_dtype(t[0]) == "float32":
+            names += [bwd_split_name(*t, phase) for phase in (1, 2)]
     names += [colsum_name(*t) for t in COLSUM_TYPES]
     names += [gated_fwd_name(*t) for t in GATED_FWD_TYPES]
     names += [gated_bwd_name(*t) for t in GATED_BWD_TYPES]
@@ -267,6 +283,10 @@ class Launch:
     stash: int = 0
     partial_rows: int = 0
     ldp: int = 0
+    #: split-row launch (pn_fwd_split): ``name`` is phase 1, ``name2`` phase 2, both on
+    #: ``grid = n * slices`` blocks, with an ``n * slices`` float64 partial buffer
+    slices: int = 0
+    name2: str = ""
 
 
 def _pow2ceil(v: int) -> int:
@@ -282,6 +302,51 @@ def _reg_shape(d: int, vec: int, items_choices: tuple[int, ...], min_tpr: int = 
         if tpr <= limit:
             return items, tpr
     return None
+
+
+def big_block(d: int, x: str) -> int:
+    """The block (threads per row) of pn_fwd_big / pn_bwd_big for rows of ``d``."""
+    chunks = d // VEC[x]
+    return BIG_THREADS if chunks >= BIG_THREADS else max(32, _pow2ceil(chunks))
+
+
+def slice_span(d: int, x: str) -> int:
+    """Chunks per row slice of the *_big kernels' statistic (mirror of ``pn_slice_span``).
+
+    >>> slice_span(262144, "bfloat16"), slice_span(8192, "bfloat16")
+    (2048, 2048)
+    >>> slice_span(1 << 24, "bfloat16") // big_block(1 << 24, "bfloat16")  # 2048 passes, 32 slices
+    64
+    """
+    tpr = big_block(d, x)
+    passes = -(-(d // VEC[x]) // tpr)
+    return max(SLICE_MIN_PASSES, -(-passes // SLICE_MAX)) * tpr
+
+
+def slice_count(d: int, x: str) -> int:
+    """Slices of a row of ``d`` (1 when one slice holds the whole row).
+
+    >>> slice_count(262144, "bfloat16"), slice_count(65536, "bfloat16"), slice_count(16389, "bfloat16")
+    (16, 4, 1)
+    """
+    body, span = d // VEC[x], slice_span(d, x)
+    return -(-body // span) if body > span else 1
+
+
+def takes_split(n: int, d: int, x: str, h: str, num_sms: int = DEFAULT_SMS) -> bool:
+    """Whether a big forward row goes to pn_fwd_split instead of pn_fwd_big.
+
+    pn_fwd_big runs one 1024-thread block per row and one such block per SM
+    (64 registers), so fewer rows than SMs leave SMs idle; the split launch
+    gives each (row, slice) a block.  Float compute only, and only rows of at
+    least two slices.
+
+    >>> takes_split(8, 262144, "bfloat16", "bfloat16"), takes_split(4096, 65536, "bfloat16", "bfloat16")
+    (True, False)
+    >>> takes_split(8, 262144, "float64", "float64"), takes_split(8, 16389, "bfloat16", "bfloat16")
+    (False, False)
+    """
+    return compute_dtype(h) == "float32" and n < num_sms and slice_count(d, x) >= 2
 
 
 def _row_block(n: int, tpr: int) -> int:
@@ -304,20 +369,27 @@ def forward_launch(
     max_smem: int = DEFAULT_SMEM,
     force_big: bool = False,
     small: bool = True,
+    num_sms: int = DEFAULT_SMS,
+    split: bool = True,
 ) -> Launch:
     """Launch of pn_fwd_small / pn_fwd / pn_fwd_big for ``n`` rows of ``d`` (kernel dtypes given).
 
     ``res``/``weight``/``out`` default to ``x`` (as the kernels need a type
     even when the array is absent).  Rows of ``d <= SMALL_D`` go to
     pn_fwd_small (the same bits as pn_fwd, which ``small=False`` requests).
+    Big rows go to pn_fwd_split where :func:`takes_split` says so (the same
+    bits as pn_fwd_big, which ``split=False`` requests).
 
     >>> forward_launch(8, 3, "float32").block, forward_launch(8, 3, "float32", small=False).tpr
     (32, 4)
     >>> fl = forward_launch(1 << 21, 128, "bfloat16")
     >>> fl.name.split("<")[0], fl.block, fl.tpr, fl.grid
     ('pn_fwd_small', 256, 8, 65536)
-    >>> forward_launch(2, 262144, "bfloat16").big
+    >>> forward_launch(2, 262144, "bfloat16", split=False).big
     True
+    >>> fl = forward_launch(2, 262144, "bfloat16")
+    >>> fl.name, fl.grid, fl.block, fl.slices
+    ('pn_fwd_split<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1>', 32, 1024, 16)
     """
     res = res or x
     weight = weight or promote(x, res)
@@ -339,10 +411,14 @@ def forward_launch(
         return Launch(fwd_name(x, res, weight, out, items), grid=math.ceil(n / rows),
                       block=block, shared=0, tpr=tpr, big=False)
     h = promote(x, res)
+    block = big_block(d, x)
+    if split and takes_split(n, d, x, h, num_sms):
+        s = slice_count(d, x)
+        return Launch(fwd_split_name(x, res, weight, out, 1), grid=n * s, block=block, shared=0,
+                      tpr=block, big=False, slices=s, name2=fwd_split_name(x, res, weight, out, 2))
     chunks = d // vec
     per_chunk = vec * ITEMSIZE[h]
     stash = max(0, min(chunks, (max_smem - STATIC_SMEM) // per_chunk))
-    block = BIG_THREADS if chunks >= BIG_THREADS else max(32, _pow2ceil(chunks))
     return Launch(fwd_name(x, res, weight, out, None), grid=n, block=block,
                   shared=stash * per_chunk, tpr=block, big=True, stash=stash)
 
@@ -361,13 +437,21 @@ def backward_launch(
     force_big: bool = False,
     has_w: bool = True,
     has_g: bool = False,
+    split: bool = True,
 ) -> Launch:
-    """Launch of pn_bwd / pn_bwd_big (persistent grid) for ``n`` rows of ``d``.
+    """Launch of pn_bwd / pn_bwd_big (persistent grid) / pn_bwd_split for ``n`` rows of ``d``.
 
     ``partials``: whether dweight or dbias partial sums are wanted (the
     caller allocates ``partial_rows x ldp`` buffers of the compute dtype,
     zero-filled for the big kernel).  ``has_w`` / ``has_g``: whether a weight /
-    grad_residual is passed (compile-time parameters of pn_bwd).
+    grad_residual is passed (compile-time parameters of pn_bwd).  Big rows go to pn_bwd_split where
+    :func:`takes_split` says so (``split=False``: pn_bwd_big, the same bits):
+    its partial rows are one per row, written once (no zero fill), and it
+    needs a ``2 * n * slices`` float64 buffer.
+
+    >>> bl = backward_launch(8, 262144, "bfloat16")
+    >>> bl.name2, bl.grid, bl.partial_rows, bl.slices
+    ('pn_bwd_split<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2>', 128, 8, 16)
 
     >>> bl = backward_launch(4096, 4096, "bfloat16", num_sms=132)
     >>> bl.name, bl.grid, bl.partial_rows, bl.ldp
@@ -391,12 +475,18 @@ def backward_launch(
         shared = 2 * rows * ldp * ITEMSIZE[ct] if partials else 0
         return Launch(bwd_name(x, dy, weight, 1, has_w, has_g), grid=grid, block=block, shared=shared,
                       tpr=tpr, big=False, partial_rows=grid if partials else 0, ldp=ldp)
+    if split and takes_split(n, d, x, x, num_sms):
+        s = slice_count(d, x)
+        block = big_block(d, x)
+        return Launch(bwd_split_name(x, dy, weight, 1), grid=n * s, block=block, shared=0, tpr=block,
+                      big=False, partial_rows=n if partials else 0, ldp=ldp, slices=s,
+                      name2=bwd_split_name(x, dy, weight, 2))
     chunks = d // vec
     per_chunk = vec * (ITEMSIZE[x] + ITEMSIZE[dy])
     # the dy stash starts at the next 16-byte boundary after the x stash
     stash = max(0, min(chunks, (max_smem - STATIC_SMEM - 16) // per_chunk))
     shared = -(-stash * vec * ITEMSIZE[x] // 16) * 16 + stash * vec * ITEMSIZE[dy]
-    block = BIG_THREADS if chunks >= BIG_THREADS else max(32, _pow2ceil(chunks))
+    block = big_block(d, x)
     grid = max(1, min(n, num_sms))
     return Launch(bwd_name(x, dy, weight, None), grid=grid, block=block, shared=shared,
                   tpr=block, big=True, stash=stash, partial_rows=grid if partials else 0, ldp=ldp)

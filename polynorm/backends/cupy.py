@@ -20,6 +20,7 @@ runs the array-API reference on the same device instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Any
 
@@ -269,16 +270,25 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
         hc = _empty((n, d), types.h) if rc is not None else None
         rstd = _empty((n,), ct)
         num_sms, max_smem = _device()
-        launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out, max_smem=max_smem)
-        args = (
+        launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out, max_smem=max_smem,
+                                   num_sms=num_sms)
+        head = (
             _ptr(xc), _rs(xc), _ptr(rc), _rs(rc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
             _ptr(yc), _rs(yc), _ptr(rstd),
-            np.int64(n), np.int32(d), np.int32(plan.k),
-            np.int32(launch.stash if launch.big else launch.tpr),
+        )
+        tail = (
             np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
             np.int32(plan.llama),
         )
-        _launch(launch, args)
+        if launch.slices:  # pn_fwd_split: two launches around the per-slice sums
+            part = _empty((n * launch.slices,), "float64")
+            args = (*head, _ptr(part), np.int64(n), np.int32(d), np.int32(plan.k), np.int32(launch.slices), *tail)
+            _launch(launch, args)
+            _launch(dataclasses.replace(launch, name=launch.name2), args)
+        else:
+            args = (*head, np.int64(n), np.int32(d), np.int32(plan.k),
+                    np.int32(launch.stash if launch.big else launch.tpr), *tail)
+            _launch(launch, args)
         if direct:
             y = out
         else:
@@ -313,14 +323,20 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
         shape = (launch.partial_rows, launch.ldp)
         dwp = _empty(shape, ct, zero=launch.big) if weight is not None else None
         dbp = _empty(shape, ct, zero=launch.big) if bias is not None else None
-        args = (
+        head = (
             _ptr(dyc), _rs(dyc), _ptr(xc), _rs(xc), _ptr(wc), _ptr(rc), _ptr(gc), _rs(gc),
             _ptr(dxc), _rs(dxc), _ptr(dwp), _ptr(dbp), np.int64(launch.ldp),
-            np.int64(n), np.int32(d), np.int32(plan.k),
-            np.int32(launch.stash if launch.big else launch.tpr),
-            np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
         )
-        _launch(launch, args)
+        tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset))
+        if launch.slices:  # pn_bwd_split: two launches around the per-slice sums
+            part = _empty((2 * n * launch.slices,), "float64")
+            args = (*head, _ptr(part), np.int64(n), np.int32(d), np.int32(plan.k), np.int32(launch.slices), *tail)
+            _launch(launch, args)
+            _launch(dataclasses.replace(launch, name=launch.name2), args)
+        else:
+            args = (*head, np.int64(n), np.int32(d), np.int32(plan.k),
+                    np.int32(launch.stash if launch.big else launch.tpr), *tail)
+            _launch(launch, args)
         dx = _interop.from_cupy(dxc, x, xd)
         dweight = _colsum(dwp, d, ct, wd, x) if weight is not None else None
         dbias = _colsum(dbp, d, ct, bd, x) if bias is not None else None
