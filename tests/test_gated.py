@@ -116,6 +116,28 @@ def test_backward_finite_differences(backend, case):
             assert_close(got, want, FD_TOL, f"d{name} (rstd given: {rstd is not None})")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("nbg", [False, True])
+def test_backward_without_weight_ignores_offset(backend, nbg):
+    """offset scales only a weight: without one, dx/dz are the finite differences of
+    the forward (which ignores offset), whatever offset is."""
+    x, z, _, _ = _data(n=3, d=8, seed=4)
+    G = np.random.default_rng(5).standard_normal(x.shape)
+    kw = dict(norm_before_gate=nbg, eps=EPS, offset=1.0)
+    dx, dz, dw, db = pn.rms_norm_gated_backward(G, x, z, backend=backend, **kw)
+    assert dw is None and db is None
+    for name, a, got in (("x", x, dx), ("z", z, dz)):
+        want = np.zeros_like(a)
+        for idx in np.ndindex(a.shape):
+            ap, am = a.copy(), a.copy()
+            ap[idx] += H
+            am[idx] -= H
+            pair = {"x": (ap, z), "z": (x, ap)}[name], {"x": (am, z), "z": (x, am)}[name]
+            lp, lm = (_loss(G, backend, kw, *p, None, None) for p in pair)
+            want[idx] = (lp - lm) / (2 * H)
+        assert_close(got, want, FD_TOL, f"d{name}")
+
+
 # --------------------------------------------------------------------------- batch invariance
 
 

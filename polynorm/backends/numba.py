@@ -644,8 +644,9 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
         flags |= K.HAS_RSTD
         r = np.ascontiguousarray(_interop.to_numpy(rstd), dtype=cdt)
     buf = np.empty((4, d), cdt)
+    # offset scales only a weight: ones stand in for an absent one, with no offset
     args = (dyk, xk, zk, w, b, r, _kview(dx), _kview(dz), lw, lb, buf, flags, gplan.group_size,
-            gplan.k, plan.eps, plan.offset)
+            gplan.k, plan.eps, plan.offset if weight is not None else 0.0)
     if _parallel(n, d):
         with _launch_lock:
             G.backward_parallel(*args)
