@@ -280,15 +280,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
             np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
             np.int32(plan.llama),
         )
-        if launch.slices:  # pn_fwd_split: two launches around the per-slice sums
-            part = _empty((n * launch.slices,), "float64")
-            args = (*head, _ptr(part), np.int64(n), np.int32(d), np.int32(plan.k), np.int32(launch.slices), *tail)
-            _launch(launch, args)
-            _launch(dataclasses.replace(launch, name=launch.name2), args)
-        else:
-            args = (*head, np.int64(n), np.int32(d), np.int32(plan.k),
-                    np.int32(launch.stash if launch.big else launch.tpr), *tail)
-            _launch(launch, args)
+        _launch_rows(launch, head, tail, n, d, plan.k, sums=1)
         if direct:
             y = out
         else:
@@ -296,6 +288,19 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
             y = _cast(y, plan.out_dtype)
         h = _interop.from_cupy(hc, x, types.h)
         return y, h, _interop.from_cupy(rstd, x)
+
+
+def _launch_rows(launch, head: tuple, tail: tuple, n: int, d: int, k: int, sums: int) -> None:
+    """A row kernel's launch (``head``, the row scalars, ``tail``), or pn_*_split's two
+    launches around a float64 buffer of ``sums`` sums per (row, slice)."""
+    if launch.slices:
+        part = _empty((sums * n * launch.slices,), "float64")
+        args = (*head, _ptr(part), np.int64(n), np.int32(d), np.int32(k), np.int32(launch.slices), *tail)
+        _launch(launch, args)
+        _launch(dataclasses.replace(launch, name=launch.name2), args)
+    else:
+        _launch(launch, (*head, np.int64(n), np.int32(d), np.int32(k),
+                         np.int32(launch.stash if launch.big else launch.tpr), *tail))
 
 
 def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
@@ -328,15 +333,7 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
             _ptr(dxc), _rs(dxc), _ptr(dwp), _ptr(dbp), np.int64(launch.ldp),
         )
         tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset))
-        if launch.slices:  # pn_bwd_split: two launches around the per-slice sums
-            part = _empty((2 * n * launch.slices,), "float64")
-            args = (*head, _ptr(part), np.int64(n), np.int32(d), np.int32(plan.k), np.int32(launch.slices), *tail)
-            _launch(launch, args)
-            _launch(dataclasses.replace(launch, name=launch.name2), args)
-        else:
-            args = (*head, np.int64(n), np.int32(d), np.int32(plan.k),
-                    np.int32(launch.stash if launch.big else launch.tpr), *tail)
-            _launch(launch, args)
+        _launch_rows(launch, head, tail, n, d, plan.k, sums=2)
         dx = _interop.from_cupy(dxc, x, xd)
         dweight = _colsum(dwp, d, ct, wd, x) if weight is not None else None
         dbias = _colsum(dbp, d, ct, bd, x) if bias is not None else None
