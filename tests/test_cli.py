@@ -123,8 +123,8 @@ def test_check_fails_when_the_forward_is_broken(monkeypatch, capsys):
 def test_check_fails_when_the_backward_is_broken(monkeypatch, capsys):
     real = reference.backward
 
-    def backward(dy, x, weight, bias, rstd, grad_residual, plan):
-        dx, dw, db = real(dy, x, weight, bias, rstd, grad_residual, plan)
+    def backward(dy, x, weight, bias, rstd, grad_residual, plan, out=None):
+        dx, dw, db = real(dy, x, weight, bias, rstd, grad_residual, plan, out)
         return dx * 1.5, dw, db
 
     monkeypatch.setattr(reference, "backward", backward)
