@@ -452,7 +452,6 @@ def call_overhead(min_time: float = 0.2) -> dict[str, float]:
 
     import polynorm as pn
     from polynorm.backends import _numba_kernels as K
-    from polynorm.backends import numba as nb
 
     x = np.random.default_rng(0).standard_normal((1, 4096), dtype=np.float32)
     w = np.ones(4096, np.float32)
@@ -462,8 +461,8 @@ def call_overhead(min_time: float = 0.2) -> dict[str, float]:
         "fast": median_time(lambda: pn.rms_norm(x, w), min_time=min_time),
         "generic": median_time(lambda: pn.rms_norm(x, w, axis=(1,)), min_time=min_time),
         "kernel": median_time(
-            lambda: K.forward_rows(0, 1, x, x, w, nb._NO_VEC[w.dtype], y, x, r,
-                                   K.HAS_W | K.EPS_INSIDE, 4096, EPS, 0.0, nb._stage(y, False)),
+            lambda: K.forward_rows(0, 1, x, None, w, None, y, None, r, K.EPS_INSIDE, 4096, EPS,
+                                   0.0, None),
             min_time=min_time),
     }
     empty = njit(lambda a: 0)
@@ -484,7 +483,6 @@ def threshold(ds=(512, 1024, 4096), ns=(1, 2, 4, 8, 16, 32, 64, 128), min_time=0
     thread-pool launch, so it wins only above some ``n * d``.
     """
     from polynorm.backends import _numba_kernels as K
-    from polynorm.backends import numba as nb
 
     rows = []
     for d in ds:
@@ -493,8 +491,7 @@ def threshold(ds=(512, 1024, 4096), ns=(1, 2, 4, 8, 16, 32, 64, 128), min_time=0
             w = np.ones(d, np.float32)
             y = np.empty_like(x)
             r = np.empty(n, np.float32)
-            args = (x, x, w, nb._NO_VEC[w.dtype], y, x, r, K.HAS_W | K.EPS_INSIDE, d, EPS, 0.0,
-                    nb._stage(y, False))
+            args = (x, None, w, None, y, None, r, K.EPS_INSIDE, d, EPS, 0.0, None)
             ts = median_time(lambda a=args, n=n: K.forward_rows(0, n, *a), min_time=min_time)
             tp = median_time(lambda a=args: K.forward_parallel(*a), min_time=min_time)
             rows.append((n, d, ts * 1e6, tp * 1e6))

@@ -4,12 +4,16 @@ helpers that the backward (:mod:`._numba_backward`) shares.
 Every option of the :class:`polynorm._options.Plan` arrives as a runtime
 scalar or a bit of ``flags``, so a kernel is specialised only on the element
 types and memory layouts of its arrays.  Weight and bias arrive in the
-compute type (the caller converts those ``(d,)`` arrays), and an absent
-array is replaced by a stand-in of the type it would have (x itself for a
-missing residual), with its flag bit cleared: the common calls share one
-compiled kernel per input dtype.  float16 and bfloat16 arrays arrive as
-integer views whose type is the format (``int16``: float16, ``uint16``:
-bfloat16; ``_numba_codec.is_bf16``), so the format is a compile-time constant.
+compute type (the caller converts those ``(d,)`` arrays).  In the forward an
+absent residual, weight, bias or stage is ``None``: the path is chosen at
+typing time (:func:`_forward_path`, :func:`scale_shift`), so a call compiles
+only the code it runs (a fresh process's first float32 call compiles one
+path, not the fused add, the 16-bit pipeline and streaming besides).  The
+backward and the gated kernels take stand-ins with flag bits instead (one
+compiled kernel for every case of a dtype).  float16 and bfloat16 arrays
+arrive as integer views whose type is the format (``int16``: float16,
+``uint16``: bfloat16; ``_numba_codec.is_bf16``), so the format is a
+compile-time constant.
 
 Numerics (see the module docstring of :mod:`polynorm._options`):
 
@@ -127,6 +131,31 @@ def _ov_like(v, ref):
     if ref == types.float64:
         return lambda v, ref: np.float64(v)
     return None
+
+
+def _absent(a) -> bool:
+    return a is None or isinstance(a, types.NoneType)
+
+
+def scale_shift(v, w, b, j, oc):  # pragma: no cover - replaced by the overload
+    """``v * (w[j] + oc) + b[j]`` in the compute type of ``oc``; an absent
+    (``None``) weight or bias drops its term.
+
+    Chosen at typing time: a call without weight or bias compiles without
+    those terms (one branch-free loop per case, which vectorizes).
+    """
+    raise NotImplementedError
+
+
+@overload(scale_shift, inline="always")
+def _ov_scale_shift(v, w, b, j, oc):
+    if _absent(w) and _absent(b):
+        return lambda v, w, b, j, oc: v
+    if _absent(b):
+        return lambda v, w, b, j, oc: v * (like(w[j], oc) + oc)
+    if _absent(w):
+        return lambda v, w, b, j, oc: v + like(b[j], oc)
+    return lambda v, w, b, j, oc: v * (like(w[j], oc) + oc) + like(b[j], oc)
 
 
 #: Rows of at most this many bytes have the next row prefetched.  A longer
@@ -297,32 +326,16 @@ _CHUNK_F = 256
 
 
 @_inline_ir
-def _out_span(a, i, j0, j1, abf, w, b, y, rc, oc, flags):
+def _out_span(a, i, j0, j1, abf, w, b, y, rc, oc):
     """``y[i, j0:j1] = a[i, j0:j1] * rstd * (w + offset) + b`` in the compute type, rounded once.
 
     No row views or slices (each costs Numba reference counting), and
     unsigned column indices: no negative-index wraparound in the loops, which
     keeps them vectorized.
     """
-    has_w = (flags & HAS_W) != 0
-    has_b = (flags & HAS_B) != 0
     ybf = is_bf16(y)
-    lo = np.uint64(j0)
-    hi = np.uint64(j1)
-    # one loop per case, free of per-element branches (they vectorize)
-    if has_w and not has_b:
-        for j in range(lo, hi):
-            store(y, (i, j), load(a[i, j], abf) * rc * (like(w[j], rc) + oc), ybf)
-    elif not has_w and not has_b:
-        for j in range(lo, hi):
-            store(y, (i, j), load(a[i, j], abf) * rc, ybf)
-    elif has_w:
-        for j in range(lo, hi):
-            val = load(a[i, j], abf) * rc * (like(w[j], rc) + oc)
-            store(y, (i, j), val + like(b[j], rc), ybf)
-    else:
-        for j in range(lo, hi):
-            store(y, (i, j), load(a[i, j], abf) * rc + like(b[j], rc), ybf)
+    for j in range(np.uint64(j0), np.uint64(j1)):
+        store(y, (i, j), scale_shift(load(a[i, j], abf) * rc, w, b, j, oc), ybf)
 
 
 @_inline_ir
@@ -338,7 +351,7 @@ def _fwd_norm_row(i, hi, a, abf, w, b, y, rstd, flags, k, eps, offset, ss, stage
     oc = like(offset, rc)
     nxt = i + 1
     if r64 < math.inf and not rc < math.inf:
-        _fwd_row_wide(i, a, abf, w, b, y, r64, flags, oc)
+        _fwd_row_wide(i, a, abf, w, b, y, r64, oc)
         return _row_sumsq(a, nxt, k, abf) if nxt < hi else 0.0
     return _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage)
 
@@ -361,9 +374,9 @@ def _ov_out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
                 for jc in range(0, d, _CHUNK_F):
                     n = min(_CHUNK_F, d - jc)
                     prefetch_span(a, i + 1, jc, n)
-                    _out_span(a, i, jc, jc + n, abf, w, b, y, rc, oc, flags)
+                    _out_span(a, i, jc, jc + n, abf, w, b, y, rc, oc)
             else:
-                _out_span(a, i, 0, d, abf, w, b, y, rc, oc, flags)
+                _out_span(a, i, 0, d, abf, w, b, y, rc, oc)
             return 0.0
         return plain
     return lambda i, hi, a, abf, w, b, y, rc, oc, flags, k, stage: _out_and_next_lanes(
@@ -388,22 +401,22 @@ def _out_and_next_lanes(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
     h, lines_end = _whole_lines(y, i) if streamed else (0, 0)
     o = h  # the next column of y to stream out
     if streamed:
-        _out_span(a, i, 0, h, abf, w, b, y, rc, oc, flags)
+        _out_span(a, i, 0, h, abf, w, b, y, rc, oc)
     for jc in range(0, kc, _CHUNK):
         if ahead:
             prefetch_span(a, i + 2, jc, _CHUNK)
         if streamed:
             o = _stream_out(a, i, o, min(h + jc + _CHUNK, lines_end), abf, w, b, y, rc, oc,
-                            flags, stage)
+                            stage)
         else:
-            _out_span(a, i, jc, jc + _CHUNK, abf, w, b, y, rc, oc, flags)
+            _out_span(a, i, jc, jc + _CHUNK, abf, w, b, y, rc, oc)
         for j in range(jc, jc + _CHUNK, SUM_BLOCK):
             acc = lanes_add_block(acc, a, nxt, j, abf)
     if streamed:
-        _stream_out(a, i, o, lines_end, abf, w, b, y, rc, oc, flags, stage)
-        _out_span(a, i, lines_end, d, abf, w, b, y, rc, oc, flags)
+        _stream_out(a, i, o, lines_end, abf, w, b, y, rc, oc, stage)
+        _out_span(a, i, lines_end, d, abf, w, b, y, rc, oc)
     else:
-        _out_span(a, i, kc, d, abf, w, b, y, rc, oc, flags)
+        _out_span(a, i, kc, d, abf, w, b, y, rc, oc)
     return _lanes_rest(acc, a, nxt, k, kc, abf) if pipe else 0.0
 
 
@@ -418,34 +431,19 @@ def _whole_lines(y, i):
 
 
 @_inline_ir
-def _stream_out(a, i, j0, j1, abf, w, b, y, rc, oc, flags, stage):
+def _stream_out(a, i, j0, j1, abf, w, b, y, rc, oc, stage):
     """``y[i, j0:j1]`` (whole 64-byte lines of y) as :func:`_out_span` computes
     it, through ``stage`` and streaming stores (:mod:`._numba_stream`), a stage
     at a time; returns ``j1``.  The arrays are borrowed (``_numba_refs``), so
     passing them here costs no reference count per stage."""
     c = stage.shape[1]
-    has_w = (flags & HAS_W) != 0
-    has_b = (flags & HAS_B) != 0
     sbf = is_bf16(stage)
     for j in range(j0, j1, c):
         n = min(c, j1 - j)
         j0u = np.uint64(j)
-        # _out_span's four cases, each a branch-free loop
-        if has_w and not has_b:
-            for t in range(np.uint64(n)):
-                v = load(a[i, j0u + t], abf) * rc * (like(w[j0u + t], rc) + oc)
-                store(stage, (0, t), v, sbf)
-        elif not has_w and not has_b:
-            for t in range(np.uint64(n)):
-                store(stage, (0, t), load(a[i, j0u + t], abf) * rc, sbf)
-        elif has_w:
-            for t in range(np.uint64(n)):
-                v = load(a[i, j0u + t], abf) * rc * (like(w[j0u + t], rc) + oc)
-                store(stage, (0, t), v + like(b[j0u + t], rc), sbf)
-        else:
-            for t in range(np.uint64(n)):
-                v = load(a[i, j0u + t], abf) * rc + like(b[j0u + t], rc)
-                store(stage, (0, t), v, sbf)
+        for t in range(np.uint64(n)):
+            v = scale_shift(load(a[i, j0u + t], abf) * rc, w, b, j0u + t, oc)
+            store(stage, (0, t), v, sbf)
         stream_copy(y, i, j, stage, n)
     return j1
 
@@ -473,37 +471,52 @@ def _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
         rc = rstd[i]
         oc = like(offset, rc)
         if r64 < math.inf and not rc < math.inf:
-            _fwd_row_wide(i, x, False, w, b, y, r64, flags, oc)
+            _fwd_row_wide(i, x, False, w, b, y, r64, oc)
             continue
         ahead = i + 1 < x.shape[0]
         h, lines_end = _whole_lines(y, i)
         if ahead:
             prefetch_span(x, i + 1, 0, h)
-        _out_span(x, i, 0, h, False, w, b, y, rc, oc, flags)
+        _out_span(x, i, 0, h, False, w, b, y, rc, oc)
         for j in range(h, lines_end, c):
             n = min(c, lines_end - j)  # whole lines
             if ahead:
                 prefetch_span(x, i + 1, j, n)
-            _stream_out(x, i, j, j + n, False, w, b, y, rc, oc, flags, stage)
+            _stream_out(x, i, j, j + n, False, w, b, y, rc, oc, stage)
         if ahead:
             prefetch_span(x, i + 1, lines_end, d - lines_end)
-        _out_span(x, i, lines_end, d, False, w, b, y, rc, oc, flags)
+        _out_span(x, i, lines_end, d, False, w, b, y, rc, oc)
     stream_fence()
 
 
 @_inline_ir
-def _fwd_row_wide(i, a, abf, w, b, y, r64, flags, oc):
+def _fwd_row_wide(i, a, abf, w, b, y, r64, oc):
     """A row whose rstd overflows float32 (a float32 row of rms < ~3e-39 with a
     tiny eps): xhat = (v * 2**64) * (rstd * 2**-64), both factors in range."""
     rc = like(r64 * 2.0**-64, oc)
     up = like(2.0**64, oc)
+    ybf = is_bf16(y)
     for j in range(a.shape[1]):
-        val = load(a[i, j], abf) * up * rc
-        if flags & HAS_W:
-            val = val * (like(w[j], oc) + oc)
-        if flags & HAS_B:
-            val = val + like(b[j], oc)
-        store(y, (i, j), val, is_bf16(y))
+        store(y, (i, j), scale_shift(load(a[i, j], abf) * up * rc, w, b, j, oc), ybf)
+
+
+def _llama_scale(xh, w, j, off, wcode, pcode, ref):  # pragma: no cover - the overload
+    """Llama's product ``round(xh * round(w[j] + off, wcode), pcode)`` in ``ref``'s
+    type; ``xh`` itself without a weight (``None``).  Chosen at typing time."""
+    raise NotImplementedError
+
+
+@overload(_llama_scale, inline="always")
+def _ov_llama_scale(xh, w, j, off, wcode, pcode, ref):
+    if _absent(w):
+        return lambda xh, w, j, off, wcode, pcode, ref: xh
+
+    def scaled(xh, w, j, off, wcode, pcode, ref):
+        # w holds the weight's exact values (float32/float64 arrays)
+        g = round_to(np.float64(w[j]) + off, wcode)
+        return like(round_to(np.float64(xh) * g, pcode), ref)
+
+    return scaled
 
 
 @_inline_ir
@@ -511,8 +524,6 @@ def _fwd_norm_row_llama(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
     """Hugging Face Llama's order: round xhat to x's dtype, g = w + offset to
     weight's dtype, the product to promote(x, weight), add bias, round to y's."""
     d = a.shape[1]
-    has_w = (flags & HAS_W) != 0
-    has_b = (flags & HAS_B) != 0
     ybf = is_bf16(y)
     r64 = _rstd_from(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0, _row_sumsq(a, i, k, abf))
     rstd[i] = r64
@@ -524,18 +535,12 @@ def _fwd_norm_row_llama(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
     off = np.float64(offset)
     for j in range(d):
         xh = round_to(load(a[i, j], abf) * rc, xcode)
-        val = xh
-        if has_w:
-            # w holds the weight's exact values (float32/float64 arrays)
-            g = round_to(np.float64(w[j]) + off, wcode)
-            val = like(round_to(np.float64(xh) * g, pcode), rc)
-        if has_b:
-            val = val + like(b[j], rc)
-        store(yi, j, val, ybf)
+        val = _llama_scale(xh, w, j, off, wcode, pcode, rc)
+        store(yi, j, scale_shift(val, None, b, j, rc), ybf)
 
 
 @_inline_ir
-def _add_row(i, x, r, h, flags):
+def _add_row(i, x, r, h):
     """``h[i] = x[i] + r[i]``: summed in the compute type, rounded once to h's dtype."""
     xbf = is_bf16(x)
     rbf = is_bf16(r)
@@ -550,7 +555,7 @@ def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
     if i + 1 < x.shape[0] and _prefetches(x):
         prefetch_row(x, i + 1)
         prefetch_row(r, i + 1)
-    _add_row(i, x, r, h, flags)
+    _add_row(i, x, r, h)
     hbf = is_bf16(h)
     # no streaming here (the front end does not ask for it with a residual):
     # y stands in for the stage
@@ -558,13 +563,106 @@ def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
                   _row_sumsq(h, i, k, hbf), y)
 
 
+# Row loops, one per path; the drivers pick one at typing time (_forward_path).
+
+
 @_inline_ir
-def _fwd_row_llama(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
-    if flags & HAS_R:
-        _add_row(i, x, r, h, flags)
-        _fwd_norm_row_llama(i, h, is_bf16(h), w, b, y, rstd, flags, k, eps, offset)
-    else:
-        _fwd_norm_row_llama(i, x, is_bf16(x), w, b, y, rstd, flags, k, eps, offset)
+def _add_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
+    for i in range(lo, hi):
+        _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset)
+
+
+@_inline_ir
+def _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
+    # 16-bit rows: pipelined (see _out_and_next)
+    xbf = is_bf16(x)
+    ss = _row_sumsq(x, lo, k, xbf) if lo < hi else 0.0
+    for i in range(lo, hi):
+        ss = _fwd_norm_row(i, hi, x, xbf, w, b, y, rstd, flags, k, eps, offset, ss, stage)
+    if flags & STREAM_Y:
+        stream_fence()
+
+
+@_inline_ir
+def _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset):
+    for i in range(lo, hi):
+        ss = _row_sumsq(x, i, k, False)
+        if i + 1 < x.shape[0] and _prefetches(x):
+            # the next row's reads overlap this row's output pass
+            prefetch_row(x, i + 1)
+        _fwd_norm_row(i, i + 1, x, False, w, b, y, rstd, flags, k, eps, offset, ss, None)
+
+
+def _forward_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
+    """Rows ``[lo, hi)`` of the forward by the path the argument types call for
+    (pragma: no cover - replaced by the overload): the fused add where ``r`` is
+    an array, the 16-bit pipeline, streamed rows where ``stage`` is an array,
+    else the plain two passes.  Only that path is compiled."""
+    raise NotImplementedError
+
+
+@overload(_forward_path, inline="always")
+def _ov_forward_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
+    if not _absent(r):
+        return lambda lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage: (
+            _add_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset))
+    if bits_dtype(x.dtype):
+        if _absent(stage):  # y stands in for the stage (STREAM_Y is clear)
+            return lambda lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage: (
+                _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, y))
+        return lambda lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage: (
+            _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage))
+    if not _absent(stage):
+        return lambda lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage: (
+            _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage))
+    return lambda lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage: (
+        _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset))
+
+
+def _llama_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):  # pragma: no cover
+    """Rows ``[lo, hi)`` in llama casting, with the fused add where ``r`` is an array."""
+    raise NotImplementedError
+
+
+@overload(_llama_path, inline="always")
+def _ov_llama_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
+    if _absent(r):
+        def plain(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
+            xbf = is_bf16(x)
+            for i in range(lo, hi):
+                _fwd_norm_row_llama(i, x, xbf, w, b, y, rstd, flags, k, eps, offset)
+        return plain
+
+    def added(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
+        hbf = is_bf16(h)
+        for i in range(lo, hi):
+            _add_row(i, x, r, h)
+            _fwd_norm_row_llama(i, h, hbf, w, b, y, rstd, flags, k, eps, offset)
+    return added
+
+
+def _own_stage(stage):  # pragma: no cover - replaced by the overload
+    """A stage of the same shape for one parallel task (``None`` stays ``None``)."""
+    raise NotImplementedError
+
+
+@overload(_own_stage, inline="always")
+def _ov_own_stage(stage):
+    if _absent(stage):
+        return lambda stage: None
+    return lambda stage: np.empty_like(stage)
+
+
+def _borrow_opt(a):  # pragma: no cover - replaced by the overload
+    """:func:`borrow` of an array; ``None`` as it is."""
+    raise NotImplementedError
+
+
+@overload(_borrow_opt, inline="always")
+def _ov_borrow_opt(a):
+    if _absent(a):
+        return lambda a: None
+    return lambda a: borrow(a)
 
 
 # Forward drivers.  x, r, y, h: (n, d) (integer bits for 16-bit floats); w, b:
@@ -589,38 +687,21 @@ def _range_rows(n):
 
 @_jit()
 def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
+    # r, h: the residual and the sum, or None; w, b: None where absent;
     # stage: the (1, c) buffer of y's type that streamed rows pass through
     # (flag STREAM_Y: _streamed_rows for float rows, the pipeline's
-    # _stream_out for 16-bit ones), else an unused (1, 0) stand-in
-    x, r, w, b, y, h, rstd, stage = (borrow(x), borrow(r), borrow(w), borrow(b), borrow(y),
-                                     borrow(h), borrow(rstd), borrow(stage))
-    if flags & HAS_R:
-        for i in range(lo, hi):
-            _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset)
-    elif _is_bits(x):  # 16-bit rows: pipelined (see _out_and_next)
-        xbf = is_bf16(x)
-        ss = _row_sumsq(x, lo, k, xbf) if lo < hi else 0.0
-        for i in range(lo, hi):
-            ss = _fwd_norm_row(i, hi, x, xbf, w, b, y, rstd, flags, k, eps, offset, ss, stage)
-        if flags & STREAM_Y:
-            stream_fence()
-    elif flags & STREAM_Y:
-        _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage)
-    else:
-        for i in range(lo, hi):
-            ss = _row_sumsq(x, i, k, False)
-            if i + 1 < x.shape[0] and _prefetches(x):
-                # the next row's reads overlap this row's output pass
-                prefetch_row(x, i + 1)
-            _fwd_norm_row(i, i + 1, x, False, w, b, y, rstd, flags, k, eps, offset, ss, stage)
+    # _stream_out for 16-bit ones), or None
+    x, y, rstd = borrow(x), borrow(y), borrow(rstd)
+    r, h, w, b, stage = (_borrow_opt(r), _borrow_opt(h), _borrow_opt(w), _borrow_opt(b),
+                         _borrow_opt(stage))
+    _forward_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage)
 
 
 @_jit()
 def forward_llama_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
-    x, r, w, b, y, h, rstd = (borrow(x), borrow(r), borrow(w), borrow(b), borrow(y), borrow(h),
-                              borrow(rstd))
-    for i in range(lo, hi):
-        _fwd_row_llama(i, x, r, w, b, y, h, rstd, flags, k, eps, offset)
+    x, y, rstd = borrow(x), borrow(y), borrow(rstd)
+    r, h, w, b = _borrow_opt(r), _borrow_opt(h), _borrow_opt(w), _borrow_opt(b)
+    _llama_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset)
 
 
 @_jit(parallel=True)
@@ -630,7 +711,7 @@ def forward_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     parts = (n + per - 1) // per
     for c in prange(parts):
         lo = c * per
-        own = np.empty_like(stage) if flags & STREAM_Y else stage  # one stage per task
+        own = _own_stage(stage)  # one stage per task
         forward_rows(lo, min(n, lo + per), x, r, w, b, y, h, rstd, flags, k, eps, offset, own)
 
 

@@ -27,16 +27,16 @@ from ._numba_codec import _f32_as_u32, _u32_as_f32, is_bf16, load, prefetch_span
 from ._numba_kernels import (
     _CHUNK_F,
     EPS_INSIDE,
-    HAS_B,
     HAS_R,
-    HAS_W,
     _add_row,
+    _borrow_opt,
     _inline_ir,
     _jit,
     _range_rows,
     _row_sumsq,
     _rstd_from,
     like,
+    scale_shift,
 )
 from ._numba_refs import borrow
 
@@ -151,37 +151,13 @@ def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, amax):
 
 @_inline_ir
 def _y_span(i, a, abf, w, b, buf, j0, j1, rc, oc, flags, m):
-    """``buf[j0:j1] = y[i, j0:j1]`` (``_out_span``'s four cases, in float32), and the
+    """``buf[j0:j1] = y[i, j0:j1]`` (``_out_span``'s value, in float32), and the
     running ``max |y|`` bits ``m`` over them (NaN's bits are above inf's: NaN wins)."""
-    has_w = (flags & HAS_W) != 0
-    has_b = (flags & HAS_B) != 0
-    lo = np.uint64(j0)
-    hi = np.uint64(j1)
-    if has_w and not has_b:
-        for j in range(lo, hi):
-            v = np.float32(load(a[i, j], abf) * rc * (like(w[j], rc) + oc))
-            buf[j] = v
-            u = _f32_as_u32(v) & _ABS
-            m = u if u > m else m
-    elif not has_w and not has_b:
-        for j in range(lo, hi):
-            v = np.float32(load(a[i, j], abf) * rc)
-            buf[j] = v
-            u = _f32_as_u32(v) & _ABS
-            m = u if u > m else m
-    elif has_w:
-        for j in range(lo, hi):
-            val = load(a[i, j], abf) * rc * (like(w[j], rc) + oc)
-            v = np.float32(val + like(b[j], rc))
-            buf[j] = v
-            u = _f32_as_u32(v) & _ABS
-            m = u if u > m else m
-    else:
-        for j in range(lo, hi):
-            v = np.float32(load(a[i, j], abf) * rc + like(b[j], rc))
-            buf[j] = v
-            u = _f32_as_u32(v) & _ABS
-            m = u if u > m else m
+    for j in range(np.uint64(j0), np.uint64(j1)):
+        v = np.float32(scale_shift(load(a[i, j], abf) * rc, w, b, j, oc))
+        buf[j] = v
+        u = _f32_as_u32(v) & _ABS
+        m = u if u > m else m
     return m
 
 
@@ -200,12 +176,7 @@ def _y_row(i, a, abf, w, b, buf, rs, flags, k, eps, offset):
         rw = like(r64 * 2.0**-64, oc)
         up = like(2.0**64, oc)
         for j in range(d):
-            val = load(a[i, j], abf) * up * rw
-            if flags & HAS_W:
-                val = val * (like(w[j], oc) + oc)
-            if flags & HAS_B:
-                val = val + like(b[j], oc)
-            buf[j] = np.float32(val)
+            buf[j] = np.float32(scale_shift(load(a[i, j], abf) * up * rw, w, b, j, oc))
         return _amax(buf, 0, d)
     m = np.uint32(0)
     if i + 1 < a.shape[0]:
@@ -224,16 +195,17 @@ def quant_rows(lo, hi, x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
     """Rows ``[lo, hi)``: (``h = x + r``,) ``y`` into ``buf``, then ``q`` and ``sc``.
 
     ``x``, ``r``, ``h``: (n, d) (16-bit floats as integer bits; ``r``/``h``
-    stand-ins without HAS_R); ``w``, ``b``: (d,) in the compute type;
+    stand-ins without HAS_R); ``w``, ``b``: (d,) in the compute type, or None;
     ``q``: (n, d) uint8; ``sc``: (n, groups) float32; ``buf``: (d,) float32;
     ``rs``: (1,) of the compute type (rounds rstd).
     """
-    x, r, w, b, h, q, sc, buf, rs = (borrow(x), borrow(r), borrow(w), borrow(b), borrow(h),
-                                     borrow(q), borrow(sc), borrow(buf), borrow(rs))
+    x, r, h, q, sc, buf, rs = (borrow(x), borrow(r), borrow(h), borrow(q), borrow(sc),
+                               borrow(buf), borrow(rs))
+    w, b = _borrow_opt(w), _borrow_opt(b)
     if flags & HAS_R:
         hbf = is_bf16(h)
         for i in range(lo, hi):
-            _add_row(i, x, r, h, flags)
+            _add_row(i, x, r, h)
             m = _y_row(i, h, hbf, w, b, buf, rs, flags, k, eps, offset)
             quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m)
     else:

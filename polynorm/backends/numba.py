@@ -105,8 +105,6 @@ _F16_BITS = np.dtype(np.int16)
 _F64 = np.dtype(np.float64)
 #: (d,) stand-ins for an absent weight/bias, per compute dtype
 _NO_VEC = {np.dtype(np.float32): np.zeros(1, np.float32), _F64: np.zeros(1, np.float64)}
-#: (1, 0) stand-ins for the stage of rows that are not streamed, per kernel dtype
-_NO_STAGE: dict[np.dtype, np.ndarray] = {}
 
 
 def _foreign_empty(like):
@@ -118,15 +116,33 @@ def _foreign_empty(like):
     return empty
 
 
+class _Alias:
+    """A writable numpy view of a read-only array's memory (see :func:`_kview`)."""
+
+    def __init__(self, a: np.ndarray):
+        iface = dict(a.__array_interface__)
+        iface["data"] = (iface["data"][0], False)
+        self.__array_interface__ = iface
+        self._owner = a  # keeps the memory alive as long as the view
+
+
+def _writable_alias(a: np.ndarray) -> np.ndarray:
+    return np.asarray(_Alias(a))
+
+
 def _kview(a: np.ndarray) -> np.ndarray:
     """What the kernels take: the bits of the 16-bit floats, else ``a`` itself.
 
     bfloat16 as ``uint16``, float16 as ``int16``: the view's type carries the
-    format into the kernels (see ``_numba_codec.is_bf16``).
+    format into the kernels (see ``_numba_codec.is_bf16``).  A read-only
+    array (a jax array's buffer, ``np.broadcast_to``) is passed as a writable
+    alias of the same memory: Numba types read-only arrays apart and would
+    compile every kernel again for them, and the kernels never write their
+    inputs.
     """
-    if a.dtype.itemsize != 2:
-        return a
-    return a.view(_BF16_BITS if _bf(a) else _F16_BITS)
+    if a.dtype.itemsize == 2:
+        a = a.view(_BF16_BITS if _bf(a) else _F16_BITS)
+    return a if a.flags.writeable else _writable_alias(a)
 
 
 def _bf(a: np.ndarray) -> bool:
@@ -142,13 +158,9 @@ def _streams(y: np.ndarray, x: np.ndarray) -> bool:
             and y.strides[0] % y.itemsize == 0)
 
 
-def _stage(yk: np.ndarray, stream: bool) -> np.ndarray:
-    if stream:
-        return np.empty((1, _STAGE), yk.dtype)
-    stand_in = _NO_STAGE.get(yk.dtype)
-    if stand_in is None:
-        stand_in = _NO_STAGE[yk.dtype] = np.empty((1, 0), yk.dtype)
-    return stand_in
+def _stage(yk: np.ndarray, stream: bool) -> np.ndarray | None:
+    """The buffer that streamed rows of ``yk`` pass through (None: not streamed)."""
+    return np.empty((1, _STAGE), yk.dtype) if stream else None
 
 
 def _parallel(n: int, d: int) -> bool:
@@ -200,26 +212,38 @@ def _vec(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarray:
 
     This is the reference's own ``astype(weight, compute dtype)``; with
     ``exact`` (llama weights, whose own rounding matters) a weight wider than
-    the compute dtype is kept as float64 instead.  A ``(d,)`` copy at most.
+    the compute dtype is kept as float64 instead.  A ``(d,)`` copy at most;
+    a read-only one is aliased as :func:`_kview` does.
     """
-    if a.dtype == cdt:
-        return a
-    if exact and a.dtype.itemsize > cdt.itemsize:
-        return a if a.dtype == _F64 else a.astype(_F64)
-    return a.astype(cdt)
+    target = _F64 if exact and a.dtype.itemsize > cdt.itemsize else cdt
+    if a.dtype != target:
+        return a.astype(target)
+    return a if a.flags.writeable else _writable_alias(a)
+
+
+def _affine(weight, bias, cdt: np.dtype, exact: bool = False) -> tuple:
+    """``(w, b)``: weight/bias as the forward kernels take them (:func:`_vec`),
+    ``None`` where absent (the kernels then compile without those terms)."""
+    to_numpy = _interop.to_numpy
+    w = None if weight is None else _vec(to_numpy(weight), cdt, exact)
+    b = None if bias is None else _vec(to_numpy(bias), cdt)
+    return w, b
 
 
 def _affine_operands(weight, bias, cdt: np.dtype, flags: int) -> tuple:
     """``(w, b, flags)``: weight/bias in the compute dtype (a stand-in where absent)
-    and the kernel flags with HAS_W/HAS_B set for those present."""
+    and the kernel flags with HAS_W/HAS_B set for those present (the gated
+    kernels and the backward, whose loops take the flags at run time)."""
     K = _kernels or _k()
-    w = b = _NO_VEC[cdt]
-    if weight is not None:
+    w, b = _affine(weight, bias, cdt)
+    if w is None:
+        w = _NO_VEC[cdt]
+    else:
         flags |= K.HAS_W
-        w = _vec(_interop.to_numpy(weight), cdt)
-    if bias is not None:
+    if b is None:
+        b = _NO_VEC[cdt]
+    else:
         flags |= K.HAS_B
-        b = _vec(_interop.to_numpy(bias), cdt)
     return w, b, flags
 
 
@@ -269,27 +293,14 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     rstd = empty(n, cdt)
     xk = _kview(x)
     yk = _kview(y)
-    h = None
-    # stand-ins of the right types when there is no residual (h must be writable)
-    r, hk = xk, yk
+    h = r = hk = None
     if residual is not None:
-        rn = to_numpy(residual)
         h = empty((n, d), h_dt)
-        flags |= K.HAS_R
-        r = _kview(rn)
+        r = _kview(to_numpy(residual))
         hk = _kview(h)
-    w = b = _NO_VEC[cdt]
-    if weight is not None:
-        wn = to_numpy(weight)
-        flags |= K.HAS_W
-        if plan.llama:
-            flags |= _llama_codes(plan, wn)
-        w = _vec(wn, cdt, plan.llama)
-    elif plan.llama:
-        flags |= _llama_codes(plan, None)
-    if bias is not None:
-        flags |= K.HAS_B
-        b = _vec(to_numpy(bias), cdt)
+    w, b = _affine(weight, bias, cdt, exact=plan.llama)
+    if plan.llama:
+        flags |= _llama_codes(plan, None if weight is None else to_numpy(weight))
     stream = out is not None and residual is None and not plan.llama and _streams(y, x)
     if stream:
         flags |= K.STREAM_Y
@@ -322,18 +333,12 @@ def forward_small(x: np.ndarray, weight, bias, plan: Plan):
         x = np.ascontiguousarray(x)  # as _unit_columns
     y = np.empty((n, d), y_dt)
     rstd = np.empty(n, cdt)
-    w = b = _NO_VEC[cdt]
-    if weight is not None:
-        flags |= K.HAS_W
-        w = _vec(weight, cdt)
-    if bias is not None:
-        flags |= K.HAS_B
-        b = _vec(bias, cdt)
+    w, b = _affine(weight, bias, cdt)
     # _kview's own test, here without the call for the float32/float64 arrays
-    xk = x if x.dtype.itemsize != 2 else _kview(x)
+    xk = x if x.dtype.itemsize != 2 and x.flags.writeable else _kview(x)
     yk = y if y_dt.itemsize != 2 else _kview(y)
-    K.forward_rows(0, n, xk, xk, w, b, yk, yk, rstd, flags, plan.k, plan.eps, plan.offset,
-                   _stage(yk, False))
+    K.forward_rows(0, n, xk, None, w, b, yk, None, rstd, flags, plan.k, plan.eps, plan.offset,
+                   None)
     return y, rstd
 
 
@@ -406,7 +411,7 @@ def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan, dx=N
         flags |= K.HAS_B
     rs = _NO_VEC[cdt]
     if rstd is not None:
-        rs = to_numpy(rstd)
+        rs = _kview(to_numpy(rstd))
         flags |= K.HAS_RSTD
     gr = dyk  # stand-in of the right type
     if grad_residual is not None:
@@ -642,7 +647,7 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
         r = np.empty((1, 1), cdt)
     else:
         flags |= K.HAS_RSTD
-        r = np.ascontiguousarray(_interop.to_numpy(rstd), dtype=cdt)
+        r = _kview(np.ascontiguousarray(_interop.to_numpy(rstd), dtype=cdt))
     buf = np.empty((4, d), cdt)
     # offset scales only a weight: ones stand in for an absent one, with no offset
     args = (dyk, xk, zk, w, b, r, _kview(dx), _kview(dz), lw, lb, buf, flags, gplan.group_size,
@@ -738,7 +743,7 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
             h = empty((n, d), h_dt)
             flags |= K.HAS_R
             rk, hk = _kview(rn), _kview(h)
-        w, b, flags = _affine_operands(weight, bias, cdt, flags)
+        w, b = _affine(weight, bias, cdt)
         args = (xk, rk, w, b, hk, q, sc, np.empty(d, np.float32), np.empty(1, cdt), flags,
                 plan.k, plan.eps, plan.offset, *qargs)
         if _parallel(n, d):
