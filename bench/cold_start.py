@@ -73,10 +73,13 @@ def measure(names: list[str]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("cases", nargs="*", default=list(CASES), choices=list(CASES) + [[]],
-                   metavar="case", help=f"any of {', '.join(CASES)} (default: all)")
+    p.add_argument("cases", nargs="*", metavar="case",
+                   help=f"any of {', '.join(CASES)} (default: all)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    unknown = set(args.cases) - set(CASES)
+    if unknown:
+        p.error(f"unknown case(s): {', '.join(sorted(unknown))}")
     rows = measure(args.cases or list(CASES))
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor()
