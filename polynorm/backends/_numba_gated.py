@@ -2,7 +2,8 @@
 
 The forward takes x, z and y as :mod:`._numba_kernels` takes them (16-bit
 floats as integer bits, decoded in registers by :mod:`._numba_codec`),
-C-contiguous; weight and bias in the compute type.  Each group's statistic
+C-contiguous; weight and bias in the compute type, ``None`` where absent
+(the loops then compile without their terms).  Each group's statistic
 is the plain forward's (``_row_sumsq`` / ``_rstd_from`` on the group as a
 ``(1, group_size)`` row): for ``norm_before_gate=True`` it is taken on x
 itself, so a group's rstd has the bits ``rms_norm`` gives that group as a
@@ -34,7 +35,7 @@ from ._numba_kernels import (
     EPS_INSIDE,
     HAS_B,
     HAS_RSTD,
-    HAS_W,
+    _borrow_opt,
     _inline,
     _inline_ir,
     _jit,
@@ -44,6 +45,7 @@ from ._numba_kernels import (
     _rstd_from,
     _stats,
     like,
+    scale_shift,
 )
 from ._numba_refs import borrow
 from ._rowtree import TREE_G
@@ -184,32 +186,14 @@ def _group_rstd(a, ai, lo, gs, k, bf, eps, flags, rstd, i, g):
 
 
 @_inline_ir
-def _out_gate(i, lo, hi, x, z, w, b, y, rc, oc, flags):
+def _out_gate(i, lo, hi, x, z, w, b, y, rc, oc):
     """``y[i, lo:hi] = (x * rstd * (w + offset) + b) * silu(z)`` (norm_before_gate)."""
     xbf = is_bf16(x)
     zbf = is_bf16(z)
     ybf = is_bf16(y)
-    has_w = (flags & HAS_W) != 0
-    has_b = (flags & HAS_B) != 0
-    j0 = np.uint64(lo)
-    j1 = np.uint64(hi)
-    # one branch-free loop per case (they vectorize)
-    if has_w and not has_b:
-        for j in range(j0, j1):
-            t = like(load(x[i, j], xbf), rc) * rc * (w[j] + oc)
-            store(y, (i, j), t * silu(like(load(z[i, j], zbf), rc)), ybf)
-    elif not has_w and not has_b:
-        for j in range(j0, j1):
-            t = like(load(x[i, j], xbf), rc) * rc
-            store(y, (i, j), t * silu(like(load(z[i, j], zbf), rc)), ybf)
-    elif has_w:
-        for j in range(j0, j1):
-            t = like(load(x[i, j], xbf), rc) * rc * (w[j] + oc) + b[j]
-            store(y, (i, j), t * silu(like(load(z[i, j], zbf), rc)), ybf)
-    else:
-        for j in range(j0, j1):
-            t = like(load(x[i, j], xbf), rc) * rc + b[j]
-            store(y, (i, j), t * silu(like(load(z[i, j], zbf), rc)), ybf)
+    for j in range(np.uint64(lo), np.uint64(hi)):
+        t = scale_shift(like(load(x[i, j], xbf), rc) * rc, w, b, j, oc)
+        store(y, (i, j), t * silu(like(load(z[i, j], zbf), rc)), ybf)
 
 
 @_inline_ir
@@ -223,25 +207,11 @@ def _gate_in(i, lo, hi, x, z, u):
 
 
 @_inline_ir
-def _out_u(i, lo, hi, u, w, b, y, rc, oc, flags):
+def _out_u(i, lo, hi, u, w, b, y, rc, oc):
     """``y[i, lo:hi] = u * rstd * (w + offset) + b`` (u: the gated row buffer)."""
     ybf = is_bf16(y)
-    has_w = (flags & HAS_W) != 0
-    has_b = (flags & HAS_B) != 0
-    j0 = np.uint64(lo)
-    j1 = np.uint64(hi)
-    if has_w and not has_b:
-        for j in range(j0, j1):
-            store(y, (i, j), u[0, j] * rc * (w[j] + oc), ybf)
-    elif not has_w and not has_b:
-        for j in range(j0, j1):
-            store(y, (i, j), u[0, j] * rc, ybf)
-    elif has_w:
-        for j in range(j0, j1):
-            store(y, (i, j), u[0, j] * rc * (w[j] + oc) + b[j], ybf)
-    else:
-        for j in range(j0, j1):
-            store(y, (i, j), u[0, j] * rc + b[j], ybf)
+    for j in range(np.uint64(lo), np.uint64(hi)):
+        store(y, (i, j), scale_shift(u[0, j] * rc, w, b, j, oc), ybf)
 
 
 @_inline_ir
@@ -256,11 +226,7 @@ def _wide_group(i, lo, hi, x, z, u, w, b, y, r64, oc, flags):
     up = like(2.0**64, oc)
     for j in range(lo, hi):
         v = like(load(x[i, j], xbf), oc) if nbg else u[0, j]
-        t = v * up * rc
-        if flags & HAS_W:
-            t = t * (w[j] + oc)
-        if flags & HAS_B:
-            t = t + b[j]
+        t = scale_shift(v * up * rc, w, b, j, oc)
         if nbg:
             t = t * silu(like(load(z[i, j], zbf), oc))
         store(y, (i, j), t, is_bf16(y))
@@ -271,11 +237,11 @@ def _wide_group(i, lo, hi, x, z, u, w, b, y, r64, oc, flags):
 def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
     """Rows ``[lo, hi)`` on one thread (the serial path).  ``u``: a ``(1, d)``
     buffer of the compute type (the gated row of norm_before_gate=False)."""
-    x, z, w, b, y, rstd, u = (borrow(x), borrow(z), borrow(w), borrow(b), borrow(y),
-                              borrow(rstd), borrow(u))
+    x, z, y, rstd, u = borrow(x), borrow(z), borrow(y), borrow(rstd), borrow(u)
+    w, b = _borrow_opt(w), _borrow_opt(b)
     n, d = x.shape
     groups = d // gs
-    oc = like(offset, w[0])
+    oc = like(offset, u[0, 0])
     xbf = is_bf16(x)
     pf = (flags & PREFETCH) != 0
     if flags & NBG:
@@ -291,7 +257,7 @@ def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
                     if pf and i + 1 < n:
                         prefetch_span(x, i + 1, jc, je - jc)
                         prefetch_span(z, i + 1, jc, je - jc)
-                    _out_gate(i, jc, je, x, z, w, b, y, rc, oc, flags)
+                    _out_gate(i, jc, je, x, z, w, b, y, rc, oc)
     else:
         for i in range(lo, hi):
             _gate_in(i, 0, d, x, z, u)
@@ -306,7 +272,7 @@ def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
                     if pf and i + 1 < n:
                         prefetch_span(x, i + 1, jc, je - jc)
                         prefetch_span(z, i + 1, jc, je - jc)
-                    _out_u(i, jc, je, u, w, b, y, rc, oc, flags)
+                    _out_u(i, jc, je, u, w, b, y, rc, oc)
 
 
 @_jit(parallel=True)

@@ -643,28 +643,25 @@ def _ov_llama_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
     return added
 
 
-def _own_stage(stage):  # pragma: no cover - replaced by the overload
-    """A stage of the same shape for one parallel task (``None`` stays ``None``)."""
-    raise NotImplementedError
+def _none_or(fn, doc: str):
+    """A jitted ``a -> fn(a)`` that maps ``None`` to ``None`` (chosen at typing time)."""
+
+    def apply(a):  # pragma: no cover - replaced by the overload
+        raise NotImplementedError
+
+    apply.__doc__ = doc
+
+    @overload(apply, inline="always")
+    def _ov(a):
+        if _absent(a):
+            return lambda a: None
+        return lambda a: fn(a)
+
+    return apply
 
 
-@overload(_own_stage, inline="always")
-def _ov_own_stage(stage):
-    if _absent(stage):
-        return lambda stage: None
-    return lambda stage: np.empty_like(stage)
-
-
-def _borrow_opt(a):  # pragma: no cover - replaced by the overload
-    """:func:`borrow` of an array; ``None`` as it is."""
-    raise NotImplementedError
-
-
-@overload(_borrow_opt, inline="always")
-def _ov_borrow_opt(a):
-    if _absent(a):
-        return lambda a: None
-    return lambda a: borrow(a)
+_own_stage = _none_or(np.empty_like, "A stage of the same shape for one parallel task.")
+_borrow_opt = _none_or(borrow, ":func:`borrow` of an array.")
 
 
 # Forward drivers.  x, r, y, h: (n, d) (integer bits for 16-bit floats); w, b:

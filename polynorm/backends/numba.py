@@ -230,23 +230,6 @@ def _affine(weight, bias, cdt: np.dtype, exact: bool = False) -> tuple:
     return w, b
 
 
-def _affine_operands(weight, bias, cdt: np.dtype, flags: int) -> tuple:
-    """``(w, b, flags)``: weight/bias in the compute dtype (a stand-in where absent)
-    and the kernel flags with HAS_W/HAS_B set for those present (the gated
-    kernels and the backward, whose loops take the flags at run time)."""
-    K = _kernels or _k()
-    w, b = _affine(weight, bias, cdt)
-    if w is None:
-        w = _NO_VEC[cdt]
-    else:
-        flags |= K.HAS_W
-    if b is None:
-        b = _NO_VEC[cdt]
-    else:
-        flags |= K.HAS_B
-    return w, b, flags
-
-
 def _info(plan: Plan) -> tuple:
     """``(flags, y dtype, h dtype, compute dtype)`` for a plan, derived once (``plan.memo``)."""
     info = plan.memo.get("numba")
@@ -598,7 +581,7 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
     direct = o is not None and o.flags.c_contiguous and o.dtype == y_dt
     y = o if direct else empty((n, d), y_dt)
     rstd = empty((n, gplan.groups), cdt)
-    w, b, flags = _affine_operands(weight, bias, cdt, flags)
+    w, b = _affine(weight, bias, cdt)
     u = np.empty((1, d), cdt)  # the gated row buffer (per task in the parallel driver)
     args = (xk, zk, w, b, _kview(y), rstd, u, flags, gplan.group_size, gplan.k, plan.eps,
             plan.offset)
