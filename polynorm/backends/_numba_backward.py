@@ -170,7 +170,7 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
                     _dx_pass(i, jm, je, dy, x, w, gr, dx, rc, oc, zero, flags, pc, ro, e0, e1, e2,
                              fold)
         else:
-            _dx_plain(i, 0, k, dy, x, w, gr, dx, rc, oc, coef, flags)
+            _dx_plain(i, np.intp(0), k, dy, x, w, gr, dx, rc, oc, coef, flags)
             if k < d:
                 _dx_plain(i, k, d, dy, x, w, gr, dx, rc, oc, zero, flags)
 
@@ -202,7 +202,7 @@ def _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, 
         store(dxi, j, v, xbf)
         pc[rtmp, _PAD + j] = like(dyv * xh, pc[rtmp, _PAD])
     if has_w:
-        _fold(pc, ro, e0, e1, e2, rtmp, 0, d)
+        _fold(pc, ro, e0, e1, e2, rtmp, np.intp(0), d)
 
 
 @_inline
@@ -403,11 +403,12 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
             # pool row, then the node's adds in one pass over the columns (the
             # row-by-row fold reads three sibling rows per row instead)
             for r in range(G):
-                _bwd_row(g + r - row0, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, 0, pc,
-                         s0 + r, prow, rneg, rtmp)
+                # np.intp: literal ints would compile another variant of the callee
+                _bwd_row(g + r - row0, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset,
+                         np.intp(0), pc, s0 + r, prow, rneg, rtmp)
             _group_node(pc, s0, p64, crow[1], W)
-            o = _carry(TREE_G, g >> TREE_G, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl,
-                       out_idx, out_val, o)
+            o = _carry(np.intp(TREE_G), g >> TREE_G, glo, ntot, cap, pc, p64, prow, crow, pend,
+                       out_lvl, out_idx, out_val, o)
             g += G
             continue
         # how many of the row's ancestors complete with it: the levels whose

@@ -271,7 +271,7 @@ def _lanes_rest(acc, a, i, k, j0, bf):
 @_inline
 def _sumsq_lanes(a, i, k, bf):
     """Sum of squares of ``a[i, :k]`` in lanes (the forward's; fixed order)."""
-    return _lanes_rest(lanes_zero(), a, i, k, 0, bf)
+    return _lanes_rest(lanes_zero(), a, i, k, np.intp(0), bf)  # not a literal: one compile
 
 
 def _row_sumsq(a, i, k, bf):  # pragma: no cover - replaced by the overload
@@ -378,7 +378,7 @@ def _ov_out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
                     prefetch_span(a, i + 1, jc, n)
                     _out_span(a, i, jc, jc + n, abf, w, b, y, rc, oc)
             else:
-                _out_span(a, i, 0, d, abf, w, b, y, rc, oc)
+                _out_span(a, i, np.intp(0), d, abf, w, b, y, rc, oc)  # not a literal: one compile
             return 0.0
         return plain
     return lambda i, hi, a, abf, w, b, y, rc, oc, flags, k, stage: _out_and_next_lanes(
@@ -403,7 +403,7 @@ def _out_and_next_lanes(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
     h, lines_end = _whole_lines(y, i) if streamed else (0, 0)
     o = h  # the next column of y to stream out
     if streamed:
-        _out_span(a, i, 0, h, abf, w, b, y, rc, oc)
+        _out_span(a, i, np.intp(0), h, abf, w, b, y, rc, oc)
     for jc in range(0, kc, _CHUNK):
         if ahead:
             prefetch_span(a, i + 2, jc, _CHUNK)
@@ -479,7 +479,7 @@ def _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
         h, lines_end = _whole_lines(y, i)
         if ahead:
             prefetch_span(x, i + 1, 0, h)
-        _out_span(x, i, 0, h, False, w, b, y, rc, oc)
+        _out_span(x, i, np.intp(0), h, False, w, b, y, rc, oc)
         for j in range(h, lines_end, c):
             n = min(c, lines_end - j)  # whole lines
             if ahead:
