@@ -12,6 +12,7 @@ the general path's own.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -28,11 +29,13 @@ _MODULE: list = []  # the numba backend module once it has loaded
 
 
 def _names() -> dict[Any, str]:
+    # bfloat16 only once ml_dtypes is imported (by the caller: an array of it
+    # cannot exist before); importing it here cost every first call ~0.5 s
     if not _NAMES:
-        import ml_dtypes
-
         for name in ("float16", "float32", "float64"):
             _NAMES[np.dtype(name)] = name
+    ml_dtypes = sys.modules.get("ml_dtypes")
+    if ml_dtypes is not None:
         _NAMES[np.dtype(ml_dtypes.bfloat16)] = "bfloat16"
     return _NAMES
 
@@ -95,7 +98,7 @@ def forward(mod, x, residual, weight, bias, out, return_rstd: bool, opts: Option
         return None
     if not _all_numpy_or_none(residual, weight, bias, out):
         return None
-    names = _NAMES or _names()
+    names = _NAMES if len(_NAMES) == 4 else _names()
     shape = x.shape
     d = shape[-1]
     dtype = names.get(x.dtype)
@@ -157,7 +160,7 @@ def backward(mod, dy, x, weight, bias, rstd, grad_residual, opts: Options):
         return None
     if not _all_numpy_or_none(weight, bias, rstd, grad_residual):
         return None
-    names = _NAMES or _names()
+    names = _NAMES if len(_NAMES) == 4 else _names()
     shape = x.shape
     d = shape[-1]
     dtype = names.get(x.dtype)
