@@ -30,7 +30,7 @@ _MODULE: list = []  # the numba backend module once it has loaded
 
 def _names() -> dict[Any, str]:
     # bfloat16 only once ml_dtypes is imported (by the caller: an array of it
-    # cannot exist before); importing it here cost every first call ~0.5 s
+    # cannot exist before); its import is slow, and a float32 call needs none
     if not _NAMES:
         for name in ("float16", "float32", "float64"):
             _NAMES[np.dtype(name)] = name

@@ -107,11 +107,11 @@ def _jit(**kw):
 
 # Row helpers: plain njit functions; LLVM inlines them into each driver.
 _inline = njit(nogil=True, error_model=ERROR_MODEL)
-# The fused add's row helpers are inlined by Numba itself (measured 1-5% on
-# 16384x4096 float32 against LLVM's inlining).  The others are plain calls:
-# the kernels' arrays are borrowed (_numba_refs), so a call's reference
-# counting is a null test, and Numba's IR inlining types each call site
-# anew, which cost a first call more than half of its compile time.
+# The fused add's row helpers are inlined by Numba itself: there LLVM's own
+# inlining ran slower (bench/compare.py).  The others are plain calls: the
+# kernels' arrays are borrowed (_numba_refs), so a call's reference counting
+# is a null test, while Numba's IR inlining types each call site anew, which
+# multiplies the compile time of a first call.
 _inline_ir = njit(nogil=True, inline="always", error_model=ERROR_MODEL)
 # Row reductions: "reassoc" lets LLVM vectorize them (a scalar chain is
 # latency-bound).  The summation order is then LLVM's (vector lanes, then a fixed
