@@ -47,7 +47,7 @@ from ._numba_kernels import (
     like,
     scale_shift,
 )
-from ._numba_refs import borrow
+from ._numba_refs import borrow, row_span
 from ._rowtree import TREE_G
 
 #: flags: norm_before_gate=True; the forward prefetches the next row's x and
@@ -140,38 +140,6 @@ def silu(v):
 
 
 # --------------------------------------------------------------------------- forward
-
-
-@intrinsic
-def row_span(typingctx, a, i, j, n):
-    """``a[i, j : j + n]`` as a borrowed ``(1, n)`` C-contiguous array (unit
-    column stride): a group handed to the plain forward's row reductions,
-    which then reduce it as they reduce a row of ``n`` elements."""
-    if not isinstance(a, types.Array) or a.ndim != 2:
-        return None
-    ret = a.copy(layout="C")
-
-    def codegen(context, builder, sig, args):
-        src = context.make_array(sig.args[0])(context, builder, args[0])
-        out = context.make_array(sig.return_type)(context, builder)
-        intp = context.get_value_type(types.intp)
-        row = context.cast(builder, args[1], sig.args[1], types.intp)
-        col = context.cast(builder, args[2], sig.args[2], types.intp)
-        cnt = context.cast(builder, args[3], sig.args[3], types.intp)
-        s0 = builder.extract_value(src.strides, 0)
-        base = builder.bitcast(src.data, cgutils.voidptr_t)
-        off = builder.add(builder.mul(row, s0), builder.mul(col, src.itemsize))
-        out.meminfo = cgutils.get_null_value(src.meminfo.type)
-        out.parent = cgutils.get_null_value(src.parent.type)
-        out.nitems = cnt
-        out.itemsize = src.itemsize
-        out.data = builder.bitcast(builder.gep(base, [off]), src.data.type)
-        out.shape = cgutils.pack_array(builder, [intp(1), cnt])
-        out.strides = cgutils.pack_array(builder, [builder.mul(cnt, src.itemsize),
-                                                   src.itemsize])
-        return out._getvalue()
-
-    return ret(a, types.intp, types.intp, types.intp), codegen
 
 
 @_inline_ir

@@ -42,6 +42,25 @@ def borrow(typingctx, a):
     return a(a), codegen
 
 
+def _span(context, builder, aty, aval, row, col, cnt):
+    """``a[row, col : col + cnt]`` of 2-D ``a`` (unit column stride) as a borrowed
+    ``(1, cnt)`` C array; ``row``, ``col``, ``cnt``: intp values."""
+    src = context.make_array(aty)(context, builder, aval)
+    out = context.make_array(aty.copy(layout="C"))(context, builder)
+    intp = context.get_value_type(types.intp)
+    s0 = builder.extract_value(src.strides, 0)
+    base = builder.bitcast(src.data, cgutils.voidptr_t)
+    off = builder.add(builder.mul(row, s0), builder.mul(col, src.itemsize))
+    out.meminfo = cgutils.get_null_value(src.meminfo.type)
+    out.parent = cgutils.get_null_value(src.parent.type)
+    out.nitems = cnt
+    out.itemsize = src.itemsize
+    out.data = builder.bitcast(builder.gep(base, [off]), src.data.type)
+    out.shape = cgutils.pack_array(builder, [intp(1), cnt])
+    out.strides = cgutils.pack_array(builder, [builder.mul(cnt, src.itemsize), src.itemsize])
+    return out._getvalue()
+
+
 @intrinsic
 def row_of(typingctx, a, i):
     """Row ``i`` of 2-D ``a`` as a borrowed ``(1, d)`` C-contiguous array.
@@ -56,24 +75,28 @@ def row_of(typingctx, a, i):
     """
     if not isinstance(a, types.Array) or a.ndim != 2 or not isinstance(i, types.Integer):
         return None
-    ret = a.copy(layout="C")
 
     def codegen(context, builder, sig, args):
-        src = context.make_array(sig.args[0])(context, builder, args[0])
-        out = context.make_array(sig.return_type)(context, builder)
-        intp = context.get_value_type(types.intp)
         row = context.cast(builder, args[1], sig.args[1], types.intp)
-        s0 = builder.extract_value(src.strides, 0)
+        src = context.make_array(sig.args[0])(context, builder, args[0])
         d = builder.extract_value(src.shape, 1)
-        base = builder.bitcast(src.data, cgutils.voidptr_t)
-        ptr = builder.gep(base, [builder.mul(row, s0)])
-        out.meminfo = cgutils.get_null_value(src.meminfo.type)
-        out.parent = cgutils.get_null_value(src.parent.type)
-        out.nitems = d
-        out.itemsize = src.itemsize
-        out.data = builder.bitcast(ptr, src.data.type)
-        out.shape = cgutils.pack_array(builder, [intp(1), d])
-        out.strides = cgutils.pack_array(builder, [builder.mul(d, src.itemsize), src.itemsize])
-        return out._getvalue()
+        zero = context.get_constant(types.intp, 0)
+        return _span(context, builder, sig.args[0], args[0], row, zero, d)
 
-    return ret(a, i), codegen
+    return a.copy(layout="C")(a, i), codegen
+
+
+@intrinsic
+def row_span(typingctx, a, i, j, n):
+    """``a[i, j : j + n]`` as a borrowed ``(1, n)`` C-contiguous array (unit
+    column stride): a group handed to the plain forward's row reductions,
+    which then reduce it as they reduce a row of ``n`` elements."""
+    if not isinstance(a, types.Array) or a.ndim != 2:
+        return None
+
+    def codegen(context, builder, sig, args):
+        row, col, cnt = (context.cast(builder, v, t, types.intp)
+                         for v, t in zip(args[1:], sig.args[1:], strict=True))
+        return _span(context, builder, sig.args[0], args[0], row, col, cnt)
+
+    return a.copy(layout="C")(a, types.intp, types.intp, types.intp), codegen
