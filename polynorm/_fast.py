@@ -72,6 +72,24 @@ def _vector_ok(a, d: int, names: dict) -> bool:
     return a is None or (a.ndim == 1 and a.shape[0] == d and a.dtype in names)
 
 
+def _rows(x, weight, bias) -> tuple | None:
+    """``(names, dtype name, d, n, two_d)`` of a numpy ``x`` of ``n`` tokens of
+    ``d`` that the fast path takes, with weight/bias fit for it; else None."""
+    names = _NAMES if len(_NAMES) == 4 else _names()
+    shape = x.shape
+    d = shape[-1]
+    dtype = names.get(x.dtype)
+    if dtype is None or d == 0:
+        return None
+    if not (_vector_ok(weight, d, names) and _vector_ok(bias, d, names)):
+        return None
+    two_d = len(shape) == 2
+    n = shape[0] if two_d else x.size // d
+    if n == 0:
+        return None
+    return names, dtype, d, n, two_d
+
+
 def forward(mod, x, residual, weight, bias, out, return_rstd: bool, opts: Options, fused: bool):
     """``rms_norm``/``add_rms_norm`` on numpy arrays, or None for the general path."""
     if type(x) is not np.ndarray:
@@ -98,14 +116,11 @@ def forward(mod, x, residual, weight, bias, out, return_rstd: bool, opts: Option
         return None
     if not _all_numpy_or_none(residual, weight, bias, out):
         return None
-    names = _NAMES if len(_NAMES) == 4 else _names()
+    head = _rows(x, weight, bias)
+    if head is None:
+        return None
+    names, dtype, d, n, two_d = head
     shape = x.shape
-    d = shape[-1]
-    dtype = names.get(x.dtype)
-    if dtype is None or d == 0:
-        return None
-    if not (_vector_ok(weight, d, names) and _vector_ok(bias, d, names)):
-        return None
     if residual is not None:
         rdt = names.get(residual.dtype)
         if rdt is None or residual.shape != shape:
@@ -114,13 +129,9 @@ def forward(mod, x, residual, weight, bias, out, return_rstd: bool, opts: Option
     plan = _plan(d, dtype, opts)
     if plan is None:
         return None
-    two_d = len(shape) == 2
     if out is not None and (
         not two_d or out.shape != shape or names.get(out.dtype) != plan.out_dtype
     ):
-        return None
-    n = shape[0] if two_d else x.size // d
-    if n == 0:
         return None
     if out is not None and not plain_out_ok(out, x, residual, weight, bias):
         check_out_memory(out, (x, residual, weight, bias), ("x", "residual", "weight", "bias"))
@@ -160,13 +171,12 @@ def backward(mod, dy, x, weight, bias, rstd, grad_residual, opts: Options):
         return None
     if not _all_numpy_or_none(weight, bias, rstd, grad_residual):
         return None
-    names = _NAMES if len(_NAMES) == 4 else _names()
-    shape = x.shape
-    d = shape[-1]
-    dtype = names.get(x.dtype)
-    if dtype is None or d == 0 or dy.shape != shape or dy.dtype not in names:
+    head = _rows(x, weight, bias)
+    if head is None:
         return None
-    if not (_vector_ok(weight, d, names) and _vector_ok(bias, d, names)):
+    names, dtype, d, n, two_d = head
+    shape = x.shape
+    if dy.shape != shape or dy.dtype not in names:
         return None
     if grad_residual is not None and (
         grad_residual.shape != shape or grad_residual.dtype not in names
@@ -176,10 +186,6 @@ def backward(mod, dy, x, weight, bias, rstd, grad_residual, opts: Options):
     if plan is None:
         return None
     if rstd is not None and (rstd.shape != shape[:-1] or names.get(rstd.dtype) != plan.rstd_dtype):
-        return None
-    two_d = len(shape) == 2
-    n = shape[0] if two_d else x.size // d
-    if n == 0:
         return None
     if two_d:
         return mod.backward(dy, x, weight, bias, rstd, grad_residual, plan)
