@@ -257,7 +257,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
         rk = _cast(residual, types.res)
         wk = _cast(weight, types.weight)
         bk = _cast(bias, ct)
-        xc, rc, wc, bc = _view(xk), _view(rk), _view(wk), _view(bk)
+        xc, resc, wc, bc = _view(xk), _view(rk), _view(wk), _view(bk)
         n, d = xc.shape
         yc = None
         direct = out is not None and types.out == plan.out_dtype
@@ -267,13 +267,13 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
                 yc, direct = None, False
         if yc is None:
             yc = _empty((n, d), types.out)
-        hc = _empty((n, d), types.h) if rc is not None else None
+        hc = _empty((n, d), types.h) if resc is not None else None
         rstd = _empty((n,), ct)
         num_sms, max_smem = _device()
         launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out, max_smem=max_smem,
                                    num_sms=num_sms)
         head = (
-            _ptr(xc), _rs(xc), _ptr(rc), _rs(rc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
+            _ptr(xc), _rs(xc), _ptr(resc), _rs(resc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
             _ptr(yc), _rs(yc), _ptr(rstd),
         )
         tail = (
@@ -317,7 +317,7 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
         dyc = _view(_cast(dy, types.dy))
         gc = _view(_cast(grad_residual, types.dy))
         wc = _view(_cast(weight, types.weight))
-        rc = _view(_cast(rstd, ct))
+        rstdc = _view(_cast(rstd, ct))
         n, d = xc.shape
         dxc = _empty((n, d), xd)
         num_sms, max_smem = _device()
@@ -329,7 +329,7 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
         dwp = _empty(shape, ct, zero=launch.big) if weight is not None else None
         dbp = _empty(shape, ct, zero=launch.big) if bias is not None else None
         head = (
-            _ptr(dyc), _rs(dyc), _ptr(xc), _rs(xc), _ptr(wc), _ptr(rc), _ptr(gc), _rs(gc),
+            _ptr(dyc), _rs(dyc), _ptr(xc), _rs(xc), _ptr(wc), _ptr(rstdc), _ptr(gc), _rs(gc),
             _ptr(dxc), _rs(dxc), _ptr(dwp), _ptr(dbp), np.int64(launch.ldp),
         )
         tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset))
@@ -427,9 +427,9 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
         import cupy
 
         # the kernel takes C-contiguous rows (one offset for all its arrays: fewer registers)
-        xc, zc, dyc, rc = (None if a is None else cupy.ascontiguousarray(_view(a))
-                           for a in (x, _cast(z, kz), _cast(dy, kdy),
-                                     None if rstd is None else _cast(rstd, ct)))
+        xc, zc, dyc, rstdc = (None if a is None else cupy.ascontiguousarray(_view(a))
+                              for a in (x, _cast(z, kz), _cast(dy, kdy),
+                                        None if rstd is None else _cast(rstd, ct)))
         wc, bc = _rows_for(weight, ct), _rows_for(bias, ct)
         n, d = xc.shape
         dxc = _empty((n, d), xd)
@@ -438,7 +438,7 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
         lb = _empty((n, d), ct) if bias is not None else None
         launch = cl.gated_backward_launch(n, d, gplan.group_size, xd, kz, kdy)
         args = (
-            _ptr(dyc), _ptr(xc), _ptr(zc), _ptr(wc), _ptr(bc), _ptr(rc),
+            _ptr(dyc), _ptr(xc), _ptr(zc), _ptr(wc), _ptr(bc), _ptr(rstdc),
             _ptr(dxc), _ptr(dzc), _ptr(lw), _ptr(lb),
             np.int64(n), np.int32(d), np.int32(gplan.group_size), np.int32(gplan.k),
             np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
@@ -494,10 +494,10 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
     hd = xd if residual is None else promote(xd, _name(residual))
     ct = plan.compute_dtype
     with _on_callers_stream(x):
-        xc, rc = _rows_for(x, hd), _rows_for(residual, hd)
+        xc, resc = _rows_for(x, hd), _rows_for(residual, hd)
         wc, bc = _rows_for(weight, ct), _rows_for(bias, ct)
         n, d = xc.shape
-        hc = _empty((n, d), hd) if rc is not None else None
+        hc = _empty((n, d), hd) if resc is not None else None
         q = _empty((n, d), "uint8")
         if qplan.static:
             sdev = _empty((1,), "float32")
@@ -511,7 +511,7 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
             sc = _empty((n, qplan.groups), "float32")
         launch = cl.quant_launch(n, d, hd, qplan.qdtype == "float8_e4m3fn")
         args = (
-            _ptr(xc), _rs(xc), _ptr(rc), _rs(rc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
+            _ptr(xc), _rs(xc), _ptr(resc), _rs(resc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
             _ptr(q), _rs(q), _ptr(sc), _ptr(sdev),
             np.int64(n), np.int32(d), np.int32(plan.k), np.int32(qplan.group_size),
             np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
