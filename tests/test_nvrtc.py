@@ -4,8 +4,9 @@ No GPU or driver needed: NVRTC (``nvidia-cuda-nvrtc`` wheel, through
 ``cuda-bindings``) compiles the generated source to a cubin for sm_80 and sm_90,
 with cuda_fp16.h / cuda_bf16.h from the ``nvidia-cuda-runtime`` wheel.  The
 translation unit is compiled once per architecture with all name expressions,
-on the first test that asks for that architecture: the default run compiles
-sm_90 only (the sm_80 tests are in the slow suite, ``tests/conftest.py``).
+on the first test that asks for that architecture.  Those whole-unit compiles
+and the machine-code targets run in the slow suite (``tests/conftest.py``, run
+by ``.ci/run``); the default run compiles one kernel and checks the launch rules.
 """
 
 from __future__ import annotations

@@ -22,9 +22,7 @@ from ._numba_kernels import (
     _PREFETCH_MAX_BYTES,
     EPS_INSIDE,
     HAS_B,
-    HAS_GR,
-    HAS_RSTD,
-    HAS_W,
+    _borrow_opt,
     _inline,
     _jit,
     _reduce,
@@ -60,7 +58,7 @@ DOT_BLOCK = 512
 
 
 @_reduce
-def _dot_row(dy, x, w, i, rc, oc, flags):
+def _dot_row(dy, x, w, i, rc, oc):
     """``c = sum_j g_j * dy[i, j] * xhat[i, j]``: float32 partials over blocks of
     DOT_BLOCK elements, added in float64 (in float64 throughout for float64 x).
 
@@ -78,7 +76,7 @@ def _dot_row(dy, x, w, i, rc, oc, flags):
     for b in range(np.uint64(0), np.uint64(d), np.uint64(DOT_BLOCK)):
         e = min(b + np.uint64(DOT_BLOCK), np.uint64(d))
         s = like(0.0, rc)
-        if flags & HAS_W:
+        if w is not None:
             for j in range(b, e):
                 s += (like(w[j], rc) + oc) * (_ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
         else:
@@ -106,7 +104,6 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
     xbf = is_bf16(x)
     dybf = is_bf16(dy)
     inside = (flags & EPS_INSIDE) != 0
-    has_rstd = (flags & HAS_RSTD) != 0
     e0 = rw[0] if depth >= 1 else rneg
     e1 = rw[1] if depth >= 2 else rneg
     e2 = rw[2] if depth >= 3 else rneg
@@ -116,9 +113,9 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
         prefetch_row(dy, i + 1)
     rms = 0.0
     r64 = 0.0
-    if not has_rstd or not inside:
+    if rstd_in is None or not inside:
         rms, r64 = _stats(x, i, k, xbf, eps, inside)
-    if has_rstd:
+    if rstd_in is not None:
         r64 = np.float64(rstd_in[i])
         if not r64 < math.inf:  # a float32 rstd that overflowed: recompute it in float64
             rms, r64 = _stats(x, i, k, xbf, eps, inside)
@@ -126,7 +123,7 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
     rc = like(r64, load(x[i, 0], xbf))
     if flags & HAS_B:
         # dbias's terms before dx is written: dx may be dy's memory (out=dy)
-        ob = d if flags & HAS_W else 0
+        ob = d if w is not None else 0
         P = _PAD
         for j in range(d):
             pc[rtmp, P + j] = like(load(dy[i, j], dybf), pc[rtmp, P])
@@ -137,12 +134,12 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
     else:
         oc = like(offset, rc)
         # rows as (1, d) C arrays (row_of): one compiled dot for every layout
-        c = _dot_row(row_of(dy, i), row_of(x, i), w, 0, rc, oc, flags)
+        c = _dot_row(row_of(dy, i), row_of(x, i), w, 0, rc, oc)
         coef64 = c / k
         if not inside:
             coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)
         coef = like(coef64, rc)
-        chunked = ((flags & HAS_W) != 0 and i + 1 < x.shape[0]
+        chunked = (w is not None and i + 1 < x.shape[0]
                    and _row_bytes(x) > _PREFETCH_EARLY_BYTES)
         if (not chunked and i + 1 < x.shape[0]
                 and _PREFETCH_EARLY_BYTES < _row_bytes(x) <= _PREFETCH_MAX_BYTES):
@@ -152,7 +149,7 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
         # (a non-finite x beyond k gives NaN there instead of rstd*g*dy: the
         # token is non-finite either way)
         zero = like(0.0, rc)
-        if flags & HAS_W:
+        if w is not None:
             # rows > 4 KB in chunks, each asking for the next row's x and dy
             # of its columns: DRAM streams under the compute
             fold = depth > 0
@@ -164,15 +161,21 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
                     prefetch_span(dy, i + 1, jc, je - jc)
                 jm = min(max(k, jc), je)
                 if jc < jm:
-                    _dx_pass(i, jc, jm, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e2,
-                             fold)
+                    _dx_pass(i, jc, jm, dy, x, w, gr, dx, rc, oc, coef, pc, ro, e0, e1, e2, fold)
                 if jm < je:
-                    _dx_pass(i, jm, je, dy, x, w, gr, dx, rc, oc, zero, flags, pc, ro, e0, e1, e2,
-                             fold)
+                    _dx_pass(i, jm, je, dy, x, w, gr, dx, rc, oc, zero, pc, ro, e0, e1, e2, fold)
         else:
-            _dx_plain(i, np.intp(0), k, dy, x, w, gr, dx, rc, oc, coef, flags)
+            _dx_plain(i, np.intp(0), k, dy, x, gr, dx, rc, oc, coef)
             if k < d:
-                _dx_plain(i, k, d, dy, x, w, gr, dx, rc, oc, zero, flags)
+                _dx_plain(i, k, d, dy, x, gr, dx, rc, oc, zero)
+
+
+@_inline
+def _g64(w, j, offset):
+    """``w[j] + offset`` in float64; 1 without a weight (None)."""
+    if w is not None:
+        return np.float64(w[j]) + offset
+    return 1.0
 
 
 @_inline
@@ -183,10 +186,9 @@ def _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, 
     d = x.shape[1]
     xbf = is_bf16(x)
     dybf = is_bf16(dy)
-    has_w = (flags & HAS_W) != 0
     c = 0.0
     for j in range(d):
-        g = np.float64(w[j]) + offset if has_w else 1.0
+        g = _g64(w, j, offset)
         c += g * np.float64(load(dy[i, j], dybf)) * (np.float64(load(x[i, j], xbf)) * r64)
     coef = c / k
     if not flags & EPS_INSIDE:
@@ -195,13 +197,13 @@ def _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, 
     for j in range(d):
         xh = np.float64(load(x[i, j], xbf)) * r64
         dyv = np.float64(load(dy[i, j], dybf))
-        g = np.float64(w[j]) + offset if has_w else 1.0
+        g = _g64(w, j, offset)
         v = r64 * (g * dyv - (xh * coef if j < k else 0.0))
-        if flags & HAS_GR:
+        if gr is not None:
             v += np.float64(load(gr[i, j], is_bf16(gr)))
         store(dxi, j, v, xbf)
         pc[rtmp, _PAD + j] = like(dyv * xh, pc[rtmp, _PAD])
-    if has_w:
+    if w is not None:
         _fold(pc, ro, e0, e1, e2, rtmp, np.intp(0), d)
 
 
@@ -215,34 +217,35 @@ def _fold(pc, ro, e0, e1, e2, rsrc, lo, m):
 
 
 @_inline
-def _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf, grbf, has_gr, has_w):
-    """``(dx, dy * xhat)`` of element ``(i, j)``.  gr is always loadable (dy
-    stands in for an absent grad_residual) and -0.0 adds nothing: no branch."""
+def _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf):
+    """``(dx, dy * xhat)`` of element ``(i, j)``; ``w``, ``gr``: None where absent
+    (their branches are resolved when the function is compiled)."""
     xh = load(x[i, j], xbf) * rc
     dyc = like(load(dy[i, j], dybf), rc)
-    g = like(w[j], rc) + oc if has_w else like(1.0, rc)
-    grv = like(load(gr[i, j], grbf), rc)
-    v = rc * (dyc * g - xh * coef) + (grv if has_gr else like(-0.0, rc))
+    if w is not None:
+        v = rc * (dyc * (like(w[j], rc) + oc) - xh * coef)
+    else:
+        v = rc * (dyc * like(1.0, rc) - xh * coef)
+    if gr is not None:
+        v = v + like(load(gr[i, j], is_bf16(gr)), rc)
     return v, dyc * xh
 
 
 @_inline
-def _dx_plain(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, flags):
+def _dx_plain(i, lo, hi, dy, x, gr, dx, rc, oc, coef):
     """``dx[i, lo:hi]`` without a weight (its own function: beside the weighted
     loop, this loop made it slower, 130 instead of 80 ns per 1024 columns)."""
     xbf = is_bf16(x)
     dybf = is_bf16(dy)
-    grbf = is_bf16(gr)
-    has_gr = (flags & HAS_GR) != 0
     # unsigned indices: Numba then has no negative-index wraparound to do
     # (with it in the loop, the loop does not vectorize: 9x slower)
     for j in range(np.uint64(lo), np.uint64(hi)):
-        v, _ = _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf, grbf, has_gr, False)
+        v, _ = _dx_val(x, dy, None, gr, i, j, rc, oc, coef, xbf, dybf)
         store(dx, (i, j), v, xbf)
 
 
 @_inline
-def _dx_pass(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e2, fold):
+def _dx_pass(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, pc, ro, e0, e1, e2, fold):
     """``dx[i, lo:hi] = rstd * (g*dy - xhat*coef) (+ grad_residual)`` and, in
     the same loop, the row's dweight terms ``dy*xhat`` of columns ``lo:hi``
     into pool row ``ro`` -- joined with the waiting left siblings
@@ -255,18 +258,16 @@ def _dx_pass(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, flags, pc, ro, e0, e1, e
     """
     xbf = is_bf16(x)
     dybf = is_bf16(dy)
-    grbf = is_bf16(gr)
-    has_gr = (flags & HAS_GR) != 0
     P = np.uint64(_PAD)
     if fold:
         for j in range(np.uint64(lo), np.uint64(hi)):
-            v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf, grbf, has_gr, True)
+            v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf)
             store(dx, (i, j), v, xbf)
             c = P + j
             pc[ro, c] = pc[e2, c] + (pc[e1, c] + (pc[e0, c] + p))
     else:
         for j in range(np.uint64(lo), np.uint64(hi)):
-            v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf, grbf, has_gr, True)
+            v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf)
             store(dx, (i, j), v, xbf)
             pc[ro, P + j] = p
 
@@ -380,8 +381,8 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
     rows of a whole group; ``p64`` the float64 levels.  Rows are padded so
     that no two arrays of a loop ever lie close (see ``_PAD``).
     """
-    dy, x, w, rstd_in, gr, dx = (borrow(dy), borrow(x), borrow(w), borrow(rstd_in), borrow(gr),
-                                 borrow(dx))
+    dy, x, dx = borrow(dy), borrow(x), borrow(dx)
+    w, rstd_in, gr = _borrow_opt(w), _borrow_opt(rstd_in), _borrow_opt(gr)
     out_lvl, out_idx, out_val, pc, p64 = (borrow(out_lvl), borrow(out_idx), borrow(out_val),
                                           borrow(pc), borrow(p64))
     W = out_val.shape[1]

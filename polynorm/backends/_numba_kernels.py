@@ -9,11 +9,12 @@ absent residual, weight, bias or stage is ``None``: the path is chosen at
 typing time (:func:`_forward_path`, :func:`scale_shift`), so a call compiles
 only the code it runs (a fresh process's first float32 call compiles one
 path, not the fused add, the 16-bit pipeline and streaming besides).  The
-backward and the gated kernels take stand-ins with flag bits instead (one
-compiled kernel for every case of a dtype).  float16 and bfloat16 arrays
-arrive as integer views whose type is the format (``int16``: float16,
-``uint16``: bfloat16; ``_numba_codec.is_bf16``), so the format is a
-compile-time constant.
+backward takes an absent weight, rstd or grad_residual as ``None`` too (its
+``is None`` branches are resolved when it is compiled); the gated backward
+takes stand-ins with flag bits (one compiled kernel for every case of a
+dtype).  float16 and bfloat16 arrays arrive as integer views whose type is
+the format (``int16``: float16, ``uint16``: bfloat16;
+``_numba_codec.is_bf16``), so the format is a compile-time constant.
 
 Numerics (see the module docstring of :mod:`polynorm._options`):
 
@@ -72,8 +73,7 @@ HAS_W = 1 << 1
 HAS_B = 1 << 2
 EPS_INSIDE = 1 << 3
 LLAMA = 1 << 4
-HAS_RSTD = 1 << 5  # backward: rstd given
-HAS_GR = 1 << 6  # backward: grad_residual given
+HAS_RSTD = 1 << 5  # gated backward: rstd given
 STREAM_Y = 1 << 7  # forward: y leaves through streaming stores (_numba_stream)
 # llama rounding formats (codes of _numba_codec.round_to), two bits each
 XCODE_SHIFT = 16

@@ -103,8 +103,6 @@ def _kb():
 _BF16_BITS = np.dtype(np.uint16)
 _F16_BITS = np.dtype(np.int16)
 _F64 = np.dtype(np.float64)
-#: (d,) stand-ins for an absent weight/bias, per compute dtype
-_NO_VEC = {np.dtype(np.float32): np.zeros(1, np.float32), _F64: np.zeros(1, np.float64)}
 
 
 def _foreign_empty(like):
@@ -383,24 +381,18 @@ def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan, dx=N
     # casting does not change the backward: no llama bit
     flags = info[0] & ~K.LLAMA
     dyk = _kview(dyn)
-    w = _NO_VEC[cdt]
-    wn = bn = None
+    # absent operands are None: the kernels compile without their terms
+    w = wn = bn = rs = gr = None
     if weight is not None:
         wn = to_numpy(weight)
-        flags |= K.HAS_W
         w = _vec(wn, cdt)
     if bias is not None:
         bn = to_numpy(bias)
         flags |= K.HAS_B
-    rs = _NO_VEC[cdt]
     if rstd is not None:
         rs = _kview(to_numpy(rstd))
-        flags |= K.HAS_RSTD
-    gr = dyk  # stand-in of the right type
     if grad_residual is not None:
-        grn = to_numpy(grad_residual)
-        flags |= K.HAS_GR
-        gr = _kview(grn)
+        gr = _kview(to_numpy(grad_residual))
     if dx is None:
         empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
         dx = empty((n, d), xn.dtype)
