@@ -248,6 +248,12 @@ SLOW_SWEEPS = (
     "tests/test_layout.py::test_strided_and_negatively_strided_inputs[torch-*",
     "tests/test_layout.py::test_strided_and_negatively_strided_inputs[jax-*",
     "tests/test_layout.py::test_strided_and_negatively_strided_inputs[dask-*",
+    # the emulated CUDA batch invariance in bfloat16 (float32 stays), jit with every
+    # option in bfloat16 (plain bfloat16 and float32 with every option stay), inductor
+    # (torch.compile fullgraph stays)
+    "tests/test_batch_invariance.py::test_emulated_cuda_kernels_are_batch_invariant[bfloat16]",
+    "tests/test_jax.py::test_jit_runs_the_kernels_with_the_eager_bits[bfloat16-all]",
+    "tests/test_torch.py::test_torch_compile_inductor",
     # NVRTC compiles of every specialisation and their machine-code targets (~50 s per
     # architecture): the default run compiles one kernel (test_nvrtc_cached_cubin)
     "tests/test_nvrtc.py::test_nvrtc_every_specialisation_compiles[*",
