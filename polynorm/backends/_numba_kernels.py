@@ -595,11 +595,11 @@ def _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset):
         _fwd_norm_row(i, i + 1, x, False, w, b, y, rstd, flags, k, eps, offset, ss, None)
 
 
-def _forward_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
-    """Rows ``[lo, hi)`` of the forward by the path the argument types call for
-    (pragma: no cover - replaced by the overload): the fused add where ``r`` is
-    an array, the 16-bit pipeline, streamed rows where ``stage`` is an array,
-    else the plain two passes.  Only that path is compiled."""
+def _forward_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):  # pragma: no cover
+    """Rows ``[lo, hi)`` of the forward by the path the argument types call for:
+    the fused add where ``r`` is an array, the 16-bit pipeline, streamed rows
+    where ``stage`` is an array, else the plain two passes.  Only that path is
+    compiled (replaced by the overload)."""
     raise NotImplementedError
 
 
