@@ -228,19 +228,20 @@ def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
                     _out_gate(i, jc, je, x, z, w, b, y, rc, oc)
     else:
         for i in range(lo, hi):
-            _gate_in(i, 0, d, x, z, u)
+            # the gate pass is the compute-heavy one: it prefetches the next row
+            for jc in range(0, d, _CHUNK):
+                je = min(jc + _CHUNK, d)
+                if pf and i + 1 < n:
+                    prefetch_span(x, i + 1, jc, je - jc)
+                    prefetch_span(z, i + 1, jc, je - jc)
+                _gate_in(i, jc, je, x, z, u)
             for g in range(groups):
                 g0 = g * gs
                 r64, rc = _group_rstd(u, 0, g0, gs, k, False, eps, flags, rstd, i, g)
                 if r64 < math.inf and not rc < math.inf:
                     _wide_group(i, g0, g0 + gs, x, z, u, w, b, y, r64, oc, flags)
                     continue
-                for jc in range(g0, g0 + gs, _CHUNK):
-                    je = min(jc + _CHUNK, g0 + gs)
-                    if pf and i + 1 < n:
-                        prefetch_span(x, i + 1, jc, je - jc)
-                        prefetch_span(z, i + 1, jc, je - jc)
-                    _out_u(i, jc, je, u, w, b, y, rc, oc)
+                _out_u(i, g0, g0 + gs, u, w, b, y, rc, oc)
 
 
 @_jit(parallel=True)

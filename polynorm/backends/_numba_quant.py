@@ -21,9 +21,10 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_codec import _f32_as_u32, _u32_as_f32, is_bf16, load, prefetch_span
+from ._numba_codec import _HAS_FMA, is_bf16, load, prefetch_span
 from ._numba_kernels import (
     _CHUNK_F,
     EPS_INSIDE,
@@ -40,7 +41,6 @@ from ._numba_kernels import (
 )
 from ._numba_refs import borrow
 
-_ABS = np.uint32(0x7FFFFFFF)
 _F32_MIN_NORMAL = np.float32(2.0**-126)
 
 
@@ -48,36 +48,47 @@ _F32_MIN_NORMAL = np.float32(2.0**-126)
 def e4m3fn(typingctx, v):
     """float32 ``v`` -> float8_e4m3fn bits: saturated to +-448, nearest even, NaN kept (sign too).
 
-    Written in 32-bit integer IR (Numba would widen the integer steps to 64
-    bits, halving the vector width): the magnitude's bits are clamped to
-    448's (positive floats order as their bits), a normal result rounds its
-    mantissa to 3 bits by adding half an ulp plus the kept lsb (nearest
-    even), a subnormal one (below 2**-6) is ``rint(|v| * 2**9)``, computed
-    exactly by adding 2**23 in float32.
+    Written in 32-bit IR (Numba would widen the integer steps to 64 bits,
+    halving the vector width), in few operations and constants, since the
+    encoder is the costliest step of the quantized forward:
+
+    - ``a = min(448, |v|)``, a float compare that keeps a NaN;
+    - a normal result (``a >= 2**-6``) rounds ``a``'s bits to a 3-bit mantissa
+      by adding half an ulp less one plus the kept lsb (nearest even), with
+      the exponent rebias folded into the same constant; a NaN's bits give a
+      code above 0x7f, which the ``min(code, 0x7f)`` turns into NaN's 0x7f;
+    - a subnormal one is ``rint(a * 2**9)``, exact as ``fma(a, 2**9, 2**23)``;
+    - the sign is ``v``'s bit 31 moved to bit 7.
     """
     if v != types.float32:
         return None
 
     def codegen(context, builder, sig, args):
         i32 = ir.IntType(32)
+        f32 = ir.FloatType()
 
         def c(n):
             return ir.Constant(i32, n)
 
         u = builder.bitcast(args[0], i32)
-        sign = builder.and_(builder.lshr(u, c(24)), c(0x80))
-        au = builder.and_(u, c(0x7FFFFFFF))
-        nan = builder.icmp_unsigned(">", au, c(0x7F800000))
-        au = builder.select(builder.icmp_unsigned("<", au, c(0x43E00000)), au, c(0x43E00000))
-        lsb = builder.and_(builder.lshr(au, c(20)), c(1))
-        nrm = builder.sub(builder.lshr(builder.add(builder.add(au, c(0x7FFFF)), lsb), c(20)),
-                          c(120 << 3))
-        a = builder.bitcast(au, ir.FloatType())
-        t = builder.fadd(builder.fmul(a, ir.Constant(ir.FloatType(), 512.0)),
-                         ir.Constant(ir.FloatType(), 2.0**23))
+        sign = builder.shl(builder.lshr(u, c(31)), c(7))
+        mag = builder.bitcast(builder.and_(u, c(0x7FFFFFFF)), f32)
+        sat = ir.Constant(f32, 448.0)
+        # 448 < mag is false for a NaN, which is then kept
+        a = builder.select(builder.fcmp_ordered("<", sat, mag), sat, mag)
+        au = builder.bitcast(a, i32)
+        lsb = builder.lshr(builder.shl(au, c(11)), c(31))
+        # (au + 0x7FFFF + lsb) >> 20, less the exponent rebias 120 << 3
+        nrm = builder.lshr(builder.add(builder.sub(au, c((120 << 23) - 0x7FFFF)), lsb), c(20))
+        nrm = builder.select(builder.icmp_unsigned("<", nrm, c(0x7F)), nrm, c(0x7F))
+        if _HAS_FMA:
+            fma = cgutils.get_or_insert_function(builder.module,
+                                                 ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+            t = builder.call(fma, [a, ir.Constant(f32, 512.0), ir.Constant(f32, 2.0**23)])
+        else:  # a * 512 is exact, so both round once
+            t = builder.fadd(builder.fmul(a, ir.Constant(f32, 512.0)), ir.Constant(f32, 2.0**23))
         sub = builder.sub(builder.bitcast(t, i32), c(0x4B000000))
-        code = builder.select(builder.icmp_unsigned("<", au, c(0x3C800000)), sub, nrm)
-        code = builder.select(nan, c(0x7F), code)
+        code = builder.select(builder.icmp_signed("<", au, c(0x3C800000)), sub, nrm)
         return builder.trunc(builder.or_(code, sign), ir.IntType(8))
 
     return types.uint8(v), codegen
@@ -122,14 +133,41 @@ def _encode_span(buf, q, i, j0, j1, s, fp8):
             q[i, j] = int8_bits(buf[j] / s)
 
 
+@intrinsic
+def _max_mag(typingctx, m, v):
+    """``max(m, bits of |v|)`` for float32 ``v`` and the running maximum's bits
+    ``m`` (int32): positive floats order as their bits, and a NaN's are above
+    inf's, so a NaN wins.  32-bit IR: Numba would compare in 64 bits."""
+    if m != types.int32 or v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        b = builder.and_(builder.bitcast(args[1], i32), ir.Constant(i32, 0x7FFFFFFF))
+        return builder.select(builder.icmp_signed(">", b, args[0]), b, args[0])
+
+    return types.int32(m, v), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, m):
+    """The float32 whose bits are int32 ``m``."""
+    if m != types.int32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(m), codegen
+
+
 @_inline_ir
 def _amax(buf, j0, j1):
     """``max |buf[j0:j1]|`` by the bits of the magnitudes: a NaN (above inf's bits) wins."""
-    m = np.uint32(0)
+    m = np.int32(0)
     for j in range(np.uint64(j0), np.uint64(j1)):
-        b = _f32_as_u32(buf[j]) & _ABS
-        m = b if b > m else m
-    return _u32_as_f32(m)
+        m = _max_mag(m, buf[j])
+    return _bits_f32(m)
 
 
 @_inline_ir
@@ -156,8 +194,7 @@ def _y_span(i, a, abf, w, b, buf, j0, j1, rc, oc, flags, m):
     for j in range(np.uint64(j0), np.uint64(j1)):
         v = np.float32(scale_shift(load(a[i, j], abf) * rc, w, b, j, oc))
         buf[j] = v
-        u = _f32_as_u32(v) & _ABS
-        m = u if u > m else m
+        m = _max_mag(m, v)
     return m
 
 
@@ -178,7 +215,7 @@ def _y_row(i, a, abf, w, b, buf, rs, flags, k, eps, offset):
         for j in range(d):
             buf[j] = np.float32(scale_shift(load(a[i, j], abf) * up * rw, w, b, j, oc))
         return _amax(buf, 0, d)
-    m = np.uint32(0)
+    m = np.int32(0)
     if i + 1 < a.shape[0]:
         for jc in range(0, d, _CHUNK_F):
             n = min(_CHUNK_F, d - jc)
@@ -186,7 +223,7 @@ def _y_row(i, a, abf, w, b, buf, rs, flags, k, eps, offset):
             m = _y_span(i, a, abf, w, b, buf, jc, jc + n, rc, oc, flags, m)
     else:
         m = _y_span(i, a, abf, w, b, buf, 0, d, rc, oc, flags, m)
-    return _u32_as_f32(m)
+    return _bits_f32(m)
 
 
 @_jit()
