@@ -59,6 +59,9 @@ def e4m3fn(typingctx, v):
       code above 0x7f, which the ``min(code, 0x7f)`` turns into NaN's 0x7f;
     - a subnormal one is ``rint(a * 2**9)``, exact as ``fma(a, 2**9, 2**23)``;
     - the sign is ``v``'s bit 31 moved to bit 7.
+
+    Shifts and shuffles share two of Zen's four vector pipes, so masks are
+    preferred to shift pairs.
     """
     if v != types.float32:
         return None
@@ -71,13 +74,13 @@ def e4m3fn(typingctx, v):
             return ir.Constant(i32, n)
 
         u = builder.bitcast(args[0], i32)
-        sign = builder.shl(builder.lshr(u, c(31)), c(7))
+        sign = builder.and_(builder.lshr(u, c(24)), c(0x80))
         mag = builder.bitcast(builder.and_(u, c(0x7FFFFFFF)), f32)
         sat = ir.Constant(f32, 448.0)
         # 448 < mag is false for a NaN, which is then kept
         a = builder.select(builder.fcmp_ordered("<", sat, mag), sat, mag)
         au = builder.bitcast(a, i32)
-        lsb = builder.lshr(builder.shl(au, c(11)), c(31))
+        lsb = builder.and_(builder.lshr(au, c(20)), c(1))
         # (au + 0x7FFFF + lsb) >> 20, less the exponent rebias 120 << 3
         nrm = builder.lshr(builder.add(builder.sub(au, c((120 << 23) - 0x7FFFF)), lsb), c(20))
         nrm = builder.select(builder.icmp_unsigned("<", nrm, c(0x7F)), nrm, c(0x7F))
@@ -121,16 +124,27 @@ def int8_bits(typingctx, v):
 
 
 @_inline_ir
-def _encode_span(buf, q, i, j0, j1, s, fp8):
-    # unsigned columns: no negative-index wraparound test, so the loops vectorize
-    lo = np.uint64(j0)
-    hi = np.uint64(j1)
-    if fp8:
-        for j in range(lo, hi):
-            q[i, j] = e4m3fn(buf[j] / s)
-    else:
-        for j in range(lo, hi):
-            q[i, j] = int8_bits(buf[j] / s)
+def _encode_span(buf, q, i, j0, j1, s, fp8, pa, pb, pf):
+    """``q[i, j0:j1]`` from ``buf / s``.  The encoder is a row's longest pass, so
+    it is the one that prefetches the next row's inputs, the same columns a
+    chunk at a time: ``pa[i + 1]`` where ``pf & 1``, ``pb[i + 1]`` where ``pf & 2``
+    (a burst of a whole row's prefetches in a short pass stalls on the
+    cache's miss buffers)."""
+    for jc in range(j0, j1, _CHUNK_F):
+        je = min(jc + _CHUNK_F, j1)
+        if pf & 1:
+            prefetch_span(pa, i + 1, jc, je - jc)
+        if pf & 2:
+            prefetch_span(pb, i + 1, jc, je - jc)
+        # unsigned columns: no negative-index wraparound test, so the loops vectorize
+        lo = np.uint64(jc)
+        hi = np.uint64(je)
+        if fp8:
+            for j in range(lo, hi):
+                q[i, j] = e4m3fn(buf[j] / s)
+        else:
+            for j in range(lo, hi):
+                q[i, j] = int8_bits(buf[j] / s)
 
 
 @intrinsic
@@ -171,12 +185,13 @@ def _amax(buf, j0, j1):
 
 
 @_inline_ir
-def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, amax):
+def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, amax, pa, pb, pf):
     """Row ``i`` of ``q`` (and of ``sc`` for dynamic scales) from its float32 ``y`` in ``buf``;
-    ``amax``: ``max |y|`` of the row, already known (one group) or < 0 (recomputed here)."""
+    ``amax``: ``max |y|`` of the row, already known (one group) or < 0 (recomputed here);
+    ``pa``, ``pb``, ``pf``: the next row's prefetches (:func:`_encode_span`)."""
     d = buf.shape[0]
     if static:
-        _encode_span(buf, q, i, 0, d, static_scale, fp8)
+        _encode_span(buf, q, i, 0, d, static_scale, fp8, pa, pb, pf)
         return
     for g in range(d // gs):
         lo = g * gs
@@ -184,7 +199,7 @@ def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, amax):
         s = m / qmax
         s = np.float32(1.0) if s < _F32_MIN_NORMAL else s
         sc[i, g] = s
-        _encode_span(buf, q, i, lo, lo + gs, s, fp8)
+        _encode_span(buf, q, i, lo, lo + gs, s, fp8, pa, pb, pf)
 
 
 @_inline_ir
@@ -201,9 +216,7 @@ def _y_span(i, a, abf, w, b, buf, j0, j1, rc, oc, flags, m):
 @_inline_ir
 def _y_row(i, a, abf, w, b, buf, rs, flags, k, eps, offset):
     """``buf = y[i]`` in float32 with ``_fwd_norm_row``'s operations (its rstd, its
-    two cases: ``_out_span`` and the wide ``_fwd_row_wide``); returns ``max |y|``.
-    The next row is prefetched a chunk at a time during the pass, as the
-    forward's output pass does."""
+    two cases: ``_out_span`` and the wide ``_fwd_row_wide``); returns ``max |y|``."""
     r64 = _rstd_from(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0, _row_sumsq(a, i, k, abf))
     rs[0] = r64
     rc = rs[0]  # rstd in the compute type
@@ -215,15 +228,7 @@ def _y_row(i, a, abf, w, b, buf, rs, flags, k, eps, offset):
         for j in range(d):
             buf[j] = np.float32(scale_shift(load(a[i, j], abf) * up * rw, w, b, j, oc))
         return _amax(buf, 0, d)
-    m = np.int32(0)
-    if i + 1 < a.shape[0]:
-        for jc in range(0, d, _CHUNK_F):
-            n = min(_CHUNK_F, d - jc)
-            prefetch_span(a, i + 1, jc, n)
-            m = _y_span(i, a, abf, w, b, buf, jc, jc + n, rc, oc, flags, m)
-    else:
-        m = _y_span(i, a, abf, w, b, buf, 0, d, rc, oc, flags, m)
-    return _bits_f32(m)
+    return _bits_f32(_y_span(i, a, abf, w, b, buf, 0, d, rc, oc, flags, np.int32(0)))
 
 
 @_jit()
@@ -239,17 +244,20 @@ def quant_rows(lo, hi, x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
     x, r, h, q, sc, buf, rs = (borrow(x), borrow(r), borrow(h), borrow(q), borrow(sc),
                                borrow(buf), borrow(rs))
     w, b = _borrow_opt(w), _borrow_opt(b)
+    n = x.shape[0]
     if flags & HAS_R:
         hbf = is_bf16(h)
         for i in range(lo, hi):
             _add_row(i, x, r, h)
             m = _y_row(i, h, hbf, w, b, buf, rs, flags, k, eps, offset)
-            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m)
+            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m, x, r,
+                         3 if i + 1 < n else 0)
     else:
         xbf = is_bf16(x)
         for i in range(lo, hi):
             m = _y_row(i, x, xbf, w, b, buf, rs, flags, k, eps, offset)
-            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m)
+            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m, x, x,
+                         1 if i + 1 < n else 0)
 
 
 @_jit(parallel=True)
@@ -268,4 +276,5 @@ def quant_parallel(x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
 def quantize_y_rows(lo, hi, y, q, sc, static_scale, gs, qmax, fp8, static):
     """Rows ``[lo, hi)`` of ``q``/``sc`` from float32 rows ``y`` (the llama path)."""
     for i in range(lo, hi):
-        quantize_row(y[i], q, sc, i, static_scale, gs, qmax, fp8, static, np.float32(-1.0))
+        quantize_row(y[i], q, sc, i, static_scale, gs, qmax, fp8, static, np.float32(-1.0),
+                     y, y, 0)
