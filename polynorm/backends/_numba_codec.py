@@ -674,8 +674,15 @@ def lanes_total(typingctx, acc):
     return types.float64(acc), codegen
 
 
-def _prefetch_codegen(rw: int):
-    """Codegen of a prefetch of a row span's lines, for reading (``rw=0``) or writing (1)."""
+@intrinsic
+def prefetch_span(typingctx, a, i, j, count):
+    """Ask for the lines of ``a[i, j : j + count]`` to be brought into cache (a hint).
+
+    The pipelined forward reads the row after next this way, a chunk at a
+    time, so that its DRAM traffic is spread over the current row's pass.
+    """
+    if not isinstance(a, types.Array) or a.ndim != 2:
+        return None
 
     def codegen(context, builder, sig, args):
         av, iv, jv, cv = args
@@ -687,29 +694,7 @@ def _prefetch_codegen(rw: int):
         with cgutils.for_range_slice(builder, ir.Constant(_I64, 0), nbytes, ir.Constant(_I64, 64),
                                      intp=_I64) as (off, _):
             addr = builder.inttoptr(builder.add(base, off), i8p)
-            builder.call(fn, [addr, ir.Constant(_I32, rw), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+            builder.call(fn, [addr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
         return context.get_dummy_value()
 
-    return codegen
-
-
-
-@intrinsic
-def prefetch_span(typingctx, a, i, j, count):
-    """Ask for the lines of ``a[i, j : j + count]`` to be brought into cache (a hint).
-
-    The pipelined forward reads the row after next this way, a chunk at a
-    time, so that its DRAM traffic is spread over the current row's pass.
-    """
-    if not isinstance(a, types.Array) or a.ndim != 2:
-        return None
-    return types.void(a, types.intp, types.intp, types.intp), _prefetch_codegen(0)
-
-
-@intrinsic
-def prefetch_write_span(typingctx, a, i, j, count):
-    """:func:`prefetch_span` for lines about to be written: they are fetched owned,
-    so a later burst of stores to them does not wait on their reads."""
-    if not isinstance(a, types.Array) or a.ndim != 2:
-        return None
-    return types.void(a, types.intp, types.intp, types.intp), _prefetch_codegen(1)
+    return types.void(a, types.intp, types.intp, types.intp), codegen
