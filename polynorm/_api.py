@@ -156,11 +156,18 @@ def _choose_backend(backend: str, x: Any):
     return mod
 
 
+_offers: dict[tuple[Any, type], bool] = {}
+
+
 def _capable_backend(backend: str, x: Any, capability: type, what: str):
     """The backend for ``x`` if it offers ``capability`` (a Protocol of
     :mod:`polynorm.backends`); ``backend="auto"`` falls back to the reference."""
     mod = _choose_backend(backend, x)
-    if isinstance(mod, capability):
+    key = (mod, capability)
+    offers = _offers.get(key)
+    if offers is None:  # a Protocol isinstance check costs ~20 us: once per module
+        offers = _offers[key] = isinstance(mod, capability)
+    if offers:
         return mod
     if backend == "auto":
         return _backends.get("array_api")

@@ -41,3 +41,20 @@ def test_out_dtype_of_other_libraries():
         assert pn.rms_norm(t, out_dtype=spelling).dtype == want
     jnp = pytest.importorskip("jax.numpy")
     assert pn.rms_norm(jnp.asarray(_x()), out_dtype=jnp.bfloat16).dtype == jnp.bfloat16
+
+
+def test_dtype_names_are_cached_per_class_only_where_a_class_has_one_name():
+    """numpy dtype names are cached by class; parametric classes (datetime units,
+    strings, raw bytes, structured) name each instance on its own."""
+    import ml_dtypes
+
+    from polynorm._dtypes import dtype_name
+
+    cases = ["float32", ">f4", "float16", "float64", ml_dtypes.bfloat16, "int8",
+             "M8[s]", "M8[ms]", "U3", "U5", "V2", "V10", [("a", "f4")]]
+    for _ in range(2):  # the second round reads the cache
+        assert [dtype_name(np.dtype(c)) for c in cases] == [
+            "float32", "float32", "float16", "float64", "bfloat16", "int8",
+            "datetime64[s]", "datetime64[ms]", "str96", "str160", "void16", "void80", "void32"]
+    with pytest.raises(TypeError, match="weight must have a floating dtype.*datetime64\\[ms\\]"):
+        pn.rms_norm(np.ones((2, 4), np.float32), np.ones(4, "M8[ms]"))
