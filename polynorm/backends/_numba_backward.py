@@ -45,9 +45,9 @@ def _ld(a, i, j, bf, rc):
 
 
 #: Columns of a dx-pass chunk, each with the next row's prefetches of its
-#: columns (rows > 4 KB with a weight).  Paired against one whole-row burst
-#: before the pass (2-core EPYC): bfloat16 16384x4096 0.87-0.90 of the time,
-#: float32 0.91, bfloat16 4096x16384 0.95; 128 and 512 columns within noise.
+#: columns (rows > 4 KB with a weight): spread over the pass, they do not
+#: stall on the cache's miss buffers as one whole-row burst does
+#: (``python bench/compare.py`` times a change of it).
 _BWD_CHUNK = 256
 
 #: Elements of padding on each side of a row of the leaf pool (>= 256 bytes).
@@ -62,7 +62,7 @@ def _dot_row(dy, x, w, i, rc, oc):
     """``c = sum_j g_j * dy[i, j] * xhat[i, j]``: float32 partials over blocks of
     DOT_BLOCK elements, added in float64 (in float64 throughout for float64 x).
 
-    Float64 element by element cost ~3 ms of 16384x4096 bfloat16's ~23; the
+    Float64 element by element costs a large part of the backward; the
     blocks keep the error at ~DOT_BLOCK/64 float32 roundings of the row's
     sum of magnitudes.  A pure reduction (no stores): LLVM vectorizes it the
     same way for every row, so a row's ``c`` has the same bits wherever the
@@ -98,7 +98,7 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
     one loop serves every depth.  dweight's adds are fused into the dx pass.
 
     Pool rows are indices, not array views: a view per row costs Numba
-    reference-count calls (measured ~300 ns per row).
+    reference-count calls on every row.
     """
     d = x.shape[1]
     xbf = is_bf16(x)
@@ -234,11 +234,11 @@ def _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf):
 @_inline
 def _dx_plain(i, lo, hi, dy, x, gr, dx, rc, oc, coef):
     """``dx[i, lo:hi]`` without a weight (its own function: beside the weighted
-    loop, this loop made it slower, 130 instead of 80 ns per 1024 columns)."""
+    loop in one function, the weighted loop compiled slower)."""
     xbf = is_bf16(x)
     dybf = is_bf16(dy)
     # unsigned indices: Numba then has no negative-index wraparound to do
-    # (with it in the loop, the loop does not vectorize: 9x slower)
+    # (with it in the loop, the loop does not vectorize)
     for j in range(np.uint64(lo), np.uint64(hi)):
         v, _ = _dx_val(x, dy, None, gr, i, j, rc, oc, coef, xbf, dybf)
         store(dx, (i, j), v, xbf)
@@ -252,7 +252,7 @@ def _dx_pass(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, pc, ro, e0, e1, e2, fold
     ``e2 + (e1 + (e0 + dy*xhat))`` if ``fold``.
 
     One folding loop whatever the depth: with a loop per depth, LLVM made all
-    of them slower (660 instead of 440 ns per 1024-column row).  The plain
+    of them slower.  The plain
     loop (no sibling reads) serves the rows that start a node and the rows of
     a whole group (:func:`_group_node`).
     """
