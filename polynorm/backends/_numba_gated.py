@@ -51,11 +51,12 @@ from ._numba_refs import borrow, row_span
 from ._rowtree import TREE_G
 
 #: flags: norm_before_gate=True; the forward prefetches the next row's x and
-#: z a chunk at a time during a row's output pass (the other bits are
+#: z a chunk at a time during a row's silu pass (the other bits are
 #: _numba_kernels')
 NBG = 1 << 8
 PREFETCH = 1 << 9
-#: columns of the forward's output pass per prefetched chunk
+#: columns of the forward's silu pass (the output pass with norm_before_gate,
+#: else the gate pass) per prefetched chunk
 _CHUNK = 256
 
 # --------------------------------------------------------------------------- silu

@@ -536,7 +536,7 @@ def finish(total: np.ndarray, d: int, weight_dtype, bias_dtype, empty=np.empty):
 # --------------------------------------------------------------------------- gated RMSNorm
 
 
-#: The gated forward prefetches the next row's x and z during a row's output pass.
+#: The gated forward prefetches the next row's x and z during a row's silu pass.
 GATED_PREFETCH = True
 
 
