@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import array_api_compat as aac
 import numpy as _np
@@ -19,16 +19,15 @@ from . import _fast
 from . import backends as _backends
 from ._dtypes import float_dtype_name, namespace_dtype
 from ._memory import check_out_memory, host_view, partly_written
-from ._options import Options, Plan, make_plan, new_options, promote
+from ._options import NormOptions, Options, Plan, make_plan, pack_options, promote, takes_options
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["rms_norm", "add_rms_norm", "rms_norm_backward", "backends"]
 
 #: any array of a supported library (numpy, cupy, torch, jax, dask, array-api-strict, ...)
 Array: TypeAlias = Any
-#: a dtype name (``"bfloat16"``) or a dtype object of any array library
-DTypeLike: TypeAlias = Any
-EpsMode: TypeAlias = Literal["inside", "outside"]
-Casting: TypeAlias = Literal["fp32", "llama"]
 
 #: auto-dispatch tries these, in order, before the reference.
 _AUTO_ORDER = ("dask", "cupy", "numba")
@@ -402,21 +401,15 @@ def _empty_forward(lay: _Layout, x, residual, plan: Plan):
     return y, h, rstd
 
 
+@takes_options()
 def rms_norm(
     x: Array,
     weight: Array | None = None,
     bias: Array | None = None,
     *,
-    eps: float = 1e-6,
-    axis: int | tuple[int, ...] = -1,
-    partial: float = 1.0,
-    offset: float = 0.0,
-    eps_mode: EpsMode = "inside",
-    casting: Casting = "fp32",
-    out_dtype: DTypeLike | None = None,
     return_rstd: bool = False,
     out: Array | None = None,
-    backend: str = "auto",
+    **options: Unpack[NormOptions],
 ) -> Array | tuple[Array, Array]:
     """Root-mean-square normalization (RMSNorm, and pRMSNorm with ``partial < 1``).
 
@@ -441,20 +434,6 @@ def rms_norm(
         Shape of ``x`` over the normalized axes; may have another float dtype
         than ``x``.  Without ``weight`` there is no scale and ``offset`` is
         not used.
-    eps : float
-        ``>= 0`` and finite.
-    axis : int or tuple of int
-        The normalized axes (sorted; the slice is taken in C order).
-    partial : float
-        In ``(0, 1]``; ``k = floor(d * partial)`` must be at least 1.
-    offset : float
-        Added to ``weight`` (``offset=1.0`` is Gemma's ``1 + w``).
-    eps_mode : {"inside", "outside"}
-    casting : {"fp32", "llama"}
-        ``"llama"`` rounds the normalized value to ``x``'s dtype before the
-        weight multiply, as Hugging Face Llama does.
-    out_dtype : dtype or str, optional
-        Defaults to ``x``'s dtype.
     return_rstd : bool
         Also return ``rstd`` (shape of ``x`` without the normalized axes,
         float32, float64 for float64 input), for :func:`rms_norm_backward`.
@@ -464,7 +443,7 @@ def rms_norm(
         (else ``TypeError``), sharing no memory with any input in another way
         and with no two elements at one address (else ``ValueError``).
         Inputs in non-native byte order are converted (a copy).
-    backend : {"auto", "numba", "cupy", "dask", "array_api"}
+    {options}
 
     Returns
     -------
@@ -479,26 +458,20 @@ def rms_norm(
     array([[ 0.84852815,  1.1313709 ],
            [ 1.        , -1.        ]], dtype=float32)
     """
-    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    opts = pack_options("rms_norm", options)
     return forward(x, None, weight, bias, opts, out=out, return_rstd=return_rstd)
 
 
+@takes_options()
 def add_rms_norm(
     x: Array,
     residual: Array,
     weight: Array | None = None,
     bias: Array | None = None,
     *,
-    eps: float = 1e-6,
-    axis: int | tuple[int, ...] = -1,
-    partial: float = 1.0,
-    offset: float = 0.0,
-    eps_mode: EpsMode = "inside",
-    casting: Casting = "fp32",
-    out_dtype: DTypeLike | None = None,
     return_rstd: bool = False,
     out: Array | None = None,
-    backend: str = "auto",
+    **options: Unpack[NormOptions],
 ) -> tuple[Array, Array] | tuple[Array, Array, Array]:
     """Fused residual add and RMSNorm: ``h = x + residual``, ``y = rms_norm(h)``.
 
@@ -513,15 +486,12 @@ def add_rms_norm(
         differ: ``h`` takes the promoted one).
     weight, bias : array, optional
         As in :func:`rms_norm`.
-    eps, axis, partial, offset, eps_mode, casting, backend
-        As in :func:`rms_norm`.
-    out_dtype : dtype or str, optional
-        ``y``'s dtype; defaults to ``h``'s.
     return_rstd : bool
         Also return ``rstd`` (for :func:`rms_norm_backward` with ``x=h``).
     out : array, optional
         Preallocated ``y`` (same type, shape and dtype as ``y``); may be ``x``
         or ``residual`` itself.
+    {options}
 
     Returns
     -------
@@ -541,10 +511,11 @@ def add_rms_norm(
     """
     if residual is None:
         raise TypeError("residual must be an array, got None")
-    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    opts = pack_options("add_rms_norm", options)
     return forward(x, residual, weight, bias, opts, out=out, return_rstd=return_rstd, fused=True)
 
 
+@takes_options()
 def rms_norm_backward(
     dy: Array,
     x: Array,
@@ -553,16 +524,9 @@ def rms_norm_backward(
     *,
     rstd: Array | None = None,
     grad_residual: Array | None = None,
-    eps: float = 1e-6,
-    axis: int | tuple[int, ...] = -1,
-    partial: float = 1.0,
-    offset: float = 0.0,
-    eps_mode: EpsMode = "inside",
-    casting: Casting = "fp32",
-    out_dtype: DTypeLike | None = None,
     return_rstd: bool = False,
     out: Array | None = None,
-    backend: str = "auto",
+    **options: Unpack[NormOptions],
 ) -> tuple[Array, Array | None, Array | None]:
     """Hand-written backward of :func:`rms_norm` (no autograd).
 
@@ -593,11 +557,8 @@ def rms_norm_backward(
         Added into ``dx``: the gradient reaching ``h`` through the residual
         stream, for the backward of :func:`add_rms_norm` (whose ``dx`` is the
         gradient of both ``x`` and ``residual``).
-    eps, axis, partial, offset, eps_mode, casting, backend
-        As in the forward.  ``casting`` does not change the backward (the
-        derivative of the unrounded function); ``out_dtype`` and
-        ``return_rstd`` are accepted for a uniform signature and must be left
-        at their defaults.
+    return_rstd : bool
+        Accepted for a signature uniform with the forward's; must be False.
     out : array, optional
         Where to write ``dx``: the type and shape of ``x``, ``x``'s dtype.  It
         may be exactly ``dy`` or ``grad_residual`` (the same memory, shape and
@@ -605,6 +566,11 @@ def rms_norm_backward(
         ``in_place``); ``dy`` then holds ``dx`` afterwards, so only pass it
         where nothing else reads ``dy`` later.  Otherwise it must not overlap
         an input.  The Numba backend writes into it; the others copy into it.
+    {options}
+
+    The options are the forward's.  ``casting`` does not change the backward
+    (the derivative of the unrounded function); ``out_dtype`` is accepted for a
+    uniform signature and must be left at its default.
 
     Returns
     -------
@@ -623,10 +589,10 @@ def rms_norm_backward(
     >>> dw
     array([0.84852814, 1.13137085])
     """
-    if return_rstd or out_dtype is not None:
+    opts = pack_options("rms_norm_backward", options)
+    if return_rstd or opts.out_dtype is not None:
         bad = "return_rstd" if return_rstd else "out_dtype"
         raise ValueError(f"{bad} is not used by rms_norm_backward; leave it at its default")
-    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, None, backend))
     return backward(dy, x, weight, bias, rstd, grad_residual, opts, out)
 
 

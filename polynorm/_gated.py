@@ -9,15 +9,18 @@ array-API reference for a backend without them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import array_api_compat as aac
 
 from . import _api
-from ._api import Array, Casting, DTypeLike, EpsMode
+from ._api import Array
 from ._dtypes import float_dtype_name, namespace_dtype
 from ._memory import check_out_memory, host_view, partly_written
-from ._options import GatedPlan, Options, make_gated_plan, new_options
+from ._options import GatedPlan, NormOptions, Options, make_gated_plan, pack_options, takes_options
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["rms_norm_gated", "rms_norm_gated_backward"]
 
@@ -46,6 +49,7 @@ def _rstd_shape(lay, gplan: GatedPlan, group_size) -> tuple[int, ...]:
     return lay.batch_shape + (() if group_size is None else (gplan.groups,))
 
 
+@takes_options()
 def rms_norm_gated(
     x: Array,
     z: Array,
@@ -54,16 +58,9 @@ def rms_norm_gated(
     *,
     group_size: int | None = None,
     norm_before_gate: bool = False,
-    eps: float = 1e-6,
-    axis: int | tuple[int, ...] = -1,
-    partial: float = 1.0,
-    offset: float = 0.0,
-    eps_mode: EpsMode = "inside",
-    casting: Casting = "fp32",
-    out_dtype: DTypeLike | None = None,
     return_rstd: bool = False,
     out: Array | None = None,
-    backend: str = "auto",
+    **options: Unpack[NormOptions],
 ) -> Array | tuple[Array, Array]:
     """Gated RMSNorm (Mamba-2 ``RMSNormGated``, vLLM, FLA, Qwen3-Next).
 
@@ -92,14 +89,13 @@ def rms_norm_gated(
         With more than one group ``partial`` must be 1 (``ValueError``).
     norm_before_gate : bool
         ``False`` (Mamba-2's default) gates before the norm.
-    eps, axis, partial, offset, eps_mode, casting, out_dtype, out, backend
-        As in :func:`polynorm.rms_norm`.  ``backend="auto"`` runs the Numba
-        kernels for host memory, the CUDA kernels for CUDA arrays and the
-        array-API reference otherwise.
     return_rstd : bool
         Also return ``rstd``: the shape of ``x`` without the normalized axes,
         plus a trailing axis of ``d // group_size`` groups when
         ``group_size`` is given.
+    out : array, optional
+        As in :func:`polynorm.rms_norm`.
+    {options}
 
     Returns
     -------
@@ -115,7 +111,7 @@ def rms_norm_gated(
     >>> y.dtype, np.round(y, 3)
     (dtype('float32'), array([[16.971, 22.627]], dtype=float32))
     """
-    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    opts = pack_options("rms_norm_gated", options)
     return gated_forward(x, z, weight, bias, opts, group_size=group_size,
                          norm_before_gate=norm_before_gate, out=out, return_rstd=return_rstd)
 
@@ -163,6 +159,7 @@ def gated_forward(x, z, weight, bias, opts: Options, *, group_size, norm_before_
     return y
 
 
+@takes_options()
 def rms_norm_gated_backward(
     dy: Array,
     x: Array,
@@ -173,16 +170,9 @@ def rms_norm_gated_backward(
     rstd: Array | None = None,
     group_size: int | None = None,
     norm_before_gate: bool = False,
-    eps: float = 1e-6,
-    axis: int | tuple[int, ...] = -1,
-    partial: float = 1.0,
-    offset: float = 0.0,
-    eps_mode: EpsMode = "inside",
-    casting: Casting = "fp32",
-    out_dtype: DTypeLike | None = None,
     return_rstd: bool = False,
     out: Array | None = None,
-    backend: str = "auto",
+    **options: Unpack[NormOptions],
 ) -> tuple[Array, Array, Array | None, Array | None]:
     """Hand-written backward of :func:`rms_norm_gated` (no autograd).
 
@@ -198,10 +188,16 @@ def rms_norm_gated_backward(
     rstd : array, optional
         The forward's ``rstd`` (``return_rstd=True``), of its shape and dtype
         (float32, float64 for float64 ``x``); saves recomputing it.
-    group_size, norm_before_gate, eps, axis, partial, offset, eps_mode, backend
-        As in the forward.  ``casting`` does not change the backward (the
-        derivative of the unrounded function); ``out_dtype``, ``return_rstd``
-        and ``out`` must be left at their defaults.
+    group_size, norm_before_gate
+        As in the forward.
+    return_rstd, out
+        Accepted for a signature uniform with the forward's; must be left at
+        their defaults.
+    {options}
+
+    The options are the forward's.  ``casting`` does not change the backward
+    (the derivative of the unrounded function); ``out_dtype`` must be left at
+    its default.
 
     Returns
     -------
@@ -222,12 +218,12 @@ def rms_norm_gated_backward(
     >>> dz
     array([[0.42426407, 0.56568542]])
     """
-    if out is not None or return_rstd or out_dtype is not None:
+    opts = pack_options("rms_norm_gated_backward", options)
+    if out is not None or return_rstd or opts.out_dtype is not None:
         bad = "out" if out is not None else ("return_rstd" if return_rstd else "out_dtype")
         raise ValueError(f"{bad} is not used by rms_norm_gated_backward; leave it at its default")
     if dy is None:
         raise TypeError("dy must be an array, got None")
-    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, None, backend))
     return gated_backward(dy, x, z, weight, bias, rstd, opts, group_size=group_size,
                           norm_before_gate=norm_before_gate)
 

@@ -9,12 +9,15 @@ CPU arrays run the Numba kernels; traced arrays (``jit``, ``vmap``,
 from __future__ import annotations
 
 from functools import partial as _partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 
 from . import _gated
-from ._options import Options, new_options
+from ._options import NormOptions, Options, pack_options, takes_options
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["rms_norm_gated"]
 
@@ -52,19 +55,20 @@ def _bwd(static, res, dy):
 _gated_fn.defvjp(_fwd, _bwd)
 
 
+@takes_options()
 def rms_norm_gated(x, z, weight=None, bias=None, *, group_size: int | None = None,
-                   norm_before_gate: bool = False, eps: float = 1e-6,
-                   axis: int | tuple[int, ...] = -1, partial: float = 1.0, offset: float = 0.0,
-                   eps_mode: str = "inside", casting: str = "fp32", out_dtype: Any = None,
-                   backend: str = "auto"):
+                   norm_before_gate: bool = False, **options: Unpack[NormOptions]):
     """Differentiable :func:`polynorm.rms_norm_gated` for jax (reverse mode).
 
     Parameters
     ----------
     x, z, weight, bias : jax.Array
         As in :func:`polynorm.rms_norm_gated`.
-    group_size, norm_before_gate, eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
-        As in :func:`polynorm.rms_norm_gated` (static: they select the computation).
+    group_size, norm_before_gate
+        As in :func:`polynorm.rms_norm_gated`.
+    {options}
+
+    All but the arrays are static: they select the computation.
 
     Returns
     -------
@@ -84,5 +88,5 @@ def rms_norm_gated(x, z, weight=None, bias=None, *, group_size: int | None = Non
     """
     from .jax import _static
 
-    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    opts = pack_options("rms_norm_gated", options)
     return _gated_fn((group_size, bool(norm_before_gate), _static(opts)), x, z, weight, bias)

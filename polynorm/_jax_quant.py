@@ -8,28 +8,34 @@ Inference only: no derivative is defined.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from . import _quant
+from ._options import NormOptions, takes_options
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["rms_norm_quant"]
 
 
+@takes_options(exclude=("out_dtype",))
 def rms_norm_quant(x, weight=None, bias=None, *, residual=None, dtype: Any = "float8_e4m3fn",
-                   scale: Any = None, group_size: int | None = None, eps: float = 1e-6,
-                   axis: int | tuple[int, ...] = -1, partial: float = 1.0, offset: float = 0.0,
-                   eps_mode: str = "inside", casting: str = "fp32", backend: str = "auto"):
+                   scale: Any = None, group_size: int | None = None,
+                   **options: Unpack[NormOptions]):
     """:func:`polynorm.rms_norm_quant` for jax arrays, ``jit``-compatible.
 
     Parameters
     ----------
     x, weight, bias, residual : jax.Array
         As in :func:`polynorm.rms_norm_quant`.
-    dtype, scale, group_size, eps, axis, partial, offset, eps_mode, casting, backend
-        As in :func:`polynorm.rms_norm_quant`; all but an array ``scale`` are
-        static under ``jit``.
+    dtype, scale, group_size
+        As in :func:`polynorm.rms_norm_quant`.
+    {options}
+
+    All but the arrays (and an array ``scale``) are static under ``jit``.
 
     Returns
     -------
@@ -46,9 +52,8 @@ def rms_norm_quant(x, weight=None, bias=None, *, residual=None, dtype: Any = "fl
     Array([[ 95, 127]], dtype=int8)
     """
     arrays = (x, weight, bias, residual, scale)
-    if backend == "auto" and any(isinstance(a, jax.core.Tracer) for a in arrays):
-        backend = "array_api"
+    if options.get("backend", "auto") == "auto" and any(isinstance(a, jax.core.Tracer)
+                                                       for a in arrays):
+        options = {**options, "backend": "array_api"}
     return _quant.rms_norm_quant(x, weight, bias, residual=residual, dtype=dtype, scale=scale,
-                                 group_size=group_size, eps=eps, axis=axis, partial=partial,
-                                 offset=offset, eps_mode=eps_mode, casting=casting,
-                                 backend=backend)
+                                 group_size=group_size, **options)

@@ -42,9 +42,12 @@ change the backward: it is the derivative of the exact (unrounded) function.
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ForwardRef, Literal, NamedTuple, TypeAlias, TypedDict, TypeVar
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 EPS_MODES = ("inside", "outside")
@@ -78,8 +81,10 @@ class Options(NamedTuple):
     it down: the front end resolves it into a :class:`Plan`
     (:func:`make_plan`), the torch custom ops carry its fields as their
     schema arguments (:data:`OPTION_TYPES`), and jax takes it, hashable, as a
-    static argument.  A new option is one field here (with its schema type),
-    its resolution in :func:`make_plan` and the kernels that read the Plan.
+    static argument.  A new option is one field here (with its type in
+    ``_SharedOptions``, its schema type in :data:`OPTION_TYPES` and its text in
+    :data:`OPTION_DOCS`), its resolution in :func:`make_plan` and the kernels
+    that read the Plan; the public signatures take it through ``**options``.
 
     >>> Options(eps=1e-5).eps_mode
     'inside'
@@ -106,6 +111,133 @@ assert tuple(OPTION_TYPES) == Options._fields
 #: order, without the NamedTuple's Python ``__new__`` (a third of a microsecond, which
 #: is a tenth of a small call's whole cost).
 new_options = tuple.__new__
+
+#: a dtype name (``"bfloat16"``) or a dtype object of any array library
+DTypeLike: TypeAlias = Any
+EpsMode: TypeAlias = Literal["inside", "outside"]
+Casting: TypeAlias = Literal["fp32", "llama"]
+
+
+class _SharedOptions(TypedDict, total=False):
+    axis: int | tuple[int, ...]
+    partial: float
+    offset: float
+    eps_mode: EpsMode
+    casting: Casting
+    out_dtype: DTypeLike | None
+    backend: str
+
+
+class NormOptions(_SharedOptions, total=False):
+    """The keyword options of the array-API functions (``**options``), as typed keywords.
+
+    A public function takes them as ``**options: Unpack[NormOptions]``, packs them
+    with :func:`pack_options` and documents them through :func:`takes_options`, so a
+    new option is written here (a field of :class:`Options`, its type in this dict,
+    its schema type in :data:`OPTION_TYPES`, its text in :data:`OPTION_DOCS`) and in
+    the semantics (:func:`make_plan`) and kernels that read it, and in no signature.
+    """
+
+    eps: float
+
+
+class TorchOptions(_SharedOptions, total=False):
+    """:class:`NormOptions` for :mod:`polynorm.torch`, whose ``eps=None`` means torch's default."""
+
+    eps: float | None
+
+
+#: Each option's entry in the Parameters section of a docstring (numpydoc), by field.
+OPTION_DOCS: dict[str, str] = {
+    "eps": "eps : float, default 1e-6\n    ``>= 0`` and finite.",
+    "axis": "axis : int or tuple of int, default -1\n"
+            "    The normalized axes (sorted; the slice is taken in C order).",
+    "partial": "partial : float, default 1.0\n"
+               "    pRMSNorm: in ``(0, 1]``; the statistic uses the first ``k = floor(d * partial)``\n"
+               "    elements of a slice, and ``k`` must be at least 1.",
+    "offset": "offset : float, default 0.0\n"
+              "    Added to ``weight`` (``offset=1.0`` is Gemma's ``1 + w``); not used without a weight.",
+    "eps_mode": "eps_mode : {\"inside\", \"outside\"}, default \"inside\"\n"
+                "    ``1 / sqrt(ms + eps)`` or ``1 / (sqrt(ms) + eps)``.",
+    "casting": "casting : {\"fp32\", \"llama\"}, default \"fp32\"\n"
+               "    ``\"llama\"`` rounds the normalized value to ``x``'s dtype before the weight\n"
+               "    multiply, as Hugging Face Llama does.",
+    "out_dtype": "out_dtype : dtype or str, optional\n"
+                 "    The result's dtype; defaults to the normalized input's.",
+    "backend": "backend : {\"auto\", \"numba\", \"cupy\", \"dask\", \"array_api\"}, default \"auto\"\n"
+               "    The backend to run on; ``\"auto\"`` picks the fastest that takes the arrays.",
+}
+
+_DEFAULT_OPTIONS = Options()
+_DEFAULTS = _DEFAULT_OPTIONS._asdict()
+
+
+def pack_options(func: str, options: Mapping[str, Any], **fixed: Any) -> Options:
+    """The :class:`Options` of a call from its ``**options`` keywords.
+
+    ``fixed``: fields the function sets itself (``out_dtype="float32"`` for the
+    quantized output's y); a caller's keyword for one of them is a ``TypeError``,
+    as is an unknown keyword (Python's own message for a bad keyword).
+
+    >>> pack_options("rms_norm", {"eps": 1e-5}).eps
+    1e-05
+    >>> pack_options("rms_norm", {"epsilon": 1e-5})
+    Traceback (most recent call last):
+    ...
+    TypeError: rms_norm() got an unexpected keyword argument 'epsilon'
+    """
+    if not options and not fixed:
+        return _DEFAULT_OPTIONS
+    # the defaults' order is the fields' order; an override keeps its key's place
+    merged = {**_DEFAULTS, **options}
+    if len(merged) != len(_DEFAULTS) or fixed:
+        bad = [n for n in options if n not in _DEFAULTS or n in fixed]
+        if bad:
+            raise TypeError(f"{func}() got an unexpected keyword argument {bad[0]!r}")
+        merged.update(fixed)
+    return new_options(Options, merged.values())
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _annotation(a: Any) -> Any:
+    return a.__forward_arg__ if isinstance(a, ForwardRef) else a
+_MARKER = re.compile(r"^( *)\{options\}\n", re.MULTILINE)
+
+
+def takes_options(*, exclude: tuple[str, ...] = (), docs: Mapping[str, str] | None = None,
+                  defaults: Mapping[str, Any] | None = None) -> Callable[[F], F]:
+    """Decorator of a public function with ``**options``: its signature and docstring.
+
+    The runtime signature (``help()``, IDEs, Sphinx) lists every option of
+    :class:`Options` but ``exclude`` as a keyword-only parameter with its default
+    (``defaults`` overrides some), in place of ``**options``; the docstring line
+    ``{options}`` becomes their Parameters entries (:data:`OPTION_DOCS`, ``docs``
+    overriding some).
+    """
+
+    def decorate(func: F) -> F:
+        sig = inspect.signature(func)
+        params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        names = [n for n in Options._fields if n not in exclude]
+        given = {**_SharedOptions.__annotations__, **NormOptions.__annotations__}
+        dflt = {**_DEFAULT_OPTIONS._asdict(), **(defaults or {})}
+        params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=dflt[n],
+                                     annotation=_annotation(given[n])) for n in names]
+        func.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        if func.__doc__:
+            text = {**OPTION_DOCS, **(docs or {})}
+
+            def entries(m: re.Match) -> str:
+                pad = m.group(1)
+                return "".join(pad + line + "\n" for n in names for line in text[n].split("\n"))
+
+            func.__doc__, count = _MARKER.subn(entries, func.__doc__)
+            assert count == 1, f"{func.__name__}: the docstring needs one {{options}} line"
+        return func
+
+    return decorate
 
 
 def compute_dtype(x_dtype: str) -> str:

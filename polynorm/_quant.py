@@ -10,16 +10,28 @@ reference for a backend without it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import array_api_compat as aac
 import numpy as np
 
 from . import _api
 from . import _fast as _fastpath
-from ._api import Array, Casting, DTypeLike, EpsMode
+from ._api import Array
 from ._dtypes import float_dtype_name
-from ._options import Options, make_quant_plan, new_options, parse_quant_dtype, promote
+from ._options import (
+    DTypeLike,
+    NormOptions,
+    Options,
+    make_quant_plan,
+    pack_options,
+    parse_quant_dtype,
+    promote,
+    takes_options,
+)
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["rms_norm_quant"]
 
@@ -87,6 +99,7 @@ def _fast(x, weight, bias, residual, qdtype, scale, group_size, opts: Options):
     return (q, scales) if residual is None else (q, scales, h2.reshape(x.shape))
 
 
+@takes_options(exclude=("out_dtype",))
 def rms_norm_quant(
     x: Array,
     weight: Array | None = None,
@@ -96,13 +109,7 @@ def rms_norm_quant(
     dtype: DTypeLike = "float8_e4m3fn",
     scale: float | Array | None = None,
     group_size: int | None = None,
-    eps: float = 1e-6,
-    axis: int | tuple[int, ...] = -1,
-    partial: float = 1.0,
-    offset: float = 0.0,
-    eps_mode: EpsMode = "inside",
-    casting: Casting = "fp32",
-    backend: str = "auto",
+    **options: Unpack[NormOptions],
 ) -> tuple[Array, Array] | tuple[Array, Array, Array]:
     """RMSNorm with quantized output (float8 e4m3 or int8), for serving.
 
@@ -166,11 +173,12 @@ def rms_norm_quant(
         Dynamic scales per group of ``group_size`` contiguous elements of the
         normalized slice (64 or 128 for DeepSeek-style block fp8; any divisor
         of ``d``); ``None`` is one scale per token.  Not with ``scale``.
-    eps, axis, partial, offset, eps_mode, casting
-        As in :func:`polynorm.rms_norm`.
-    backend : {"auto", "numba", "cupy", "dask", "array_api"}
-        ``"auto"`` runs the Numba kernel for host memory, the CUDA kernel
-        (``pn_quant_fwd``) for CUDA arrays and the array-API reference otherwise.
+    {options}
+
+    The options are :func:`polynorm.rms_norm`'s but ``out_dtype`` (``y`` is
+    float32).  ``backend="auto"`` runs the Numba kernel for host memory, the
+    CUDA kernel (``pn_quant_fwd``) for CUDA arrays and the array-API
+    reference otherwise.
 
     Returns
     -------
@@ -192,8 +200,7 @@ def rms_norm_quant(
     array([0.00890843, 0.00787402], dtype=float32)
     """
     qdtype = parse_quant_dtype(dtype)
-    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, "float32",
-                                 backend))
+    opts = pack_options("rms_norm_quant", options, out_dtype="float32")
     fast = _fast(x, weight, bias, residual, qdtype, scale, group_size, opts)
     if fast is not None:
         return fast
@@ -227,7 +234,7 @@ def rms_norm_quant(
     except (TypeError, AttributeError):
         raise TypeError(f"dtype={qdtype!r} is not available for {type(x).__module__} arrays") \
             from None
-    mod = _quant_backend(backend, x)
+    mod = _quant_backend(opts.backend, x)
     if lay.n == 0:
         from .backends import reference
 

@@ -10,12 +10,15 @@ and ``torch.compile(fullgraph=True)`` run the same op, so the same bits.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import _gated
-from ._options import Options, new_options
+from ._options import NormOptions, Options, pack_options, takes_options
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 from .torch import _NOPTS, _OPTS, _fake_checks, _from_op, _op_args
 
 __all__ = ["rms_norm_gated", "RMSNormGated"]
@@ -91,6 +94,7 @@ def _bwd(ctx, dy, _drstd):
 _gated_op.register_autograd(_bwd, setup_context=_setup)
 
 
+@takes_options()
 def rms_norm_gated(
     x: torch.Tensor,
     z: torch.Tensor,
@@ -99,14 +103,7 @@ def rms_norm_gated(
     *,
     group_size: int | None = None,
     norm_before_gate: bool = False,
-    eps: float = 1e-6,
-    axis: int | tuple[int, ...] = -1,
-    partial: float = 1.0,
-    offset: float = 0.0,
-    eps_mode: str = "inside",
-    casting: str = "fp32",
-    out_dtype: Any = None,
-    backend: str = "auto",
+    **options: Unpack[NormOptions],
 ) -> torch.Tensor:
     """Differentiable :func:`polynorm.rms_norm_gated` (gradients for x, z, weight, bias).
 
@@ -114,8 +111,9 @@ def rms_norm_gated(
     ----------
     x, z, weight, bias : torch.Tensor
         As in :func:`polynorm.rms_norm_gated`; any of them may require grad.
-    group_size, norm_before_gate, eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
+    group_size, norm_before_gate
         As in :func:`polynorm.rms_norm_gated`.
+    {options}
 
     Returns
     -------
@@ -133,7 +131,7 @@ def rms_norm_gated(
     >>> x.grad.shape, z.grad.shape
     (torch.Size([2, 8]), torch.Size([2, 8]))
     """
-    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    opts = pack_options("rms_norm_gated", options)
     y, _ = torch.ops.polynorm.rms_norm_gated(x, z, weight, bias, group_size,
                                              bool(norm_before_gate), *_op_args(opts))
     return y
@@ -150,10 +148,12 @@ class RMSNormGated(torch.nn.Module):
     group_size : int, optional
     norm_before_gate : bool
         ``False`` is Mamba-2's default; Qwen3-Next uses ``True``.
-    offset, casting, out_dtype
-        As in :func:`polynorm.rms_norm_gated`.
     device, dtype
         Of the weight (initialised to ones).
+    **options
+        The keyword options of :func:`rms_norm_gated` (``offset``, ``casting``,
+        ``out_dtype``, ...), passed to every forward; ``eps`` is the module's and
+        the normalized axis is the last.
 
     Examples
     --------
@@ -165,24 +165,22 @@ class RMSNormGated(torch.nn.Module):
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, group_size: int | None = None,
-                 norm_before_gate: bool = False, *, offset: float = 0.0, casting: str = "fp32",
-                 out_dtype: Any = None, device: Any = None, dtype: Any = None) -> None:
+                 norm_before_gate: bool = False, *, device: Any = None, dtype: Any = None,
+                 **options: Unpack[NormOptions]) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
         self.eps = eps
         self.group_size = group_size
         self.norm_before_gate = norm_before_gate
-        self.offset = offset
-        self.casting = casting
-        self.out_dtype = out_dtype
+        pack_options("RMSNormGated", options, eps=eps, axis=-1)
+        self.options = dict(options)
         if group_size is not None and hidden_size % group_size:
             raise ValueError(f"group_size={group_size} must divide hidden_size={hidden_size}")
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return rms_norm_gated(x, z, self.weight, group_size=self.group_size,
                               norm_before_gate=self.norm_before_gate, eps=self.eps,
-                              offset=self.offset, casting=self.casting,
-                              out_dtype=self.out_dtype)
+                              **self.options)
 
     def extra_repr(self) -> str:
         return (f"{self.weight.shape[0]}, eps={self.eps}, group_size={self.group_size}, "

@@ -9,12 +9,15 @@ Inference only: the op has no autograd formula (``q`` is not differentiable).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import _quant
-from ._options import Options
+from ._options import NormOptions, Options, pack_options, takes_options
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 from .torch import _OPTS, _fake_checks, _from_op, _op_args
 
 __all__ = ["rms_norm_quant"]
@@ -72,6 +75,7 @@ def _(x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
     return (x.new_empty(x.shape, dtype=dtype), x.new_empty(s_shape, dtype=torch.float32), h)
 
 
+@takes_options(exclude=("out_dtype",))
 def rms_norm_quant(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
@@ -81,13 +85,7 @@ def rms_norm_quant(
     dtype: Any = torch.float8_e4m3fn,
     scale: float | torch.Tensor | None = None,
     group_size: int | None = None,
-    eps: float = 1e-6,
-    axis: int | tuple[int, ...] = -1,
-    partial: float = 1.0,
-    offset: float = 0.0,
-    eps_mode: str = "inside",
-    casting: str = "fp32",
-    backend: str = "auto",
+    **options: Unpack[NormOptions],
 ) -> tuple[torch.Tensor, ...]:
     """:func:`polynorm.rms_norm_quant` as a torch custom op (``torch.compile``-able).
 
@@ -99,8 +97,9 @@ def rms_norm_quant(
     scale : float or torch.Tensor, optional
         A static scale: a float (a constant of a compiled graph) or a
         one-element float tensor (an input of it).
-    group_size, eps, axis, partial, offset, eps_mode, casting, backend
+    group_size
         As in :func:`polynorm.rms_norm_quant`.
+    {options}
 
     Returns
     -------
@@ -121,7 +120,7 @@ def rms_norm_quant(
         from ._options import _check_real
 
         sv = _check_real("scale", sv)
-    opts = Options(eps, axis, partial, offset, eps_mode, casting, None, backend)
+    opts = pack_options("rms_norm_quant", options, out_dtype=None)
     q, s, h = torch.ops.polynorm.rms_norm_quant(
         x, weight, bias, residual, st, sv, _qdtype(dtype), group_size, *_op_args(opts))
     return (q, s) if residual is None else (q, s, h)

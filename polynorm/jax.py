@@ -34,14 +34,17 @@ Needs ``pip install 'polynorm[jax]'``.
 from __future__ import annotations
 
 from functools import partial as _partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import _api, _jax_ffi, _lean
-from ._options import Options, new_options
+from ._options import NormOptions, Options, pack_options, takes_options
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["rms_norm", "add_rms_norm"]
 
@@ -186,20 +189,14 @@ def _rms_norm_bwd(static, keep, res, dy):
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
+@takes_options()
 def rms_norm(
     x: jax.Array,
     weight: jax.Array | None = None,
     bias: jax.Array | None = None,
     *,
-    eps: float = 1e-6,
-    axis: int | tuple[int, ...] = -1,
-    partial: float = 1.0,
-    offset: float = 0.0,
-    eps_mode: str = "inside",
-    casting: str = "fp32",
-    out_dtype: Any = None,
-    backend: str = "auto",
     save: str = "input",
+    **options: Unpack[NormOptions],
 ) -> jax.Array:
     """Differentiable :func:`polynorm.rms_norm` for jax arrays.
 
@@ -212,8 +209,6 @@ def rms_norm(
         Float array (float16, bfloat16, float32, float64).
     weight, bias : jax.Array, optional
         Shape of ``x`` over the normalized axes.
-    eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
-        As in :func:`polynorm.rms_norm`; static (not traced).
     save : {"input", "output"}
         What the vjp keeps as its residual: ``x``, or ``y`` (which the next
         layer keeps anyway: one activation of ``x``'s size less), from which
@@ -221,6 +216,9 @@ def rms_norm(
         ``y``'s precision).  A concrete weight with a zero in ``weight +
         offset`` keeps ``x``; a traced one (``jit``, ``grad`` over the
         parameters) cannot be checked, and such columns give NaN gradients.
+    {options}
+
+    The options are static (not traced).
 
     Returns
     -------
@@ -237,7 +235,7 @@ def rms_norm(
     >>> jax.grad(lambda x: rms_norm(x, eps=0.0).sum())(x)
     Array([[ 0.04525483, -0.03394116]], dtype=float32)
     """
-    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    opts = pack_options("rms_norm", options)
     _lean.check_save(save)
     if not _traced((x, weight, bias)):
         # concrete arrays: no transformation is differentiating this call, and the
@@ -273,21 +271,15 @@ def _add_bwd(static, save, in_dtypes, res, cts):
 _add_rms_norm.defvjp(_add_fwd, _add_bwd)
 
 
+@takes_options()
 def add_rms_norm(
     x: jax.Array,
     residual: jax.Array,
     weight: jax.Array | None = None,
     bias: jax.Array | None = None,
     *,
-    eps: float = 1e-6,
-    axis: int | tuple[int, ...] = -1,
-    partial: float = 1.0,
-    offset: float = 0.0,
-    eps_mode: str = "inside",
-    casting: str = "fp32",
-    out_dtype: Any = None,
-    backend: str = "auto",
     save: str = "input",
+    **options: Unpack[NormOptions],
 ) -> tuple[jax.Array, jax.Array]:
     """Differentiable :func:`polynorm.add_rms_norm`: returns ``(y, h)``, both differentiable.
 
@@ -296,10 +288,9 @@ def add_rms_norm(
     x, residual : jax.Array
         Same shape; ``h`` has their promoted dtype.
     weight, bias : jax.Array, optional
-    eps, axis, partial, offset, eps_mode, casting, out_dtype, backend
-        As in :func:`polynorm.add_rms_norm`.
     save : {"input", "output"}
         As in :func:`rms_norm`: ``"output"`` keeps ``y`` instead of ``h``.
+    {options}
 
     Returns
     -------
@@ -321,7 +312,7 @@ def add_rms_norm(
     """
     if residual is None:
         raise TypeError("residual must be an array, got None")
-    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    opts = pack_options("add_rms_norm", options)
     _lean.check_save(save)
     if not _traced((x, residual, weight, bias)):
         return _api.forward(x, residual, weight, bias, opts, fused=True)

@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import _api, _lean
-from ._options import OPTION_TYPES, Options, new_options
+from ._options import OPTION_TYPES, Options, TorchOptions, make_plan, pack_options, takes_options
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["rms_norm", "add_rms_norm", "RMSNorm", "patch", "unpatch", "patched", "PatchedRMSNorm"]
 
@@ -325,6 +328,18 @@ def _check_in_place(in_place: Any) -> bool:
     return in_place
 
 
+_EPS_DOC = (
+    "eps : float or None, default 1e-6\n"
+    "    As in :func:`polynorm.rms_norm`; ``None`` means torch's default, as in\n"
+    "    ``torch.nn.functional.rms_norm`` and :class:`RMSNorm`: the machine epsilon\n"
+    "    of the dtype torch computes in (``torch.finfo(torch.float32).eps`` for\n"
+    "    float16/bfloat16/float32 input, float64's for float64 input).")
+_EPS_DOC_ADD = (
+    "eps : float or None, default 1e-6\n"
+    "    ``None``: as in :func:`rms_norm`, for ``h``'s dtype (float64's epsilon when\n"
+    "    ``x`` or ``residual`` is float64).")
+
+
 def _default_eps(eps: Any, *dtypes: Any) -> Any:
     """``eps=None``: torch's default, the machine epsilon of the dtype torch computes in
     (float32 for float16/bfloat16/float32 input, float64 when an input is float64)."""
@@ -333,21 +348,15 @@ def _default_eps(eps: Any, *dtypes: Any) -> Any:
     return torch.finfo(torch.float64 if torch.float64 in dtypes else torch.float32).eps
 
 
+@takes_options(docs={"eps": _EPS_DOC})
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     *,
-    eps: float | None = 1e-6,
-    axis: int | tuple[int, ...] = -1,
-    partial: float = 1.0,
-    offset: float = 0.0,
-    eps_mode: str = "inside",
-    casting: str = "fp32",
-    out_dtype: Any = None,
-    backend: str = "auto",
     save: str = "input",
     in_place: bool = False,
+    **options: Unpack[TorchOptions],
 ) -> torch.Tensor:
     """Differentiable :func:`polynorm.rms_norm` for torch tensors.
 
@@ -361,13 +370,6 @@ def rms_norm(
         Float tensor (float16, bfloat16, float32, float64), CPU or CUDA.
     weight, bias : torch.Tensor, optional
         Shape of ``x`` over the normalized axes; may have another float dtype.
-    eps : float or None
-        As in :func:`polynorm.rms_norm`; ``None`` means torch's default, as in
-        ``torch.nn.functional.rms_norm`` and :class:`RMSNorm`: the machine epsilon
-        of the dtype torch computes in (``torch.finfo(torch.float32).eps`` for
-        float16/bfloat16/float32 input, float64's for float64 input).
-    axis, partial, offset, eps_mode, casting, out_dtype, backend
-        As in :func:`polynorm.rms_norm`.
     save : {"input", "output"}
         What the forward keeps for the backward.  ``"output"`` keeps ``y``
         (which the next layer usually keeps anyway) instead of ``x``: one
@@ -389,6 +391,7 @@ def rms_norm(
         ``dx``.  Under ``torch.compile`` it is ignored (``dx`` is a new tensor;
         the compiler plans memory itself); on CUDA ``dx`` is computed into a
         new tensor and copied (the CUDA kernels do not write ``dx`` over ``dy``).
+    {options}
 
     Returns
     -------
@@ -411,9 +414,9 @@ def rms_norm(
     if not (isinstance(x, T) and (weight is None or isinstance(weight, T))
             and (bias is None or isinstance(bias, T))):  # unrolled: runs on every call
         _check_tensors(x=x, weight=weight, bias=bias)
-    if eps is None:
-        eps = _default_eps(eps, x.dtype)
-    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    opts = pack_options("rms_norm", options)
+    if opts.eps is None:
+        opts = opts._replace(eps=_default_eps(None, x.dtype))
     if save != "input":
         _lean.check_save(save)
     if in_place is not False:
@@ -425,22 +428,16 @@ def rms_norm(
     return torch.ops.polynorm.rms_norm(x, weight, bias, *_op_args(opts), save)[0]
 
 
+@takes_options(docs={"eps": _EPS_DOC_ADD})
 def add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     *,
-    eps: float | None = 1e-6,
-    axis: int | tuple[int, ...] = -1,
-    partial: float = 1.0,
-    offset: float = 0.0,
-    eps_mode: str = "inside",
-    casting: str = "fp32",
-    out_dtype: Any = None,
-    backend: str = "auto",
     save: str = "input",
     in_place: bool = False,
+    **options: Unpack[TorchOptions],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable :func:`polynorm.add_rms_norm`: ``h = x + residual``, ``y = rms_norm(h)``.
 
@@ -453,16 +450,12 @@ def add_rms_norm(
     x, residual : torch.Tensor
         Same shape; ``h`` has their promoted dtype.
     weight, bias : torch.Tensor, optional
-    eps : float or None
-        ``None``: as in :func:`rms_norm`, for ``h``'s dtype (float64's epsilon when
-        ``x`` or ``residual`` is float64).
-    axis, partial, offset, eps_mode, casting, out_dtype, backend
-        As in :func:`polynorm.add_rms_norm`.
     save : {"input", "output"}
         As in :func:`rms_norm`: ``"output"`` keeps ``y`` instead of ``h``.
     in_place : bool
         As in :func:`rms_norm`: the backward writes the gradient of ``x`` and
         ``residual`` into ``y``'s incoming gradient.
+    {options}
 
     Returns
     -------
@@ -484,9 +477,9 @@ def add_rms_norm(
     if residual is None:
         raise TypeError("residual must be a tensor, got None")
     _check_tensors(x=x, residual=residual, weight=weight, bias=bias)
-    if eps is None:
-        eps = _default_eps(eps, x.dtype, residual.dtype)
-    opts = new_options(Options, (eps, axis, partial, offset, eps_mode, casting, out_dtype, backend))
+    opts = pack_options("add_rms_norm", options)
+    if opts.eps is None:
+        opts = opts._replace(eps=_default_eps(None, x.dtype, residual.dtype))
     if save != "input":
         _lean.check_save(save)
     if in_place is not False:
@@ -517,23 +510,18 @@ class RMSNorm(torch.nn.Module):
     bias : bool
         Also learn an additive ``bias`` (the RMSNorm paper's code has one;
         torch's module does not).  Keyword only, like everything after.
-    partial : float
-        pRMSNorm: the statistic uses the first ``floor(d * partial)`` elements.
-    offset : float
-        Scale by ``weight + offset``; ``offset=1.0`` is Gemma's ``1 + w``.
-        The weight is initialised to ``1 - offset`` so that a fresh module
-        scales by one.
-    eps_mode : {"inside", "outside"}
-    casting : {"fp32", "llama"}
-        See :func:`polynorm.rms_norm`.
-    backend : str
-        Forced backend, default ``"auto"``.
     save : {"input", "output"}
         What the forward keeps for the backward (see :func:`rms_norm`);
         ``"output"`` saves one activation of the input's size per norm.
     in_place : bool
         The backward writes ``dx`` over the incoming gradient (see
         :func:`rms_norm` for when that is safe).  Default False.
+    **options
+        The keyword options of :func:`rms_norm` (``partial``, ``offset``,
+        ``eps_mode``, ``casting``, ``out_dtype``, ``backend``), passed to every
+        forward; the axes and ``eps`` are the module's.  With ``offset`` the
+        weight is initialised to ``1 - offset``, so that a fresh module scales
+        by one.
 
     Examples
     --------
@@ -560,13 +548,9 @@ class RMSNorm(torch.nn.Module):
         dtype: Any = None,
         *,
         bias: bool = False,
-        partial: float = 1.0,
-        offset: float = 0.0,
-        eps_mode: str = "inside",
-        casting: str = "fp32",
-        backend: str = "auto",
         save: str = "input",
         in_place: bool = False,
+        **options: Unpack[TorchOptions],
     ) -> None:
         factory = {"device": device, "dtype": dtype}
         super().__init__()
@@ -575,11 +559,10 @@ class RMSNorm(torch.nn.Module):
         self.normalized_shape = tuple(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
-        self.partial = partial
-        self.offset = offset
-        self.eps_mode = eps_mode
-        self.casting = casting
-        self.backend = backend
+        # fail at construction, not at the first forward, for a bad option
+        opts = pack_options("RMSNorm", options, eps=1e-6 if eps is None else eps, axis=-1)
+        make_plan(math.prod(self.normalized_shape), "float32", opts)
+        self.options = dict(options)
         self.save = _lean.check_save(save)
         self.in_place = _check_in_place(in_place)
         if elementwise_affine:
@@ -590,18 +573,13 @@ class RMSNorm(torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.empty(self.normalized_shape, **factory))
         else:
             self.register_parameter("bias", None)
-        # fail at construction, not at the first forward, for a bad option
-        from ._options import make_plan
-
-        make_plan(math.prod(self.normalized_shape), "float32",
-                  Options(1e-6 if eps is None else eps, -1, partial, offset, eps_mode, casting))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Weight ``1 - offset`` (a scale of one), bias zero."""
         with torch.no_grad():
             if self.weight is not None:
-                self.weight.fill_(1.0 - self.offset)
+                self.weight.fill_(1.0 - self.options.get("offset", 0.0))
             if self.bias is not None:
                 self.bias.zero_()
 
@@ -612,18 +590,18 @@ class RMSNorm(torch.nn.Module):
                 f"x must end in normalized_shape {self.normalized_shape}, got shape {tuple(x.shape)}"
             )
         axis = -1 if nd == 1 else tuple(range(-nd, 0))  # an int axis takes the fast front end
-        return rms_norm(
-            x, self.weight, self.bias, eps=self.eps, axis=axis, partial=self.partial,
-            offset=self.offset, eps_mode=self.eps_mode, casting=self.casting, backend=self.backend,
-            save=self.save, in_place=self.in_place,
-        )
+        return rms_norm(x, self.weight, self.bias, eps=self.eps, axis=axis, save=self.save,
+                        in_place=self.in_place, **self.options)
 
     def extra_repr(self) -> str:
         s = f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
         if self.bias is not None:
             s += ", bias=True"
-        for name, default in (("partial", 1.0), ("offset", 0.0), ("eps_mode", "inside"),
-                              ("casting", "fp32"), ("save", "input"), ("in_place", False)):
+        defaults = Options()._asdict()
+        for name, value in self.options.items():
+            if value != defaults[name]:
+                s += f", {name}={value!r}"
+        for name, default in (("save", "input"), ("in_place", False)):
             if getattr(self, name) != default:
                 s += f", {name}={getattr(self, name)!r}"
         return s
