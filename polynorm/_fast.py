@@ -72,9 +72,12 @@ def _vector_ok(a, d: int, names: dict) -> bool:
     return a is None or (a.ndim == 1 and a.shape[0] == d and a.dtype in names)
 
 
-def _rows(x, weight, bias) -> tuple | None:
+def _rows(x, weight, bias, a, b) -> tuple | None:
     """``(names, dtype name, d, n, two_d)`` of a numpy ``x`` of ``n`` tokens of
-    ``d`` that the fast path takes, with weight/bias fit for it; else None."""
+    ``d`` that the fast path takes, with weight/bias fit for it and the other
+    arrays ``a``, ``b`` numpy or absent; else None."""
+    if x.ndim == 0 or not _all_numpy_or_none(weight, bias, a, b):
+        return None
     names = _NAMES if len(_NAMES) == 4 else _names()
     shape = x.shape
     d = shape[-1]
@@ -112,11 +115,7 @@ def forward(mod, x, residual, weight, bias, out, return_rstd: bool, opts: Option
         if out is not None:
             r[0] = out
         return r[0] if len(r) == 1 else tuple(r)
-    if x.ndim == 0:
-        return None
-    if not _all_numpy_or_none(residual, weight, bias, out):
-        return None
-    head = _rows(x, weight, bias)
+    head = _rows(x, weight, bias, residual, out)
     if head is None:
         return None
     names, dtype, d, n, two_d = head
@@ -167,11 +166,9 @@ def backward(mod, dy, x, weight, bias, rstd, grad_residual, opts: Options):
             return None
         r = backward(mod, *views, opts)
         return None if r is None else tuple(_interop.torch_from_host(a) for a in r)
-    if type(x) is not np.ndarray or type(dy) is not np.ndarray or x.ndim == 0:
+    if type(x) is not np.ndarray or type(dy) is not np.ndarray:
         return None
-    if not _all_numpy_or_none(weight, bias, rstd, grad_residual):
-        return None
-    head = _rows(x, weight, bias)
+    head = _rows(x, weight, bias, rstd, grad_residual)
     if head is None:
         return None
     names, dtype, d, n, two_d = head

@@ -404,8 +404,20 @@ def _resolve(
 # --------------------------------------------------------------------------- gated RMSNorm
 
 
+class _Grouped:
+    """A plan whose statistic or scale is taken per group of ``group_size`` elements."""
+
+    __slots__ = ()
+    plan: Plan
+    group_size: int
+
+    @property
+    def groups(self) -> int:
+        return self.plan.d // self.group_size
+
+
 @dataclass(frozen=True, slots=True)
-class GatedPlan:
+class GatedPlan(_Grouped):
     """A :class:`Plan` plus the gate's options, for :func:`polynorm.rms_norm_gated`.
 
     The operation, per token, with ``silu(z) = z / (1 + exp(-z))`` computed in
@@ -446,10 +458,6 @@ class GatedPlan:
     plan: Plan
     group_size: int
     norm_before_gate: bool
-
-    @property
-    def groups(self) -> int:
-        return self.plan.d // self.group_size
 
     @property
     def k(self) -> int:
@@ -498,7 +506,7 @@ SCALE_FLOOR = 2.0**-126
 
 
 @dataclass(frozen=True, slots=True)
-class QuantPlan:
+class QuantPlan(_Grouped):
     """A :class:`Plan` (``out_dtype`` float32) plus the quantization's options.
 
     Per token, with ``y`` the float32 result of the plan (exactly
@@ -522,10 +530,6 @@ class QuantPlan:
     static: bool
     scale: float | None  # the static scale as a float32 value, None for an array scale
     group_size: int
-
-    @property
-    def groups(self) -> int:
-        return self.plan.d // self.group_size
 
     @property
     def qmax(self) -> float:
