@@ -85,7 +85,7 @@ def _rows(a, chunks0):
     return a if a.chunks == want else a.rechunk(want)
 
 
-def _vec(a, chunks=None):
+def _dask_vector(a, chunks=None):
     """1-D ``a`` (weight, bias, rstd) in one chunk, or with the given chunks."""
     if a is None:
         return None
@@ -203,7 +203,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     x = _rows(x, da.asarray(x).chunks[0])
     rows = x.chunks[0]
     residual = _rows(residual, rows)
-    weight, bias = _vec(weight), _vec(bias)
+    weight, bias = _dask_vector(weight), _dask_vector(bias)
     ydt, xdt, cdt = (numpy_dtype(plan.out_dtype), numpy_dtype(plan.norm_dtype),
                      numpy_dtype(plan.compute_dtype))
     # one task per row chunk; its block is the tuple (y, h, rstd), indexed by
@@ -240,10 +240,10 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     rows = x.chunks[0]
     dy = _rows(dy, rows)
     grad_residual = _rows(grad_residual, rows)
-    rstd = _vec(rstd, rows)
+    rstd = _dask_vector(rstd, rows)
     wdt = None if weight is None else weight.dtype
     bdt = None if bias is None else bias.dtype
-    weight, bias = _vec(weight), _vec(bias)
+    weight, bias = _dask_vector(weight), _dask_vector(bias)
     d = x.shape[1]
     if _uses_rowtree(x):
         ntot = x.shape[0]
@@ -326,7 +326,7 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
     x = _rows(x, da.asarray(x).chunks[0])
     rows = x.chunks[0]
     z = _rows(z, rows)
-    weight, bias = _vec(weight), _vec(bias)
+    weight, bias = _dask_vector(weight), _dask_vector(bias)
     p = gplan.plan
     ydt, cdt = numpy_dtype(p.out_dtype), numpy_dtype(p.compute_dtype)
     parts = da.blockwise(
@@ -350,7 +350,7 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
     dy, z = _rows(dy, rows), _rows(z, rows)
     if rstd is not None:
         rstd = _rows(rstd, rows)
-    weight, bias = _vec(weight), _vec(bias)
+    weight, bias = _dask_vector(weight), _dask_vector(bias)
     parts = da.blockwise(
         _gated_backward_chunk, "i",
         *_args([(dy, "ij"), (x, "ij"), (z, "ij"), (weight, "j"), (bias, "j"), (rstd, "ik")]),
@@ -400,7 +400,7 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
     x = _rows(x, da.asarray(x).chunks[0])
     rows = x.chunks[0]
     residual = _rows(residual, rows)
-    weight, bias = _vec(weight), _vec(bias)
+    weight, bias = _dask_vector(weight), _dask_vector(bias)
     s1 = None if scale is None else da.reshape(da.asarray(scale), (1,)).rechunk((1,))
     p = qplan.plan
     parts = da.blockwise(

@@ -105,11 +105,11 @@ _F16_BITS = np.dtype(np.int16)
 _F64 = np.dtype(np.float64)
 
 
-def _foreign_empty(like):
-    """Allocation for results that go back to ``like``'s library (aligned for jax)."""
+def _foreign_empty(caller):
+    """Allocation for results that go back to ``caller``'s library (aligned for jax)."""
 
     def empty(shape, dtype):
-        return _interop.host_empty(shape, dtype, like)
+        return _interop.host_empty(shape, dtype, caller)
 
     return empty
 
@@ -205,7 +205,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _vec(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarray:
+def _param_vector(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarray:
     """Weight/bias as the kernels take them: in the compute dtype.
 
     This is the reference's own ``astype(weight, compute dtype)``; with
@@ -220,11 +220,11 @@ def _vec(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarray:
 
 
 def _affine(weight, bias, cdt: np.dtype, exact: bool = False) -> tuple:
-    """``(w, b)``: weight/bias as the forward kernels take them (:func:`_vec`),
+    """``(w, b)``: weight/bias as the forward kernels take them (:func:`_param_vector`),
     ``None`` where absent (the kernels then compile without those terms)."""
     to_numpy = _interop.to_numpy
-    w = None if weight is None else _vec(to_numpy(weight), cdt, exact)
-    b = None if bias is None else _vec(to_numpy(bias), cdt)
+    w = None if weight is None else _param_vector(to_numpy(weight), cdt, exact)
+    b = None if bias is None else _param_vector(to_numpy(bias), cdt)
     return w, b
 
 
@@ -232,8 +232,8 @@ def _info(plan: Plan) -> tuple:
     """``(flags, y dtype, h dtype, compute dtype)`` for a plan, derived once (``plan.memo``)."""
     info = plan.memo.get("numba")
     if info is None:
-        K = _k()
-        flags = (K.EPS_INSIDE if plan.eps_inside else 0) | (K.LLAMA if plan.llama else 0)
+        kernels = _k()
+        flags = (kernels.EPS_INSIDE if plan.eps_inside else 0) | (kernels.LLAMA if plan.llama else 0)
         info = (flags, numpy_dtype(plan.out_dtype), numpy_dtype(plan.norm_dtype),
                 numpy_dtype(plan.compute_dtype))
         plan.memo["numba"] = info
@@ -245,12 +245,12 @@ def _llama_codes(plan: Plan, weight: np.ndarray | None) -> int:
     from .._options import promote
     from ._numba_codec import FORMAT_CODE as code
 
-    K = _k()
-    flags = code[plan.norm_dtype] << K.XCODE_SHIFT
+    kernels = _k()
+    flags = code[plan.norm_dtype] << kernels.XCODE_SHIFT
     if weight is not None:
         wname = "bfloat16" if _bf(weight) else weight.dtype.name
-        flags |= code[wname] << K.WCODE_SHIFT
-        flags |= code[promote(plan.norm_dtype, wname)] << K.PCODE_SHIFT
+        flags |= code[wname] << kernels.WCODE_SHIFT
+        flags |= code[promote(plan.norm_dtype, wname)] << kernels.PCODE_SHIFT
     return flags
 
 
@@ -261,15 +261,15 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     itself) receives ``y`` in place; then no token-sized array is allocated
     besides ``h`` for the fused add.
     """
-    K = _kernels or _k()
-    like = x
+    kernels = _kernels or _k()
+    caller = x
     to_numpy = _interop.to_numpy
     x = to_numpy(x)
     if residual is None and x.shape[1] > 1 and x.strides[1] != x.itemsize:
         x = np.ascontiguousarray(x)  # _unit_columns: the row reductions take adjacent elements
     n, d = x.shape
     flags, y_dt, h_dt, cdt = _info(plan)
-    empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+    empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
     y = empty((n, d), y_dt) if out is None else to_numpy(out)
     rstd = empty(n, cdt)
     xk = _kview(x)
@@ -284,20 +284,20 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
         flags |= _llama_codes(plan, None if weight is None else to_numpy(weight))
     stream = out is not None and residual is None and not plan.llama and _streams(y, x)
     if stream:
-        flags |= K.STREAM_Y
+        flags |= kernels.STREAM_Y
     args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, plan.offset, _stage(yk, stream))
     if _parallel(n, d):
         with _launch_lock:
-            (K.forward_llama_parallel if plan.llama else K.forward_parallel)(*args)
+            (kernels.forward_llama_parallel if plan.llama else kernels.forward_parallel)(*args)
         if not _omp_used:
             _note_layer()
     elif plan.llama:
-        K.forward_llama_rows(0, n, *args)
+        kernels.forward_llama_rows(0, n, *args)
     else:
-        K.forward_rows(0, n, *args)
+        kernels.forward_rows(0, n, *args)
     from_numpy = _interop.from_numpy
-    return (out if out is not None else from_numpy(y, like),
-            None if h is None else from_numpy(h, like), from_numpy(rstd, like))
+    return (out if out is not None else from_numpy(y, caller),
+            None if h is None else from_numpy(h, caller), from_numpy(rstd, caller))
 
 
 def forward_small(x: np.ndarray, weight, bias, plan: Plan):
@@ -307,7 +307,7 @@ def forward_small(x: np.ndarray, weight, bias, plan: Plan):
     The same kernel and arguments as :func:`forward`, less its Python: this
     is most of a (1, 4096) call's time (the front end's numpy fast path).
     """
-    K = _kernels or _k()
+    kernels = _kernels or _k()
     flags, y_dt, _, cdt = _info(plan)
     n, d = x.shape
     if d > 1 and x.strides[1] != x.itemsize:
@@ -318,7 +318,7 @@ def forward_small(x: np.ndarray, weight, bias, plan: Plan):
     # _kview's own test, here without the call for the float32/float64 arrays
     xk = x if x.dtype.itemsize != 2 and x.flags.writeable else _kview(x)
     yk = y if y_dt.itemsize != 2 else _kview(y)
-    K.forward_rows(0, n, xk, None, w, b, yk, None, rstd, flags, plan.k, plan.eps, plan.offset,
+    kernels.forward_rows(0, n, xk, None, w, b, yk, None, rstd, flags, plan.k, plan.eps, plan.offset,
                    None)
     return y, rstd
 
@@ -361,14 +361,14 @@ def _out_rows(out) -> np.ndarray | None:
 
 
 def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan, dx=None):
-    """Kernel arguments for the backward: ``(like, xn, dx, wn, bn, width, flags, args)``.
+    """Kernel arguments for the backward: ``(caller, xn, dx, wn, bn, width, flags, args)``.
 
     ``dx``: a numpy array to write into (:func:`_out_rows`), else a new one.  It
     may be ``dy`` itself: every kernel reads an element of ``dy`` before it
     writes that element of ``dx``, and no kernel reads it after.
     """
-    K = _kernels or _k()
-    like = x
+    kernels = _kernels or _k()
+    caller = x
     to_numpy = _interop.to_numpy
     # the dot's float32 partials are summed in the order LLVM vectorizes
     # them in, another for strided elements: such rows are made contiguous,
@@ -379,34 +379,34 @@ def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan, dx=N
     info = _info(plan)
     cdt = info[3]
     # casting does not change the backward: no llama bit
-    flags = info[0] & ~K.LLAMA
+    flags = info[0] & ~kernels.LLAMA
     dyk = _kview(dyn)
     # absent operands are None: the kernels compile without their terms
     w = wn = bn = rs = gr = None
     if weight is not None:
         wn = to_numpy(weight)
-        w = _vec(wn, cdt)
+        w = _param_vector(wn, cdt)
     if bias is not None:
         bn = to_numpy(bias)
-        flags |= K.HAS_B
+        flags |= kernels.HAS_B
     if rstd is not None:
         rs = _kview(to_numpy(rstd))
     if grad_residual is not None:
         gr = _kview(to_numpy(grad_residual))
     if dx is None:
-        empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+        empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
         dx = empty((n, d), xn.dtype)
     width = d * ((wn is not None) + (bn is not None))
     args = (dyk, _kview(xn), w, rs, gr, _kview(dx), flags, plan.k, plan.eps, plan.offset)
-    return like, xn, dx, wn, bn, width, args
+    return caller, xn, dx, wn, bn, width, args
 
 
 def _pools(m: int, width: int, cdt: np.dtype, per_thread: bool = False):
     """Scratch pools of the backward kernel: one pair, or one per Numba thread."""
     import numba
 
-    KB = _bwd_kernels or _kb()
-    spc, s64 = KB.pool_shapes(m, width)
+    bwd_kernels = _bwd_kernels or _kb()
+    spc, s64 = bwd_kernels.pool_shapes(m, width)
     lead = (numba.config.NUMBA_NUM_THREADS,) if per_thread else ()
     return np.empty(lead + spc, cdt), np.empty(lead + s64, np.float64)
 
@@ -420,9 +420,9 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     on the blocks, and equal those of any split of the rows into ranges
     (:func:`backward_range`, used by the dask backend).
     """
-    KB = _bwd_kernels or _kb()
+    bwd_kernels = _bwd_kernels or _kb()
     dx_out = _out_rows(out)
-    like, xn, dx, wn, bn, width, args = _backward_prepare(
+    caller, xn, dx, wn, bn, width, args = _backward_prepare(
         dy, x, weight, bias, rstd, grad_residual, plan, dx_out)
     n, d = xn.shape
     m = _block_level(n, width, _threads())
@@ -434,28 +434,28 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     cdt = _info(plan)[3]
     if par and nb > 1:
         with _launch_lock:
-            KB.backward_blocks_parallel(0, nb, m, 0, n, n, *args, lvl, idx, vals,
+            bwd_kernels.backward_blocks_parallel(0, nb, m, 0, n, n, *args, lvl, idx, vals,
                                         *_pools(m, width, cdt, True))
         if not _omp_used:
             _note_layer()
     else:
-        KB.backward_range(0, n, 0, n, m, *args, lvl, idx, vals, 0, *_pools(m, width, cdt))
+        bwd_kernels.backward_range(0, n, 0, n, m, *args, lvl, idx, vals, 0, *_pools(m, width, cdt))
     dw = db = None
     if width:
         if par and width >= 4096 and nb > 1:
             with _launch_lock:
-                KB.tree_parallel(vals, nb)
+                bwd_kernels.tree_parallel(vals, nb)
             if not _omp_used:
                 _note_layer()
         else:
-            KB.tree_cols(0, width, vals, nb)
-        empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+            bwd_kernels.tree_cols(0, width, vals, nb)
+        empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
         dw, db = finish(vals[0], d, None if wn is None else wn.dtype,
                         None if bn is None else bn.dtype, empty)
     from_numpy = _interop.from_numpy
-    return (out if dx_out is not None else from_numpy(dx, like),
-            None if dw is None else from_numpy(dw, like),
-            None if db is None else from_numpy(db, like))
+    return (out if dx_out is not None else from_numpy(dx, caller),
+            None if dw is None else from_numpy(dw, caller),
+            None if db is None else from_numpy(db, caller))
 
 
 def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: int, ntot: int):
@@ -471,8 +471,8 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
 
     if weight is None and bias is None:  # nothing to sum
         return backward(dy, x, None, None, rstd, grad_residual, plan)[0], empty_state(0)
-    KB = _bwd_kernels or _kb()
-    like, xn, dx, wn, bn, width, args = _backward_prepare(
+    bwd_kernels = _bwd_kernels or _kb()
+    caller, xn, dx, wn, bn, width, args = _backward_prepare(
         dy, x, weight, bias, rstd, grad_residual, plan)
     n, d = xn.shape
     m = _block_level(n, width, _threads())
@@ -492,7 +492,7 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
             lv = np.empty(cap, np.int64)
             ix = np.empty(cap, np.int64)
             va = np.empty((cap, width), np.float64)
-            cnt = KB.backward_range(a, b, row0, ntot, m, *args, lv, ix, va, 0, *pools)
+            cnt = bwd_kernels.backward_range(a, b, row0, ntot, m, *args, lv, ix, va, 0, *pools)
             states.append((lv[:cnt], ix[:cnt], va[:cnt]))
     nb = ib1 - ib0
     if nb:
@@ -501,25 +501,25 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
         va = np.empty((nb, width), np.float64)
         if _parallel(n, d) and nb > 1:
             with _launch_lock:
-                KB.backward_blocks_parallel(ib0, nb, m, row0, n, ntot, *args, lv, ix, va,
+                bwd_kernels.backward_blocks_parallel(ib0, nb, m, row0, n, ntot, *args, lv, ix, va,
                                             *_pools(m, width, cdt, True))
             if not _omp_used:
                 _note_layer()
         else:
             for t in range(nb):
                 b = ib0 + t
-                KB.backward_range(b << m, min(hi, (b + 1) << m), row0, ntot, m, *args,
+                bwd_kernels.backward_range(b << m, min(hi, (b + 1) << m), row0, ntot, m, *args,
                                   lv, ix, va, t, *pools)
         states.append((lv, ix, va))
     state = merge(states, ntot, cdt)
-    return _interop.from_numpy(dx, like), state
+    return _interop.from_numpy(dx, caller), state
 
 
 def finish(total: np.ndarray, d: int, weight_dtype, bias_dtype, empty=np.empty):
     """``(dweight, dbias)`` from the row tree's root ``[dweight | dbias]`` (float64),
     each rounded once (by the Numba codec: no double rounding) to the given
     numpy dtype; None for an absent one."""
-    KB = _bwd_kernels or _kb()
+    bwd_kernels = _bwd_kernels or _kb()
     out = []
     col = 0
     for dt in (weight_dtype, bias_dtype):
@@ -527,7 +527,7 @@ def finish(total: np.ndarray, d: int, weight_dtype, bias_dtype, empty=np.empty):
             out.append(None)
             continue
         a = empty(d, dt)
-        KB.round_into(total[col:col + d], _kview(a))
+        bwd_kernels.round_into(total[col:col + d], _kview(a))
         out.append(a)
         col += d
     return tuple(out)
@@ -558,17 +558,17 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
         return reference.gated_forward(x, z, weight, bias, gplan, out)
     from . import _numba_gated as G
 
-    K = _kernels or _k()
-    like = x
+    kernels = _kernels or _k()
+    caller = x
     flags, y_dt, _, cdt = _info(plan)
-    flags &= K.EPS_INSIDE
+    flags &= kernels.EPS_INSIDE
     if gplan.norm_before_gate:
         flags |= G.NBG
     if GATED_PREFETCH:
         flags |= G.PREFETCH
     xk, zk = _gated_in(x), _gated_in(z)
     n, d = xk.shape
-    empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+    empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
     o = None if out is None else _interop.to_numpy(out)
     direct = o is not None and o.flags.c_contiguous and o.dtype == y_dt
     y = o if direct else empty((n, d), y_dt)
@@ -588,40 +588,40 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
     if o is not None:
         if not direct:
             o[...] = y
-        return out, from_numpy(rstd, like)
-    return from_numpy(y, like), from_numpy(rstd, like)
+        return out, from_numpy(rstd, caller)
+    return from_numpy(y, caller), from_numpy(rstd, caller)
 
 
 def gated_backward(dy, x, z, weight, bias, rstd, gplan):
     """Gated backward on 2-D rows; ``dweight``/``dbias`` in the row tree's order."""
     from . import _numba_gated as G
 
-    K = _kernels or _k()
+    kernels = _kernels or _k()
     plan = gplan.plan
-    like = x
+    caller = x
     cdt = numpy_dtype(plan.compute_dtype)
     xn, zn = _interop.to_numpy(x), _interop.to_numpy(z)
     xk, zk, dyk = _gated_in(xn), _gated_in(zn), _gated_in(dy)
     n, d = xk.shape
-    empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+    empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
     dx = empty((n, d), xn.dtype)
     dz = empty((n, d), zn.dtype)
     lw = np.empty((n, d), cdt)  # written also without weight (then dropped): one kernel variant
     lb = np.empty((n, d) if bias is not None else (1, 1), cdt)
-    flags = K.EPS_INSIDE if plan.eps_inside else 0
+    flags = kernels.EPS_INSIDE if plan.eps_inside else 0
     if gplan.norm_before_gate:
         flags |= G.NBG
     if weight is not None:
-        flags |= K.HAS_W
+        flags |= kernels.HAS_W
     if bias is not None:
-        flags |= K.HAS_B
+        flags |= kernels.HAS_B
     # absent weight/bias as ones/zeros: they change no value, and one loop serves all cases
-    w = np.ones(d, cdt) if weight is None else _vec(_interop.to_numpy(weight), cdt)
-    b = np.zeros(d, cdt) if bias is None else _vec(_interop.to_numpy(bias), cdt)
+    w = np.ones(d, cdt) if weight is None else _param_vector(_interop.to_numpy(weight), cdt)
+    b = np.zeros(d, cdt) if bias is None else _param_vector(_interop.to_numpy(bias), cdt)
     if rstd is None:
         r = np.empty((1, 1), cdt)
     else:
-        flags |= K.HAS_RSTD
+        flags |= kernels.HAS_RSTD
         r = _kview(np.ascontiguousarray(_interop.to_numpy(rstd), dtype=cdt))
     buf = np.empty((4, d), cdt)
     # offset scales only a weight: ones stand in for an absent one, with no offset
@@ -637,24 +637,24 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
     from_numpy = _interop.from_numpy
     dw = db = None
     if weight is not None:
-        dw = from_numpy(G.tree_sum(lw).astype(_interop.to_numpy(weight).dtype), like)
+        dw = from_numpy(G.tree_sum(lw).astype(_interop.to_numpy(weight).dtype), caller)
     if bias is not None:
-        db = from_numpy(G.tree_sum(lb).astype(_interop.to_numpy(bias).dtype), like)
-    return from_numpy(dx, like), from_numpy(dz, like), dw, db
+        db = from_numpy(G.tree_sum(lb).astype(_interop.to_numpy(bias).dtype), caller)
+    return from_numpy(dx, caller), from_numpy(dz, caller), dw, db
 
 
 # --------------------------------------------------------------------------- quantized output
 
 
-def _wrap_q(q: np.ndarray, like, qdtype: str):
+def _wrap_q(q: np.ndarray, caller, qdtype: str):
     """``q`` (uint8 bits) as the caller's array of the quantized format."""
     if qdtype == "int8":
-        return _interop.from_numpy(q.view(np.int8), like)
-    if type(like) is np.ndarray:
+        return _interop.from_numpy(q.view(np.int8), caller)
+    if type(caller) is np.ndarray:
         import ml_dtypes
 
         return q.view(ml_dtypes.float8_e4m3fn)
-    lib = type(like).__module__.split(".")[0]
+    lib = type(caller).__module__.split(".")[0]
     if lib == "torch":
         import torch
 
@@ -662,7 +662,7 @@ def _wrap_q(q: np.ndarray, like, qdtype: str):
     import jax
     import jax.numpy as jnp
 
-    return jax.lax.bitcast_convert_type(_interop.from_numpy(q, like), jnp.float8_e4m3fn)
+    return jax.lax.bitcast_convert_type(_interop.from_numpy(q, caller), jnp.float8_e4m3fn)
 
 
 _NO_H: dict[np.dtype, np.ndarray] = {}
@@ -683,11 +683,11 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
     """
     from . import _numba_quant as Q
 
-    K = _kernels or _k()
+    kernels = _kernels or _k()
     plan = qplan.plan
-    like = x
+    caller = x
     n, d = x.shape
-    empty = np.empty if type(like) is np.ndarray else _foreign_empty(like)
+    empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
     if qplan.static:
         s = qplan.scale if scale is None else float(np.asarray(_interop.to_numpy(scale)
                                                               ).reshape(()))
@@ -716,7 +716,7 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
             if rn.shape[1] > 1 and rn.strides[1] != rn.itemsize:
                 rn = np.ascontiguousarray(rn)
             h = empty((n, d), h_dt)
-            flags |= K.HAS_R
+            flags |= kernels.HAS_R
             rk, hk = _kview(rn), _kview(h)
         w, b = _affine(weight, bias, cdt)
         args = (xk, rk, w, b, hk, q, sc, np.empty(d, np.float32), np.empty(1, cdt), flags,
@@ -728,9 +728,9 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
                 _note_layer()
         else:
             Q.quant_rows(0, n, *args)
-        h = None if h is None else _interop.from_numpy(h, like)
+        h = None if h is None else _interop.from_numpy(h, caller)
     if qplan.static:
-        scales = _interop.from_numpy(np.asarray(s32, np.float32).reshape(()), like)
+        scales = _interop.from_numpy(np.asarray(s32, np.float32).reshape(()), caller)
     else:
-        scales = _interop.from_numpy(sc, like)
-    return _wrap_q(q, like, qplan.qdtype), scales, h
+        scales = _interop.from_numpy(sc, caller)
+    return _wrap_q(q, caller, qplan.qdtype), scales, h
