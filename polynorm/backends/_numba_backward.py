@@ -28,7 +28,7 @@ from ._numba_kernels import (
     _reduce,
     _row_bytes,
     _stats,
-    like,
+    as_type_of,
 )
 from ._numba_refs import borrow, row_of
 from ._rowtree import TREE_G
@@ -41,7 +41,7 @@ assert TREE_G == 4, "_group_node spells out the adds of a 16-row node"
 @_inline
 def _ld(a, i, j, bf, rc):
     """``a[i, j]`` in the compute type of ``rc``."""
-    return like(load(a[i, j], bf), rc)
+    return as_type_of(load(a[i, j], bf), rc)
 
 
 #: Columns of a dx-pass chunk, each with the next row's prefetches of its
@@ -75,10 +75,10 @@ def _dot_row(dy, x, w, i, rc, oc):
     # unsigned indices: no negative-index wraparound, or the loops do not vectorize
     for b in range(np.uint64(0), np.uint64(d), np.uint64(DOT_BLOCK)):
         e = min(b + np.uint64(DOT_BLOCK), np.uint64(d))
-        s = like(0.0, rc)
+        s = as_type_of(0.0, rc)
         if w is not None:
             for j in range(b, e):
-                s += (like(w[j], rc) + oc) * (_ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
+                s += (as_type_of(w[j], rc) + oc) * (_ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
         else:
             for j in range(b, e):
                 s += _ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc)
@@ -120,25 +120,25 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
         if not r64 < math.inf:  # a float32 rstd that overflowed: recompute it in float64
             rms, r64 = _stats(x, i, k, xbf, eps, inside)
     # rc: rstd in the compute type (float64 for float64 x, else float32)
-    rc = like(r64, load(x[i, 0], xbf))
+    rc = as_type_of(r64, load(x[i, 0], xbf))
     if flags & HAS_B:
         # dbias's terms before dx is written: dx may be dy's memory (out=dy)
         ob = d if w is not None else 0
         P = _PAD
         for j in range(d):
-            pc[rtmp, P + j] = like(load(dy[i, j], dybf), pc[rtmp, P])
+            pc[rtmp, P + j] = as_type_of(load(dy[i, j], dybf), pc[rtmp, P])
         _fold(pc, ro, e0, e1, e2, rtmp, ob, d)
     if r64 < math.inf and not rc < math.inf:
         _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, e0, e1, e2,
                       rtmp)
     else:
-        oc = like(offset, rc)
+        oc = as_type_of(offset, rc)
         # rows as (1, d) C arrays (row_of): one compiled dot for every layout
         c = _dot_row(row_of(dy, i), row_of(x, i), w, 0, rc, oc)
         coef64 = c / k
         if not inside:
             coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)
-        coef = like(coef64, rc)
+        coef = as_type_of(coef64, rc)
         chunked = (w is not None and i + 1 < x.shape[0]
                    and _row_bytes(x) > _PREFETCH_EARLY_BYTES)
         if (not chunked and i + 1 < x.shape[0]
@@ -148,7 +148,7 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
         # the masked term only for j < k: two ranges, each a branch-free loop
         # (a non-finite x beyond k gives NaN there instead of rstd*g*dy: the
         # token is non-finite either way)
-        zero = like(0.0, rc)
+        zero = as_type_of(0.0, rc)
         if w is not None:
             # rows > 4 KB in chunks, each asking for the next row's x and dy
             # of its columns: DRAM streams under the compute
@@ -202,7 +202,7 @@ def _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, 
         if gr is not None:
             v += np.float64(load(gr[i, j], is_bf16(gr)))
         store(dxi, j, v, xbf)
-        pc[rtmp, _PAD + j] = like(dyv * xh, pc[rtmp, _PAD])
+        pc[rtmp, _PAD + j] = as_type_of(dyv * xh, pc[rtmp, _PAD])
     if w is not None:
         _fold(pc, ro, e0, e1, e2, rtmp, np.intp(0), d)
 
@@ -221,13 +221,13 @@ def _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf):
     """``(dx, dy * xhat)`` of element ``(i, j)``; ``w``, ``gr``: None where absent
     (their branches are resolved when the function is compiled)."""
     xh = load(x[i, j], xbf) * rc
-    dyc = like(load(dy[i, j], dybf), rc)
+    dyc = as_type_of(load(dy[i, j], dybf), rc)
     if w is not None:
-        v = rc * (dyc * (like(w[j], rc) + oc) - xh * coef)
+        v = rc * (dyc * (as_type_of(w[j], rc) + oc) - xh * coef)
     else:
-        v = rc * (dyc * like(1.0, rc) - xh * coef)
+        v = rc * (dyc * as_type_of(1.0, rc) - xh * coef)
     if gr is not None:
-        v = v + like(load(gr[i, j], is_bf16(gr)), rc)
+        v = v + as_type_of(load(gr[i, j], is_bf16(gr)), rc)
     return v, dyc * xh
 
 

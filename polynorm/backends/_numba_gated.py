@@ -44,7 +44,7 @@ from ._numba_kernels import (
     _row_sumsq,
     _rstd_from,
     _stats,
-    like,
+    as_type_of,
     scale_shift,
 )
 from ._numba_refs import borrow, row_span
@@ -137,7 +137,7 @@ def _ov_exp_c(v):
 @_inline_ir
 def silu(v):
     """``v / (1 + exp(-v))`` in ``v``'s type (inf for +inf, NaN for -inf and NaN, as numpy)."""
-    return v / (like(1.0, v) + exp_c(-v))
+    return v / (as_type_of(1.0, v) + exp_c(-v))
 
 
 # --------------------------------------------------------------------------- forward
@@ -161,8 +161,8 @@ def _out_gate(i, lo, hi, x, z, w, b, y, rc, oc):
     zbf = is_bf16(z)
     ybf = is_bf16(y)
     for j in range(np.uint64(lo), np.uint64(hi)):
-        t = scale_shift(like(load(x[i, j], xbf), rc) * rc, w, b, j, oc)
-        store(y, (i, j), t * silu(like(load(z[i, j], zbf), rc)), ybf)
+        t = scale_shift(as_type_of(load(x[i, j], xbf), rc) * rc, w, b, j, oc)
+        store(y, (i, j), t * silu(as_type_of(load(z[i, j], zbf), rc)), ybf)
 
 
 @_inline_ir
@@ -172,7 +172,7 @@ def _gate_in(i, lo, hi, x, z, u):
     zbf = is_bf16(z)
     ref = u[0, 0]
     for j in range(np.uint64(lo), np.uint64(hi)):
-        u[0, j] = like(load(x[i, j], xbf), ref) * silu(like(load(z[i, j], zbf), ref))
+        u[0, j] = as_type_of(load(x[i, j], xbf), ref) * silu(as_type_of(load(z[i, j], zbf), ref))
 
 
 @_inline_ir
@@ -191,13 +191,13 @@ def _wide_group(i, lo, hi, x, z, u, w, b, y, r64, oc, flags):
     xbf = is_bf16(x)
     zbf = is_bf16(z)
     nbg = (flags & NBG) != 0
-    rc = like(r64 * 2.0**-64, oc)
-    up = like(2.0**64, oc)
+    rc = as_type_of(r64 * 2.0**-64, oc)
+    up = as_type_of(2.0**64, oc)
     for j in range(lo, hi):
-        v = like(load(x[i, j], xbf), oc) if nbg else u[0, j]
+        v = as_type_of(load(x[i, j], xbf), oc) if nbg else u[0, j]
         t = scale_shift(v * up * rc, w, b, j, oc)
         if nbg:
-            t = t * silu(like(load(z[i, j], zbf), oc))
+            t = t * silu(as_type_of(load(z[i, j], zbf), oc))
         store(y, (i, j), t, is_bf16(y))
 
 
@@ -210,7 +210,7 @@ def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
     w, b = _borrow_opt(w), _borrow_opt(b)
     n, d = x.shape
     groups = d // gs
-    oc = like(offset, u[0, 0])
+    oc = as_type_of(offset, u[0, 0])
     xbf = is_bf16(x)
     pf = (flags & PREFETCH) != 0
     if flags & NBG:
@@ -276,7 +276,7 @@ def _dot_group(dn, v, w, lo, n, rc, oc):
     c = 0.0
     for b0 in range(np.uint64(0), np.uint64(n), np.uint64(DOT_BLOCK)):
         e = min(b0 + np.uint64(DOT_BLOCK), np.uint64(n))
-        s = like(0.0, rc)
+        s = as_type_of(0.0, rc)
         for j in range(b0, e):
             s += (w[np.uint64(lo) + j] + oc) * (dn[0, j] * (v[0, j] * rc))
         c += np.float64(s)
@@ -290,28 +290,28 @@ def _bwd_fill(i, dy, x, z, buf, nbg):
     zbf = is_bf16(z)
     dybf = is_bf16(dy)
     ref = buf[0, 0]
-    one = like(1.0, ref)
+    one = as_type_of(1.0, ref)
     d = np.uint64(x.shape[1])
     if nbg:
         for j in range(d):
-            zj = like(load(z[i, j], zbf), ref)
+            zj = as_type_of(load(z[i, j], zbf), ref)
             den = one + exp_c(-zj)
             s = zj / den  # the forward's silu (same bits)
             sig = one / den
             buf[_S, j] = s
             buf[_DS, j] = sig * (one + zj * (one - sig))
-            buf[_V, j] = like(load(x[i, j], xbf), ref)
-            buf[_DN, j] = like(load(dy[i, j], dybf), ref) * s
+            buf[_V, j] = as_type_of(load(x[i, j], xbf), ref)
+            buf[_DN, j] = as_type_of(load(dy[i, j], dybf), ref) * s
     else:
         for j in range(d):
-            zj = like(load(z[i, j], zbf), ref)
+            zj = as_type_of(load(z[i, j], zbf), ref)
             den = one + exp_c(-zj)
             s = zj / den
             sig = one / den
             buf[_S, j] = s
             buf[_DS, j] = sig * (one + zj * (one - sig))
-            buf[_V, j] = like(load(x[i, j], xbf), ref) * s  # the forward's u
-            buf[_DN, j] = like(load(dy[i, j], dybf), ref)
+            buf[_V, j] = as_type_of(load(x[i, j], xbf), ref) * s  # the forward's u
+            buf[_DN, j] = as_type_of(load(dy[i, j], dybf), ref)
 
 
 @_inline  # a call: it is called twice per group, which Numba's IR inliner mishandled
@@ -331,7 +331,7 @@ def _bwd_out(i, lo, hi, dy, x, w, b, dx, dz, lw, buf, rc, oc, m, nbg):
             dn = buf[_DN, j]
             store(dx, (i, j), rc * (dn * g - xh * m), dxbf)
             pre = xh * g + b[j]
-            store(dz, (i, j), like(load(dy[i, j], dybf), rc) * pre * buf[_DS, j], dzbf)
+            store(dz, (i, j), as_type_of(load(dy[i, j], dybf), rc) * pre * buf[_DS, j], dzbf)
             lw[i, j] = dn * xh
     else:
         for j in range(j0, j1):
@@ -339,7 +339,7 @@ def _bwd_out(i, lo, hi, dy, x, w, b, dx, dz, lw, buf, rc, oc, m, nbg):
             dn = buf[_DN, j]
             dv = rc * (dn * (w[j] + oc) - xh * m)
             store(dx, (i, j), dv * buf[_S, j], dxbf)
-            store(dz, (i, j), dv * like(load(x[i, j], xbf), rc) * buf[_DS, j], dzbf)
+            store(dz, (i, j), dv * as_type_of(load(x[i, j], xbf), rc) * buf[_DS, j], dzbf)
             lw[i, j] = dn * xh
 
 
@@ -356,8 +356,8 @@ def backward_rows(lo, hi, dy, x, z, w, b, rstd, dx, dz, lw, lb, buf, flags, gs, 
     inside = (flags & EPS_INSIDE) != 0
     has_rstd = (flags & HAS_RSTD) != 0
     xbf = is_bf16(x)
-    oc = like(offset, w[0])
-    zero = like(0.0, oc)
+    oc = as_type_of(offset, w[0])
+    zero = as_type_of(0.0, oc)
     for i in range(lo, hi):
         _bwd_fill(i, dy, x, z, buf, nbg)
         for g in range(groups):
@@ -372,14 +372,14 @@ def backward_rows(lo, hi, dy, x, z, w, b, rstd, dx, dz, lw, lb, buf, flags, gs, 
                     rms, r64 = _stats(row_span(buf, _V, g0, gs), 0, k, False, eps, inside)
             if has_rstd:
                 r64 = np.float64(rstd[i, g])
-            rc = like(r64, oc)
+            rc = as_type_of(r64, oc)
             # over the whole group (Plan's backward: only the statistic stops at k)
             c = _dot_group(row_span(buf, _DN, g0, gs), row_span(buf, _V, g0, gs), w, g0, gs,
                            rc, oc)
             coef64 = c / k
             if not inside:
                 coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)
-            coef = like(coef64, oc)
+            coef = as_type_of(coef64, oc)
             _bwd_out(i, g0, g0 + k, dy, x, w, b, dx, dz, lw, buf, rc, oc, coef, nbg)
             if k < gs:
                 # beyond k the term is xhat * 0 (NaN for a non-finite token, as the reference)

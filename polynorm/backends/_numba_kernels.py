@@ -121,12 +121,12 @@ _inline_ir = njit(nogil=True, inline="always", error_model=ERROR_MODEL)
 _reduce = njit(nogil=True, fastmath={"reassoc", "contract"}, error_model=ERROR_MODEL)
 
 
-def like(v, ref):  # pragma: no cover - replaced by the overload
+def as_type_of(v, ref):  # pragma: no cover - replaced by the overload
     """``v`` converted to the type of ``ref`` (the compute type)."""
     raise NotImplementedError
 
 
-@overload(like)
+@overload(as_type_of)
 def _ov_like(v, ref):
     if ref == types.float32:
         return lambda v, ref: np.float32(v)
@@ -154,10 +154,10 @@ def _ov_scale_shift(v, w, b, j, oc):
     if _absent(w) and _absent(b):
         return lambda v, w, b, j, oc: v
     if _absent(b):
-        return lambda v, w, b, j, oc: v * (like(w[j], oc) + oc)
+        return lambda v, w, b, j, oc: v * (as_type_of(w[j], oc) + oc)
     if _absent(w):
-        return lambda v, w, b, j, oc: v + like(b[j], oc)
-    return lambda v, w, b, j, oc: v * (like(w[j], oc) + oc) + like(b[j], oc)
+        return lambda v, w, b, j, oc: v + as_type_of(b[j], oc)
+    return lambda v, w, b, j, oc: v * (as_type_of(w[j], oc) + oc) + as_type_of(b[j], oc)
 
 
 #: Rows of at most this many bytes have the next row prefetched.  A longer
@@ -350,7 +350,7 @@ def _fwd_norm_row(i, hi, a, abf, w, b, y, rstd, flags, k, eps, offset, ss, stage
     r64 = _rstd_from(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0, ss)
     rstd[i] = r64
     rc = rstd[i]  # rstd in the compute type
-    oc = like(offset, rc)
+    oc = as_type_of(offset, rc)
     nxt = i + 1
     if r64 < math.inf and not rc < math.inf:
         _fwd_row_wide(i, a, abf, w, b, y, r64, oc)
@@ -470,7 +470,7 @@ def _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
         r64 = _rstd_from(x, i, k, False, eps, inside, ss)
         rstd[i] = r64
         rc = rstd[i]
-        oc = like(offset, rc)
+        oc = as_type_of(offset, rc)
         if r64 < math.inf and not rc < math.inf:
             _fwd_row_wide(i, x, False, w, b, y, r64, oc)
             continue
@@ -494,8 +494,8 @@ def _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
 def _fwd_row_wide(i, a, abf, w, b, y, r64, oc):
     """A row whose rstd overflows float32 (a float32 row of rms < ~3e-39 with a
     tiny eps): xhat = (v * 2**64) * (rstd * 2**-64), both factors in range."""
-    rc = like(r64 * 2.0**-64, oc)
-    up = like(2.0**64, oc)
+    rc = as_type_of(r64 * 2.0**-64, oc)
+    up = as_type_of(2.0**64, oc)
     ybf = is_bf16(y)
     for j in range(a.shape[1]):
         store(y, (i, j), scale_shift(load(a[i, j], abf) * up * rc, w, b, j, oc), ybf)
@@ -515,7 +515,7 @@ def _ov_llama_scale(xh, w, j, off, wcode, pcode, ref):
     def scaled(xh, w, j, off, wcode, pcode, ref):
         # w holds the weight's exact values (float32/float64 arrays)
         g = round_to(np.float64(w[j]) + off, wcode)
-        return like(round_to(np.float64(xh) * g, pcode), ref)
+        return as_type_of(round_to(np.float64(xh) * g, pcode), ref)
 
     return scaled
 

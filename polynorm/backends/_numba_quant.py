@@ -36,7 +36,7 @@ from ._numba_kernels import (
     _range_rows,
     _row_sumsq,
     _rstd_from,
-    like,
+    as_type_of,
     scale_shift,
 )
 from ._numba_refs import borrow
@@ -220,11 +220,11 @@ def _y_row(i, a, abf, w, b, buf, rs, flags, k, eps, offset):
     r64 = _rstd_from(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0, _row_sumsq(a, i, k, abf))
     rs[0] = r64
     rc = rs[0]  # rstd in the compute type
-    oc = like(offset, rc)
+    oc = as_type_of(offset, rc)
     d = a.shape[1]
     if r64 < math.inf and not rc < math.inf:
-        rw = like(r64 * 2.0**-64, oc)
-        up = like(2.0**64, oc)
+        rw = as_type_of(r64 * 2.0**-64, oc)
+        up = as_type_of(2.0**64, oc)
         for j in range(d):
             buf[j] = np.float32(scale_shift(load(a[i, j], abf) * up * rw, w, b, j, oc))
         return _amax(buf, 0, d)
