@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import get_thread_id, prange
 
-from ._numba_codec import is_bf16, load, prefetch_row, prefetch_span, store
+from ._numba_codec import load, prefetch_row, prefetch_span, store
 from ._numba_kernels import (
     _PREFETCH_EARLY_BYTES,
     _PREFETCH_MAX_BYTES,
@@ -39,9 +39,9 @@ assert TREE_G == 4, "_group_node spells out the adds of a 16-row node"
 
 
 @_inline
-def _ld(a, i, j, bf, rc):
+def _ld(a, i, j, rc):
     """``a[i, j]`` in the compute type of ``rc``."""
-    return as_type_of(load(a[i, j], bf), rc)
+    return as_type_of(load(a[i, j]), rc)
 
 
 #: Columns of a dx-pass chunk, each with the next row's prefetches of its
@@ -68,8 +68,6 @@ def _dot_row(dy, x, w, i, rc, oc):
     same way for every row, so a row's ``c`` has the same bits wherever the
     row falls.
     """
-    xbf = is_bf16(x)
-    dybf = is_bf16(dy)
     d = x.shape[1]
     c = 0.0
     # unsigned indices: no negative-index wraparound, or the loops do not vectorize
@@ -78,10 +76,10 @@ def _dot_row(dy, x, w, i, rc, oc):
         s = as_type_of(0.0, rc)
         if w is not None:
             for j in range(b, e):
-                s += (as_type_of(w[j], rc) + oc) * (_ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc))
+                s += (as_type_of(w[j], rc) + oc) * (_ld(dy, i, j, rc) * (load(x[i, j]) * rc))
         else:
             for j in range(b, e):
-                s += _ld(dy, i, j, dybf, rc) * (load(x[i, j], xbf) * rc)
+                s += _ld(dy, i, j, rc) * (load(x[i, j]) * rc)
         c += np.float64(s)
     return c
 
@@ -101,8 +99,6 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
     reference-count calls on every row.
     """
     d = x.shape[1]
-    xbf = is_bf16(x)
-    dybf = is_bf16(dy)
     inside = (flags & EPS_INSIDE) != 0
     e0 = rw[0] if depth >= 1 else rneg
     e1 = rw[1] if depth >= 2 else rneg
@@ -114,19 +110,19 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
     rms = 0.0
     r64 = 0.0
     if rstd_in is None or not inside:
-        rms, r64 = _stats(x, i, k, xbf, eps, inside)
+        rms, r64 = _stats(x, i, k, eps, inside)
     if rstd_in is not None:
         r64 = np.float64(rstd_in[i])
         if not r64 < math.inf:  # a float32 rstd that overflowed: recompute it in float64
-            rms, r64 = _stats(x, i, k, xbf, eps, inside)
+            rms, r64 = _stats(x, i, k, eps, inside)
     # rc: rstd in the compute type (float64 for float64 x, else float32)
-    rc = as_type_of(r64, load(x[i, 0], xbf))
+    rc = as_type_of(r64, load(x[i, 0]))
     if flags & HAS_B:
         # dbias's terms before dx is written: dx may be dy's memory (out=dy)
         ob = d if w is not None else 0
         P = _PAD
         for j in range(d):
-            pc[rtmp, P + j] = as_type_of(load(dy[i, j], dybf), pc[rtmp, P])
+            pc[rtmp, P + j] = as_type_of(load(dy[i, j]), pc[rtmp, P])
         _fold(pc, ro, e0, e1, e2, rtmp, ob, d)
     if r64 < math.inf and not rc < math.inf:
         _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, e0, e1, e2,
@@ -184,24 +180,22 @@ def _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, 
     """The backward of a row whose rstd overflows float32, in float64 (rare: a
     float32 row of rms < ~3e-39 with a tiny eps; dx itself is then beyond float32)."""
     d = x.shape[1]
-    xbf = is_bf16(x)
-    dybf = is_bf16(dy)
     c = 0.0
     for j in range(d):
         g = _g64(w, j, offset)
-        c += g * np.float64(load(dy[i, j], dybf)) * (np.float64(load(x[i, j], xbf)) * r64)
+        c += g * np.float64(load(dy[i, j])) * (np.float64(load(x[i, j])) * r64)
     coef = c / k
     if not flags & EPS_INSIDE:
         coef = 0.0 if rms == 0.0 else coef * ((rms + eps) / rms)
     dxi = dx[i]
     for j in range(d):
-        xh = np.float64(load(x[i, j], xbf)) * r64
-        dyv = np.float64(load(dy[i, j], dybf))
+        xh = np.float64(load(x[i, j])) * r64
+        dyv = np.float64(load(dy[i, j]))
         g = _g64(w, j, offset)
         v = r64 * (g * dyv - (xh * coef if j < k else 0.0))
         if gr is not None:
-            v += np.float64(load(gr[i, j], is_bf16(gr)))
-        store(dxi, j, v, xbf)
+            v += np.float64(load(gr[i, j]))
+        store(dxi, j, v)
         pc[rtmp, _PAD + j] = as_type_of(dyv * xh, pc[rtmp, _PAD])
     if w is not None:
         _fold(pc, ro, e0, e1, e2, rtmp, np.intp(0), d)
@@ -217,17 +211,17 @@ def _fold(pc, ro, e0, e1, e2, rsrc, lo, m):
 
 
 @_inline
-def _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf):
+def _dx_val(x, dy, w, gr, i, j, rc, oc, coef):
     """``(dx, dy * xhat)`` of element ``(i, j)``; ``w``, ``gr``: None where absent
     (their branches are resolved when the function is compiled)."""
-    xh = load(x[i, j], xbf) * rc
-    dyc = as_type_of(load(dy[i, j], dybf), rc)
+    xh = load(x[i, j]) * rc
+    dyc = as_type_of(load(dy[i, j]), rc)
     if w is not None:
         v = rc * (dyc * (as_type_of(w[j], rc) + oc) - xh * coef)
     else:
         v = rc * (dyc * as_type_of(1.0, rc) - xh * coef)
     if gr is not None:
-        v = v + as_type_of(load(gr[i, j], is_bf16(gr)), rc)
+        v = v + as_type_of(load(gr[i, j]), rc)
     return v, dyc * xh
 
 
@@ -235,13 +229,11 @@ def _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf):
 def _dx_plain(i, lo, hi, dy, x, gr, dx, rc, oc, coef):
     """``dx[i, lo:hi]`` without a weight (its own function: beside the weighted
     loop in one function, the weighted loop compiled slower)."""
-    xbf = is_bf16(x)
-    dybf = is_bf16(dy)
     # unsigned indices: Numba then has no negative-index wraparound to do
     # (with it in the loop, the loop does not vectorize)
     for j in range(np.uint64(lo), np.uint64(hi)):
-        v, _ = _dx_val(x, dy, None, gr, i, j, rc, oc, coef, xbf, dybf)
-        store(dx, (i, j), v, xbf)
+        v, _ = _dx_val(x, dy, None, gr, i, j, rc, oc, coef)
+        store(dx, (i, j), v)
 
 
 @_inline
@@ -256,19 +248,17 @@ def _dx_pass(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, pc, ro, e0, e1, e2, fold
     loop (no sibling reads) serves the rows that start a node and the rows of
     a whole group (:func:`_group_node`).
     """
-    xbf = is_bf16(x)
-    dybf = is_bf16(dy)
     P = np.uint64(_PAD)
     if fold:
         for j in range(np.uint64(lo), np.uint64(hi)):
-            v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf)
-            store(dx, (i, j), v, xbf)
+            v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef)
+            store(dx, (i, j), v)
             c = P + j
             pc[ro, c] = pc[e2, c] + (pc[e1, c] + (pc[e0, c] + p))
     else:
         for j in range(np.uint64(lo), np.uint64(hi)):
-            v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef, xbf, dybf)
-            store(dx, (i, j), v, xbf)
+            v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef)
+            store(dx, (i, j), v)
             pc[ro, P + j] = p
 
 
@@ -490,7 +480,6 @@ def tree_parallel(vals, cnt):
 @_jit()
 def round_into(src, dst):
     """``dst[:] = src`` (float64) rounded once to ``dst``'s type (16-bit bits: see
-    ``_numba_codec.is_bf16``)."""
-    bf = is_bf16(dst)
+    ``_numba_codec.load``)."""
     for j in range(dst.shape[0]):
-        store(dst, j, src[j], bf)
+        store(dst, j, src[j])

@@ -255,70 +255,59 @@ def bits_dtype(dt) -> bool:
     return dt in (types.uint16, types.int16)
 
 
-def is_bf16(a):  # pragma: no cover - replaced by the overload
-    """Whether array ``a`` holds bfloat16 bits (``uint16``): a compile-time constant."""
-    raise NotImplementedError
-
-
-@overload(is_bf16, inline="always")
-def _ov_is_bf16(a):
-    flag = isinstance(a, types.Array) and a.dtype == types.uint16
-    return lambda a: flag
-
-
 # --------------------------------------------------------------------------- generic helpers
 # Kernels are written once for every element type; these overloads pick the
-# conversion from the Numba type of the argument at compile time.  ``bfloat``
-# is a runtime flag telling the two 16-bit formats apart (both are uint16).
+# conversion from the Numba type of the argument at compile time.  The two
+# 16-bit formats travel as bits of distinct types: bfloat16 as uint16,
+# float16 as int16, so the format too is a compile-time constant.
 
 
-def load(v, bfloat):  # pragma: no cover - replaced by the overload
+def load(v):  # pragma: no cover - replaced by the overload
     """Stored element -> compute value (float32, or float64 for float64).
 
     16-bit bits decode by their type (``uint16``: bfloat16, ``int16``:
-    float16; see :func:`is_bf16`), so the format is a compile-time constant;
-    ``bfloat`` is not consulted (the call sites pass ``is_bf16`` of the array).
+    float16), so the format is a compile-time constant.
     """
     raise NotImplementedError
 
 
 @overload(load)
-def _ov_load(v, bfloat):
+def _ov_load(v):
     if v == types.uint16:
-        return lambda v, bfloat: bf16_to_f32(v)
+        return lambda v: bf16_to_f32(v)
     if v == types.int16:
-        return lambda v, bfloat: f16_to_f32(v)
+        return lambda v: f16_to_f32(v)
     if v == types.float32:
-        return lambda v, bfloat: v
+        return lambda v: v
     if v == types.float64:
-        return lambda v, bfloat: v
+        return lambda v: v
     return None
 
 
-def store(a, i, v, bfloat):  # pragma: no cover - replaced by the overload
+def store(a, i, v):  # pragma: no cover - replaced by the overload
     """``a[i] = v`` rounded once (to nearest even) to ``a``'s element type
     (for 16-bit bits, the format of :func:`load`: by the array's type)."""
     raise NotImplementedError
 
 
 @overload(store)
-def _ov_store(a, i, v, bfloat):
+def _ov_store(a, i, v):
     dt = a.dtype
     if bits_dtype(dt):
         bf = dt == types.uint16
         if v == types.float64:
-            def impl(a, i, v, bfloat):
+            def impl(a, i, v):
                 a[i] = f64_to_bf16(v) if bf else f64_to_f16(v)
         else:
-            def impl(a, i, v, bfloat):
+            def impl(a, i, v):
                 a[i] = f32_to_bf16(v) if bf else f32_to_f16(v)
         return impl
     if dt == types.float32:
-        def impl(a, i, v, bfloat):
+        def impl(a, i, v):
             a[i] = np.float32(v)
         return impl
     if dt == types.float64:
-        def impl(a, i, v, bfloat):
+        def impl(a, i, v):
             a[i] = np.float64(v)
         return impl
     return None
@@ -365,14 +354,14 @@ def _ov_round_to(v, code):
 def _decode(bits):
     out = np.empty(bits.shape[0], np.float32)
     for i in range(bits.shape[0]):
-        out[i] = load(bits[i], False)
+        out[i] = load(bits[i])
     return out
 
 
 @njit(nogil=True, error_model="numpy")
 def _encode(values, out):
     for i in range(values.shape[0]):
-        store(out, i, values[i], False)
+        store(out, i, values[i])
 
 
 def decode_array(bits, bfloat):
@@ -628,20 +617,20 @@ def _sum_array(a) -> bool:
 
 
 @intrinsic
-def lanes_add_block(typingctx, acc, a, i, j, bf):
+def lanes_add_block(typingctx, acc, a, i, j):
     """``acc`` plus the squares of ``a[i, j : j + SUM_BLOCK]`` (float, or 16-bit bits
-    of the format of their type, see :func:`is_bf16`; ``bf`` is not consulted)."""
+    of the format of their type, as :func:`load` decodes them)."""
     if acc != sum_lanes or not _sum_array(a):
         return None
 
     def codegen(context, builder, sig, args):
         return _lanes_codegen(context, builder, sig, args, None)
 
-    return sum_lanes(acc, a, types.intp, types.intp, types.boolean), codegen
+    return sum_lanes(acc, a, types.intp, types.intp), codegen
 
 
 @intrinsic
-def lanes_add_part(typingctx, acc, a, i, j, count, bf):
+def lanes_add_part(typingctx, acc, a, i, j, count):
     """Like :func:`lanes_add_block` for the first ``count < SUM_BLOCK`` elements only
     (the end of a row); the missing lanes add exact zeros."""
     if acc != sum_lanes or not _sum_array(a):
@@ -650,7 +639,7 @@ def lanes_add_part(typingctx, acc, a, i, j, count, bf):
     def codegen(context, builder, sig, args):
         return _lanes_codegen(context, builder, sig, args, args[4])
 
-    return sum_lanes(acc, a, types.intp, types.intp, types.intp, types.boolean), codegen
+    return sum_lanes(acc, a, types.intp, types.intp, types.intp), codegen
 
 
 @intrinsic

@@ -30,7 +30,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._numba_codec import _HAS_FMA, is_bf16, load, prefetch_span, store
+from ._numba_codec import _HAS_FMA, load, prefetch_span, store
 from ._numba_kernels import (
     EPS_INSIDE,
     HAS_B,
@@ -144,12 +144,12 @@ def silu(v):
 
 
 @_inline_ir
-def _group_rstd(a, ai, lo, gs, k, bf, eps, flags, rstd, i, g):
+def _group_rstd(a, ai, lo, gs, k, eps, flags, rstd, i, g):
     """rstd of ``a[ai, lo : lo + gs]`` (over its first ``k``), the plain forward's
     statistic of that span as a row: stored to ``rstd[i, g]``; ``(r64, rc)``."""
     s = row_span(a, ai, lo, gs)
     inside = (flags & EPS_INSIDE) != 0
-    r64 = _rstd_from(s, 0, k, bf, eps, inside, _row_sumsq(s, 0, k, bf))
+    r64 = _rstd_from(s, 0, k, eps, inside, _row_sumsq(s, 0, k))
     rstd[i, g] = r64
     return r64, rstd[i, g]
 
@@ -157,30 +157,24 @@ def _group_rstd(a, ai, lo, gs, k, bf, eps, flags, rstd, i, g):
 @_inline_ir
 def _out_gate(i, lo, hi, x, z, w, b, y, rc, oc):
     """``y[i, lo:hi] = (x * rstd * (w + offset) + b) * silu(z)`` (norm_before_gate)."""
-    xbf = is_bf16(x)
-    zbf = is_bf16(z)
-    ybf = is_bf16(y)
     for j in range(np.uint64(lo), np.uint64(hi)):
-        t = scale_shift(as_type_of(load(x[i, j], xbf), rc) * rc, w, b, j, oc)
-        store(y, (i, j), t * silu(as_type_of(load(z[i, j], zbf), rc)), ybf)
+        t = scale_shift(as_type_of(load(x[i, j]), rc) * rc, w, b, j, oc)
+        store(y, (i, j), t * silu(as_type_of(load(z[i, j]), rc)))
 
 
 @_inline_ir
 def _gate_in(i, lo, hi, x, z, u):
     """``u[0, lo:hi] = x[i] * silu(z[i])`` in the compute type (u's)."""
-    xbf = is_bf16(x)
-    zbf = is_bf16(z)
     ref = u[0, 0]
     for j in range(np.uint64(lo), np.uint64(hi)):
-        u[0, j] = as_type_of(load(x[i, j], xbf), ref) * silu(as_type_of(load(z[i, j], zbf), ref))
+        u[0, j] = as_type_of(load(x[i, j]), ref) * silu(as_type_of(load(z[i, j]), ref))
 
 
 @_inline_ir
 def _out_u(i, lo, hi, u, w, b, y, rc, oc):
     """``y[i, lo:hi] = u * rstd * (w + offset) + b`` (u: the gated row buffer)."""
-    ybf = is_bf16(y)
     for j in range(np.uint64(lo), np.uint64(hi)):
-        store(y, (i, j), scale_shift(u[0, j] * rc, w, b, j, oc), ybf)
+        store(y, (i, j), scale_shift(u[0, j] * rc, w, b, j, oc))
 
 
 @_inline_ir
@@ -188,17 +182,15 @@ def _wide_group(i, lo, hi, x, z, u, w, b, y, r64, oc, flags):
     """A group whose rstd overflows the compute type (float32 values of rms
     < ~3e-39 with a tiny eps): ``v * 2**64 * (rstd * 2**-64)``, both in range;
     v is x (norm_before_gate, then gated) or the buffer's u."""
-    xbf = is_bf16(x)
-    zbf = is_bf16(z)
     nbg = (flags & NBG) != 0
     rc = as_type_of(r64 * 2.0**-64, oc)
     up = as_type_of(2.0**64, oc)
     for j in range(lo, hi):
-        v = as_type_of(load(x[i, j], xbf), oc) if nbg else u[0, j]
+        v = as_type_of(load(x[i, j]), oc) if nbg else u[0, j]
         t = scale_shift(v * up * rc, w, b, j, oc)
         if nbg:
-            t = t * silu(as_type_of(load(z[i, j], zbf), oc))
-        store(y, (i, j), t, is_bf16(y))
+            t = t * silu(as_type_of(load(z[i, j]), oc))
+        store(y, (i, j), t)
 
 
 
@@ -211,13 +203,12 @@ def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
     n, d = x.shape
     groups = d // gs
     oc = as_type_of(offset, u[0, 0])
-    xbf = is_bf16(x)
     pf = (flags & PREFETCH) != 0
     if flags & NBG:
         for i in range(lo, hi):
             for g in range(groups):
                 g0 = g * gs
-                r64, rc = _group_rstd(x, i, g0, gs, k, xbf, eps, flags, rstd, i, g)
+                r64, rc = _group_rstd(x, i, g0, gs, k, eps, flags, rstd, i, g)
                 if r64 < math.inf and not rc < math.inf:
                     _wide_group(i, g0, g0 + gs, x, z, u, w, b, y, r64, oc, flags)
                     continue
@@ -238,7 +229,7 @@ def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
                 _gate_in(i, jc, je, x, z, u)
             for g in range(groups):
                 g0 = g * gs
-                r64, rc = _group_rstd(u, 0, g0, gs, k, False, eps, flags, rstd, i, g)
+                r64, rc = _group_rstd(u, 0, g0, gs, k, eps, flags, rstd, i, g)
                 if r64 < math.inf and not rc < math.inf:
                     _wide_group(i, g0, g0 + gs, x, z, u, w, b, y, r64, oc, flags)
                     continue
@@ -286,42 +277,35 @@ def _dot_group(dn, v, w, lo, n, rc, oc):
 @_inline_ir
 def _bwd_fill(i, dy, x, z, buf, nbg):
     """The buffer's rows for row ``i``: silu(z), silu'(z), v, dn."""
-    xbf = is_bf16(x)
-    zbf = is_bf16(z)
-    dybf = is_bf16(dy)
     ref = buf[0, 0]
     one = as_type_of(1.0, ref)
     d = np.uint64(x.shape[1])
     if nbg:
         for j in range(d):
-            zj = as_type_of(load(z[i, j], zbf), ref)
+            zj = as_type_of(load(z[i, j]), ref)
             den = one + exp_c(-zj)
             s = zj / den  # the forward's silu (same bits)
             sig = one / den
             buf[_S, j] = s
             buf[_DS, j] = sig * (one + zj * (one - sig))
-            buf[_V, j] = as_type_of(load(x[i, j], xbf), ref)
-            buf[_DN, j] = as_type_of(load(dy[i, j], dybf), ref) * s
+            buf[_V, j] = as_type_of(load(x[i, j]), ref)
+            buf[_DN, j] = as_type_of(load(dy[i, j]), ref) * s
     else:
         for j in range(d):
-            zj = as_type_of(load(z[i, j], zbf), ref)
+            zj = as_type_of(load(z[i, j]), ref)
             den = one + exp_c(-zj)
             s = zj / den
             sig = one / den
             buf[_S, j] = s
             buf[_DS, j] = sig * (one + zj * (one - sig))
-            buf[_V, j] = as_type_of(load(x[i, j], xbf), ref) * s  # the forward's u
-            buf[_DN, j] = as_type_of(load(dy[i, j], dybf), ref)
+            buf[_V, j] = as_type_of(load(x[i, j]), ref) * s  # the forward's u
+            buf[_DN, j] = as_type_of(load(dy[i, j]), ref)
 
 
 @_inline  # a call: it is called twice per group, which Numba's IR inliner mishandled
 def _bwd_out(i, lo, hi, dy, x, w, b, dx, dz, lw, buf, rc, oc, m, nbg):
     """dx, dz and the dweight leaves of ``[lo, hi)`` of row ``i`` (``m``: the
     group's coef, or 0 beyond k)."""
-    xbf = is_bf16(x)
-    dybf = is_bf16(dy)
-    dxbf = is_bf16(dx)
-    dzbf = is_bf16(dz)
     j0 = np.uint64(lo)
     j1 = np.uint64(hi)
     if nbg:
@@ -329,17 +313,17 @@ def _bwd_out(i, lo, hi, dy, x, w, b, dx, dz, lw, buf, rc, oc, m, nbg):
             g = w[j] + oc
             xh = buf[_V, j] * rc
             dn = buf[_DN, j]
-            store(dx, (i, j), rc * (dn * g - xh * m), dxbf)
+            store(dx, (i, j), rc * (dn * g - xh * m))
             pre = xh * g + b[j]
-            store(dz, (i, j), as_type_of(load(dy[i, j], dybf), rc) * pre * buf[_DS, j], dzbf)
+            store(dz, (i, j), as_type_of(load(dy[i, j]), rc) * pre * buf[_DS, j])
             lw[i, j] = dn * xh
     else:
         for j in range(j0, j1):
             xh = buf[_V, j] * rc
             dn = buf[_DN, j]
             dv = rc * (dn * (w[j] + oc) - xh * m)
-            store(dx, (i, j), dv * buf[_S, j], dxbf)
-            store(dz, (i, j), dv * as_type_of(load(x[i, j], xbf), rc) * buf[_DS, j], dzbf)
+            store(dx, (i, j), dv * buf[_S, j])
+            store(dz, (i, j), dv * as_type_of(load(x[i, j]), rc) * buf[_DS, j])
             lw[i, j] = dn * xh
 
 
@@ -355,7 +339,6 @@ def backward_rows(lo, hi, dy, x, z, w, b, rstd, dx, dz, lw, lb, buf, flags, gs, 
     nbg = (flags & NBG) != 0
     inside = (flags & EPS_INSIDE) != 0
     has_rstd = (flags & HAS_RSTD) != 0
-    xbf = is_bf16(x)
     oc = as_type_of(offset, w[0])
     zero = as_type_of(0.0, oc)
     for i in range(lo, hi):
@@ -367,9 +350,9 @@ def backward_rows(lo, hi, dy, x, z, w, b, rstd, dx, dz, lw, lb, buf, flags, gs, 
             r64 = 0.0
             if not has_rstd or not inside:
                 if nbg:
-                    rms, r64 = _stats(row_span(x, i, g0, gs), 0, k, xbf, eps, inside)
+                    rms, r64 = _stats(row_span(x, i, g0, gs), 0, k, eps, inside)
                 else:
-                    rms, r64 = _stats(row_span(buf, _V, g0, gs), 0, k, False, eps, inside)
+                    rms, r64 = _stats(row_span(buf, _V, g0, gs), 0, k, eps, inside)
             if has_rstd:
                 r64 = np.float64(rstd[i, g])
             rc = as_type_of(r64, oc)

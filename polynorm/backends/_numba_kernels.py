@@ -14,7 +14,7 @@ backward takes an absent weight, rstd or grad_residual as ``None`` too (its
 takes stand-ins with flag bits (one compiled kernel for every case of a
 dtype).  float16 and bfloat16 arrays arrive as integer views whose type is
 the format (``int16``: float16, ``uint16``: bfloat16;
-``_numba_codec.is_bf16``), so the format is a compile-time constant.
+``_numba_codec.load``), so the format is a compile-time constant.
 
 Numerics (see the module docstring of :mod:`polynorm._options`):
 
@@ -52,7 +52,6 @@ from .._cache import install_numba_locator
 from ._numba_codec import (
     SUM_BLOCK,
     bits_dtype,
-    is_bf16,
     lanes_add_block,
     lanes_add_part,
     lanes_total,
@@ -184,21 +183,21 @@ def _prefetches(a):
 
 
 @_reduce
-def _sumsq(a, i, k, bf):
+def _sumsq(a, i, k):
     """float64 sum of squares of ``a[i, :k]``."""
     s = 0.0
     for j in range(k):
-        v = np.float64(load(a[i, j], bf))
+        v = np.float64(load(a[i, j]))
         s += v * v
     return s
 
 
 @_inline
-def _scaled_rms(a, i, k, bf):
+def _scaled_rms(a, i, k):
     """``sqrt(mean(a[i, :k]**2))`` scaled by the largest magnitude (no overflow)."""
     m = 0.0
     for j in range(k):
-        v = abs(np.float64(load(a[i, j], bf)))
+        v = abs(np.float64(load(a[i, j])))
         if not v <= m:  # also catches NaN
             m = v
     if m == 0.0:
@@ -207,24 +206,24 @@ def _scaled_rms(a, i, k, bf):
         return math.nan  # Inf or NaN in the row: the whole token is NaN
     s = 0.0
     for j in range(k):
-        v = np.float64(load(a[i, j], bf)) / m
+        v = np.float64(load(a[i, j])) / m
         s += v * v
     return m * math.sqrt(s / k)
 
 
 @_inline
-def _stats(a, i, k, bf, eps, inside):
+def _stats(a, i, k, eps, inside):
     """``(rms, rstd)`` of row ``i`` in float64, from the forward's sum of squares
     (:func:`_row_sumsq`), so that a backward that recomputes rstd gets the
     forward's bits."""
-    ss = _row_sumsq(a, i, k, bf)
+    ss = _row_sumsq(a, i, k)
     if ss < math.inf and ss >= _ss_floor(a):
         ms = ss / k
         rms = math.sqrt(ms)
         if inside:
             return rms, 1.0 / math.sqrt(ms + eps)
         return rms, 1.0 / (rms + eps)
-    rms = _scaled_rms(a, i, k, bf)
+    rms = _scaled_rms(a, i, k)
     if inside:
         return rms, 1.0 / math.hypot(rms, math.sqrt(eps))
     return rms, 1.0 / (rms + eps)
@@ -257,24 +256,24 @@ def _ov_ss_floor(a):
 
 
 @_inline  # a call: Numba's IR inliner mishandles its loop-carried lanes
-def _lanes_rest(acc, a, i, k, j0, bf):
+def _lanes_rest(acc, a, i, k, j0):
     """Finish row ``i``'s lanes sum: the blocks from ``j0`` on, the partial block, the total."""
     kb = k - k % SUM_BLOCK
     s = acc
     for j in range(j0, kb, SUM_BLOCK):
-        s = lanes_add_block(s, a, i, j, bf)
+        s = lanes_add_block(s, a, i, j)
     if kb < k:
-        s = lanes_add_part(s, a, i, kb, k - kb, bf)
+        s = lanes_add_part(s, a, i, kb, k - kb)
     return lanes_total(s)
 
 
 @_inline
-def _sumsq_lanes(a, i, k, bf):
+def _sumsq_lanes(a, i, k):
     """Sum of squares of ``a[i, :k]`` in lanes (the forward's; fixed order)."""
-    return _lanes_rest(lanes_zero(), a, i, k, np.intp(0), bf)  # not a literal: one compile
+    return _lanes_rest(lanes_zero(), a, i, k, np.intp(0))  # not a literal: one compile
 
 
-def _row_sumsq(a, i, k, bf):  # pragma: no cover - replaced by the overload
+def _row_sumsq(a, i, k):  # pragma: no cover - replaced by the overload
     """The forward's sum of squares of ``a[i, :k]``: lanes for 16-bit rows, else ``_sumsq``.
 
     Chosen at typing time, so float rows never compile the lanes code.
@@ -294,22 +293,22 @@ def _ov_is_bits(a):
 
 
 @overload(_row_sumsq, inline="always")
-def _ov_row_sumsq(a, i, k, bf):
+def _ov_row_sumsq(a, i, k):
     if bits_dtype(a.dtype):
-        return lambda a, i, k, bf: _sumsq_lanes(a, i, k, bf)
+        return lambda a, i, k: _sumsq_lanes(a, i, k)
     # the row as a (1, d) C array (row_of): one compiled reduction for every layout
-    return lambda a, i, k, bf: _sumsq(row_of(a, i), 0, k, bf)
+    return lambda a, i, k: _sumsq(row_of(a, i), 0, k)
 
 
 @_inline
-def _rstd_from(a, i, k, bf, eps, inside, ss):
+def _rstd_from(a, i, k, eps, inside, ss):
     """Row ``i``'s rstd in float64 from its sum ``ss`` (scaled path if out of range); as ``_stats``."""
     if ss < math.inf and ss >= _ss_floor(a):
         ms = ss / k
         if inside:
             return 1.0 / math.sqrt(ms + eps)
         return 1.0 / (math.sqrt(ms) + eps)
-    rms = _scaled_rms(a, i, k, bf)
+    rms = _scaled_rms(a, i, k)
     if inside:
         return 1.0 / math.hypot(rms, math.sqrt(eps))
     return 1.0 / (rms + eps)
@@ -328,37 +327,36 @@ _CHUNK_F = 256
 
 
 @_inline
-def _out_span(a, i, j0, j1, abf, w, b, y, rc, oc):
+def _out_span(a, i, j0, j1, w, b, y, rc, oc):
     """``y[i, j0:j1] = a[i, j0:j1] * rstd * (w + offset) + b`` in the compute type, rounded once.
 
     No row views or slices (each costs Numba reference counting), and
     unsigned column indices: no negative-index wraparound in the loops, which
     keeps them vectorized.
     """
-    ybf = is_bf16(y)
     for j in range(np.uint64(j0), np.uint64(j1)):
-        store(y, (i, j), scale_shift(load(a[i, j], abf) * rc, w, b, j, oc), ybf)
+        store(y, (i, j), scale_shift(load(a[i, j]) * rc, w, b, j, oc))
 
 
 @_inline
-def _fwd_norm_row(i, hi, a, abf, w, b, y, rstd, flags, k, eps, offset, ss, stage):
+def _fwd_norm_row(i, hi, a, w, b, y, rstd, flags, k, eps, offset, ss, stage):
     """Row ``i`` of y from its sum ``ss`` (:func:`_row_sumsq`).
 
     With ``i + 1 < hi`` (16-bit rows only) row ``i + 1``'s lanes sum is
     accumulated during this row's output pass and returned; else 0.
     """
-    r64 = _rstd_from(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0, ss)
+    r64 = _rstd_from(a, i, k, eps, (flags & EPS_INSIDE) != 0, ss)
     rstd[i] = r64
     rc = rstd[i]  # rstd in the compute type
     oc = as_type_of(offset, rc)
     nxt = i + 1
     if r64 < math.inf and not rc < math.inf:
-        _fwd_row_wide(i, a, abf, w, b, y, r64, oc)
-        return _row_sumsq(a, nxt, k, abf) if nxt < hi else 0.0
-    return _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage)
+        _fwd_row_wide(i, a, w, b, y, r64, oc)
+        return _row_sumsq(a, nxt, k) if nxt < hi else 0.0
+    return _out_and_next(i, hi, a, w, b, y, rc, oc, flags, k, stage)
 
 
-def _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):  # pragma: no cover
+def _out_and_next(i, hi, a, w, b, y, rc, oc, flags, k, stage):  # pragma: no cover
     """Row ``i``'s output pass; for 16-bit rows with ``i + 1 < hi`` it also sums
     row ``i + 1`` (returned; else 0), and with STREAM_Y writes y through
     ``stage``.  Chosen at typing time, like _row_sumsq."""
@@ -366,9 +364,9 @@ def _out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):  # pragma: n
 
 
 @overload(_out_and_next, inline="always")
-def _ov_out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
+def _ov_out_and_next(i, hi, a, w, b, y, rc, oc, flags, k, stage):
     if not bits_dtype(a.dtype):
-        def plain(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
+        def plain(i, hi, a, w, b, y, rc, oc, flags, k, stage):
             d = a.shape[1]
             if i + 1 < a.shape[0] and not _prefetches(a):
                 # long rows: the next row asked for a chunk at a time, spread
@@ -376,17 +374,17 @@ def _ov_out_and_next(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
                 for jc in range(0, d, _CHUNK_F):
                     n = min(_CHUNK_F, d - jc)
                     prefetch_span(a, i + 1, jc, n)
-                    _out_span(a, i, jc, jc + n, abf, w, b, y, rc, oc)
+                    _out_span(a, i, jc, jc + n, w, b, y, rc, oc)
             else:
-                _out_span(a, i, np.intp(0), d, abf, w, b, y, rc, oc)  # not a literal: one compile
+                _out_span(a, i, np.intp(0), d, w, b, y, rc, oc)  # not a literal: one compile
             return 0.0
         return plain
-    return lambda i, hi, a, abf, w, b, y, rc, oc, flags, k, stage: _out_and_next_lanes(
-        i, hi, a, abf, w, b, y, rc, oc, flags, k, stage)
+    return lambda i, hi, a, w, b, y, rc, oc, flags, k, stage: _out_and_next_lanes(
+        i, hi, a, w, b, y, rc, oc, flags, k, stage)
 
 
 @_inline  # a call: Numba's IR inliner mishandles its loop-carried lanes
-def _out_and_next_lanes(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
+def _out_and_next_lanes(i, hi, a, w, b, y, rc, oc, flags, k, stage):
     # software pipeline: row i's output pass and row i+1's sum in one loop,
     # with the row after next prefetched a chunk at a time (without it the
     # pipeline is slower than two passes).  One output loop in the pipelined
@@ -403,23 +401,23 @@ def _out_and_next_lanes(i, hi, a, abf, w, b, y, rc, oc, flags, k, stage):
     h, lines_end = _whole_lines(y, i) if streamed else (0, 0)
     o = h  # the next column of y to stream out
     if streamed:
-        _out_span(a, i, np.intp(0), h, abf, w, b, y, rc, oc)
+        _out_span(a, i, np.intp(0), h, w, b, y, rc, oc)
     for jc in range(0, kc, _CHUNK):
         if ahead:
             prefetch_span(a, i + 2, jc, _CHUNK)
         if streamed:
-            o = _stream_out(a, i, o, min(h + jc + _CHUNK, lines_end), abf, w, b, y, rc, oc,
+            o = _stream_out(a, i, o, min(h + jc + _CHUNK, lines_end), w, b, y, rc, oc,
                             stage)
         else:
-            _out_span(a, i, jc, jc + _CHUNK, abf, w, b, y, rc, oc)
+            _out_span(a, i, jc, jc + _CHUNK, w, b, y, rc, oc)
         for j in range(jc, jc + _CHUNK, SUM_BLOCK):
-            acc = lanes_add_block(acc, a, nxt, j, abf)
+            acc = lanes_add_block(acc, a, nxt, j)
     if streamed:
-        _stream_out(a, i, o, lines_end, abf, w, b, y, rc, oc, stage)
-        _out_span(a, i, lines_end, d, abf, w, b, y, rc, oc)
+        _stream_out(a, i, o, lines_end, w, b, y, rc, oc, stage)
+        _out_span(a, i, lines_end, d, w, b, y, rc, oc)
     else:
-        _out_span(a, i, kc, d, abf, w, b, y, rc, oc)
-    return _lanes_rest(acc, a, nxt, k, kc, abf) if pipe else 0.0
+        _out_span(a, i, kc, d, w, b, y, rc, oc)
+    return _lanes_rest(acc, a, nxt, k, kc) if pipe else 0.0
 
 
 @_inline
@@ -433,19 +431,18 @@ def _whole_lines(y, i):
 
 
 @_inline
-def _stream_out(a, i, j0, j1, abf, w, b, y, rc, oc, stage):
+def _stream_out(a, i, j0, j1, w, b, y, rc, oc, stage):
     """``y[i, j0:j1]`` (whole 64-byte lines of y) as :func:`_out_span` computes
     it, through ``stage`` and streaming stores (:mod:`._numba_stream`), a stage
     at a time; returns ``j1``.  The arrays are borrowed (``_numba_refs``), so
     passing them here costs no reference count per stage."""
     c = stage.shape[1]
-    sbf = is_bf16(stage)
     for j in range(j0, j1, c):
         n = min(c, j1 - j)
         j0u = np.uint64(j)
         for t in range(np.uint64(n)):
-            v = scale_shift(load(a[i, j0u + t], abf) * rc, w, b, j0u + t, oc)
-            store(stage, (0, t), v, sbf)
+            v = scale_shift(load(a[i, j0u + t]) * rc, w, b, j0u + t, oc)
+            store(stage, (0, t), v)
         stream_copy(y, i, j, stage, n)
     return j1
 
@@ -466,39 +463,38 @@ def _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
     c = stage.shape[1]
     inside = (flags & EPS_INSIDE) != 0
     for i in range(lo, hi):
-        ss = _row_sumsq(x, i, k, False)
-        r64 = _rstd_from(x, i, k, False, eps, inside, ss)
+        ss = _row_sumsq(x, i, k)
+        r64 = _rstd_from(x, i, k, eps, inside, ss)
         rstd[i] = r64
         rc = rstd[i]
         oc = as_type_of(offset, rc)
         if r64 < math.inf and not rc < math.inf:
-            _fwd_row_wide(i, x, False, w, b, y, r64, oc)
+            _fwd_row_wide(i, x, w, b, y, r64, oc)
             continue
         ahead = i + 1 < x.shape[0]
         h, lines_end = _whole_lines(y, i)
         if ahead:
             prefetch_span(x, i + 1, 0, h)
-        _out_span(x, i, np.intp(0), h, False, w, b, y, rc, oc)
+        _out_span(x, i, np.intp(0), h, w, b, y, rc, oc)
         for j in range(h, lines_end, c):
             n = min(c, lines_end - j)  # whole lines
             if ahead:
                 prefetch_span(x, i + 1, j, n)
-            _stream_out(x, i, j, j + n, False, w, b, y, rc, oc, stage)
+            _stream_out(x, i, j, j + n, w, b, y, rc, oc, stage)
         if ahead:
             prefetch_span(x, i + 1, lines_end, d - lines_end)
-        _out_span(x, i, lines_end, d, False, w, b, y, rc, oc)
+        _out_span(x, i, lines_end, d, w, b, y, rc, oc)
     stream_fence()
 
 
 @_inline
-def _fwd_row_wide(i, a, abf, w, b, y, r64, oc):
+def _fwd_row_wide(i, a, w, b, y, r64, oc):
     """A row whose rstd overflows float32 (a float32 row of rms < ~3e-39 with a
     tiny eps): xhat = (v * 2**64) * (rstd * 2**-64), both factors in range."""
     rc = as_type_of(r64 * 2.0**-64, oc)
     up = as_type_of(2.0**64, oc)
-    ybf = is_bf16(y)
     for j in range(a.shape[1]):
-        store(y, (i, j), scale_shift(load(a[i, j], abf) * up * rc, w, b, j, oc), ybf)
+        store(y, (i, j), scale_shift(load(a[i, j]) * up * rc, w, b, j, oc))
 
 
 def _llama_scale(xh, w, j, off, wcode, pcode, ref):  # pragma: no cover - the overload
@@ -521,12 +517,11 @@ def _ov_llama_scale(xh, w, j, off, wcode, pcode, ref):
 
 
 @_inline
-def _fwd_norm_row_llama(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
+def _fwd_norm_row_llama(i, a, w, b, y, rstd, flags, k, eps, offset):
     """Hugging Face Llama's order: round xhat to x's dtype, g = w + offset to
     weight's dtype, the product to promote(x, weight), add bias, round to y's."""
     d = a.shape[1]
-    ybf = is_bf16(y)
-    r64 = _rstd_from(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0, _row_sumsq(a, i, k, abf))
+    r64 = _rstd_from(a, i, k, eps, (flags & EPS_INSIDE) != 0, _row_sumsq(a, i, k))
     rstd[i] = r64
     rc = rstd[i]
     yi = y[i]
@@ -535,19 +530,16 @@ def _fwd_norm_row_llama(i, a, abf, w, b, y, rstd, flags, k, eps, offset):
     pcode = (flags >> PCODE_SHIFT) & 3
     off = np.float64(offset)
     for j in range(d):
-        xh = round_to(load(a[i, j], abf) * rc, xcode)
+        xh = round_to(load(a[i, j]) * rc, xcode)
         val = _llama_scale(xh, w, j, off, wcode, pcode, rc)
-        store(yi, j, scale_shift(val, None, b, j, rc), ybf)
+        store(yi, j, scale_shift(val, None, b, j, rc))
 
 
 @_inline_ir
 def _add_row(i, x, r, h):
     """``h[i] = x[i] + r[i]``: summed in the compute type, rounded once to h's dtype."""
-    xbf = is_bf16(x)
-    rbf = is_bf16(r)
-    hbf = is_bf16(h)
     for j in range(np.uint64(x.shape[1])):
-        store(h, (i, j), load(x[i, j], xbf) + load(r[i, j], rbf), hbf)
+        store(h, (i, j), load(x[i, j]) + load(r[i, j]))
 
 
 @_inline_ir
@@ -557,11 +549,10 @@ def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
         prefetch_row(x, i + 1)
         prefetch_row(r, i + 1)
     _add_row(i, x, r, h)
-    hbf = is_bf16(h)
     # no streaming here (the front end does not ask for it with a residual):
     # y stands in for the stage
-    _fwd_norm_row(i, i + 1, h, hbf, w, b, y, rstd, flags & ~STREAM_Y, k, eps, offset,
-                  _row_sumsq(h, i, k, hbf), y)
+    _fwd_norm_row(i, i + 1, h, w, b, y, rstd, flags & ~STREAM_Y, k, eps, offset,
+                  _row_sumsq(h, i, k), y)
 
 
 # Row loops, one per path; the drivers pick one at typing time (_forward_path).
@@ -576,10 +567,9 @@ def _add_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
 @_inline
 def _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
     # 16-bit rows: pipelined (see _out_and_next)
-    xbf = is_bf16(x)
-    ss = _row_sumsq(x, lo, k, xbf) if lo < hi else 0.0
+    ss = _row_sumsq(x, lo, k) if lo < hi else 0.0
     for i in range(lo, hi):
-        ss = _fwd_norm_row(i, hi, x, xbf, w, b, y, rstd, flags, k, eps, offset, ss, stage)
+        ss = _fwd_norm_row(i, hi, x, w, b, y, rstd, flags, k, eps, offset, ss, stage)
     if flags & STREAM_Y:
         stream_fence()
 
@@ -587,11 +577,11 @@ def _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
 @_inline
 def _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset):
     for i in range(lo, hi):
-        ss = _row_sumsq(x, i, k, False)
+        ss = _row_sumsq(x, i, k)
         if i + 1 < x.shape[0] and _prefetches(x):
             # the next row's reads overlap this row's output pass
             prefetch_row(x, i + 1)
-        _fwd_norm_row(i, i + 1, x, False, w, b, y, rstd, flags, k, eps, offset, ss, None)
+        _fwd_norm_row(i, i + 1, x, w, b, y, rstd, flags, k, eps, offset, ss, None)
 
 
 def _forward_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):  # pragma: no cover
@@ -629,16 +619,14 @@ def _llama_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):  # pragm
 def _ov_llama_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
     if _absent(r):
         def plain(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
-            xbf = is_bf16(x)
             for i in range(lo, hi):
-                _fwd_norm_row_llama(i, x, xbf, w, b, y, rstd, flags, k, eps, offset)
+                _fwd_norm_row_llama(i, x, w, b, y, rstd, flags, k, eps, offset)
         return plain
 
     def added(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
-        hbf = is_bf16(h)
         for i in range(lo, hi):
             _add_row(i, x, r, h)
-            _fwd_norm_row_llama(i, h, hbf, w, b, y, rstd, flags, k, eps, offset)
+            _fwd_norm_row_llama(i, h, w, b, y, rstd, flags, k, eps, offset)
     return added
 
 

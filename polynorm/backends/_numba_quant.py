@@ -24,7 +24,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_codec import _HAS_FMA, is_bf16, load, prefetch_span
+from ._numba_codec import _HAS_FMA, load, prefetch_span
 from ._numba_kernels import (
     _CHUNK_F,
     EPS_INSIDE,
@@ -203,21 +203,21 @@ def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, amax, pa, p
 
 
 @_inline_ir
-def _y_span(i, a, abf, w, b, buf, j0, j1, rc, oc, flags, m):
+def _y_span(i, a, w, b, buf, j0, j1, rc, oc, flags, m):
     """``buf[j0:j1] = y[i, j0:j1]`` (``_out_span``'s value, in float32), and the
     running ``max |y|`` bits ``m`` over them (NaN's bits are above inf's: NaN wins)."""
     for j in range(np.uint64(j0), np.uint64(j1)):
-        v = np.float32(scale_shift(load(a[i, j], abf) * rc, w, b, j, oc))
+        v = np.float32(scale_shift(load(a[i, j]) * rc, w, b, j, oc))
         buf[j] = v
         m = _max_mag(m, v)
     return m
 
 
 @_inline_ir
-def _y_row(i, a, abf, w, b, buf, rs, flags, k, eps, offset):
+def _y_row(i, a, w, b, buf, rs, flags, k, eps, offset):
     """``buf = y[i]`` in float32 with ``_fwd_norm_row``'s operations (its rstd, its
     two cases: ``_out_span`` and the wide ``_fwd_row_wide``); returns ``max |y|``."""
-    r64 = _rstd_from(a, i, k, abf, eps, (flags & EPS_INSIDE) != 0, _row_sumsq(a, i, k, abf))
+    r64 = _rstd_from(a, i, k, eps, (flags & EPS_INSIDE) != 0, _row_sumsq(a, i, k))
     rs[0] = r64
     rc = rs[0]  # rstd in the compute type
     oc = as_type_of(offset, rc)
@@ -226,9 +226,9 @@ def _y_row(i, a, abf, w, b, buf, rs, flags, k, eps, offset):
         rw = as_type_of(r64 * 2.0**-64, oc)
         up = as_type_of(2.0**64, oc)
         for j in range(d):
-            buf[j] = np.float32(scale_shift(load(a[i, j], abf) * up * rw, w, b, j, oc))
+            buf[j] = np.float32(scale_shift(load(a[i, j]) * up * rw, w, b, j, oc))
         return _amax(buf, 0, d)
-    return _bits_f32(_y_span(i, a, abf, w, b, buf, 0, d, rc, oc, flags, np.int32(0)))
+    return _bits_f32(_y_span(i, a, w, b, buf, 0, d, rc, oc, flags, np.int32(0)))
 
 
 @_jit()
@@ -246,16 +246,14 @@ def quant_rows(lo, hi, x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
     w, b = _borrow_opt(w), _borrow_opt(b)
     n = x.shape[0]
     if flags & HAS_R:
-        hbf = is_bf16(h)
         for i in range(lo, hi):
             _add_row(i, x, r, h)
-            m = _y_row(i, h, hbf, w, b, buf, rs, flags, k, eps, offset)
+            m = _y_row(i, h, w, b, buf, rs, flags, k, eps, offset)
             quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m, x, r,
                          3 if i + 1 < n else 0)
     else:
-        xbf = is_bf16(x)
         for i in range(lo, hi):
-            m = _y_row(i, x, xbf, w, b, buf, rs, flags, k, eps, offset)
+            m = _y_row(i, x, w, b, buf, rs, flags, k, eps, offset)
             quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m, x, x,
                          1 if i + 1 < n else 0)
 

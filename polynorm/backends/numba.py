@@ -132,7 +132,7 @@ def _kview(a: np.ndarray) -> np.ndarray:
     """What the kernels take: the bits of the 16-bit floats, else ``a`` itself.
 
     bfloat16 as ``uint16``, float16 as ``int16``: the view's type carries the
-    format into the kernels (see ``_numba_codec.is_bf16``).  A read-only
+    format into the kernels (see ``_numba_codec.load``).  A read-only
     array (a jax array's buffer, ``np.broadcast_to``) is passed as a writable
     alias of the same memory: Numba types read-only arrays apart and would
     compile every kernel again for them, and the kernels never write their
