@@ -212,11 +212,10 @@ def _scaled_rms(a, i, k):
 
 
 @_inline
-def _stats(a, i, k, eps, inside):
-    """``(rms, rstd)`` of row ``i`` in float64, from the forward's sum of squares
-    (:func:`_row_sumsq`), so that a backward that recomputes rstd gets the
-    forward's bits."""
-    ss = _row_sumsq(a, i, k)
+def _rms_rstd(a, i, k, eps, inside, ss):
+    """``(rms, rstd)`` of row ``i`` in float64 from its sum of squares ``ss``
+    (the scaled, overflow-free path where ``ss`` is out of range): the one place
+    eps is applied."""
     if ss < math.inf and ss >= _ss_floor(a):
         ms = ss / k
         rms = math.sqrt(ms)
@@ -227,6 +226,14 @@ def _stats(a, i, k, eps, inside):
     if inside:
         return rms, 1.0 / math.hypot(rms, math.sqrt(eps))
     return rms, 1.0 / (rms + eps)
+
+
+@_inline
+def _stats(a, i, k, eps, inside):
+    """``(rms, rstd)`` of row ``i`` from the forward's sum of squares
+    (:func:`_row_sumsq`), so that a backward that recomputes rstd gets the
+    forward's bits."""
+    return _rms_rstd(a, i, k, eps, inside, _row_sumsq(a, i, k))
 
 
 # The forward's row statistic.  16-bit rows (integer bits) are summed in lanes
@@ -302,16 +309,8 @@ def _ov_row_sumsq(a, i, k):
 
 @_inline
 def _rstd_from(a, i, k, eps, inside, ss):
-    """Row ``i``'s rstd in float64 from its sum ``ss`` (scaled path if out of range); as ``_stats``."""
-    if ss < math.inf and ss >= _ss_floor(a):
-        ms = ss / k
-        if inside:
-            return 1.0 / math.sqrt(ms + eps)
-        return 1.0 / (math.sqrt(ms) + eps)
-    rms = _scaled_rms(a, i, k)
-    if inside:
-        return 1.0 / math.hypot(rms, math.sqrt(eps))
-    return 1.0 / (rms + eps)
+    """Row ``i``'s rstd in float64 from its sum ``ss`` (:func:`_rms_rstd`)."""
+    return _rms_rstd(a, i, k, eps, inside, ss)[1]
 
 
 # --------------------------------------------------------------------------- forward
