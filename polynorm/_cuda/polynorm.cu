@@ -1056,11 +1056,15 @@ __device__ __forceinline__ double pn_bwd_coef(double c, double rms, int k, doubl
 // into the block's row of dwp / dbp.
 //
 // Whether there is a weight (HAS_W) and a grad_residual (HAS_G) is fixed at
-// compile time, and the body is instantiated for VA (every array present
-// moves chunks as 16-byte vectors) and its element-by-element twin: a lane
-// issues its x and dy loads before the first use.  The weight and
-// grad_residual chunks are read where they are used (the weight twice, from
-// L1): holding them too spills within the 64 registers.
+// compile time.  At ITEMS = 1 (the only one instantiated) pn_bwd_ring_rows
+// runs the rows: a lane's x and dy chunks come through a ring in dynamic shared
+// memory filled S - 1 rows ahead (cp.async), its partial sums are held in
+// registers, and shared memory turns into the accumulator rows at the end.
+// pn_bwd_rows (any ITEMS) loads a lane's x and dy chunks into registers
+// before the first use, instantiated for VA (every array present moves chunks
+// as 16-byte vectors) and its element-by-element twin.  Both read the weight
+// (and, where it is not in the ring, grad_residual) where it is used, from
+// L1: holding it too spills within the 64 registers.
 
 // a row sum (MAX: NaN-propagating max) of the virtual threads' values v[q]
 // over the ITEMS=1 launch's tree: for T <= 32 its butterfly levels of distance
@@ -1403,7 +1407,8 @@ __device__ __forceinline__ void pn_cp_wait() {
 // one chunk (N elements, 16-byte pieces `pitch` units apart) into / out of a
 // lane's slot.  The device reads with asm volatile, so every use re-reads the
 // slot and the raw chunk does not stay live in registers across the row's
-// reductions.
+// reductions; the writes are asm volatile too (cp.async, or st.shared for
+// rows that are not VA), so that no write of a slot moves above a read of it.
 template <int N, typename T>
 __device__ __forceinline__ void pn_slot_put(pn_smem_unit* p, int pitch, const T* src, bool vec) {
     constexpr int PER = 16 / sizeof(T);
@@ -1415,10 +1420,18 @@ __device__ __forceinline__ void pn_slot_put(pn_smem_unit* p, int pitch, const T*
         // that is live, next to the partial sums the lane holds)
 #pragma unroll 1
         for (int u = 0; u < N / PER; ++u) {
-            pn_pack<T, PER> q;
+            union { unsigned w[4]; T v[PER]; } q;
 #pragma unroll
             for (int i = 0; i < PER; ++i) q.v[i] = src[u * PER + i];
-            *reinterpret_cast<pn_pack<T, PER>*>(p + u * pitch) = q;
+#if defined(__CUDA_ARCH__)
+            // asm volatile, as the reads: kept in program order with them
+            const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p + u * pitch));
+            asm volatile("st.shared.v4.u32 [%0], { %1, %2, %3, %4 };\n" ::"r"(s), "r"(q.w[0]), "r"(q.w[1]),
+                         "r"(q.w[2]), "r"(q.w[3])
+                         : "memory");
+#else
+            memcpy(p + u * pitch, q.w, 16);
+#endif
         }
     }
 }
@@ -1445,7 +1458,8 @@ __device__ __forceinline__ void pn_slot_get(const pn_smem_unit* p, int pitch, T 
 // grad_residual when its chunk is one piece), S stages.  Two 512-thread (four
 // 256-thread) blocks per SM on sm_80 leave 159 bytes of shared memory per
 // thread after the static 256 and the 1 KiB reserved per block, so
-// S * UNITS * 16 <= 159.  Mirrored by polynorm/backends/_cuda_launch.py bwd_ring.
+// S * UNITS * 16 plus the tail elements' partial sums (at most 8 bytes per
+// thread) <= 159.  Mirrored by polynorm/backends/_cuda_launch.py bwd_ring.
 template <typename XT, typename DYT, bool HAS_G>
 struct pn_bwd_ring {
     static constexpr int VEC = 16 / sizeof(XT);
@@ -1453,7 +1467,7 @@ struct pn_bwd_ring {
     static constexpr bool G = HAS_G && DYN == 1;
     static constexpr int UNITS = 1 + DYN + (G ? DYN : 0);
     static constexpr int S = UNITS == 2 ? 4 : 3;
-    static_assert(S * UNITS * 16 <= 159, "two 512-thread blocks per SM on sm_80");
+    static_assert(S * UNITS * 16 + 8 <= 159, "two 512-thread blocks per SM on sm_80");
 };
 
 // pn_bwd_rows at ITEMS = 1, fed by the ring: its arithmetic and the order of

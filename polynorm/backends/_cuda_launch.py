@@ -470,7 +470,7 @@ def backward_launch(
         block = _row_block(n, tpr)
         rows = block // tpr
         grid = max(1, min(math.ceil(n / rows), num_sms * max(1, BWD_THREADS_PER_SM // block)))
-        shared = bwd_shared(n, x, dy, has_g, partials, grid, block, tpr, ldp)
+        shared = bwd_shared(n, x, dy, partials, grid, block, tpr, ldp)
         return Launch(bwd_name(x, dy, weight, 1, has_w, has_g), grid=grid, block=block, shared=shared,
                       tpr=tpr, big=False, partial_rows=grid if partials else 0, ldp=ldp)
     if split and takes_split(n, d, x, x, num_sms):
@@ -508,23 +508,23 @@ def bwd_ring(x: str, dy: str, has_g: bool) -> tuple[int, int]:
     return (4 if units == 2 else 3), units
 
 
-def bwd_shared(n: int, x: str, dy: str, has_g: bool, partials: bool, grid: int, block: int, tpr: int,
-               ldp: int) -> int:
+def bwd_shared(n: int, x: str, dy: str, partials: bool, grid: int, block: int, tpr: int, ldp: int) -> int:
     """Dynamic shared memory of a pn_bwd launch (codegen/ABI.md): the tail elements'
     partial sums and the row ring (as many stages as a block's lanes have rows, at
-    most S), or the dweight / dbias accumulator rows where they are larger (they
-    alias both once the rows are done).
+    most S; sized for the larger of the rings with and without grad_residual, so the
+    launch is the same for every HAS_W / HAS_G), or the dweight / dbias accumulator
+    rows where they are larger (they alias both once the rows are done).
 
-    >>> bwd_shared(4096, "bfloat16", "bfloat16", False, True, 264, 512, 512, 4096)
-    65600
-    >>> bwd_shared(1, "bfloat16", "bfloat16", False, True, 1, 32, 16, 128)
+    >>> bwd_shared(4096, "bfloat16", "bfloat16", True, 264, 512, 512, 4096)
+    73792
+    >>> bwd_shared(1, "bfloat16", "bfloat16", True, 1, 32, 16, 128)
     2048
     """
     rows = block // tpr
     ct = ITEMSIZE[compute_dtype(x)]
-    stages, units = bwd_ring(x, dy, has_g)
     iters = -(-n // (grid * rows))
-    ring = -(-2 * rows * VEC[x] * ct // 16) * 16 + min(stages, iters) * units * 16 * block
+    per_row = max(min(s, iters) * u for s, u in (bwd_ring(x, dy, False), bwd_ring(x, dy, True)))
+    ring = -(-2 * rows * VEC[x] * ct // 16) * 16 + per_row * 16 * block
     return max(ring, 2 * rows * ldp * ct if partials else 0)
 
 

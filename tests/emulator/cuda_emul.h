@@ -27,6 +27,11 @@
 //     filled with 0xFF bytes (NaN for every float type) and a canary after the
 //     dynamic region is checked after the block, so reading uninitialised or
 //     writing out-of-range shared memory shows up.
+//   * cp.async is asynchronous: a source whose non-PTX branch checks
+//     PN_EMUL_CP_ASYNC calls pn_emul_cp_async / _commit / _wait (below); a
+//     copy is queued per thread at issue and performed at the wait that covers
+//     its group (or when the thread exits), so a read of the destination before
+//     that wait sees the 0xFF fill or older contents.
 //   * Misuse is reported, not silently tolerated: divergent __syncthreads (threads
 //     at different call sites), deadlock, a shuffle whose mask excludes the
 //     caller or names an exited / absent lane or a lane that called a different
