@@ -52,10 +52,17 @@ def test_bwd_specialisations_cover_every_flag():
 
 
 def test_bwd_headline_shapes():
-    """The README's backward cases: the launch shape of the ITEMS=1 kernel, unchanged."""
+    """The README's backward cases: the launch shape of the ITEMS=1 kernel, unchanged, and
+    its dynamic shared memory: the tail sums plus the row ring (3 stages of 3 pieces, the
+    larger ring) where that exceeds the dweight/dbias accumulator rows, which then alias it."""
     la = cl.backward_launch(16384, 4096, "bfloat16", num_sms=132)
     assert la.name == "pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, true, false>"
-    assert (la.block, la.tpr, la.grid, la.shared) == (512, 512, 264, 2 * 4096 * 4)
+    assert (la.block, la.tpr, la.grid) == (512, 512, 264)
+    assert la.shared == 2 * 8 * 4 + 3 * 3 * 16 * 512 > 2 * 4096 * 4
     la = cl.backward_launch(1 << 21, 128, "bfloat16", num_sms=132, has_w=False, has_g=True)
     assert la.name == "pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, false, true>"
     assert (la.block, la.tpr, la.grid) == (256, 16, 528)
+    assert la.shared == 2 * 16 * 8 * 4 + 3 * 3 * 16 * 256
+    # one row per lane (a single block of two row slots): one stage; the accumulator rows are larger
+    la = cl.backward_launch(1, 128, "bfloat16", num_sms=132)
+    assert la.shared == 2 * 2 * 128 * 4 > 2 * 2 * 8 * 4 + 3 * 16 * 32 and la.block == 32

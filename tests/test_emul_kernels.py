@@ -510,6 +510,47 @@ def test_emul_backward_persistent_grid_and_stash(dtype):
         assert launch.big and launch.grid == 3
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_emul_backward_row_ring_wraps(dtype):
+    """pn_bwd's row ring over more rows per lane than it has stages (one block per SM
+    of one SM: every lane handles 5 rows), for VA rows (d = 64) and element-by-element
+    ones (d = 100: rows not 16-byte aligned), with and without grad_residual."""
+    rng = np.random.default_rng(_seed(dtype, 12))
+    for d in (64, 100):
+        for opt in (dict(bias=True), dict(bias=True, grad_residual=True, dy="float32")):
+            dy, x, w, b, rstd, g, plan = _bwd_case(rng, 300, d, dtype, opt)
+            launch = _check_backward(dy, x, w, b, rstd, g, plan, num_sms=1)
+            stages = cl.bwd_ring(dtype, cl.backward_types(dtype, _name(dy), _name(g), dtype).dy, g is not None)[0]
+            assert -(-300 // (launch.grid * (launch.block // launch.tpr))) > stages, launch
+
+
+def test_emul_cp_async_early_read_is_caught():
+    """The prelude's cp.async is asynchronous (PN_EMUL_CP_ASYNC: a copy lands at the
+    wait that covers it), so a read of pn_bwd's ring before its wait is caught: with
+    the wait one group short (the generated source, mutated) dx reads the 0xFF fill of
+    shared memory; unmutated, the same launch is right."""
+    src = cl.source()
+    early = src.replace("pn_cp_wait<S - 1>();", "pn_cp_wait<S>();")
+    assert early.count("pn_cp_wait<S>();") == 1
+    name = cl.bwd_name("float32", "float32", "float32", 1, True, False)
+    rng = np.random.default_rng(13)
+    dy, x, w, _, _, _, plan = _bwd_case(rng, 300, 64, "float32", {})
+    launch = cl.backward_launch(300, 64, "float32", num_sms=1, has_w=True, has_g=False)
+    assert launch.name == name and launch.grid * (launch.block // launch.tpr) < 300
+    rdx = reference.backward(dy, x, w, None, None, None, plan)[0]
+    for mod, right in ((compile_source(early, [name]), False), (module("float32"), True)):
+        dx = _garbage(x.shape, "float32")
+        dwp = _garbage((launch.partial_rows, launch.ldp), "float32")
+        args = (dy, _rs(dy), x, _rs(x), w, None, None, np.int64(0), dx, _rs(dx), dwp, None, np.int64(launch.ldp),
+                np.int64(300), np.int32(64), np.int32(plan.k), np.int32(launch.tpr), np.float64(plan.eps),
+                np.int32(plan.eps_inside), np.float64(plan.offset))
+        mod.launch(name, launch.grid, launch.block, args, launch.shared)
+        if right:
+            assert_close(dx, rdx, TOL["float32"], "dx")
+        else:
+            assert np.isnan(dx).any(), "a read before its cp.async wait went unnoticed"
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
 def test_emul_same_bits_for_every_schedule_and_worker_count(dtype):
     """No races, no order dependence: the threads of a block taking turns in

@@ -3,8 +3,8 @@
 For every case of :func:`polynorm._bench.gpu.cases` (or the headline ones) and each device
 of :data:`DEVICES`, the launch the cupy backend makes (:mod:`polynorm.backends._cuda_launch`)
 is combined with the kernel's machine-code figures (registers and 16-byte loads in flight
-per thread, from a ``bench/sass_report.py --out`` JSON: ptxas register counts of the NVRTC
-cubins) into:
+per thread -- LDG.E.128, or cp.async copies where the kernel stages rows in shared memory --
+from a ``bench/sass_report.py --out`` JSON: ptxas register counts of the NVRTC cubins) into:
 
 * theoretical occupancy (resident warps / the SM's maximum, as :func:`sass.occupancy`);
 * bytes in flight per SM: resident threads x loads in flight x 16 B, where the grid fills
@@ -65,9 +65,15 @@ DEFAULT_SASS = Path(__file__).resolve().parents[2] / "bench" / "results" / "sass
 
 
 def load_kernels(path: Path = DEFAULT_SASS) -> dict[tuple[str, str], dict]:
-    """(arch, kernel name) -> {regs, ldg128_inflight, static_smem} from a sass_report JSON."""
+    """(arch, kernel name) -> {regs, ldg128_inflight, inflight, static_smem} from a sass_report JSON."""
     doc = json.loads(Path(path).read_text())
     return {(k["arch"], k["name"]): k for k in doc["kernels"]}
+
+
+def _loads(k: dict) -> int:
+    """16-byte loads in flight per thread: LDG.E.128 or cp.async copies, whichever is more
+    (:mod:`polynorm._bench.sass`; reports without the cp.async count have LDG only)."""
+    return max(1, k.get("inflight", k["ldg128_inflight"]))
 
 
 def _occupancy(dev: Device, regs: int, block: int, dyn: int, static: int) -> tuple[int, str]:
@@ -101,7 +107,7 @@ def predict(op: str, dtype: str, n: int, d: int, dev: Device, kernels: dict) -> 
     occ = per_sm * math.ceil(la.block / 32) / dev.warps
     used_sms = min(dev.sms, la.grid)
     active = min(per_sm, math.ceil(la.grid / dev.sms)) if per_sm else 0
-    inflight = active * la.block * max(1, k["ldg128_inflight"]) * 16
+    inflight = active * la.block * _loads(k) * 16
     bound = min(dev.bandwidth, inflight * used_sms / dev.latency)
     # waves: a non-persistent grid's last wave leaves SMs idle
     slots = per_sm * dev.sms
@@ -118,7 +124,7 @@ def predict(op: str, dtype: str, n: int, d: int, dev: Device, kernels: dict) -> 
     frac = useful / seconds / dev.bandwidth
     return {"op": op, "dtype": dtype, "n": n, "d": d, "device": dev.name, "kernel": la.name,
             "grid": la.grid, "block": la.block, "shared": la.shared, "regs": k["regs"],
-            "ldg128_inflight": k["ldg128_inflight"], "occupancy": round(occ, 4), "limiter": limiter,
+            "inflight": _loads(k), "occupancy": round(occ, 4), "limiter": limiter,
             "sms_used": used_sms, "inflight_per_sm": inflight, "bound_gbps": round(bound / 1e9, 1),
             "moved_over_useful": round(moved / useful, 4), "frac": round(frac, 4)}
 
@@ -141,7 +147,7 @@ def _predict_split(op: str, dtype: str, n: int, d: int, dev: Device, kernels: di
         k = kernels[(dev.arch, name)]
         per_sm, limiter = _occupancy(dev, k["regs"], la.block, la.shared, k["static_smem"])
         active = min(per_sm, math.ceil(la.grid / dev.sms)) if per_sm else 0
-        inflight = active * la.block * max(1, k["ldg128_inflight"]) * 16
+        inflight = active * la.block * _loads(k) * 16
         used_sms = min(dev.sms, la.grid)
         bound = min(dev.bandwidth, inflight * used_sms / dev.latency)
         seconds += moved / bound if bound else math.inf
@@ -152,7 +158,7 @@ def _predict_split(op: str, dtype: str, n: int, d: int, dev: Device, kernels: di
     occ = per_sm * math.ceil(la.block / 32) / dev.warps
     return {"op": op, "dtype": dtype, "n": n, "d": d, "device": dev.name, "kernel": la.name,
             "grid": la.grid, "block": la.block, "shared": la.shared, "regs": k["regs"],
-            "ldg128_inflight": k["ldg128_inflight"], "occupancy": round(occ, 4), "limiter": limiter,
+            "inflight": _loads(k), "occupancy": round(occ, 4), "limiter": limiter,
             "sms_used": used_sms, "inflight_per_sm": inflight,
             "bound_gbps": round((first + second) / seconds / 1e9, 1),
             "moved_over_useful": round((first + second) / useful, 4),
@@ -166,7 +172,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         case = f"{r['op']} {r['dtype']} {r['n']}x{r['d']}"
         lines.append(f"{case:28} {r['device']:5} {r['kernel'].split('<')[0]:10} {r['grid']:7d} {r['block']:4d} "
-                     f"{r['regs']:4d} {r['ldg128_inflight']:3d} {100 * r['occupancy']:4.0f} {r['sms_used']:4d} "
+                     f"{r['regs']:4d} {r['inflight']:3d} {100 * r['occupancy']:4.0f} {r['sms_used']:4d} "
                      f"{r['inflight_per_sm'] / 1024:6.1f} {r['bound_gbps']:10.1f} {r['frac']:5.2f}")
     return "\n".join(lines)
 

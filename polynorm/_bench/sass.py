@@ -19,6 +19,18 @@ Loads in flight
     number of 16-byte loads pending at once.  Unconditional ``BRA``/``EXIT``/
     ``RET`` clear the pending set (the loads do not flow into the next
     instruction in program order), so branches make the count conservative.
+
+Asynchronous copies (cp.async, ``LDGSTS``)
+    A kernel that copies global memory into shared memory with ``LDGSTS``
+    closes a commit group with ``LDGDEPBAR`` and waits with
+    ``DEPBAR.LE SB0, N``: every group but the newest N has landed.  At each
+    such wait with N > 0 the count is N times the 16-byte ``LDGSTS`` (any
+    modifiers, predicated or not) of the group committed last before it in
+    program order, plus the ``LDG.E.128`` pending there (as above): the copies
+    still in flight while the thread works on the group it waited for.  The
+    group being waited for is not counted, nor are copies of other sizes.  The
+    figure reported is the largest over the waits; a kernel's "loads in flight"
+    is the larger of the two counts.
 """
 
 from __future__ import annotations
@@ -84,6 +96,8 @@ def find_cuobjdump() -> str | None:
 _INSN = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 _REG = re.compile(r"(?<![\w.])R(\d+)(\.64)?\b")
 _LDG128 = re.compile(r"^LDG(\.[A-Z0-9_]+)*\.128\b")
+_LDGSTS128 = re.compile(r"^LDGSTS(\.[A-Z0-9_]+)*\.128\b")
+_DEPBAR_SB0 = re.compile(r"^DEPBAR\.LE\s+SB0\s*,\s*(0x[0-9a-fA-F]+|\d+)\s*$")
 
 
 def _regs(operand: str) -> set[int]:
@@ -115,8 +129,28 @@ def split_functions(sass: str) -> dict[str, list[str]]:
 
 def ldg128_inflight(insns: list[str]) -> tuple[int, int]:
     """(largest number of LDG.E.128 pending at once, LDG.E.128 count) for one kernel."""
+    best, total, _ = _walk(insns)
+    return best, total
+
+
+def ldgsts_inflight(insns: list[str]) -> tuple[int, int]:
+    """(16-byte loads in flight at a cp.async wait, LDGSTS.128 count) for one kernel:
+    the largest N x (LDGSTS.128 of the last committed group) + LDG.E.128 pending
+    over the ``DEPBAR.LE SB0, N`` waits (module docstring).
+
+    >>> ldgsts_inflight(["LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]", "LDGSTS.E.BYPASS.128 [R5], [R6.64]",
+    ...                  "LDGDEPBAR", "LDG.E.128 R8, [R10.64]", "DEPBAR.LE SB0, 0x3", "FADD R0, R8, R9"])
+    (7, 2)
+    """
+    _, _, (best, total) = _walk(insns)
+    return best, total
+
+
+def _walk(insns: list[str]) -> tuple[int, int, tuple[int, int]]:
     pending: list[set[int]] = []
     best = total = 0
+    group = last_group = 0  # LDGSTS.128 of the open group, of the last committed one
+    sts_best = sts_total = 0
     for text in insns:
         t = re.sub(r"^@!?U?P[T0-9]+\s+", "", text)
         op, _, rest = t.partition(" ")
@@ -133,9 +167,18 @@ def ldg128_inflight(insns: list[str]) -> tuple[int, int]:
             base = min(dst) if dst else 0
             pending.append({base, base + 1, base + 2, base + 3})
             best = max(best, len(pending))
+        elif _LDGSTS128.match(op):
+            sts_total += 1
+            group += 1
+        elif op == "LDGDEPBAR":
+            last_group, group = group, 0
+        elif op == "DEPBAR.LE":
+            m = _DEPBAR_SB0.match(t)
+            if m:
+                sts_best = max(sts_best, int(m.group(1), 0) * last_group + len(pending))
         if op in ("EXIT", "RET", "BRA") and not text.startswith("@"):
             pending = []
-    return best, total
+    return best, total, (sts_best, sts_total)
 
 
 def resource_usage(text: str) -> dict[str, dict[str, int]]:
@@ -240,6 +283,9 @@ class KernelReport:
     static_smem: int
     ldg128_inflight: int
     ldg128_total: int
+    ldgsts_inflight: int = 0
+    ldgsts_total: int = 0
+    inflight: int = 0  # 16-byte loads in flight per thread: the larger of the two counts
     min_occupancy: float | None = None  # over the launches at d <= OCC_D_MAX
     min_occupancy_launch: dict | None = None
     launches: list[dict] = field(default_factory=list)
@@ -275,7 +321,9 @@ def build(archs: tuple[str, ...] = ARCHS, names: list[str] | None = None) -> lis
             u = usage[low]
             st, ld = spills.get(low, (0, 0))
             inflight, total = ldg128_inflight(funcs.get(low, []))
-            rep = KernelReport(nm, arch, u["REG"], st, ld, u["STACK"], u["SHARED"], inflight, total)
+            sts, sts_total = ldgsts_inflight(funcs.get(low, []))
+            rep = KernelReport(nm, arch, u["REG"], st, ld, u["STACK"], u["SHARED"], inflight, total, sts,
+                               sts_total, max(inflight, sts))
             for lau in shapes.get(nm, []):
                 occ, limiter = occupancy(arch, u["REG"], lau["block"], lau["shared"], u["SHARED"])
                 rep.launches.append({**lau, "occupancy": round(occ, 4), "limiter": limiter})
@@ -289,13 +337,14 @@ def build(archs: tuple[str, ...] = ARCHS, names: list[str] | None = None) -> lis
 
 def table(reports: list[KernelReport]) -> str:
     """One line per kernel: regs, spills, loads in flight, worst occupancy (d <= OCC_D_MAX)."""
-    lines = [f"{'arch':6} {'kernel':62} {'regs':>4} {'spill':>6} {'ldg128':>6} {'flight':>6} {'occ%':>5}  worst launch"]
+    lines = [f"{'arch':6} {'kernel':62} {'regs':>4} {'spill':>6} {'ldg128':>6} {'ldgsts':>6} {'flight':>6} "
+             f"{'occ%':>5}  worst launch"]
     for r in reports:
         occ = "-" if r.min_occupancy is None else f"{100 * r.min_occupancy:.0f}"
         w = r.min_occupancy_launch
         wl = f"d={w['d']} n={w['n']} block={w['block']} smem={w['shared']} ({w['limiter']})" if w else ""
         lines.append(f"{r.arch:6} {r.name:62} {r.regs:4d} {r.spill_stores:6d} {r.ldg128_total:6d} "
-                     f"{r.ldg128_inflight:6d} {occ:>5}  {wl}")
+                     f"{r.ldgsts_total:6d} {r.inflight:6d} {occ:>5}  {wl}")
     return "\n".join(lines)
 
 
@@ -308,9 +357,8 @@ def summary(reports: list[KernelReport]) -> dict:
                                                          "max_inflight": 0, "min_occupancy": None})
         s["max_regs"] = max(s["max_regs"], r.regs)
         s["spilling"] += bool(r.spill_stores or r.spill_loads)
-        s["max_inflight"] = max(s["max_inflight"], r.ldg128_inflight)
-        s["min_inflight"] = r.ldg128_inflight if s["min_inflight"] is None else min(s["min_inflight"],
-                                                                                     r.ldg128_inflight)
+        s["max_inflight"] = max(s["max_inflight"], r.inflight)
+        s["min_inflight"] = r.inflight if s["min_inflight"] is None else min(s["min_inflight"], r.inflight)
         if r.min_occupancy is not None:
             s["min_occupancy"] = r.min_occupancy if s["min_occupancy"] is None else min(s["min_occupancy"],
                                                                                          r.min_occupancy)

@@ -1056,11 +1056,15 @@ __device__ __forceinline__ double pn_bwd_coef(double c, double rms, int k, doubl
 // into the block's row of dwp / dbp.
 //
 // Whether there is a weight (HAS_W) and a grad_residual (HAS_G) is fixed at
-// compile time, and the body is instantiated for VA (every array present
-// moves chunks as 16-byte vectors) and its element-by-element twin: a lane
-// issues its x and dy loads before the first use.  The weight and
-// grad_residual chunks are read where they are used (the weight twice, from
-// L1): holding them too spills within the 64 registers.
+// compile time.  At ITEMS = 1 (the only one instantiated) pn_bwd_ring_rows
+// runs the rows: a lane's x and dy chunks come through a ring in dynamic shared
+// memory filled S - 1 rows ahead (cp.async), its partial sums are held in
+// registers, and shared memory turns into the accumulator rows at the end.
+// pn_bwd_rows (any ITEMS) loads a lane's x and dy chunks into registers
+// before the first use, instantiated for VA (every array present moves chunks
+// as 16-byte vectors) and its element-by-element twin.  Both read the weight
+// (and, where it is not in the ring, grad_residual) where it is used, from
+// L1: holding it too spills within the 64 registers.
 
 // a row sum (MAX: NaN-propagating max) of the virtual threads' values v[q]
 // over the ITEMS=1 launch's tree: for T <= 32 its butterfly levels of distance
@@ -1107,10 +1111,10 @@ __device__ __forceinline__ double pn_bwd_reduce(double (&v)[Q], int lpr, double*
 }
 
 // g*dy for one chunk at column j: (w + offset) * dy, or dy without a weight
-template <int N, bool HAS_W, bool VA, typename WT, typename DYT, typename CT>
-__device__ __forceinline__ void pn_bwd_geff(const WT* w, int j, CT off, const DYT (&da)[N], CT (&g)[N]) {
+template <int N, bool HAS_W, typename WT, typename DYT, typename CT>
+__device__ __forceinline__ void pn_bwd_geff(const WT* w, int j, bool vec, CT off, const DYT (&da)[N], CT (&g)[N]) {
     CT wv[N];
-    if constexpr (HAS_W) pn_ld<N>(w + j, VA, wv);
+    if constexpr (HAS_W) pn_ld<N>(w + j, vec, wv);
 #pragma unroll
     for (int e = 0; e < N; ++e) {
         const CT dv = pn_conv<CT>::in(da[e]);
@@ -1278,7 +1282,7 @@ __device__ __forceinline__ void pn_bwd_rows(
             CT cf = (CT)0;
             if (live[q]) {
                 CT g[VEC];
-                pn_bwd_geff<VEC, HAS_W, VA>(w, j, off, da[q], g);
+                pn_bwd_geff<VEC, HAS_W>(w, j, VA, off, da[q], g);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) cf += g[e] * (pn_conv<CT>::in(xa[q][e]) * r);
             }
@@ -1286,7 +1290,7 @@ __device__ __forceinline__ void pn_bwd_rows(
             if (sizeof(CT) == 4 && live[q] && cf - cf != (CT)0) {
                 // recomputed from the raw chunk: nothing of the float pass stays live
                 CT g[VEC];
-                pn_bwd_geff<VEC, HAS_W, VA>(w, j, off, da[q], g);
+                pn_bwd_geff<VEC, HAS_W>(w, j, VA, off, da[q], g);
                 cs[q] = 0.0;
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) cs[q] += (double)g[e] * (double)(pn_conv<CT>::in(xa[q][e]) * r);
@@ -1310,7 +1314,7 @@ __device__ __forceinline__ void pn_bwd_rows(
                     dv[e] = pn_conv<CT>::in(da[q][e]);
                 }
                 if constexpr (HAS_G) pn_ld<VEC>(gr + j, VA, t);
-                pn_bwd_geff<VEC, HAS_W, VA>(w, j, off, da[q], g);
+                pn_bwd_geff<VEC, HAS_W>(w, j, VA, off, da[q], g);
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) {
                     const CT xh = xv[e] * r;
@@ -1362,6 +1366,383 @@ __device__ __forceinline__ void pn_bwd_rows(
     }
 }
 
+// ---- the row ring of pn_bwd (ITEMS = 1)
+// A lane copies the raw 16-byte pieces of its x, dy (and, where they fit,
+// grad_residual) chunks of the rows it will handle into its own slots of
+// dynamic shared memory, one commit group per row, S - 1 rows ahead of the row
+// it works on; it only reads back the slots it wrote, so no barrier is needed.
+// VA rows on sm_80+: cp.async (L2 only), so the copies of S rows are in flight
+// together; otherwise a synchronous copy, or the emulator's queued copy
+// (PN_EMUL_CP_ASYNC: performed at the wait, so a read before it is caught).
+// Rows that are not VA are copied element by element, synchronously.
+__device__ __forceinline__ void pn_cp16(pn_smem_unit* sdst, const void* gsrc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(sdst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gsrc) : "memory");
+#elif defined(PN_EMUL_CP_ASYNC)
+    pn_emul_cp_async(sdst, gsrc, 16);
+#else
+    *sdst = *reinterpret_cast<const pn_smem_unit*>(gsrc);
+#endif
+}
+
+__device__ __forceinline__ void pn_cp_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#elif defined(PN_EMUL_CP_ASYNC)
+    pn_emul_cp_commit();
+#endif
+}
+
+// every committed group but the newest N has landed
+template <int N>
+__device__ __forceinline__ void pn_cp_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#elif defined(PN_EMUL_CP_ASYNC)
+    pn_emul_cp_wait(N);
+#endif
+}
+
+// one chunk (N elements, 16-byte pieces `pitch` units apart) into / out of a
+// lane's slot.  The device reads with asm volatile, so every use re-reads the
+// slot and the raw chunk does not stay live in registers across the row's
+// reductions; the writes are asm volatile too (cp.async, or st.shared for
+// rows that are not VA), so that no write of a slot moves above a read of it.
+template <int N, typename T>
+__device__ __forceinline__ void pn_slot_put(pn_smem_unit* p, int pitch, const T* src, bool vec) {
+    constexpr int PER = 16 / sizeof(T);
+    if (vec) {
+#pragma unroll
+        for (int u = 0; u < N / PER; ++u) pn_cp16(p + u * pitch, src + u * PER);
+    } else {
+        // a piece at a time (not unrolled: the elements of one piece are all
+        // that is live, next to the partial sums the lane holds)
+#pragma unroll 1
+        for (int u = 0; u < N / PER; ++u) {
+            union { unsigned w[4]; T v[PER]; } q;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) q.v[i] = src[u * PER + i];
+#if defined(__CUDA_ARCH__)
+            // asm volatile, as the reads: kept in program order with them
+            const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p + u * pitch));
+            asm volatile("st.shared.v4.u32 [%0], { %1, %2, %3, %4 };\n" ::"r"(s), "r"(q.w[0]), "r"(q.w[1]),
+                         "r"(q.w[2]), "r"(q.w[3])
+                         : "memory");
+#else
+            memcpy(p + u * pitch, q.w, 16);
+#endif
+        }
+    }
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void pn_slot_get(const pn_smem_unit* p, int pitch, T (&o)[N]) {
+    constexpr int PER = 16 / sizeof(T);
+#pragma unroll
+    for (int u = 0; u < N / PER; ++u) {
+        union { unsigned w[4]; T v[PER]; } q;
+#if defined(__CUDA_ARCH__)
+        const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p + u * pitch));
+        asm volatile("ld.shared.v4.u32 { %0, %1, %2, %3 }, [%4];\n"
+                     : "=r"(q.w[0]), "=r"(q.w[1]), "=r"(q.w[2]), "=r"(q.w[3]) : "r"(s));
+#else
+        memcpy(q.w, p + u * pitch, 16);
+#endif
+#pragma unroll
+        for (int i = 0; i < PER; ++i) o[u * PER + i] = q.v[i];
+    }
+}
+
+// The ring's shape: UNITS 16-byte pieces per lane and row (x, dy, and
+// grad_residual when its chunk is one piece), S stages.  Two 512-thread (four
+// 256-thread) blocks per SM on sm_80 leave 159 bytes of shared memory per
+// thread after the static 256 and the 1 KiB reserved per block, so
+// S * UNITS * 16 plus the tail elements' partial sums (at most 8 bytes per
+// thread) <= 159.  Mirrored by polynorm/backends/_cuda_launch.py bwd_ring.
+template <typename XT, typename DYT, bool HAS_G>
+struct pn_bwd_ring {
+    static constexpr int VEC = 16 / sizeof(XT);
+    static constexpr int DYN = sizeof(DYT) * VEC / 16;  // 16-byte pieces of a dy chunk
+    static constexpr bool G = HAS_G && DYN == 1;
+    static constexpr int UNITS = 1 + DYN + (G ? DYN : 0);
+    static constexpr int S = UNITS == 2 ? 4 : 3;
+    static_assert(S * UNITS * 16 + 8 <= 159, "two 512-thread blocks per SM on sm_80");
+};
+
+// pn_bwd_rows at ITEMS = 1, fed by the ring: its arithmetic and the order of
+// every sum (so its bits), but a lane's dweight / dbias partial sums live in
+// registers while the ring holds the dynamic shared memory; after the last
+// row the ring is drained and the partials go to the accumulator rows
+// (aliasing it) for the in-order sum over row slots.  `va` (block-uniform):
+// every array present moves chunks as 16-byte vectors.
+template <typename XT, typename DYT, typename WT, bool HAS_W, bool HAS_G>
+__device__ __forceinline__ void pn_bwd_ring_rows(
+    const DYT* __restrict__ dy, long long sdy,
+    const XT* __restrict__ x, long long sx,
+    const WT* __restrict__ w,
+    const typename pn_compute<XT>::type* __restrict__ rstd_in,
+    const DYT* __restrict__ gres, long long sg,
+    XT* dx, long long sdx,
+    typename pn_compute<XT>::type* dwp,
+    typename pn_compute<XT>::type* dbp, long long ldp,
+    long long n, int d, int k, int lpr,
+    double eps, int eps_inside, double offset, const pn_rowlay L, const bool va, double* red,
+    pn_smem_unit* pn_dyn_smem)
+{
+    typedef typename pn_compute<XT>::type CT;
+    typedef pn_bwd_ring<XT, DYT, HAS_G> RING;
+    constexpr int VEC = 16 / sizeof(XT);
+    constexpr int S = RING::S, UNITS = RING::UNITS, DYN = RING::DYN;
+    constexpr int PER = VEC / DYN;  // elements of a 16-byte piece of dy
+
+    // lpr is a power of two: shifts, which are cheaper to recompute than a
+    // division is to keep
+    const int lsh = __ffs(lpr) - 1;
+    const int p = threadIdx.x & (lpr - 1);
+    const int rpb = blockDim.x >> lsh;
+    const int sub = threadIdx.x >> lsh;
+    const int nt = blockDim.x;
+    const bool want_w = dwp != nullptr, want_b = dbp != nullptr;
+    const bool want = want_w || want_b;  // block-uniform
+    const bool need_ss = rstd_in == nullptr || !eps_inside;
+    const CT off = (CT)offset;
+    // the tail element (lpr >= 2 * VEC > tail): column body*VEC + p for p < tail
+    const int je = p < L.tail ? L.body * VEC + p : -1;
+    // a lane past the body copies chunk 0 (no branch between the copies)
+    const int jc = (p < L.body ? p : 0) * VEC;
+    const long long step = (long long)gridDim.x * rpb;
+    const long long first = (long long)blockIdx.x * rpb;
+
+    // The tail elements' partial sums (rarely used: in shared memory, not
+    // registers): 2 * rpb * VEC values of CT from the start, element
+    // (sub * VEC + p) * 2 (+1: dbias).  Then the ring: piece u of stage s of
+    // this lane is unit (s * UNITS + u) * nt + threadIdx.x after them
+    // (consecutive lanes, consecutive 16 bytes).
+    CT* tacc = reinterpret_cast<CT*>(pn_dyn_smem) + (sub * VEC + p) * 2;
+    pn_smem_unit* ring = pn_dyn_smem + (2 * rpb * VEC * (int)sizeof(CT) + 15) / 16 + threadIdx.x;
+    if (want && je >= 0) tacc[0] = tacc[1] = (CT)0;
+    auto issue = [&](long long g0, int st) {
+        if (g0 < n && L.body > 0) {
+            const long long row = g0 + sub;
+            const long long rr = row < n ? row : 0;
+            pn_smem_unit* slot = ring + st * UNITS * nt;
+            pn_slot_put<VEC>(slot, nt, x + rr * sx + jc, va);
+            pn_slot_put<VEC>(slot + nt, nt, dy + rr * sdy + jc, va);
+            if constexpr (RING::G) pn_slot_put<VEC>(slot + 2 * nt, nt, gres + rr * sg + jc, va);
+        }
+        pn_cp_commit();  // one group per row, empty past the last: the wait counts rows
+    };
+#pragma unroll
+    for (int m = 0; m < S - 1; ++m) issue(first + m * step, m);
+
+    CT aw[VEC], ab[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) aw[e] = ab[e] = (CT)0;
+
+    int st = 0;  // this row's stage; the row S - 1 ahead goes to the previous row's
+    for (long long g0 = first; g0 < n; g0 += step, st = st + 1 == S ? 0 : st + 1) {
+        issue(g0 + (S - 1) * step, st == 0 ? S - 1 : st - 1);
+        pn_cp_wait<S - 1>();  // this row's group has landed
+        const pn_smem_unit* slot = ring + st * UNITS * nt;
+        const long long row = g0 + sub;
+        const bool active = row < n;
+        const long long rr = active ? row : 0;
+        const XT* xr = x + rr * sx;
+        const DYT* dyr = dy + rr * sdy;
+        const DYT* gr = HAS_G ? gres + rr * sg : nullptr;
+        const bool live = active && p < L.body;
+        const int j = p * VEC;
+
+        CT xe = (CT)0, ge = (CT)0, dye = (CT)0;  // the tail element (ge: g*dy)
+        if (active && je >= 0) {
+            xe = pn_conv<CT>::in(xr[je]);
+            dye = pn_conv<CT>::in(dyr[je]);
+            if constexpr (HAS_W) ge = (pn_conv<CT>::in(w[je]) + off) * dye;
+            else ge = dye;
+        }
+
+        // ---- r and rms (as pn_bwd_rows)
+        double rms = 0.0, r_d = 0.0;
+        if (need_ss) {
+            double m = 1.0;
+            if constexpr (sizeof(CT) == 8) {
+                double mq = 0.0;
+                if (live) {
+                    XT xa[VEC];
+                    pn_slot_get<VEC>(slot, nt, xa);
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        if (j + e < k) mq = pn_max_nan(mq, fabs((double)pn_conv<CT>::in(xa[e])));
+                }
+                if (je >= 0 && je < k) mq = pn_max_nan(mq, fabs((double)xe));
+                m = pn_row_reduce<true>(mq, lpr, red);
+            }
+            const double inv = m > 0.0 ? 1.0 / m : 1.0;
+            double s = 0.0;
+            if (live) {
+                XT xa[VEC];
+                pn_slot_get<VEC>(slot, nt, xa);
+                bool exact = sizeof(CT) == 8;
+                if (sizeof(CT) == 4) {
+                    float sf = 0.0f, mf = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        if (j + e < k) {
+                            const float v = (float)pn_conv<CT>::in(xa[e]);
+                            const float av = v < 0.0f ? -v : v;
+                            sf += v * v;
+                            mf = av > mf ? av : mf;
+                        }
+                    if (mf <= 1.0e18f && (mf >= 1.0e-18f || mf == 0.0f)) s = (double)sf;
+                    else exact = true;
+                }
+                if (exact) {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        if (j + e < k) {
+                            const double t = (double)pn_conv<CT>::in(xa[e]) * inv;
+                            s += t * t;
+                        }
+                }
+            }
+            if (je >= 0 && je < k) { const double t = (double)xe * inv; s += t * t; }
+            const double ss = pn_row_reduce<false>(s, lpr, red);
+            if constexpr (sizeof(CT) == 8) {
+                rms = pn_rms_scaled(m, ss, k);
+                r_d = pn_rstd_from_rms(rms, eps, eps_inside);
+            } else {
+                rms = sqrt((ss > 1.0e308 ? ss - ss : ss) / (double)k);
+                r_d = pn_rstd_from_ss(ss, k, eps, eps_inside);
+            }
+        }
+        const CT r = rstd_in != nullptr ? (active ? rstd_in[rr] : (CT)0) : (CT)r_d;
+
+        // ---- c = sum g*dy*xhat (as pn_bwd_rows; element by element in order,
+        // one dy piece at a time)
+        double cs;
+        {
+            CT cf = (CT)0;
+            if (live) {
+                XT xa[VEC];
+                pn_slot_get<VEC>(slot, nt, xa);
+#pragma unroll
+                for (int u = 0; u < DYN; ++u) {
+                    DYT da[PER];
+                    CT g[PER];
+                    pn_slot_get<PER>(slot + (1 + u) * nt, nt, da);
+                    pn_bwd_geff<PER, HAS_W>(w, j + u * PER, va, off, da, g);
+#pragma unroll
+                    for (int e = 0; e < PER; ++e) cf += g[e] * (pn_conv<CT>::in(xa[u * PER + e]) * r);
+                }
+            }
+            cs = (double)cf;
+            if (sizeof(CT) == 4 && live && cf - cf != (CT)0) {
+                // rare: the weight element by element (the same values), so
+                // that this path needs no more registers than the float one
+                XT xa[VEC];
+                pn_slot_get<VEC>(slot, nt, xa);
+                cs = 0.0;
+#pragma unroll
+                for (int u = 0; u < DYN; ++u) {
+                    DYT da[PER];
+                    pn_slot_get<PER>(slot + (1 + u) * nt, nt, da);
+#pragma unroll
+                    for (int e = 0; e < PER; ++e) {
+                        const CT dv = pn_conv<CT>::in(da[e]);
+                        const CT g = HAS_W ? (pn_conv<CT>::in(w[j + u * PER + e]) + off) * dv : dv;
+                        cs += (double)g * (double)(pn_conv<CT>::in(xa[u * PER + e]) * r);
+                    }
+                }
+            }
+            cs += (double)ge * (double)(xe * r);
+        }
+        const double csum = pn_row_reduce<false>(cs, lpr, red);
+        const CT coef = (CT)pn_bwd_coef(csum, rms, k, eps, eps_inside);
+
+        // ---- dx and the partial sums, one dy piece at a time
+        XT* dxr = dx + rr * sdx;
+        if (live) {
+            XT xa[VEC];
+            pn_slot_get<VEC>(slot, nt, xa);
+            pn_pack<XT, VEC> ob;
+#pragma unroll
+            for (int u = 0; u < DYN; ++u) {
+                const int ju = j + u * PER;
+                DYT da[PER];
+                CT t[PER], g[PER];
+                pn_slot_get<PER>(slot + (1 + u) * nt, nt, da);
+                if constexpr (RING::G) {
+                    DYT ga[PER];
+                    pn_slot_get<PER>(slot + 2 * nt, nt, ga);
+#pragma unroll
+                    for (int e = 0; e < PER; ++e) t[e] = pn_conv<CT>::in(ga[e]);
+                } else if constexpr (HAS_G) {
+                    pn_ld<PER>(gr + ju, va, t);
+                }
+                pn_bwd_geff<PER, HAS_W>(w, ju, va, off, da, g);
+#pragma unroll
+                for (int e = 0; e < PER; ++e) {
+                    const CT xv = pn_conv<CT>::in(xa[u * PER + e]), dv = pn_conv<CT>::in(da[e]);
+                    const CT xh = xv * r;
+                    CT qv = g[e];
+                    if (ju + e < k) qv = qv - xh * coef;
+                    CT o = r * qv;
+                    if (HAS_G) o = o + t[e];
+                    ob.v[u * PER + e] = pn_out<XT>::from(o);
+                    if (want) {
+                        aw[u * PER + e] += dv * (xv * r);
+                        ab[u * PER + e] += dv;
+                    }
+                }
+            }
+            if (va) {
+                *reinterpret_cast<pn_pack<XT, VEC>*>(dxr + j) = ob;
+            } else {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) dxr[j + e] = ob.v[e];
+            }
+        }
+        if (active && je >= 0) {
+            const CT xh = xe * r;
+            CT qv = ge;
+            if (je < k) qv = qv - xh * coef;
+            CT o = r * qv;
+            if (HAS_G) o = o + pn_conv<CT>::in(gr[je]);
+            dxr[je] = pn_out<XT>::from(o);
+            if (want) {
+                tacc[0] += dye * xh;
+                tacc[1] += dye;
+            }
+        }
+    }
+    pn_cp_wait<0>();  // nothing lands once the ring turns into the accumulators
+
+    // ---- partial sums: one row per block, row slots added in order
+    if (!want) return;
+    CT aew = (CT)0, aeb = (CT)0;
+    if (je >= 0) { aew = tacc[0]; aeb = tacc[1]; }
+    __syncthreads();  // every lane is done with the ring and the tail sums
+    CT* acc = reinterpret_cast<CT*>(pn_dyn_smem);
+    CT* accw = acc + (long long)(2 * sub) * ldp;
+    CT* accb = accw + ldp;
+    if (p < L.body) {
+        pn_st<VEC>(accw + p * VEC, true, aw);
+        pn_st<VEC>(accb + p * VEC, true, ab);
+    }
+    if (je >= 0) { accw[je] = aew; accb[je] = aeb; }
+    __syncthreads();
+    for (int q = threadIdx.x; q < d; q += blockDim.x) {
+        for (int a2 = 0; a2 < 2; ++a2) {
+            CT* pp = a2 == 0 ? dwp : dbp;
+            if (pp == nullptr) continue;
+            CT v = acc[(long long)a2 * ldp + q];
+            for (int s2 = 1; s2 < rpb; ++s2) v = v + acc[(long long)(2 * s2 + a2) * ldp + q];
+            pp[(long long)blockIdx.x * ldp + q] = v;
+        }
+    }
+}
+
 // whether every array present moves chunks as vectors (the VA body)
 template <typename XT, typename DYT, typename WT, bool HAS_W, bool HAS_G>
 __device__ __forceinline__ bool pn_bwd_va(const DYT* dy, long long sdy, const XT* x, long long sx, const WT* w,
@@ -1387,14 +1768,20 @@ __device__ __forceinline__ void pn_bwd_entry(
 {
     constexpr int VEC = 16 / sizeof(XT);
     const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
-    if (pn_bwd_va<XT, DYT, WT, HAS_W, HAS_G>(dy, sdy, x, sx, w, gres, sg, dx, sdx, n, L))
+    const bool va = pn_bwd_va<XT, DYT, WT, HAS_W, HAS_G>(dy, sdy, x, sx, w, gres, sg, dx, sdx, n, L);
+    // ITEMS = 1 (the only one instantiated): the row ring, one body for VA rows and the others
+    if constexpr (ITEMS == 1) {
+        pn_bwd_ring_rows<XT, DYT, WT, HAS_W, HAS_G>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp, n,
+                                                    d, k, lpr, eps, eps_inside, offset, L, va, red, pn_dyn_smem);
+    } else if (va) {
         pn_bwd_rows<XT, DYT, WT, ITEMS, HAS_W, HAS_G, true>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp,
                                                             ldp, n, d, k, lpr, eps, eps_inside, offset, L, red,
                                                             pn_dyn_smem);
-    else
+    } else {
         pn_bwd_rows<XT, DYT, WT, ITEMS, HAS_W, HAS_G, false>(dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp,
                                                              ldp, n, d, k, lpr, eps, eps_inside, offset, L, red,
                                                              pn_dyn_smem);
+    }
 }
 
 // At most 64 registers (two 512-thread blocks, 50% occupancy, per SM).

@@ -462,7 +462,6 @@ def backward_launch(
     dy = dy or x
     weight = weight or x
     vec = VEC[x]
-    ct = compute_dtype(x)
     ldp = math.ceil(d / vec) * vec
     # pn_bwd gives each thread at most one head or tail element: tpr >= 2 * VEC
     shape = None if force_big else _reg_shape(d, vec, BWD_ITEMS, min_tpr=2 * vec)
@@ -471,8 +470,7 @@ def backward_launch(
         block = _row_block(n, tpr)
         rows = block // tpr
         grid = max(1, min(math.ceil(n / rows), num_sms * max(1, BWD_THREADS_PER_SM // block)))
-        # dweight/dbias accumulators: (2 * rows, ldp) of the compute dtype
-        shared = 2 * rows * ldp * ITEMSIZE[ct] if partials else 0
+        shared = bwd_shared(n, x, dy, partials, grid, block, tpr, ldp)
         return Launch(bwd_name(x, dy, weight, 1, has_w, has_g), grid=grid, block=block, shared=shared,
                       tpr=tpr, big=False, partial_rows=grid if partials else 0, ldp=ldp)
     if split and takes_split(n, d, x, x, num_sms):
@@ -490,6 +488,44 @@ def backward_launch(
     grid = max(1, min(n, num_sms))
     return Launch(bwd_name(x, dy, weight, None), grid=grid, block=block, shared=shared,
                   tpr=block, big=True, stash=stash, partial_rows=grid if partials else 0, ldp=ldp)
+
+
+def bwd_ring(x: str, dy: str, has_g: bool) -> tuple[int, int]:
+    """(stages S, 16-byte pieces per lane and row) of pn_bwd's row ring (mirror of
+    ``pn_bwd_ring`` in codegen/templates/backward.cu.j2).
+
+    A row's pieces are x's chunk, dy's (one or two pieces) and grad_residual's
+    when it is one piece; ``S * pieces * 16`` bytes per thread keep two
+    512-thread (four 256-thread) blocks per SM on sm_80.
+
+    >>> bwd_ring("bfloat16", "bfloat16", False), bwd_ring("bfloat16", "bfloat16", True)
+    ((4, 2), (3, 3))
+    >>> bwd_ring("bfloat16", "float32", True), bwd_ring("float64", "float64", True)
+    ((3, 3), (3, 3))
+    """
+    dyn = ITEMSIZE[dy] * VEC[x] // 16
+    units = 1 + dyn + (dyn if has_g and dyn == 1 else 0)
+    return (4 if units == 2 else 3), units
+
+
+def bwd_shared(n: int, x: str, dy: str, partials: bool, grid: int, block: int, tpr: int, ldp: int) -> int:
+    """Dynamic shared memory of a pn_bwd launch (codegen/ABI.md): the tail elements'
+    partial sums and the row ring (as many stages as a block's lanes have rows, at
+    most S; sized for the larger of the rings with and without grad_residual, so the
+    launch is the same for every HAS_W / HAS_G), or the dweight / dbias accumulator
+    rows where they are larger (they alias both once the rows are done).
+
+    >>> bwd_shared(4096, "bfloat16", "bfloat16", True, 264, 512, 512, 4096)
+    73792
+    >>> bwd_shared(1, "bfloat16", "bfloat16", True, 1, 32, 16, 128)
+    2048
+    """
+    rows = block // tpr
+    ct = ITEMSIZE[compute_dtype(x)]
+    iters = -(-n // (grid * rows))
+    per_row = max(min(s, iters) * u for s, u in (bwd_ring(x, dy, False), bwd_ring(x, dy, True)))
+    ring = -(-2 * rows * VEC[x] * ct // 16) * 16 + per_row * 16 * block
+    return max(ring, 2 * rows * ldp * ct if partials else 0)
 
 
 @lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small

@@ -27,6 +27,11 @@
 //     filled with 0xFF bytes (NaN for every float type) and a canary after the
 //     dynamic region is checked after the block, so reading uninitialised or
 //     writing out-of-range shared memory shows up.
+//   * cp.async is asynchronous: a source whose non-PTX branch checks
+//     PN_EMUL_CP_ASYNC calls pn_emul_cp_async / _commit / _wait (below); a
+//     copy is queued per thread at issue and performed at the wait that covers
+//     its group (or when the thread exits), so a read of the destination before
+//     that wait sees the 0xFF fill or older contents.
 //   * Misuse is reported, not silently tolerated: divergent __syncthreads (threads
 //     at different call sites), deadlock, a shuffle whose mask excludes the
 //     caller or names an exited / absent lane or a lane that called a different
@@ -550,11 +555,22 @@ inline const char* op_name(int op) {
   }
 }
 
+// An asynchronous shared-memory copy (cp.async), queued at issue and performed
+// when a wait covers its group (see pn_emul_cp_async below).
+struct CpCopy {
+  void* dst;
+  const void* src;
+  int bytes;
+  uint64_t group;  // the group it joins at the next commit
+};
+
 struct Fiber {
   void* sp;
   uint3 tid;
   int next, prev;  // circular list of live fibers
   bool done;
+  std::vector<CpCopy> cp_queue;  // issued, not yet performed, in issue order
+  uint64_t cp_open = 0;          // the group the next copy joins (= groups committed so far)
 #if defined(CUDA_EMUL_USE_UCONTEXT)
   ucontext_t uc;
 #endif
@@ -837,11 +853,24 @@ inline void fail(const char* fmt, ...) {
   __builtin_unreachable();
 }
 
+// Performs, in issue order, the queued copies of groups older than `before`.
+inline void cp_perform(Fiber& f, uint64_t before) {
+  size_t keep = 0;
+  for (size_t i = 0; i < f.cp_queue.size(); ++i) {
+    const CpCopy& c = f.cp_queue[i];
+    if (c.group < before) std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
+    else f.cp_queue[keep++] = c;
+  }
+  f.cp_queue.resize(keep);
+}
+
 inline void fiber_main(Block* b) {
   b->invoke(b->ctx);
-  // thread exit
+  // thread exit: copies still in flight land (as on the hardware), after every
+  // read of this thread
   const int me = b->cur;
   Fiber& f = b->fibers[me];
+  cp_perform(f, ~0ull);
   f.done = true;
   --b->alive;
   made_progress(b);
@@ -909,6 +938,8 @@ inline bool run_block(Block* b, uint3 bid, dim3 bdim, size_t smem, unsigned sche
     f.tid = uint3{static_cast<unsigned>(i % bdim.x), static_cast<unsigned>((i / bdim.x) % bdim.y),
                   static_cast<unsigned>(i / (bdim.x * bdim.y))};
     f.done = false;
+    f.cp_queue.clear();
+    f.cp_open = 0;
     unsigned char* lo = b->stacks + static_cast<size_t>(i) * (b->stack_bytes + page) + page;
 #if defined(CUDA_EMUL_USE_UCONTEXT)
     getcontext(&f.uc);
@@ -1206,6 +1237,29 @@ inline T shfl_(int line, int op, unsigned mask, T var, int arg, int width = 32) 
   return shfl(line, op, mask, var, arg, width);
 }
 }  // namespace cuda_emul
+
+// cp.async with real asynchronous semantics, for sources that check
+// PN_EMUL_CP_ASYNC in their non-PTX branch: a copy is queued at issue (its
+// source is read and its destination written only later), a commit closes
+// the current group (cp.async.commit_group), and a wait for N performs every
+// copy of the groups committed before the newest N (cp.async.wait_group N).
+// So a read of the destination before the wait that covers it sees the
+// shared memory's 0xFF fill or the previous contents.
+#define PN_EMUL_CP_ASYNC 1
+inline void pn_emul_cp_async(void* dst, const void* src, int bytes) {
+  cuda_emul::Block* b = cuda_emul::tl_block;
+  cuda_emul::Fiber& f = b->fibers[b->cur];
+  f.cp_queue.push_back(cuda_emul::CpCopy{dst, src, bytes, f.cp_open});
+}
+inline void pn_emul_cp_commit() {
+  cuda_emul::Block* b = cuda_emul::tl_block;
+  ++b->fibers[b->cur].cp_open;
+}
+inline void pn_emul_cp_wait(int n) {
+  cuda_emul::Block* b = cuda_emul::tl_block;
+  cuda_emul::Fiber& f = b->fibers[b->cur];
+  if (f.cp_open > static_cast<uint64_t>(n)) cuda_emul::cp_perform(f, f.cp_open - static_cast<uint64_t>(n));
+}
 
 // Lanes of the warp that have not exited (the hardware's answer in converged code).
 inline unsigned __activemask() {
