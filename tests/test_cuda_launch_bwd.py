@@ -36,9 +36,9 @@ def test_bwd_flags_pick_the_instantiation_only(x, d):
                         assert la.name == cl.bwd_name(*t, None)
                         continue
                     sshape = cl.small_bwd_shape(d, x)
-                    if sshape is not None:
-                        assert la.name == cl.bwd_small_name(*t, sshape[1], sshape[2], hw, hg)
-                        assert la.name.endswith(f", {_tf(hw)}, {_tf(hg)}, {_tf(sshape[2])}>")
+                    if cl.takes_small_bwd(d, x, t[1]):
+                        assert la.name == cl.bwd_small_name(*t, sshape[1], sshape[0], hw, hg)
+                        assert la.name.endswith(f", {_tf(hw)}, {_tf(hg)}, {sshape[0]}>")
                     else:
                         assert la.name == cl.bwd_name(*t, 1, hw, hg)
                         assert la.name.endswith(f", 1, {_tf(hw)}, {_tf(hg)}>")
@@ -63,7 +63,7 @@ def test_bwd_headline_shapes():
     assert la.name == "pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, true, false>"
     assert (la.block, la.tpr, la.grid, la.shared) == (512, 512, 264, 2 * 4096 * 4)
     la = cl.backward_launch(1 << 21, 128, "bfloat16", num_sms=132, has_w=False, has_g=True)
-    assert la.name == "pn_bwd_small<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2, false, true, false>"
+    assert la.name == "pn_bwd_small<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2, false, true, 8>"
     assert (la.block, la.tpr, la.grid, la.shared, la.partial_rows) == (256, 8, 528, 2 * 32 * 128 * 4, 528)
     la = cl.backward_launch(1 << 21, 128, "bfloat16", num_sms=132, has_w=False, has_g=True, small=False)
     assert la.name == "pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, false, true>"

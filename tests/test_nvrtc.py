@@ -122,11 +122,11 @@ def test_launch_shapes_cover_the_row(d, x):
                     assert (wide.strip(" >") == "true") == (pn_fwd_tpr > 32)
                 elif launch.name.startswith("pn_bwd_small"):
                     # lanes stand for pn_bwd's threads, ITEMS each (WIDE: one warp per row)
-                    items, wide = int(launch.name.split(",")[3]), launch.name.rsplit(",", 1)[1].strip(" >")
+                    items, lpr = int(launch.name.split(",")[3]), int(launch.name.rsplit(",", 1)[1].strip(" >"))
                     pn_bwd_tpr = cl.backward_launch(n, d, x, small=False).tpr
-                    assert launch.block <= cl.SMALL_THREADS and d <= cl.SMALL_D
+                    assert launch.block <= cl.SMALL_THREADS and d <= cl.SMALL_D and launch.tpr == lpr
                     assert launch.tpr & (launch.tpr - 1) == 0 and vec <= launch.tpr <= 32
-                    assert launch.tpr * items == pn_bwd_tpr and (wide == "true") == (pn_bwd_tpr > 32)
+                    assert launch.tpr * items == pn_bwd_tpr and (pn_bwd_tpr <= 32 or lpr == 32)
                 else:
                     assert launch.tpr & (launch.tpr - 1) == 0 and vec <= launch.tpr <= launch.block
                     if launch.name.startswith("pn_bwd"):

@@ -1751,34 +1751,45 @@ template <> struct pn_u16<__nv_bfloat16> {
     static __device__ __forceinline__ __nv_bfloat16 as(unsigned short u) { return __ushort_as_bfloat16(u); }
 };
 
-// One chunk of N storage values as loaded, widened to CT where used.  16-bit
-// values stay two to a 32-bit word (element e in word e / 2, low half first):
-// held as separate 16-bit values each would take a register of its own.
-template <typename T, int N>
-struct pn_chunk {
-    static constexpr bool W = sizeof(T) == 2;
-    unsigned w[W ? N / 2 : 1];
-    T v[W ? 1 : N];
+// an element read where it is used (volatile: neither hoisted out of the row
+// loop nor merged with another read of it)
+template <typename T>
+__device__ __forceinline__ T pn_ld_vol(const T* p) {
+    if constexpr (sizeof(T) == 2) return pn_u16<T>::as(*reinterpret_cast<const volatile unsigned short*>(p));
+    else return *reinterpret_cast<const volatile T*>(p);
+}
 
-    __device__ __forceinline__ void load(const T* p, bool vec) {
-        if constexpr (W) {
-            if (vec) {
-                const pn_pack<unsigned, N / 2> q = *reinterpret_cast<const pn_pack<unsigned, N / 2>*>(p);
+// One chunk of N storage values of a row, widened to CT where used.  VA: as
+// loaded (one load per 16 bytes), 16-bit values two to a 32-bit word (element
+// e in word e / 2, low half first): held as separate 16-bit values each would
+// take a register of its own.  !VA (the element-by-element twin, for rows
+// that are not 16-byte aligned): only the address is held and each use reads
+// the element again, as the compiler would otherwise keep 16-bit elements one
+// to a register.
+template <typename T, int N, bool VA>
+struct pn_chunk {
+    static constexpr bool W = VA && sizeof(T) == 2;
+    unsigned w[W ? N / 2 : 1];
+    T v[VA && !W ? N : 1];
+    const T* p;
+
+    __device__ __forceinline__ void load(const T* src) {
+        if constexpr (!VA) {
+            p = src;
+        } else if constexpr (W) {
+            const pn_pack<unsigned, N / 2> q = *reinterpret_cast<const pn_pack<unsigned, N / 2>*>(src);
 #pragma unroll
-                for (int i = 0; i < N / 2; ++i) w[i] = q.v[i];
-            } else {
-                const unsigned short* u = reinterpret_cast<const unsigned short*>(p);
-#pragma unroll
-                for (int i = 0; i < N / 2; ++i) w[i] = (unsigned)u[2 * i] | ((unsigned)u[2 * i + 1] << 16);
-            }
+            for (int i = 0; i < N / 2; ++i) w[i] = q.v[i];
         } else {
-            pn_ld_raw<N>(p, vec, v);
+            pn_ld_raw<N>(src, true, v);
         }
     }
 
     template <typename CT>
     __device__ __forceinline__ CT get(int e) const {
-        if constexpr (W) {
+        if constexpr (!VA) {
+            return pn_conv<CT>::in(pn_ld_vol(p + e));
+        } else if constexpr (W) {
             const unsigned b = e % 2 ? w[e / 2] >> 16 : w[e / 2] & 0xffffu;
             return pn_conv<CT>::in(pn_u16<T>::as((unsigned short)b));
         } else {
@@ -1789,10 +1800,17 @@ struct pn_chunk {
 
 // g*dy for one chunk at column j (pn_bwd_geff on a pn_chunk of dy)
 template <int N, bool HAS_W, bool VA, typename WT, typename DYT, typename CT>
-__device__ __forceinline__ void pn_bwd_small_geff(const WT* w, unsigned j, CT off, const pn_chunk<DYT, N>& da,
+__device__ __forceinline__ void pn_bwd_small_geff(const WT* w, unsigned j, CT off, const pn_chunk<DYT, N, VA>& da,
                                                   CT (&g)[N]) {
     CT wv[N];
-    if constexpr (HAS_W) pn_ld<N>(w + j, VA, wv);
+    if constexpr (HAS_W) {
+        if constexpr (VA) {
+            pn_ld<N>(w + j, true, wv);
+        } else {
+#pragma unroll
+            for (int e = 0; e < N; ++e) wv[e] = pn_conv<CT>::in(pn_ld_vol(w + j + e));
+        }
+    }
 #pragma unroll
     for (int e = 0; e < N; ++e) {
         const CT dv = da.template get<CT>(e);
@@ -1800,7 +1818,7 @@ __device__ __forceinline__ void pn_bwd_small_geff(const WT* w, unsigned j, CT of
     }
 }
 
-template <typename XT, typename DYT, typename WT, int ITEMS, bool HAS_W, bool HAS_G, bool WIDE, bool VA>
+template <typename XT, typename DYT, typename WT, int ITEMS, bool HAS_W, bool HAS_G, int LPR, bool VA>
 __device__ __forceinline__ void pn_bwd_small_rows(
     const DYT* __restrict__ dy, long long sdy,
     const XT* __restrict__ x, long long sx,
@@ -1810,12 +1828,14 @@ __device__ __forceinline__ void pn_bwd_small_rows(
     XT* dx, long long sdx,
     typename pn_compute<XT>::type* dwp,
     typename pn_compute<XT>::type* dbp, long long ldp,
-    long long n, int d, int k, int lpr,
+    long long n, int d, int k,
     double eps, int eps_inside, double offset, const pn_rowlay L, pn_smem_unit* pn_dyn_smem)
 {
     typedef typename pn_compute<XT>::type CT;
     constexpr int VEC = 16 / sizeof(XT);
     constexpr int Q = ITEMS;
+    constexpr int lpr = LPR;
+    constexpr bool WIDE = LPR * ITEMS > 32;
 
     const int p = threadIdx.x % lpr;
     const int rpb = blockDim.x / lpr;
@@ -1825,7 +1845,8 @@ __device__ __forceinline__ void pn_bwd_small_rows(
     const CT off = (CT)offset;
 
     // the tail element of virtual thread p (item 0: lpr >= VEC > tail)
-    const int je = p < L.tail ? L.body * VEC + p : -1;
+    const bool te = p < L.tail;
+    const unsigned je = L.body * VEC + p;
 
     // dweight / dbias accumulators in shared memory: slot row 2*sub (dweight)
     // and 2*sub+1 (dbias), row stride ldp; each lane touches only its own
@@ -1846,7 +1867,7 @@ __device__ __forceinline__ void pn_bwd_small_rows(
                 pn_st<VEC>(accb + c * VEC, true, z);
             }
         }
-        if (je >= 0) { accw[je] = (CT)0; accb[je] = (CT)0; }
+        if (te) { accw[je] = (CT)0; accb[je] = (CT)0; }
     }
 
     for (long long g0 = (long long)blockIdx.x * rpb; g0 < n; g0 += (long long)gridDim.x * rpb) {
@@ -1860,16 +1881,17 @@ __device__ __forceinline__ void pn_bwd_small_rows(
         // chunk past the body loads chunk 0 instead (no branch between the
         // loads); live[q] masks it out of every use.
         bool live[Q];
-        pn_chunk<XT, VEC> xa[Q];
-        pn_chunk<DYT, VEC> da[Q];
+        pn_chunk<XT, VEC, VA> xa[Q];
+        pn_chunk<DYT, VEC, VA> da[Q];
         if (L.body > 0) {
 #pragma unroll
             for (int q = 0; q < Q; ++q) {
                 const int c = p + q * lpr;
                 live[q] = active && c < L.body;
-                const unsigned j = (c < L.body ? c : 0) * VEC;  // unsigned: no sign-extended 64-bit offsets
-                xa[q].load(xr + j, VA);
-                da[q].load(dyr + j, VA);
+                // unsigned: no sign-extended 64-bit offsets; !VA reads where used (masked by live[q])
+                const unsigned j = (VA && c >= L.body ? 0 : c) * VEC;
+                xa[q].load(xr + j);
+                da[q].load(dyr + j);
             }
         } else {
 #pragma unroll
@@ -1880,7 +1902,7 @@ __device__ __forceinline__ void pn_bwd_small_rows(
         CT xe[Q], ge[Q], dye = (CT)0;
 #pragma unroll
         for (int q = 0; q < Q; ++q) xe[q] = ge[q] = (CT)0;
-        if (active && je >= 0) {
+        if (active && te) {
             xe[0] = pn_conv<CT>::in(xr[je]);
             dye = pn_conv<CT>::in(dyr[je]);
             if constexpr (HAS_W) ge[0] = (pn_conv<CT>::in(w[je]) + off) * dye;
@@ -1903,7 +1925,7 @@ __device__ __forceinline__ void pn_bwd_small_rows(
                             if (e < k - j0) mq[q] = pn_max_nan(mq[q], fabs((double)xa[q].template get<CT>(e)));
                     }
                 }
-                if (je >= 0 && je < k) mq[0] = pn_max_nan(mq[0], fabs((double)xe[0]));
+                if (te && (int)je < k) mq[0] = pn_max_nan(mq[0], fabs((double)xe[0]));
                 m = pn_bwd_small_reduce<true, Q, WIDE>(mq, lpr);
             }
             const double inv = m > 0.0 ? 1.0 / m : 1.0;
@@ -1935,7 +1957,7 @@ __device__ __forceinline__ void pn_bwd_small_rows(
                         }
                 }
             }
-            if (je >= 0 && je < k) { const double t = (double)xe[0] * inv; s[0] += t * t; }
+            if (te && (int)je < k) { const double t = (double)xe[0] * inv; s[0] += t * t; }
             const double ss = pn_bwd_small_reduce<false, Q, WIDE>(s, lpr);
             if constexpr (sizeof(CT) == 8) {
                 rms = pn_rms_scaled(m, ss, k);
@@ -2015,16 +2037,18 @@ __device__ __forceinline__ void pn_bwd_small_rows(
                 }
             }
         }
-        if (active && je >= 0) {
-            const CT xh = xe[0] * r;
-            CT qv = ge[0];
-            if (je < k) qv = qv - xh * coef;
+        if (active && te) {
+            // the tail element read again (an L1 hit) rather than held through the row
+            const CT xt = pn_conv<CT>::in(xr[je]), dyt = pn_conv<CT>::in(dyr[je]);
+            const CT xh = xt * r;
+            CT qv = HAS_W ? (pn_conv<CT>::in(w[je]) + off) * dyt : dyt;
+            if ((int)je < k) qv = qv - xh * coef;
             CT o = r * qv;
             if (HAS_G) o = o + pn_conv<CT>::in(gr[je]);
             dxr[je] = pn_out<XT>::from(o);
             if (want) {
-                accw[je] += dye * xh;
-                accb[je] += dye;
+                accw[je] += dyt * xh;
+                accb[je] += dyt;
             }
         }
     }
@@ -2044,7 +2068,7 @@ __device__ __forceinline__ void pn_bwd_small_rows(
 }
 
 // At most 64 registers: four 256-thread blocks (50% occupancy) per SM.
-template <typename XT, typename DYT, typename WT, int ITEMS, bool HAS_W, bool HAS_G, bool WIDE>
+template <typename XT, typename DYT, typename WT, int ITEMS, bool HAS_W, bool HAS_G, int LPR>
 __global__ void __launch_bounds__(256, 4) pn_bwd_small(
     const DYT* __restrict__ dy, long long sdy,
     const XT* __restrict__ x, long long sx,
@@ -2061,13 +2085,13 @@ __global__ void __launch_bounds__(256, 4) pn_bwd_small(
     extern __shared__ pn_smem_unit pn_dyn_smem[];
     const pn_rowlay L = pn_layout<VEC>(x, sx, n, d);
     if (pn_bwd_va<XT, DYT, WT, HAS_W, HAS_G>(dy, sdy, x, sx, w, gres, sg, dx, sdx, n, L))
-        pn_bwd_small_rows<XT, DYT, WT, ITEMS, HAS_W, HAS_G, WIDE, true>(
-            dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp, n, d, k, lpr, eps, eps_inside, offset,
-            L, pn_dyn_smem);
+        pn_bwd_small_rows<XT, DYT, WT, ITEMS, HAS_W, HAS_G, LPR, true>(
+            dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp, n, d, k, eps, eps_inside, offset, L,
+            pn_dyn_smem);
     else
-        pn_bwd_small_rows<XT, DYT, WT, ITEMS, HAS_W, HAS_G, WIDE, false>(
-            dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp, n, d, k, lpr, eps, eps_inside, offset,
-            L, pn_dyn_smem);
+        pn_bwd_small_rows<XT, DYT, WT, ITEMS, HAS_W, HAS_G, LPR, false>(
+            dy, sdy, x, sx, w, rstd_in, gres, sg, dx, sdx, dwp, dbp, ldp, n, d, k, eps, eps_inside, offset, L,
+            pn_dyn_smem);
 }
 
 

@@ -159,9 +159,9 @@ def bwd_name(x: str, dy: str, w: str, items: int | None, has_w: bool = True, has
     return f"pn_bwd<{_ct(x, dy, w)}, {items}, {_tf(has_w)}, {_tf(has_g)}>"
 
 
-def bwd_small_name(x: str, dy: str, w: str, items: int, wide: bool, has_w: bool = True,
+def bwd_small_name(x: str, dy: str, w: str, items: int, lpr: int, has_w: bool = True,
                    has_g: bool = False) -> str:
-    return f"pn_bwd_small<{_ct(x, dy, w)}, {items}, {_tf(has_w)}, {_tf(has_g)}, {_tf(wide)}>"
+    return f"pn_bwd_small<{_ct(x, dy, w)}, {items}, {_tf(has_w)}, {_tf(has_g)}, {lpr}>"
 
 
 #: pn_bwd_small's chunks (pn_bwd threads it stands for) per lane: 4 holds too
@@ -197,10 +197,21 @@ def small_bwd_shape(d: int, x: str) -> tuple[int, int, bool] | None:
     return t // SMALL_BWD_ITEMS, SMALL_BWD_ITEMS, False
 
 
-def small_bwd_shapes(x: str) -> list[tuple[int, bool]]:
-    """The (ITEMS, WIDE) instantiations of pn_bwd_small some d <= SMALL_D needs for x dtype ``x``."""
+def takes_small_bwd(d: int, x: str, dy: str) -> bool:
+    """Whether pn_bwd_small takes rows of ``d`` (kernel dtypes x, dy): where it has a shape
+    and dy's chunks are as wide as x's (float32 dy with 16-bit x, twice the registers per
+    chunk, spills within its 64 registers: those rows stay with pn_bwd, the same dx bits).
+
+    >>> takes_small_bwd(128, "bfloat16", "bfloat16"), takes_small_bwd(128, "bfloat16", "float32")
+    (True, False)
+    """
+    return ITEMSIZE[dy] == ITEMSIZE[x] and small_bwd_shape(d, x) is not None
+
+
+def small_bwd_shapes(x: str) -> list[tuple[int, int]]:
+    """The (ITEMS, lanes per row) instantiations of pn_bwd_small some d <= SMALL_D needs for x dtype ``x``."""
     shapes = (small_bwd_shape(d, x) for d in range(1, SMALL_D + 1))
-    return sorted({s[1:] for s in shapes if s is not None})
+    return sorted({(s[1], s[0]) for s in shapes if s is not None})
 
 
 def bwd_split_name(x: str, dy: str, w: str, phase: int) -> str:
@@ -228,7 +239,8 @@ def specialisations() -> list[str]:
         for hw in (False, True):
             for hg in (False, True):
                 names += [bwd_name(*t, items, hw, hg) for items in BWD_ITEMS]
-                names += [bwd_small_name(*t, items, wide, hw, hg) for items, wide in small_bwd_shapes(t[0])]
+                if ITEMSIZE[t[1]] == ITEMSIZE[t[0]]:  # see takes_small_bwd
+                    names += [bwd_small_name(*t, items, lpr, hw, hg) for items, lpr in small_bwd_shapes(t[0])]
         names.append(bwd_name(*t, None))
         if compute_dtype(t[0]) == "float32":
             names += [bwd_split_name(*t, phase) for phase in (1, 2)]
@@ -509,14 +521,14 @@ def backward_launch(
     'pn_bwd<float, float, float, 1, false, true>'
     >>> bl = backward_launch(1 << 21, 128, "bfloat16", num_sms=132)
     >>> bl.name, bl.block, bl.tpr, bl.grid, bl.shared
-    ('pn_bwd_small<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2, true, false, false>', 256, 8, 528, 32768)
+    ('pn_bwd_small<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2, true, false, 8>', 256, 8, 528, 32768)
     """
     dy = dy or x
     weight = weight or x
     vec = VEC[x]
     ct = compute_dtype(x)
     ldp = math.ceil(d / vec) * vec
-    sshape = small_bwd_shape(d, x) if small and not force_big else None
+    sshape = small_bwd_shape(d, x) if small and not force_big and takes_small_bwd(d, x, dy) else None
     if sshape is not None:
         lpr, items, wide = sshape
         rpb = max(1, min(SMALL_THREADS // lpr, _pow2ceil(n)))
@@ -524,7 +536,7 @@ def backward_launch(
         rows = block // lpr
         grid = max(1, min(math.ceil(n / rows), num_sms * max(1, BWD_THREADS_PER_SM // block)))
         shared = 2 * rows * ldp * ITEMSIZE[ct] if partials else 0
-        return Launch(bwd_small_name(x, dy, weight, items, wide, has_w, has_g), grid=grid, block=block,
+        return Launch(bwd_small_name(x, dy, weight, items, lpr, has_w, has_g), grid=grid, block=block,
                       shared=shared, tpr=lpr, big=False, partial_rows=grid if partials else 0, ldp=ldp)
     # pn_bwd gives each thread at most one head or tail element: tpr >= 2 * VEC
     shape = None if force_big else _reg_shape(d, vec, BWD_ITEMS, min_tpr=2 * vec)
