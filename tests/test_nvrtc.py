@@ -148,8 +148,9 @@ def test_sass_targets(compiled, arch, tmp_path):
     dispatcher makes at d <= 16384 reaches 50% theoretical occupancy, the forward kernels
     do not spill (pn_fwd_small: 0 B), pn_bwd does not spill and issues a thread's x and dy
     loads together, the widest forward keeps >= 8 16-byte loads in flight per thread, and
-    pn_fwd_small keeps its ITEMS x loads (plus the residual's) in flight
-    (polynorm/_bench/sass.py).  Not met, so not asserted: the widest pn_bwd at >= 6 loads
+    pn_fwd_small keeps its ITEMS x loads (plus the residual's) in flight, pn_bwd_small does
+    not spill, keeps its ITEMS x and dy loads in flight and runs fewer FP64 instructions per
+    row than pn_bwd (polynorm/_bench/sass.py).  Not met, so not asserted: the widest pn_bwd at >= 6 loads
     in flight with 16-bit dy (2 to 3; 4 and more only with float32 dy chunks)."""
     import subprocess
 
@@ -194,6 +195,20 @@ def test_sass_targets(compiled, arch, tmp_path):
             assert shapes.get(nm), f"{arch} {nm}: no dispatcher launch reaches it"
             inflight = sass.ldg128_inflight(funcs[low])[0]
             assert inflight >= 2 * items, f"{arch} {nm}: {inflight} 16-byte loads in flight"
+        if nm.startswith("pn_bwd_small"):
+            # no spills at all, a launch of the dispatcher reaches it, the loads of a lane's
+            # ITEMS chunks of x and dy are issued together, and its double work per row
+            # (static FP64 instructions over the rows of a warp) is below pn_bwd's for
+            # the rows it takes (pn_bwd: 32 / tpr rows per warp)
+            items, lpr = int(nm.split(",")[3]), int(nm.rsplit(",", 1)[1].strip(" >"))
+            assert (stores, loads) == (0, 0), f"{arch} {nm}: spills {stores} B stored, {loads} B loaded"
+            assert shapes.get(nm), f"{arch} {nm}: no dispatcher launch reaches it"
+            inflight = sass.ldg128_inflight(funcs[low])[0]
+            assert inflight >= 2 * items, f"{arch} {nm}: {inflight} 16-byte loads in flight"
+            ref = res.lowered[nm.replace("pn_bwd_small", "pn_bwd").rsplit(",", 1)[0].replace(", 2,", ", 1,", 1) + ">"]
+            per_row = sass.fp64_count(funcs[low]) * lpr / 32
+            ref_per_row = sass.fp64_count(funcs[ref]) * max(1, lpr * items) / 32
+            assert per_row < ref_per_row, f"{arch} {nm}: {per_row:.1f} FP64 instructions per row, pn_bwd {ref_per_row:.1f}"
         if nm.startswith("pn_bwd<"):
             # x's and dy's chunks (dy: 1 or 2 16-byte loads per chunk) are in flight at once
             dy_t = nm.split("<", 1)[1].split(",")[1].strip()
