@@ -219,6 +219,10 @@ SLOW_SWEEPS = (
     # pn_fwd_small vs pn_fwd over the options: the plain sweep stays in the default run
     "tests/test_emul_kernels.py::test_emul_small_rows_same_bits_as_pn_fwd[residual_f32-*",
     "tests/test_emul_kernels.py::test_emul_small_rows_same_bits_as_pn_fwd[llama_offset-*",
+    # pn_bwd_small vs pn_bwd over the options: the plain sweep stays in the default run
+    *(f"tests/test_emul_kernels.py::test_emul_small_bwd_same_bits_as_pn_bwd[{o}-*"
+      for o in ("no_weight", "bias_no_weight", "partial", "eps_outside", "rstd_given", "grad_residual",
+                "weight_f32", "dy_f32", "everything")),
     # layouts x dtypes: serial float32 stays in the default run
     "tests/test_edge_cases.py::test_bits_do_not_depend_on_layout[parallel-*",
     "tests/test_edge_cases.py::test_bits_do_not_depend_on_layout[serial-bfloat16]",

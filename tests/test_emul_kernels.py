@@ -151,7 +151,7 @@ def _colsum(part, d: int, ct: str, want: str):
 
 
 def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=False,
-                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS, flags=None, split=True):  # fmt: skip
+                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS, flags=None, split=True, small=True):  # fmt: skip
     """``polynorm.backends.cupy.backward`` with numpy buffers; returns (dx, dw, db, launch).
 
     ``flags``: (HAS_W, HAS_G) of the pn_bwd instantiation, when not the arrays' own."""
@@ -166,7 +166,7 @@ def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=F
     dx = _garbage((n, d), xd)
     want = weight is not None or bias is not None
     launch = cl.backward_launch(n, d, xd, types.dy, types.weight, partials=want, num_sms=num_sms,
-                                max_smem=max_smem, force_big=force_big, split=split,
+                                max_smem=max_smem, force_big=force_big, split=split, small=small,
                                 has_w=weight is not None if flags is None else flags[0],
                                 has_g=grad_residual is not None if flags is None else flags[1])
     shape = (launch.partial_rows, launch.ldp)
@@ -472,7 +472,7 @@ def test_emul_backward_options(dtype, opt, d, force_big):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [5, 64, 200, 1000])
 def test_emul_backward_flag_specialisations_bits(dtype, d):
-    """pn_bwd<.., HAS_W=false> gives the bits of HAS_W=true with a weight of ones
+    """pn_bwd<.., HAS_W=false> (and pn_bwd_small's) gives the bits of HAS_W=true with a weight of ones
     (offset 0: g = (1 + 0) * dy = dy exactly), and HAS_G=false those of HAS_G=true with
     a grad_residual of -0.0 (o + -0.0 == o for every o), also with a persistent grid
     smaller than the row groups and float32 rows whose squares or g*dy*xhat overflow."""
@@ -483,14 +483,18 @@ def test_emul_backward_flag_specialisations_bits(dtype, d):
         dy[4] *= np.float32(1e30)  # the g*dy*xhat double fallback
     ones = np.ones(d, NP[dtype])
     negz = np.full(x.shape, -0.0, NP[dtype])
-    for num_sms in (1, cl.DEFAULT_SMS):
-        want = emul_backward(dy, x, ones, b, None, negz, plan, num_sms=num_sms)
-        assert want[3].name.endswith(", 1, true, true>") or want[3].big
+    def flags_of(name):  # (HAS_W, HAS_G) of a pn_bwd / pn_bwd_small name (after ITEMS)
+        return tuple(v.strip(" >") == "true" for v in name.split(",")[4:6])
+
+    for num_sms, small in ((1, True), (cl.DEFAULT_SMS, True), (1, False)):
+        want = emul_backward(dy, x, ones, b, None, negz, plan, num_sms=num_sms, small=small)
         if want[3].big:
             pytest.skip("a row too long for pn_bwd")
+        assert flags_of(want[3].name) == (True, True)
+        assert want[3].name.startswith("pn_bwd_small") == (small and cl.takes_small_bwd(d, dtype, dtype))
         for flags, w, g in (((False, True), None, negz), ((True, False), ones, None), ((False, False), None, None)):
-            got = emul_backward(dy, x, w, b, None, g, plan, num_sms=num_sms, flags=flags)
-            assert got[3].name.endswith(f", 1, {'true' if flags[0] else 'false'}, {'true' if flags[1] else 'false'}>")
+            got = emul_backward(dy, x, w, b, None, g, plan, num_sms=num_sms, flags=flags, small=small)
+            assert flags_of(got[3].name) == flags
             np.testing.assert_array_equal(_bits(got[0]), _bits(want[0]), err_msg=f"dx of {got[3].name}")
             np.testing.assert_array_equal(_bits(got[2]), _bits(want[2]), err_msg=f"dbias of {got[3].name}")
 
@@ -825,6 +829,81 @@ def test_emul_small_rows_follow_pn_fwds_tree():
         assert differ > 0.2, f"d={d}: only {differ:.2f} of the rows tell the summation orders apart"
 
 
+# ----------------------------------------------------------------------------- pn_bwd_small
+
+#: BWD_OPTIONS keys of the pn_bwd_small sweep (plain in the default run, the rest slow)
+SMALL_BWD_OPTS = ("plain", "no_weight", "bias_no_weight", "partial", "eps_outside", "rstd_given",
+                  "grad_residual", "weight_f32", "dy_f32", "everything")
+
+
+def _small_bwd_vs_bwd(dy, x, w, b, rstd, g, plan, tag, *, reference_too=True, **kw):
+    """pn_bwd_small's dx bits equal pn_bwd's for the same rows; its dweight / dbias (over
+    its own partial rows) and dx are close to the reference.  Returns the launch."""
+    dx, _, _, la = emul_backward(dy, x, w, b, rstd, g, plan, **kw)
+    ref = emul_backward(dy, x, w, b, rstd, g, plan, small=False, **kw)
+    assert not ref[3].name.startswith("pn_bwd_small")
+    np.testing.assert_array_equal(_bits(dx), _bits(ref[0]), err_msg=f"dx of {la.name} vs {ref[3].name}, {tag}")
+    if reference_too:
+        _check_backward(dy, x, w, b, rstd, g, plan, **kw)
+    return la
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("opt", SMALL_BWD_OPTS)
+def test_emul_small_bwd_same_bits_as_pn_bwd(dtype, opt):
+    """d <= 256 goes to pn_bwd_small; its dx bits equal pn_bwd's for the same rows, over
+    every shape change of the lanes-per-row rule, odd n (a ragged last row group), a
+    persistent grid smaller than the row groups (num_sms=1), the options, and misaligned
+    rows (the element-by-element twin)."""
+    rng = np.random.default_rng(_seed("small_bwd", dtype, opt))
+    spec = BWD_OPTIONS[opt]
+    ds = D_SMALLROWS if opt == "plain" else D_SMALLROWS[1::3]
+    seen = set()
+    for i, d in enumerate(ds):
+        if int(d * spec.get("partial", 1.0)) < 1:
+            continue
+        num_sms = 1 if i % 4 == 0 else cl.DEFAULT_SMS
+        shape = cl.small_bwd_shape(d, dtype)
+        # num_sms=1: 4 blocks, each striding over two row groups or more
+        n = 1 + int(rng.integers(1, 20)) * 2 + (8 * cl.SMALL_THREADS // shape[0] if num_sms == 1 and shape else 0)
+        dy, x, w, b, rstd, g, plan = _bwd_case(rng, n, d, dtype, spec)
+        la = _small_bwd_vs_bwd(dy, x, w, b, rstd, g, plan, f"d={d} n={n} num_sms={num_sms}", num_sms=num_sms)
+        seen.add(la.name)
+        if cl.takes_small_bwd(d, dtype, cl.backward_types(dtype, _name(dy), _name(g), _name(w)).dy):
+            assert la.name.startswith("pn_bwd_small"), la.name
+            if num_sms == 1:  # each block strides over several row groups
+                assert la.grid * (la.block // la.tpr) < n
+    dy, x, w, b, rstd, g, plan = _bwd_case(rng, 9, 129, dtype, spec)
+    wide = np.concatenate([x, x[:, :3]], axis=1)[:, 1:130]  # rows not 16-byte aligned
+    _small_bwd_vs_bwd(dy, wide, w, b, rstd, g, plan, "misaligned")
+    assert any(nm.startswith("pn_bwd_small") for nm in seen) or opt == "dy_f32"
+
+
+def test_emul_small_bwd_extreme_values():
+    """The float runs' exact fallbacks (squares that overflow float32 or are tiny, g*dy*xhat
+    that overflows), NaN/Inf and zero rows, eps 0, and float64 rows spread over 2^-30..2^30
+    (where the order of the double sums shows in the bits): the same dx bits as pn_bwd."""
+    rng = np.random.default_rng(21)
+    for dtype, scale in (("float32", 1e25), ("float32", 1e-30), ("bfloat16", 1e30), ("float64", 1e200),
+                         ("float64", 1e-200), ("float16", 1e4), ("float32", 1.0), ("float64", 1.0)):
+        for d in (7, 64, 128, 200):
+            dy, x, w, b, _, g, plan = _bwd_case(rng, 9, d, dtype, dict(bias=True, grad_residual=True))
+            x = (x.astype(np.float64) * scale).astype(x.dtype)
+            if scale == 1.0:  # spread magnitudes
+                x = (x * np.exp2(rng.integers(-30, 31, x.shape))).astype(x.dtype)
+            x[2] = 0
+            x[3, d // 2] = np.inf
+            x[4, ::3] *= 1e-3
+            x[5, d - 1] = np.nan
+            if dtype == "float32":
+                dy[6] *= np.float32(1e30)
+            for eps, mode in ((0.0, "inside"), (0.25, "outside")):
+                plan = _plan(d, dtype, eps=eps, eps_mode=mode)
+                for rstd in (None, reference.rstd(x, plan)):
+                    _small_bwd_vs_bwd(dy, x, w, b, rstd, g, plan, f"{dtype} scale={scale} d={d} eps={eps} {mode}",
+                                      reference_too=False)
+
+
 # ----------------------------------------------------------------------------- pn_bwd at ITEMS=2
 
 _ITEMS2_TYPES = (("bfloat16", "bfloat16", "bfloat16"), ("float32",) * 3, ("float64",) * 3)
@@ -855,7 +934,7 @@ def test_emul_backward_items2_sums_over_the_items1_tree(types, d):
     w = _data(rng, 1, d, w_t)[0]
     for hg in (False, True):
         g = _data(rng, n, d, dy_t) if hg else None
-        one = cl.backward_launch(n, d, *types, num_sms=1, has_g=hg)
+        one = cl.backward_launch(n, d, *types, num_sms=1, has_g=hg, small=False)
         if one.big or one.block % 64:
             pytest.skip("no ITEMS=2 shape for this row")
         outs = []

@@ -120,6 +120,13 @@ def test_launch_shapes_cover_the_row(d, x):
                     assert launch.tpr & (launch.tpr - 1) == 0 and launch.tpr <= 32
                     assert launch.tpr * int(items) >= pn_fwd_tpr
                     assert (wide.strip(" >") == "true") == (pn_fwd_tpr > 32)
+                elif launch.name.startswith("pn_bwd_small"):
+                    # lanes stand for pn_bwd's threads, ITEMS each (WIDE: one warp per row)
+                    items, lpr = int(launch.name.split(",")[3]), int(launch.name.rsplit(",", 1)[1].strip(" >"))
+                    pn_bwd_tpr = cl.backward_launch(n, d, x, small=False).tpr
+                    assert launch.block <= cl.SMALL_THREADS and d <= cl.SMALL_D and launch.tpr == lpr
+                    assert launch.tpr & (launch.tpr - 1) == 0 and vec <= launch.tpr <= 32
+                    assert launch.tpr * items == pn_bwd_tpr and (pn_bwd_tpr <= 32 or lpr == 32)
                 else:
                     assert launch.tpr & (launch.tpr - 1) == 0 and vec <= launch.tpr <= launch.block
                     if launch.name.startswith("pn_bwd"):
@@ -141,9 +148,11 @@ def test_sass_targets(compiled, arch, tmp_path):
     dispatcher makes at d <= 16384 reaches 50% theoretical occupancy, the forward kernels
     do not spill (pn_fwd_small: 0 B), the widest forward keeps >= 8 16-byte loads in
     flight per thread, pn_fwd_small keeps its ITEMS x loads (plus the residual's) in
-    flight, and every pn_bwd variant does not spill and keeps >= 6 16-byte loads in flight
+    flight, every pn_bwd variant does not spill and keeps >= 6 16-byte loads in flight
     per thread: its row ring's cp.async copies (LDGSTS) of S - 1 rows ahead, one commit
-    group per row, counted at the wait (polynorm/_bench/sass.py)."""
+    group per row, counted at the wait, and pn_bwd_small does not spill, keeps its ITEMS
+    x and dy loads in flight and runs fewer FP64 instructions per row than pn_bwd
+    (polynorm/_bench/sass.py)."""
     import subprocess
 
     from polynorm._bench import sass
@@ -187,6 +196,20 @@ def test_sass_targets(compiled, arch, tmp_path):
             assert shapes.get(nm), f"{arch} {nm}: no dispatcher launch reaches it"
             inflight = sass.ldg128_inflight(funcs[low])[0]
             assert inflight >= 2 * items, f"{arch} {nm}: {inflight} 16-byte loads in flight"
+        if nm.startswith("pn_bwd_small"):
+            # no spills at all, a launch of the dispatcher reaches it, the loads of a lane's
+            # ITEMS chunks of x and dy are issued together, and its double work per row
+            # (static FP64 instructions over the rows of a warp) is below pn_bwd's for
+            # the rows it takes (pn_bwd: 32 / tpr rows per warp)
+            items, lpr = int(nm.split(",")[3]), int(nm.rsplit(",", 1)[1].strip(" >"))
+            assert (stores, loads) == (0, 0), f"{arch} {nm}: spills {stores} B stored, {loads} B loaded"
+            assert shapes.get(nm), f"{arch} {nm}: no dispatcher launch reaches it"
+            inflight = sass.ldg128_inflight(funcs[low])[0]
+            assert inflight >= 2 * items, f"{arch} {nm}: {inflight} 16-byte loads in flight"
+            ref = res.lowered[nm.replace("pn_bwd_small", "pn_bwd").rsplit(",", 1)[0].replace(", 2,", ", 1,", 1) + ">"]
+            per_row = sass.fp64_count(funcs[low]) * lpr / 32
+            ref_per_row = sass.fp64_count(funcs[ref]) * max(1, lpr * items) / 32
+            assert per_row < ref_per_row, f"{arch} {nm}: {per_row:.1f} FP64 instructions per row, pn_bwd {ref_per_row:.1f}"
         if nm.startswith("pn_bwd<"):
             # the ring's copies: x's and dy's chunks (dy: 1 or 2 16-byte pieces, grad_residual's
             # where it is one) of S - 1 rows ahead

@@ -181,6 +181,21 @@ def _walk(insns: list[str]) -> tuple[int, int, tuple[int, int]]:
     return best, total, (sts_best, sts_total)
 
 
+_FP64 = re.compile(r"^(D(ADD|MUL|FMA|SETP|MNMX|SET)\b|MUFU\.(RCP|RSQ)64H|[FI]2[FI]\S*\.F64)")
+
+
+def fp64_count(insns: list[str]) -> int:
+    """FP64-pipe instructions of one kernel in program order (DADD/DMUL/DFMA/DSETP/DMNMX,
+    MUFU.RCP64H/RSQ64H and conversions to or from F64), counted once each: a static count,
+    the rarely taken paths (exact fallbacks, the division and square root slow paths,
+    the element-by-element twin) included."""
+    n = 0
+    for text in insns:
+        op = re.sub(r"^@!?U?P[T0-9]+\s+", "", text).partition(" ")[0]
+        n += bool(_FP64.match(op))
+    return n
+
+
 def resource_usage(text: str) -> dict[str, dict[str, int]]:
     """``cuobjdump -res-usage`` output -> {mangled name: {REG, STACK, SHARED, LOCAL}}."""
     out: dict[str, dict[str, int]] = {}
@@ -286,6 +301,7 @@ class KernelReport:
     ldgsts_inflight: int = 0
     ldgsts_total: int = 0
     inflight: int = 0  # 16-byte loads in flight per thread: the larger of the two counts
+    fp64: int = 0  # static FP64-pipe instruction count (fp64_count)
     min_occupancy: float | None = None  # over the launches at d <= OCC_D_MAX
     min_occupancy_launch: dict | None = None
     launches: list[dict] = field(default_factory=list)
@@ -323,7 +339,7 @@ def build(archs: tuple[str, ...] = ARCHS, names: list[str] | None = None) -> lis
             inflight, total = ldg128_inflight(funcs.get(low, []))
             sts, sts_total = ldgsts_inflight(funcs.get(low, []))
             rep = KernelReport(nm, arch, u["REG"], st, ld, u["STACK"], u["SHARED"], inflight, total, sts,
-                               sts_total, max(inflight, sts))
+                               sts_total, max(inflight, sts), fp64_count(funcs.get(low, [])))
             for lau in shapes.get(nm, []):
                 occ, limiter = occupancy(arch, u["REG"], lau["block"], lau["shared"], u["SHARED"])
                 rep.launches.append({**lau, "occupancy": round(occ, 4), "limiter": limiter})

@@ -159,6 +159,61 @@ def bwd_name(x: str, dy: str, w: str, items: int | None, has_w: bool = True, has
     return f"pn_bwd<{_ct(x, dy, w)}, {items}, {_tf(has_w)}, {_tf(has_g)}>"
 
 
+def bwd_small_name(x: str, dy: str, w: str, items: int, lpr: int, has_w: bool = True,
+                   has_g: bool = False) -> str:
+    return f"pn_bwd_small<{_ct(x, dy, w)}, {items}, {_tf(has_w)}, {_tf(has_g)}, {lpr}>"
+
+
+#: pn_bwd_small's chunks (pn_bwd threads it stands for) per lane: 4 holds too
+#: many of a row's chunks (x, dy and the weight factor) for its 64 registers
+SMALL_BWD_ITEMS = 2
+
+
+def _pn_bwd_tpr(d: int, vec: int) -> int:
+    """pn_bwd's threads per row (ITEMS 1) for d <= SMALL_D."""
+    return max(2 * vec, _pow2ceil(d // vec))
+
+
+@lru_cache(maxsize=4096)
+def small_bwd_shape(d: int, x: str) -> tuple[int, int, bool] | None:
+    """(lanes per row, ITEMS, WIDE) of pn_bwd_small, or None where pn_bwd keeps the row.
+
+    The lanes stand for pn_bwd's threads, ITEMS each; a row of more than 32
+    such threads takes one warp, one item per 32 of them (float32 d > 128,
+    float64 d > 64).  float64 rows of 128 pn_bwd threads (d > 129) stay with pn_bwd.
+
+    >>> small_bwd_shape(128, "bfloat16"), small_bwd_shape(128, "float32"), small_bwd_shape(256, "float32")
+    ((8, 2, False), (16, 2, False), (32, 2, True))
+    >>> small_bwd_shape(3, "float64"), small_bwd_shape(256, "float64") is None
+    ((2, 2, False), True)
+    """
+    if d > SMALL_D:
+        return None
+    t = _pn_bwd_tpr(d, VEC[x])
+    if t > 32 * SMALL_BWD_ITEMS:
+        return None
+    if t > 32:
+        return 32, t // 32, True
+    return t // SMALL_BWD_ITEMS, SMALL_BWD_ITEMS, False
+
+
+def takes_small_bwd(d: int, x: str, dy: str) -> bool:
+    """Whether pn_bwd_small takes rows of ``d`` (kernel dtypes x, dy): where it has a shape
+    and dy's chunks are as wide as x's (float32 dy with 16-bit x, twice the registers per
+    chunk, spills within its 64 registers: those rows stay with pn_bwd, the same dx bits).
+
+    >>> takes_small_bwd(128, "bfloat16", "bfloat16"), takes_small_bwd(128, "bfloat16", "float32")
+    (True, False)
+    """
+    return ITEMSIZE[dy] == ITEMSIZE[x] and small_bwd_shape(d, x) is not None
+
+
+def small_bwd_shapes(x: str) -> list[tuple[int, int]]:
+    """The (ITEMS, lanes per row) instantiations of pn_bwd_small some d <= SMALL_D needs for x dtype ``x``."""
+    shapes = (small_bwd_shape(d, x) for d in range(1, SMALL_D + 1))
+    return sorted({(s[1], s[0]) for s in shapes if s is not None})
+
+
 def bwd_split_name(x: str, dy: str, w: str, phase: int) -> str:
     return f"pn_bwd_split<{_ct(x, dy, w)}, {phase}>"
 
@@ -184,6 +239,8 @@ def specialisations() -> list[str]:
         for hw in (False, True):
             for hg in (False, True):
                 names += [bwd_name(*t, items, hw, hg) for items in BWD_ITEMS]
+                if ITEMSIZE[t[1]] == ITEMSIZE[t[0]]:  # see takes_small_bwd
+                    names += [bwd_small_name(*t, items, lpr, hw, hg) for items, lpr in small_bwd_shapes(t[0])]
         names.append(bwd_name(*t, None))
         if compute_dtype(t[0]) == "float32":
             names += [bwd_split_name(*t, phase) for phase in (1, 2)]
@@ -438,8 +495,9 @@ def backward_launch(
     has_w: bool = True,
     has_g: bool = False,
     split: bool = True,
+    small: bool = True,
 ) -> Launch:
-    """Launch of pn_bwd / pn_bwd_big (persistent grid) / pn_bwd_split for ``n`` rows of ``d``.
+    """Launch of pn_bwd_small / pn_bwd / pn_bwd_big (persistent grid) / pn_bwd_split for ``n`` rows of ``d``.
 
     ``partials``: whether dweight or dbias partial sums are wanted (the
     caller allocates ``partial_rows x ldp`` buffers of the compute dtype,
@@ -447,7 +505,10 @@ def backward_launch(
     grad_residual is passed (compile-time parameters of pn_bwd).  Big rows go to pn_bwd_split where
     :func:`takes_split` says so (``split=False``: pn_bwd_big, the same bits):
     its partial rows are one per row, written once (no zero fill), and it
-    needs a ``2 * n * slices`` float64 buffer.
+    needs a ``2 * n * slices`` float64 buffer.  Rows of ``d <= SMALL_D`` go to
+    pn_bwd_small where :func:`small_bwd_shape` has a shape (``dx`` with
+    pn_bwd's bits, which ``small=False`` requests; dweight / dbias rounded
+    over its own partial rows).
 
     >>> bl = backward_launch(8, 262144, "bfloat16")
     >>> bl.name2, bl.grid, bl.partial_rows, bl.slices
@@ -456,13 +517,26 @@ def backward_launch(
     >>> bl = backward_launch(4096, 4096, "bfloat16", num_sms=132)
     >>> bl.name, bl.grid, bl.partial_rows, bl.ldp
     ('pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, true, false>', 264, 264, 4096)
-    >>> backward_launch(8, 128, "float32", has_w=False, has_g=True).name
+    >>> backward_launch(8, 128, "float32", has_w=False, has_g=True, small=False).name
     'pn_bwd<float, float, float, 1, false, true>'
+    >>> bl = backward_launch(1 << 21, 128, "bfloat16", num_sms=132)
+    >>> bl.name, bl.block, bl.tpr, bl.grid, bl.shared
+    ('pn_bwd_small<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2, true, false, 8>', 256, 8, 528, 32768)
     """
     dy = dy or x
     weight = weight or x
     vec = VEC[x]
     ldp = math.ceil(d / vec) * vec
+    sshape = small_bwd_shape(d, x) if small and not force_big and takes_small_bwd(d, x, dy) else None
+    if sshape is not None:
+        lpr, items, wide = sshape
+        rpb = max(1, min(SMALL_THREADS // lpr, _pow2ceil(n)))
+        block = max(32, lpr * rpb)  # whole warps: the shuffles use a full mask
+        rows = block // lpr
+        grid = max(1, min(math.ceil(n / rows), num_sms * max(1, BWD_THREADS_PER_SM // block)))
+        shared = 2 * rows * ldp * ITEMSIZE[compute_dtype(x)] if partials else 0
+        return Launch(bwd_small_name(x, dy, weight, items, lpr, has_w, has_g), grid=grid, block=block,
+                      shared=shared, tpr=lpr, big=False, partial_rows=grid if partials else 0, ldp=ldp)
     # pn_bwd gives each thread at most one head or tail element: tpr >= 2 * VEC
     shape = None if force_big else _reg_shape(d, vec, BWD_ITEMS, min_tpr=2 * vec)
     if shape is not None:
