@@ -1,11 +1,11 @@
 """Emulated bits of another revision's kernels against this tree's, for the kernels
-whose machine code the register work changes (pn_bwd_big; see KINDS): every output
+whose machine code the register work changes (pn_bwd_big, pn_fwd; see KINDS): every output
 array compared byte for byte on the CPU emulator (tests/emulator; needs g++), over
 row lengths, strides (the vector and the element-by-element bodies), stash sizes,
 optional arrays and eps modes.  bench/bwd_bits_vs_rev.py does the same for pn_bwd.
 
     git show main:polynorm/_cuda/polynorm.cu > /tmp/old.cu
-    python bench/bits_vs_rev.py /tmp/old.cu [--kinds bwd_big]
+    python bench/bits_vs_rev.py /tmp/old.cu [--kinds bwd_big,fwd]
 """
 
 import argparse
@@ -82,7 +82,58 @@ def bwd_big_cases(rng):
                 yield (la.name, d, n, pad, smem, hw, hg, rs, eps_in), la.name, run
 
 
-KINDS = {"bwd_big": (bwd_big_names, bwd_big_cases)}
+# ---------------------------------------------------------------- pn_fwd (the fused residual add)
+
+FWD_D = (100, 1000, 3000, 8000, 997)  # ITEMS 1 and 2, and a tail
+
+
+def _fwd_launches():
+    seen = {}
+    for t in cl.FWD_TYPES:
+        for d in FWD_D:
+            la = cl.forward_launch(3, d, *t, small=False, split=False)
+            if la.name.startswith("pn_fwd<"):
+                seen.setdefault(la.name, []).append((t, d))
+    return seen
+
+
+def fwd_names():
+    return sorted(_fwd_launches())
+
+
+def fwd_cases(rng):
+    for name, tds in sorted(_fwd_launches().items()):
+        for (x_t, r_t, w_t, o_t), d in tds:
+            for n, pad in ((3, 0), (2, 1)):
+                for has_r, hw, hb, eps_in, llama in itertools.product((True, False), (True, False), (False, True),
+                                                                      (1, 0), (0, 1)):
+                    x = _rows(rng, n, d, x_t, pad)
+                    x[0, 1], x[n - 1, 2] = np.nan, np.inf  # the residual sum of non-finite values
+                    res = _rows(rng, n, d, r_t, pad) if has_r else None
+                    ht = cl.promote(x_t, r_t) if has_r else x_t
+                    ct = cl.compute_dtype(ht)
+                    w = rng.standard_normal(d).astype(NP[w_t]) if hw else None
+                    b = rng.standard_normal(d).astype(NP[ct]) if hb else None
+                    la = cl.forward_launch(n, d, x_t, r_t, w_t, o_t, small=False, split=False)
+                    if la.name != name:
+                        continue
+                    k = d if d < 1100 else d - 7
+
+                    def run(mod, la=la, x=x, res=res, w=w, b=b, n=n, d=d, k=k, eps_in=eps_in, llama=llama, ht=ht,
+                            ct=ct, o_t=o_t):
+                        h = np.full((n, d), np.nan, NP[ht]) if res is not None else None
+                        y = np.full((n, d), np.nan, NP[o_t])
+                        rstd = np.full((n,), np.nan, NP[ct])
+                        args = (x, _rs(x), res, _rs(res), h, _rs(h), w, b, y, _rs(y), rstd, np.int64(n), np.int32(d),
+                                np.int32(k), np.int32(la.tpr), np.float64(0.5 if not eps_in else 1e-6),
+                                np.int32(eps_in), np.float64(0.25), np.int32(llama))
+                        mod.launch(la.name, la.grid, la.block, args, la.shared)
+                        return {"y": y, "rstd": rstd, **({"h": h} if h is not None else {})}
+
+                    yield (name, d, n, pad, has_r, hw, hb, eps_in, llama), name, run
+
+
+KINDS = {"bwd_big": (bwd_big_names, bwd_big_cases), "fwd": (fwd_names, fwd_cases)}
 
 
 def main(argv=None) -> int:

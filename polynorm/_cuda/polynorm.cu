@@ -396,11 +396,15 @@ __device__ __forceinline__ void pn_fwd_rows(
             const int c = tr + i * tpr;
             if (active && c < L.body) {
                 if (has_res) {
+                    // h is stored as rounded (its compute-type copy rounds back to the
+                    // same bits), not re-rounded from ha: fewer registers live
+                    pn_pack<HT, VEC> hq;
 #pragma unroll
                     for (int e = 0; e < VEC; ++e)
-                        ha[i][e] = pn_conv<CT>::in(
-                            pn_out<HT>::from(pn_conv<CT>::in(xa[i][e]) + pn_conv<CT>::in(ra[i][e])));
-                    pn_st<VEC>(hr + L.head + c * VEC, true, ha[i]);
+                        hq.v[e] = pn_out<HT>::from(pn_conv<CT>::in(xa[i][e]) + pn_conv<CT>::in(ra[i][e]));
+                    *reinterpret_cast<pn_pack<HT, VEC>*>(hr + L.head + c * VEC) = hq;
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) ha[i][e] = pn_conv<CT>::in(hq.v[e]);
                 } else {
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) ha[i][e] = pn_conv<CT>::in(xa[i][e]);
