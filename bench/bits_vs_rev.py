@@ -1,11 +1,11 @@
 """Emulated bits of another revision's kernels against this tree's, for the kernels
-whose machine code the register work changes (pn_bwd_big, pn_fwd; see KINDS): every output
+whose machine code the register work changes (pn_bwd_big, pn_fwd, pn_gated_bwd; see KINDS): every output
 array compared byte for byte on the CPU emulator (tests/emulator; needs g++), over
 row lengths, strides (the vector and the element-by-element bodies), stash sizes,
 optional arrays and eps modes.  bench/bwd_bits_vs_rev.py does the same for pn_bwd.
 
     git show main:polynorm/_cuda/polynorm.cu > /tmp/old.cu
-    python bench/bits_vs_rev.py /tmp/old.cu [--kinds bwd_big,fwd]
+    python bench/bits_vs_rev.py /tmp/old.cu [--kinds bwd_big,fwd,gated_bwd]
 """
 
 import argparse
@@ -133,7 +133,51 @@ def fwd_cases(rng):
                     yield (name, d, n, pad, has_r, hw, hb, eps_in, llama), name, run
 
 
-KINDS = {"bwd_big": (bwd_big_names, bwd_big_cases), "fwd": (fwd_names, fwd_cases)}
+# ---------------------------------------------------------------- pn_gated_bwd
+
+def gated_bwd_names():
+    return [cl.gated_bwd_name(*t) for t in cl.GATED_BWD_TYPES]
+
+
+def gated_bwd_cases(rng):
+    for x_t, z_t, dy_t in cl.GATED_BWD_TYPES:
+        ct = cl.compute_dtype(x_t)
+        for n, d, gs in ((3, 100, 100), (2, 1000, 1000), (2, 1024, 128), (1, 5000, 5000)):
+            for nbg, hw, hb, rs, eps_in, part in itertools.product((0, 1), (True, False), (True, False), (False, True),
+                                                                   (1, 0), (False, True)):
+                x = (rng.standard_normal((n, d)) * 2).astype(NP[x_t])
+                z = (rng.standard_normal((n, d)) * 4).astype(NP[z_t])
+                z[0, :3] = (100.0, -100.0, 1e-30)  # exp's overflow and underflow, a tiny gate
+                dy = rng.standard_normal((n, d)).astype(NP[dy_t])
+                w = rng.standard_normal(d).astype(NP[ct]) if hw else None
+                b = rng.standard_normal(d).astype(NP[ct]) if hb else None
+                groups = d // gs
+                rstd = rng.uniform(0.5, 2, (n, groups)).astype(NP[ct]) if rs else None
+                la = cl.gated_backward_launch(n, d, gs, x_t, z_t, dy_t)
+                k = gs - 3 if part else gs
+
+                def run(mod, la=la, x=x, z=z, dy=dy, w=w, b=b, rstd=rstd, n=n, d=d, gs=gs, k=k, eps_in=eps_in,
+                        nbg=nbg, ct=ct, x_t=x_t, z_t=z_t):
+                    dx = np.full((n, d), np.nan, NP[x_t])
+                    dz = np.full((n, d), np.nan, NP[z_t])
+                    lw = np.full((n, d), np.nan, NP[ct]) if w is not None else None
+                    lb = np.full((n, d), np.nan, NP[ct]) if b is not None else None
+                    args = (dy, x, z, w, b, rstd, dx, dz, lw, lb, np.int64(n), np.int32(d), np.int32(gs), np.int32(k),
+                            np.int32(la.tpr), np.float64(0.5 if not eps_in else 1e-6), np.int32(eps_in),
+                            np.float64(0.25), np.int32(nbg))
+                    mod.launch(la.name, la.grid, la.block, args, la.shared)
+                    out = {"dx": dx, "dz": dz}
+                    if lw is not None:
+                        out["lw"] = lw
+                    if lb is not None:
+                        out["lb"] = lb
+                    return out
+
+                yield (la.name, d, gs, n, nbg, hw, hb, rs, eps_in, part), la.name, run
+
+
+KINDS = {"bwd_big": (bwd_big_names, bwd_big_cases), "fwd": (fwd_names, fwd_cases),
+         "gated_bwd": (gated_bwd_names, gated_bwd_cases)}
 
 
 def main(argv=None) -> int:

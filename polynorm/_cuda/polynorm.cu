@@ -1999,10 +1999,11 @@ __global__ void __launch_bounds__(1024) pn_gated_bwd(
     c = pn_row_reduce<false>(c, tpr, red);
     const CT coef = (CT)pn_bwd_coef(c, rms, k, eps, eps_inside);
 
-    pn_seg_each<VEC>([&](int j0, int cnt) {
+    // every column of pass 2 is computed on its own: one strided loop over the
+    // segment's columns (fewer registers than the chunk walk of pass 1)
+    if (active) {
 #pragma unroll 1
-        for (int e = 0; e < cnt; ++e) {
-            const int j = j0 + e;
+        for (int j = tr; j < gs; j += tpr) {
             const Col q = col(pn_conv<CT>::in(xr[j]), pn_conv<CT>::in(zr[j]), pn_conv<CT>::in(dyr[j]));
             const CT g = gw(j);
             const CT vh = pn_mul(q.v, r);
@@ -2020,7 +2021,7 @@ __global__ void __launch_bounds__(1024) pn_gated_bwd(
             if (lw) lw[od + j] = pn_mul(q.dn, vh);
             if (lb) lb[od + j] = q.dn;
         }
-    }, active, tr, tpr, gs);
+    }
 }
 
 
