@@ -37,9 +37,7 @@ def _rows(rng, n, d, dt, pad):
 
 # ---------------------------------------------------------------- pn_bwd_big
 
-BWD_TYPES = [("bfloat16", "bfloat16", "bfloat16"), ("float16", "float32", "float32"),
-             ("bfloat16", "bfloat16", "float32"), ("bfloat16", "float32", "bfloat16"), ("float32",) * 3,
-             ("float64",) * 3]
+BWD_TYPES = cl.BWD_TYPES  # (x, dy, weight): every pn_bwd_big the dispatcher can launch
 
 
 def bwd_big_names():
