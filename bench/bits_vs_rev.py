@@ -1,8 +1,10 @@
 """Emulated bits of another revision's kernels against this tree's, for the kernels
-whose machine code the register work changes (pn_bwd_big, pn_fwd, pn_gated_bwd; see KINDS): every output
-array compared byte for byte on the CPU emulator (tests/emulator; needs g++), over
+whose machine code the register work changes (pn_fwd, pn_gated_bwd; pn_bwd_big for its variants; see
+KINDS): every output array compared byte for byte on the CPU emulator (tests/emulator; needs g++), over
 row lengths, strides (the vector and the element-by-element bodies), stash sizes,
 optional arrays and eps modes.  bench/bwd_bits_vs_rev.py does the same for pn_bwd.
+The emulator does not contract a*b + c as NVRTC's default -fmad=true may, so a change
+that moves a plain product away from its add needs the SASS read as well.
 
     git show main:polynorm/_cuda/polynorm.cu > /tmp/old.cu
     python bench/bits_vs_rev.py /tmp/old.cu [--kinds bwd_big,fwd,gated_bwd]

@@ -1612,7 +1612,7 @@ __device__ __forceinline__ void pn_bwd_big_rows(
         // descending, as in pn_fwd_big: re-read the un-stashed chunks while in L2
         for (int c = pn_last_chunk(tr, tpr, L.body); c >= 0; c -= tpr) {
             const int j = L.head + c * VEC;
-            CT v[VEC], dv[VEC], wv[VEC], o[VEC];
+            CT v[VEC], dv[VEC], wv[VEC], t[VEC], o[VEC];
             if (c < stash) {
                 pn_ld<VEC>(sx_ + (long long)c * VEC, true, v);
                 pn_ld<VEC>(sdy_ + (long long)c * VEC, true, dv);
@@ -1621,20 +1621,14 @@ __device__ __forceinline__ void pn_bwd_big_rows(
                 pn_ld<VEC>(dyr + j, vdy, dv);
             }
             if (has_w) pn_ld<VEC>(w + j, vw, wv);
+            if (has_g) pn_ld<VEC>(gr + j, vg, t);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
                 const CT xh = v[e] * r;
                 CT q = has_w ? (wv[e] + off) * dv[e] : dv[e];
                 if (j + e < k) q = q - xh * coef;
                 o[e] = r * q;
-            }
-            // the residual's gradient is loaded once w's chunk is consumed: with all
-            // four chunks live at once the 1024-thread bounds spill
-            if (has_g) {
-                CT t[VEC];
-                pn_ld<VEC>(gr + j, vg, t);
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) o[e] = o[e] + t[e];
+                if (has_g) o[e] = o[e] + t[e];
             }
             pn_st<VEC>(dxr + j, vdx, o);
             if (pw) {
