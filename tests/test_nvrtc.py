@@ -145,14 +145,13 @@ def test_launch_shapes_cover_the_row(d, x):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sass_targets(compiled, arch, tmp_path):
     """The machine-code targets, read from the same cubins (no GPU): every launch the
-    dispatcher makes at d <= 16384 reaches 50% theoretical occupancy, the forward kernels
-    do not spill (pn_fwd_small: 0 B), the widest forward keeps >= 8 16-byte loads in
-    flight per thread, pn_fwd_small keeps its ITEMS x loads (plus the residual's) in
-    flight, every pn_bwd variant does not spill and keeps >= 6 16-byte loads in flight
-    per thread: its row ring's cp.async copies (LDGSTS) of S - 1 rows ahead, one commit
-    group per row, counted at the wait, and pn_bwd_small does not spill, keeps its ITEMS
-    x and dy loads in flight and runs fewer FP64 instructions per row than pn_bwd
-    (polynorm/_bench/sass.py)."""
+    dispatcher makes at d <= 16384 reaches 50% theoretical occupancy, no kernel but
+    pn_bwd_big (bounded) spills on sm_80 or sm_90, the widest forward keeps >= 8 16-byte
+    loads in flight per thread, pn_fwd_small keeps its ITEMS x loads (plus the residual's)
+    in flight, every pn_bwd variant keeps >= 6 16-byte loads in flight per thread: its row
+    ring's cp.async copies (LDGSTS) of S - 1 rows ahead, one commit group per row, counted
+    at the wait, and pn_bwd_small keeps its ITEMS x and dy loads in flight and runs fewer
+    FP64 instructions per row than pn_bwd (polynorm/_bench/sass.py)."""
     import subprocess
 
     from polynorm._bench import sass
@@ -174,12 +173,11 @@ def test_sass_targets(compiled, arch, tmp_path):
     for nm, low in res.lowered.items():
         u = usage[low]
         stores, loads = spills.get(low, (0, 0))
-        # the target is 0; regression bounds where it is not met: sm_90
-        # pn_fwd<bf16, bf16, float, float, 2> (8 B, the float runs' double fallback),
-        # pn_bwd_big (up to 40 B with 16-bit x on sm_80: the slice tree's running
-        # totals), pn_gated_bwd (4-8 B with 16-bit x)
-        limits = {"pn_fwd": 8, "pn_bwd_big": 48, "pn_gated_bwd": 8}
-        limit = next((v for k, v in limits.items() if nm.startswith(k)), 0)
+        # the target is 0 everywhere; the one regression bound where it is not met:
+        # pn_bwd_big with 16-bit x (up to 40 B on sm_80, 8 B on sm_90: its pass 2 holds
+        # x, dy, w and the residual's chunks at once; loading the residual later moves
+        # the r * q + t contraction, so the GPU's bits: bench/results/sass-2026-12-02-spills.txt)
+        limit = 40 if nm.startswith("pn_bwd_big") else 0
         assert max(stores, loads) <= limit, f"{arch} {nm}: spills {stores} B stored, {loads} B loaded"
         for la in shapes.get(nm, []):
             if la["d"] <= sass.OCC_D_MAX:
@@ -188,11 +186,9 @@ def test_sass_targets(compiled, arch, tmp_path):
         if nm.startswith("pn_fwd<"):
             widest_fwd = max(widest_fwd, sass.ldg128_inflight(funcs[low])[0])
         if nm.startswith("pn_fwd_small"):
-            # no spills at all, a launch of the dispatcher reaches it (their occupancy is
-            # checked above), and the loads of a lane's ITEMS chunks of x and residual
-            # are issued together
+            # a launch of the dispatcher reaches it (their occupancy is checked above),
+            # and the loads of a lane's ITEMS chunks of x and residual are issued together
             items = int(nm.rsplit(",", 2)[1])
-            assert (stores, loads) == (0, 0), f"{arch} {nm}: spills {stores} B stored, {loads} B loaded"
             assert shapes.get(nm), f"{arch} {nm}: no dispatcher launch reaches it"
             inflight = sass.ldg128_inflight(funcs[low])[0]
             assert inflight >= 2 * items, f"{arch} {nm}: {inflight} 16-byte loads in flight"

@@ -396,11 +396,15 @@ __device__ __forceinline__ void pn_fwd_rows(
             const int c = tr + i * tpr;
             if (active && c < L.body) {
                 if (has_res) {
+                    // h is stored as rounded (its compute-type copy rounds back to the
+                    // same bits), not re-rounded from ha: fewer registers live
+                    pn_pack<HT, VEC> hq;
 #pragma unroll
                     for (int e = 0; e < VEC; ++e)
-                        ha[i][e] = pn_conv<CT>::in(
-                            pn_out<HT>::from(pn_conv<CT>::in(xa[i][e]) + pn_conv<CT>::in(ra[i][e])));
-                    pn_st<VEC>(hr + L.head + c * VEC, true, ha[i]);
+                        hq.v[e] = pn_out<HT>::from(pn_conv<CT>::in(xa[i][e]) + pn_conv<CT>::in(ra[i][e]));
+                    *reinterpret_cast<pn_pack<HT, VEC>*>(hr + L.head + c * VEC) = hq;
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) ha[i][e] = pn_conv<CT>::in(hq.v[e]);
                 } else {
 #pragma unroll
                     for (int e = 0; e < VEC; ++e) ha[i][e] = pn_conv<CT>::in(xa[i][e]);
@@ -2778,10 +2782,11 @@ __global__ void __launch_bounds__(1024) pn_gated_bwd(
     c = pn_row_reduce<false>(c, tpr, red);
     const CT coef = (CT)pn_bwd_coef(c, rms, k, eps, eps_inside);
 
-    pn_seg_each<VEC>([&](int j0, int cnt) {
+    // every column of pass 2 is computed on its own: one strided loop over the
+    // segment's columns (fewer registers than the chunk walk of pass 1)
+    if (active) {
 #pragma unroll 1
-        for (int e = 0; e < cnt; ++e) {
-            const int j = j0 + e;
+        for (int j = tr; j < gs; j += tpr) {
             const Col q = col(pn_conv<CT>::in(xr[j]), pn_conv<CT>::in(zr[j]), pn_conv<CT>::in(dyr[j]));
             const CT g = gw(j);
             const CT vh = pn_mul(q.v, r);
@@ -2799,7 +2804,7 @@ __global__ void __launch_bounds__(1024) pn_gated_bwd(
             if (lw) lw[od + j] = pn_mul(q.dn, vh);
             if (lb) lb[od + j] = q.dn;
         }
-    }, active, tr, tpr, gs);
+    }
 }
 
 
