@@ -518,12 +518,13 @@ def test_emul_backward_persistent_grid_and_stash(dtype):
 def test_emul_backward_row_ring_wraps(dtype):
     """pn_bwd's row ring over more rows per lane than it has stages (one block per SM
     of one SM: every lane handles 5 rows), for VA rows (d = 64) and element-by-element
-    ones (d = 100: rows not 16-byte aligned), with and without grad_residual."""
+    ones (d = 100: rows not 16-byte aligned), with and without grad_residual (pn_bwd, not
+    pn_bwd_small, which the dispatcher gives rows this short)."""
     rng = np.random.default_rng(_seed(dtype, 12))
     for d in (64, 100):
         for opt in (dict(bias=True), dict(bias=True, grad_residual=True, dy="float32")):
             dy, x, w, b, rstd, g, plan = _bwd_case(rng, 300, d, dtype, opt)
-            launch = _check_backward(dy, x, w, b, rstd, g, plan, num_sms=1)
+            launch = _check_backward(dy, x, w, b, rstd, g, plan, num_sms=1, small=False)
             stages = cl.bwd_ring(dtype, cl.backward_types(dtype, _name(dy), _name(g), dtype).dy, g is not None)[0]
             assert -(-300 // (launch.grid * (launch.block // launch.tpr))) > stages, launch
 
@@ -539,7 +540,7 @@ def test_emul_cp_async_early_read_is_caught():
     name = cl.bwd_name("float32", "float32", "float32", 1, True, False)
     rng = np.random.default_rng(13)
     dy, x, w, _, _, _, plan = _bwd_case(rng, 300, 64, "float32", {})
-    launch = cl.backward_launch(300, 64, "float32", num_sms=1, has_w=True, has_g=False)
+    launch = cl.backward_launch(300, 64, "float32", num_sms=1, has_w=True, has_g=False, small=False)
     assert launch.name == name and launch.grid * (launch.block // launch.tpr) < 300
     rdx = reference.backward(dy, x, w, None, None, None, plan)[0]
     for mod, right in ((compile_source(early, [name]), False), (module("float32"), True)):

@@ -58,8 +58,9 @@ SMALL_D = 256
 #: within its 64 registers (16-bit x; float32 on sm_80; float64 rows of 128
 #: chunks, d > 128, which stay with pn_fwd)
 SMALL_ITEMS = 2
-SMALL_THREADS = 256  # __launch_bounds__ of pn_fwd_small
+SMALL_THREADS = 256  # __launch_bounds__ of pn_fwd_small and pn_bwd_small
 BIG_THREADS = 1024  # __launch_bounds__ of the *_big kernels
+COLSUM_THREADS = 256  # __launch_bounds__ of pn_colsum
 ROW_BLOCK = 256  # target threads per block when several rows share one
 #: resident backward threads per SM: more hides latency, fewer means fewer
 #: dweight/dbias partial rows to write and reduce
@@ -605,7 +606,7 @@ def bwd_shared(n: int, x: str, dy: str, partials: bool, grid: int, block: int, t
 @lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small
 def colsum_launch(d: int, compute: str, out: str) -> Launch:
     """Launch of pn_colsum (``out`` as returned by :func:`colsum_out`)."""
-    return Launch(colsum_name(compute, out), grid=math.ceil(d / 32), block=256, shared=0,
+    return Launch(colsum_name(compute, out), grid=math.ceil(d / 32), block=COLSUM_THREADS, shared=0,
                   tpr=0, big=False)
 
 
@@ -613,8 +614,12 @@ def colsum_launch(d: int, compute: str, out: str) -> Launch:
 
 #: the generated translation unit (see codegen/)
 SOURCE_PATH = Path(__file__).resolve().parent.parent / "_cuda" / "polynorm.cu"
-#: NVRTC options every compile uses (plus -I include_dirs() and the arch)
-NVRTC_OPTIONS = ("-std=c++17",)
+#: NVRTC options every compile uses (plus -I include_dirs() and the arch).  No FMA
+#: contraction (``--fmad=false``): ptxas would fuse a product into an add in some
+#: kernels and not in others (pn_bwd_big and pn_bwd_split, which n chooses between),
+#: so a token's bits would depend on the launch; without it the GPU rounds every
+#: operation as the source (and the CPU emulator) writes it.
+NVRTC_OPTIONS = ("-std=c++17", "--fmad=false")
 
 
 def source() -> str:
