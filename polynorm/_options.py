@@ -404,6 +404,16 @@ def _resolve(
 # --------------------------------------------------------------------------- gated RMSNorm
 
 
+def _group_size(group_size: Any, d: int) -> int:
+    """A ``group_size`` checked: an int that divides ``d``."""
+    if isinstance(group_size, bool) or not hasattr(group_size, "__index__"):
+        raise TypeError(f"group_size must be an int or None, got {group_size!r}")
+    gs = int(group_size.__index__())
+    if gs < 1 or d % gs:
+        raise ValueError(f"group_size={gs} must be >= 1 and divide the normalized size d={d}")
+    return gs
+
+
 class _Grouped:
     """A plan whose statistic or scale is taken per group of ``group_size`` elements."""
 
@@ -482,12 +492,7 @@ def make_gated_plan(plan: Plan, *, group_size: Any, norm_before_gate: Any) -> Ga
     if group_size is None:
         gs = d
     else:
-        if isinstance(group_size, bool) or not hasattr(group_size, "__index__"):
-            raise TypeError(f"group_size must be an int or None, got {group_size!r}")
-        gs = int(group_size.__index__())
-        if gs < 1 or d % gs:
-            raise ValueError(
-                f"group_size={gs} must be >= 1 and divide the normalized size d={d}")
+        gs = _group_size(group_size, d)
     if gs != d and plan.k != d:
         raise ValueError(
             f"partial={plan.k / d!r} (k={plan.k}) cannot be combined with group_size={gs} "
@@ -598,10 +603,5 @@ def make_quant_plan(plan: Plan, *, qdtype: str, scale: Any, scale_is_array: bool
             raise ValueError(
                 "group_size is for dynamic scales: pass scale=None with group_size, "
                 f"or group_size=None with a static scale (got group_size={group_size!r})")
-        if isinstance(group_size, bool) or not hasattr(group_size, "__index__"):
-            raise TypeError(f"group_size must be an int or None, got {group_size!r}")
-        gs = int(group_size.__index__())
-        if gs < 1 or d % gs:
-            raise ValueError(
-                f"group_size={gs} must be >= 1 and divide the normalized size d={d}")
+        gs = _group_size(group_size, d)
     return QuantPlan(plan=plan, qdtype=qdtype, static=static, scale=value, group_size=gs)
