@@ -140,14 +140,17 @@ def small_shape(d: int, x: str) -> tuple[int, int, bool] | None:
     >>> small_shape(256, "float64") is None
     True
     """
-    if d > SMALL_D:
-        return None
-    t = _pn_fwd_tpr(d, VEC[x])
-    if t > 32 * SMALL_ITEMS:
+    return None if d > SMALL_D else _small_lanes(_pn_fwd_tpr(d, VEC[x]), SMALL_ITEMS)
+
+
+def _small_lanes(t: int, items: int) -> tuple[int, int, bool] | None:
+    """(lanes per row, ITEMS, WIDE) standing for ``t`` threads of the one-row kernel:
+    ``items`` each within a warp, or one warp with one item per 32 threads."""
+    if t > 32 * items:
         return None
     if t > 32:
         return 32, t // 32, True
-    return max(1, t // SMALL_ITEMS), SMALL_ITEMS, False
+    return max(1, t // items), items, False
 
 
 def _tf(v: bool) -> str:
@@ -188,14 +191,7 @@ def small_bwd_shape(d: int, x: str) -> tuple[int, int, bool] | None:
     >>> small_bwd_shape(3, "float64"), small_bwd_shape(256, "float64") is None
     ((2, 2, False), True)
     """
-    if d > SMALL_D:
-        return None
-    t = _pn_bwd_tpr(d, VEC[x])
-    if t > 32 * SMALL_BWD_ITEMS:
-        return None
-    if t > 32:
-        return 32, t // 32, True
-    return t // SMALL_BWD_ITEMS, SMALL_BWD_ITEMS, False
+    return None if d > SMALL_D else _small_lanes(_pn_bwd_tpr(d, VEC[x]), SMALL_BWD_ITEMS)
 
 
 def takes_small_bwd(d: int, x: str, dy: str) -> bool:
