@@ -1,13 +1,13 @@
 """Emulated bits of another revision's kernels against this tree's, for the kernels
-whose machine code the register work changes (pn_fwd, pn_gated_bwd; pn_bwd_big for its variants; see
-KINDS): every output array compared byte for byte on the CPU emulator (tests/emulator; needs g++), over
-row lengths, strides (the vector and the element-by-element bodies), stash sizes,
-optional arrays and eps modes.  bench/bwd_bits_vs_rev.py does the same for pn_bwd.
-The emulator does not contract a*b + c as NVRTC's default -fmad=true may, so a change
-that moves a plain product away from its add needs the SASS read as well.
+whose machine code the register work changes (pn_fwd, pn_gated_bwd, pn_bwd_big and
+pn_bwd_small for their variants; see KINDS): every output array compared byte for byte
+on the CPU emulator (tests/emulator; needs g++), over row lengths, strides (the vector
+and the element-by-element bodies), stash sizes, optional arrays and eps modes.
+bench/bwd_bits_vs_rev.py does the same for pn_bwd.  The kernels are compiled without
+FMA contraction (--fmad=false), so the emulator's rounding is the GPU's.
 
     git show main:polynorm/_cuda/polynorm.cu > /tmp/old.cu
-    python bench/bits_vs_rev.py /tmp/old.cu [--kinds bwd_big,fwd,gated_bwd]
+    python bench/bits_vs_rev.py /tmp/old.cu [--kinds bwd_big,bwd_small,fwd,gated_bwd]
 """
 
 import argparse
@@ -80,6 +80,58 @@ def bwd_big_cases(rng):
                     return {"dx": dx, "dwp": dwp, "dbp": dbp}
 
                 yield (la.name, d, n, pad, smem, hw, hg, rs, eps_in), la.name, run
+
+
+# ---------------------------------------------------------------- pn_bwd_small
+
+SMALL_D = (40, 97, 128, 200, 256)  # 16 and 8 lanes per row, the WIDE float rows, a tail
+
+
+def _bwd_small_launches():
+    seen = {}
+    for t in BWD_TYPES:
+        for d in SMALL_D:
+            for hw, hg in itertools.product((False, True), (False, True)):
+                la = cl.backward_launch(37, d, *t, num_sms=2, has_w=hw, has_g=hg, split=False)
+                if la.name.startswith("pn_bwd_small"):
+                    seen.setdefault(la.name, []).append((t, d, hw, hg))
+    return seen
+
+
+def bwd_small_names():
+    return sorted(_bwd_small_launches())
+
+
+def bwd_small_cases(rng):
+    for name, cases in sorted(_bwd_small_launches().items()):
+        for (x_t, dy_t, w_t), d, hw, hg in cases:
+            for n, pad in ((37, 0), (5, 1)):
+                for rs, eps_in, partials in itertools.product((False, True), (1, 0), (True, False)):
+                    x = _rows(rng, n, d, x_t, pad)
+                    dy = _rows(rng, n, d, dy_t, pad)
+                    w = rng.standard_normal(d).astype(NP[w_t]) if hw else None
+                    g = _rows(rng, n, d, dy_t, pad) if hg else None
+                    ct = cl.compute_dtype(x_t)
+                    rstd = (1 / np.sqrt((x.astype(np.float64) ** 2).mean(1) + 1e-6)).astype(NP[ct]) if rs else None
+                    la = cl.backward_launch(n, d, x_t, dy_t, w_t, num_sms=2, has_w=hw, has_g=hg, split=False,
+                                            partials=partials)
+                    if la.name != name:
+                        continue
+                    k = d - 3 if d == 97 else d
+                    eps = 0.5 if not eps_in else 1e-6
+
+                    def run(mod, la=la, x=x, dy=dy, w=w, g=g, rstd=rstd, n=n, d=d, k=k, eps=eps, eps_in=eps_in,
+                            ct=ct, x_t=x_t, partials=partials):
+                        dx = np.full((n, d), np.nan, NP[x_t])
+                        dwp = np.full((la.partial_rows, la.ldp), np.nan, NP[ct]) if partials else None
+                        dbp = np.full((la.partial_rows, la.ldp), np.nan, NP[ct]) if partials else None
+                        args = (dy, _rs(dy), x, _rs(x), w, rstd, g, _rs(g), dx, _rs(dx), dwp, dbp,
+                                np.int64(la.ldp), np.int64(n), np.int32(d), np.int32(k), np.int32(la.tpr),
+                                np.float64(eps), np.int32(eps_in), np.float64(0.25))
+                        mod.launch(la.name, la.grid, la.block, args, la.shared)
+                        return {"dx": dx, **({"dwp": dwp[:, :d], "dbp": dbp[:, :d]} if partials else {})}
+
+                    yield (name, d, n, pad, rs, eps_in, partials), name, run
 
 
 # ---------------------------------------------------------------- pn_fwd (the fused residual add)
@@ -176,7 +228,8 @@ def gated_bwd_cases(rng):
                 yield (la.name, d, gs, n, nbg, hw, hb, rs, eps_in, part), la.name, run
 
 
-KINDS = {"bwd_big": (bwd_big_names, bwd_big_cases), "fwd": (fwd_names, fwd_cases),
+KINDS = {"bwd_big": (bwd_big_names, bwd_big_cases), "bwd_small": (bwd_small_names, bwd_small_cases),
+         "fwd": (fwd_names, fwd_cases),
          "gated_bwd": (gated_bwd_names, gated_bwd_cases)}
 
 

@@ -1999,7 +1999,7 @@ __device__ __forceinline__ void pn_bwd_big_rows(
         // descending, as in pn_fwd_big: re-read the un-stashed chunks while in L2
         for (int c = pn_last_chunk(tr, tpr, L.body); c >= 0; c -= tpr) {
             const int j = L.head + c * VEC;
-            CT v[VEC], dv[VEC], wv[VEC], t[VEC], o[VEC];
+            CT v[VEC], dv[VEC], wv[VEC], o[VEC];
             if (c < stash) {
                 pn_ld<VEC>(sx_ + (long long)c * VEC, true, v);
                 pn_ld<VEC>(sdy_ + (long long)c * VEC, true, dv);
@@ -2008,14 +2008,20 @@ __device__ __forceinline__ void pn_bwd_big_rows(
                 pn_ld<VEC>(dyr + j, vdy, dv);
             }
             if (has_w) pn_ld<VEC>(w + j, vw, wv);
-            if (has_g) pn_ld<VEC>(gr + j, vg, t);
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
                 const CT xh = v[e] * r;
                 CT q = has_w ? (wv[e] + off) * dv[e] : dv[e];
                 if (j + e < k) q = q - xh * coef;
                 o[e] = r * q;
-                if (has_g) o[e] = o[e] + t[e];
+            }
+            // the residual's gradient is loaded once w's chunk is consumed: with all
+            // four chunks live at once the 1024-thread bounds spill
+            if (has_g) {
+                CT t[VEC];
+                pn_ld<VEC>(gr + j, vg, t);
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) o[e] = o[e] + t[e];
             }
             pn_st<VEC>(dxr + j, vdx, o);
             if (pw) {
@@ -2103,9 +2109,9 @@ __global__ void __launch_bounds__(256) pn_colsum(const CT* __restrict__ part, lo
 // The double work of a row (its reductions, rstd, rms and coef) is one warp
 // instruction stream for all 32 / lpr rows of a warp, which is what bounds the
 // backward of short rows on GPUs with a slow FP64 unit.  A lane's columns are
-// the same for every row it handles, so the weight factor (w + offset) is read
-// once, before the row loop; a row's x and dy loads are all issued before the
-// first use.  The grid is persistent; each row slot accumulates its dweight /
+// the same for every row it handles, so its weight chunks are L1 hits after the
+// first row; they are read where used rather than held in registers through the
+// row loop.  A row's x and dy loads are all issued before the first use.  The grid is persistent; each row slot accumulates its dweight /
 // dbias partial sums in dynamic shared memory (2 * rows * ldp * sizeof(CT)
 // bytes when there is any partial) and the block writes one partial row of
 // dwp / dbp, the slots added in order (0, 1, ...), as pn_bwd does.  The
@@ -2209,6 +2215,11 @@ __device__ __forceinline__ void pn_bwd_small_geff(const WT* w, unsigned j, CT of
     }
 }
 
+// the place of column q's dweight sum in a row slot of pn_bwd_small's
+// accumulators (its dbias sum: VEC further)
+template <int VEC>
+__device__ __forceinline__ int pn_acc_col(int q) { return (q / VEC) * 2 * VEC + q % VEC; }
+
 template <typename XT, typename DYT, typename WT, int ITEMS, bool HAS_W, bool HAS_G, int LPR, bool VA>
 __device__ __forceinline__ void pn_bwd_small_rows(
     const DYT* __restrict__ dy, long long sdy,
@@ -2239,13 +2250,15 @@ __device__ __forceinline__ void pn_bwd_small_rows(
     const bool te = p < L.tail;
     const unsigned je = L.body * VEC + p;
 
-    // dweight / dbias accumulators in shared memory: slot row 2*sub (dweight)
-    // and 2*sub+1 (dbias), row stride ldp; each lane touches only its own
-    // columns of its own slots until the end
+    // dweight / dbias accumulators in shared memory: slot `sub` is 2 * ldp
+    // values, chunk c's VEC dweight sums then its VEC dbias sums (pn_acc_col),
+    // so that all of a lane's accumulator addresses are one register plus
+    // constants; each lane touches only its own columns of its own slot until
+    // the end
     const bool want = want_w || want_b;  // block-uniform; no shared memory otherwise
     CT* acc = reinterpret_cast<CT*>(pn_dyn_smem);
     CT* accw = acc + (long long)(2 * sub) * ldp;
-    CT* accb = accw + ldp;
+    CT* accb = accw + VEC;
     if (want) {
         CT z[VEC];
 #pragma unroll
@@ -2254,11 +2267,11 @@ __device__ __forceinline__ void pn_bwd_small_rows(
         for (int q = 0; q < Q; ++q) {
             const int c = p + q * lpr;
             if (c < L.body) {
-                pn_st<VEC>(accw + c * VEC, true, z);
-                pn_st<VEC>(accb + c * VEC, true, z);
+                pn_st<VEC>(accw + c * 2 * VEC, true, z);
+                pn_st<VEC>(accb + c * 2 * VEC, true, z);
             }
         }
-        if (te) { accw[je] = (CT)0; accb[je] = (CT)0; }
+        if (te) { accw[pn_acc_col<VEC>(je)] = (CT)0; accb[pn_acc_col<VEC>(je)] = (CT)0; }
     }
 
     for (long long g0 = (long long)blockIdx.x * rpb; g0 < n; g0 += (long long)gridDim.x * rpb) {
@@ -2414,16 +2427,16 @@ __device__ __forceinline__ void pn_bwd_small_rows(
 #pragma unroll
                     for (int h = 0; h < VEC; h += A) {
                         CT aw[A], ab[A];
-                        pn_ld<A>(accw + c * VEC + h, true, aw);
-                        pn_ld<A>(accb + c * VEC + h, true, ab);
+                        pn_ld<A>(accw + c * 2 * VEC + h, true, aw);
+                        pn_ld<A>(accb + c * 2 * VEC + h, true, ab);
 #pragma unroll
                         for (int e = 0; e < A; ++e) {
                             const CT dv = da[q].template get<CT>(h + e);
                             aw[e] += dv * (xa[q].template get<CT>(h + e) * r);
                             ab[e] += dv;
                         }
-                        pn_st<A>(accw + c * VEC + h, true, aw);
-                        pn_st<A>(accb + c * VEC + h, true, ab);
+                        pn_st<A>(accw + c * 2 * VEC + h, true, aw);
+                        pn_st<A>(accb + c * 2 * VEC + h, true, ab);
                     }
                 }
             }
@@ -2438,8 +2451,8 @@ __device__ __forceinline__ void pn_bwd_small_rows(
             if (HAS_G) o = o + pn_conv<CT>::in(gr[je]);
             dxr[je] = pn_out<XT>::from(o);
             if (want) {
-                accw[je] += dyt * xh;
-                accb[je] += dyt;
+                accw[pn_acc_col<VEC>(je)] += dyt * xh;
+                accb[pn_acc_col<VEC>(je)] += dyt;
             }
         }
     }
@@ -2451,8 +2464,9 @@ __device__ __forceinline__ void pn_bwd_small_rows(
         for (int a2 = 0; a2 < 2; ++a2) {
             CT* pp = a2 == 0 ? dwp : dbp;
             if (pp == nullptr) continue;
-            CT v = acc[(long long)a2 * ldp + q];
-            for (int s2 = 1; s2 < rpb; ++s2) v = v + acc[(long long)(2 * s2 + a2) * ldp + q];
+            const int col = pn_acc_col<VEC>(q) + a2 * VEC;
+            CT v = acc[col];
+            for (int s2 = 1; s2 < rpb; ++s2) v = v + acc[(long long)(2 * s2) * ldp + col];
             pp[(long long)blockIdx.x * ldp + q] = v;
         }
     }
