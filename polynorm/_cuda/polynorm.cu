@@ -2111,9 +2111,10 @@ __global__ void __launch_bounds__(256) pn_colsum(const CT* __restrict__ part, lo
 // backward of short rows on GPUs with a slow FP64 unit.  A lane's columns are
 // the same for every row it handles, so its weight chunks are L1 hits after the
 // first row; they are read where used rather than held in registers through the
-// row loop.  A row's x and dy loads are all issued before the first use.  The grid is persistent; each row slot accumulates its dweight /
-// dbias partial sums in dynamic shared memory (2 * rows * ldp * sizeof(CT)
-// bytes when there is any partial) and the block writes one partial row of
+// row loop.  A row's x and dy loads are all issued before the first use.  The
+// grid is persistent; each row slot accumulates its dweight / dbias partial
+// sums in dynamic shared memory (2 * rows * ldp * sizeof(CT) bytes when there
+// is any partial) and the block writes one partial row of
 // dwp / dbp, the slots added in order (0, 1, ...), as pn_bwd does.  The
 // partial rows group the rows by this launch's blocks, so dweight / dbias
 // are deterministic but rounded differently from pn_bwd's launch.
