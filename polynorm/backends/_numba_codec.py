@@ -169,8 +169,8 @@ def _f32_to_bf16_ir(typingctx, f):
     # (0x7FFF, or 0x8000 when the kept part is odd) as a select on a bit test,
     # the NaN guard as an unordered float compare, and NaN and number merged
     # before the one shift.  Per 16 lanes LLVM emits vptestnmd, vpblendmd,
-    # vpaddd, vcmpunordps, masked vpord, vpsrld, vpmovdw on AVX-512 (9 and
-    # a half before), 9 per 8 lanes on AVX2 (11 before): see bench/asm.py.
+    # vpaddd, vcmpunordps, masked vpord, vpsrld, vpmovdw on AVX-512, 9 per 8
+    # lanes on AVX2 (bench/asm.py counts them).
     def codegen(context, builder, sig, args):
         c = lambda v: ir.Constant(_I32, v)  # noqa: E731
         u = builder.bitcast(args[0], _I32)

@@ -39,7 +39,8 @@ from ._numba_kernels import (
     _inline,
     _inline_ir,
     _jit,
-    _range_rows,
+    _range_bounds,
+    _range_count,
     _reduce,
     _row_sumsq,
     _rstd_from,
@@ -239,12 +240,10 @@ def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
 @_jit(parallel=True)
 def forward_parallel(x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
     n = x.shape[0]
-    per = _range_rows(n)
-    parts = (n + per - 1) // per
-    for c in prange(parts):
-        lo = c * per
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
         own = np.empty_like(u)  # one row buffer per task
-        forward_rows(lo, min(n, lo + per), x, z, w, b, y, rstd, own, flags, gs, k, eps, offset)
+        forward_rows(lo, hi, x, z, w, b, y, rstd, own, flags, gs, k, eps, offset)
 
 
 # --------------------------------------------------------------------------- backward
@@ -375,12 +374,10 @@ def backward_rows(lo, hi, dy, x, z, w, b, rstd, dx, dz, lw, lb, buf, flags, gs, 
 @_jit(parallel=True)
 def backward_parallel(dy, x, z, w, b, rstd, dx, dz, lw, lb, buf, flags, gs, k, eps, offset):
     n = x.shape[0]
-    per = _range_rows(n)
-    parts = (n + per - 1) // per
-    for c in prange(parts):
-        lo = c * per
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
         own = np.empty_like(buf)
-        backward_rows(lo, min(n, lo + per), dy, x, z, w, b, rstd, dx, dz, lw, lb, own, flags,
+        backward_rows(lo, hi, dy, x, z, w, b, rstd, dx, dz, lw, lb, own, flags,
                       gs, k, eps, offset)
 
 

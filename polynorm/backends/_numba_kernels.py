@@ -670,6 +670,19 @@ def _range_rows(n):
     return max(1, min(_MAX_RANGE_ROWS, n // 64))
 
 
+@_inline
+def _range_count(n):
+    """How many row ranges the parallel drivers split ``n`` rows into."""
+    return (n + _range_rows(n) - 1) // _range_rows(n)
+
+
+@_inline
+def _range_bounds(c, n):
+    """Rows ``[lo, hi)`` of range ``c`` of :func:`_range_count`'s split of ``n`` rows."""
+    lo = c * _range_rows(n)
+    return lo, min(n, lo + _range_rows(n))
+
+
 @_jit()
 def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     # r, h: the residual and the sum, or None; w, b: None where absent;
@@ -692,20 +705,15 @@ def forward_llama_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, st
 @_jit(parallel=True)
 def forward_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     n = x.shape[0]
-    per = _range_rows(n)
-    parts = (n + per - 1) // per
-    for c in prange(parts):
-        lo = c * per
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
         own = _own_stage(stage)  # one stage per task
-        forward_rows(lo, min(n, lo + per), x, r, w, b, y, h, rstd, flags, k, eps, offset, own)
+        forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, own)
 
 
 @_jit(parallel=True)
 def forward_llama_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     n = x.shape[0]
-    per = _range_rows(n)
-    parts = (n + per - 1) // per
-    for c in prange(parts):
-        lo = c * per
-        forward_llama_rows(lo, min(n, lo + per), x, r, w, b, y, h, rstd, flags, k, eps, offset,
-                           stage)
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
+        forward_llama_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage)

@@ -33,7 +33,8 @@ from ._numba_kernels import (
     _borrow_opt,
     _inline_ir,
     _jit,
-    _range_rows,
+    _range_bounds,
+    _range_count,
     _row_sumsq,
     _rstd_from,
     as_type_of,
@@ -262,11 +263,9 @@ def quant_rows(lo, hi, x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
 def quant_parallel(x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
                    static_scale, gs, qmax, fp8, static):
     n = x.shape[0]
-    per = _range_rows(n)
-    parts = (n + per - 1) // per
-    for c in prange(parts):
-        lo = c * per
-        quant_rows(lo, min(n, lo + per), x, r, w, b, h, q, sc, np.empty_like(buf),
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
+        quant_rows(lo, hi, x, r, w, b, h, q, sc, np.empty_like(buf),
                    np.empty_like(rs), flags, k, eps, offset, static_scale, gs, qmax, fp8, static)
 
 

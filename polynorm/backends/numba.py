@@ -194,6 +194,24 @@ def _note_layer() -> None:
             pass
 
 
+def _launch_parallel(kernel, *args):
+    """Run a parallel kernel (one launch at a time), then note its threading layer."""
+    with _launch_lock:
+        result = kernel(*args)
+    if not _omp_used:
+        _note_layer()
+    return result
+
+
+def _run_rows(parallel_kernel, rows_kernel, n: int, d: int, args: tuple) -> None:
+    """All ``n`` rows: ``parallel_kernel(*args)`` where :func:`_parallel`, else
+    ``rows_kernel(0, n, *args)`` (the same bits either way)."""
+    if _parallel(n, d):
+        _launch_parallel(parallel_kernel, *args)
+    else:
+        rows_kernel(0, n, *args)
+
+
 def _after_fork_in_child() -> None:
     global _forked_after_omp, _launch_lock
     _launch_lock = threading.Lock()
@@ -286,15 +304,10 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     if stream:
         flags |= kernels.STREAM_Y
     args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, plan.offset, _stage(yk, stream))
-    if _parallel(n, d):
-        with _launch_lock:
-            (kernels.forward_llama_parallel if plan.llama else kernels.forward_parallel)(*args)
-        if not _omp_used:
-            _note_layer()
-    elif plan.llama:
-        kernels.forward_llama_rows(0, n, *args)
+    if plan.llama:
+        _run_rows(kernels.forward_llama_parallel, kernels.forward_llama_rows, n, d, args)
     else:
-        kernels.forward_rows(0, n, *args)
+        _run_rows(kernels.forward_parallel, kernels.forward_rows, n, d, args)
     from_numpy = _interop.from_numpy
     return (out if out is not None else from_numpy(y, caller),
             None if h is None else from_numpy(h, caller), from_numpy(rstd, caller))
@@ -433,20 +446,14 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     par = _parallel(n, d)
     cdt = _info(plan)[3]
     if par and nb > 1:
-        with _launch_lock:
-            bwd_kernels.backward_blocks_parallel(0, nb, m, 0, n, n, *args, lvl, idx, vals,
-                                        *_pools(m, width, cdt, True))
-        if not _omp_used:
-            _note_layer()
+        _launch_parallel(bwd_kernels.backward_blocks_parallel, 0, nb, m, 0, n, n, *args, lvl, idx,
+                         vals, *_pools(m, width, cdt, True))
     else:
         bwd_kernels.backward_range(0, n, 0, n, m, *args, lvl, idx, vals, 0, *_pools(m, width, cdt))
     dw = db = None
     if width:
         if par and width >= 4096 and nb > 1:
-            with _launch_lock:
-                bwd_kernels.tree_parallel(vals, nb)
-            if not _omp_used:
-                _note_layer()
+            _launch_parallel(bwd_kernels.tree_parallel, vals, nb)
         else:
             bwd_kernels.tree_cols(0, width, vals, nb)
         empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
@@ -500,11 +507,8 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
         ix = np.empty(nb, np.int64)
         va = np.empty((nb, width), np.float64)
         if _parallel(n, d) and nb > 1:
-            with _launch_lock:
-                bwd_kernels.backward_blocks_parallel(ib0, nb, m, row0, n, ntot, *args, lv, ix, va,
-                                            *_pools(m, width, cdt, True))
-            if not _omp_used:
-                _note_layer()
+            _launch_parallel(bwd_kernels.backward_blocks_parallel, ib0, nb, m, row0, n, ntot, *args,
+                             lv, ix, va, *_pools(m, width, cdt, True))
         else:
             for t in range(nb):
                 b = ib0 + t
@@ -577,13 +581,7 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
     u = np.empty((1, d), cdt)  # the gated row buffer (per task in the parallel driver)
     args = (xk, zk, w, b, _kview(y), rstd, u, flags, gplan.group_size, gplan.k, plan.eps,
             plan.offset)
-    if _parallel(n, d):
-        with _launch_lock:
-            G.forward_parallel(*args)
-        if not _omp_used:
-            _note_layer()
-    else:
-        G.forward_rows(0, n, *args)
+    _run_rows(G.forward_parallel, G.forward_rows, n, d, args)
     from_numpy = _interop.from_numpy
     if o is not None:
         if not direct:
@@ -627,13 +625,7 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
     # offset scales only a weight: ones stand in for an absent one, with no offset
     args = (dyk, xk, zk, w, b, r, _kview(dx), _kview(dz), lw, lb, buf, flags, gplan.group_size,
             gplan.k, plan.eps, plan.offset if weight is not None else 0.0)
-    if _parallel(n, d):
-        with _launch_lock:
-            G.backward_parallel(*args)
-        if not _omp_used:
-            _note_layer()
-    else:
-        G.backward_rows(0, n, *args)
+    _run_rows(G.backward_parallel, G.backward_rows, n, d, args)
     from_numpy = _interop.from_numpy
     dw = db = None
     if weight is not None:
@@ -721,13 +713,7 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
         w, b = _affine(weight, bias, cdt)
         args = (xk, rk, w, b, hk, q, sc, np.empty(d, np.float32), np.empty(1, cdt), flags,
                 plan.k, plan.eps, plan.offset, *qargs)
-        if _parallel(n, d):
-            with _launch_lock:
-                Q.quant_parallel(*args)
-            if not _omp_used:
-                _note_layer()
-        else:
-            Q.quant_rows(0, n, *args)
+        _run_rows(Q.quant_parallel, Q.quant_rows, n, d, args)
         h = None if h is None else _interop.from_numpy(h, caller)
     if qplan.static:
         scales = _interop.from_numpy(np.asarray(s32, np.float32).reshape(()), caller)
