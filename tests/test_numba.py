@@ -304,6 +304,29 @@ def test_nan_inf_isolated_per_token(bad, rng):
     assert np.isfinite(np.delete(dx, 2, axis=0)).all()
 
 
+@pytest.mark.parametrize("eps_mode", ["inside", "outside"])
+@pytest.mark.parametrize("eps", [0.0, 1e-6])
+def test_float32_out_of_range_rows_match_the_scaled_path(eps, eps_mode):
+    """float32 kernels skip the scaled rms scan (their float64 sum is out of range only
+    as 0, Inf or NaN): rstd of such rows is the float64 kernels' (which scan), rounded."""
+    x = np.ones((6, 8), np.float32)
+    x[0] = 0.0
+    x[1] = -0.0
+    x[2, 3] = np.inf
+    x[3, 1] = -np.inf
+    x[4, 2] = np.nan
+    x[5, 0], x[5, 1] = np.inf, np.nan
+    opts = dict(eps=eps, eps_mode=eps_mode, backend="numba", return_rstd=True)
+    r32 = pn.rms_norm(x, **opts)[1]
+    r64 = pn.rms_norm(x.astype(np.float64), **opts)[1]
+    assert r32.dtype == np.float32
+    assert np.array_equal(r32.view(np.uint32), r64.astype(np.float32).view(np.uint32))
+    dx32 = pn.rms_norm_backward(np.ones_like(x), x, backend="numba", eps=eps, eps_mode=eps_mode)[0]
+    dx64 = pn.rms_norm_backward(np.ones_like(x, np.float64), x.astype(np.float64),
+                                backend="numba", eps=eps, eps_mode=eps_mode)[0]
+    assert np.array_equal(np.isnan(dx32), np.isnan(dx64))
+
+
 def test_zero_rows_stay_zero():
     x = np.zeros((3, 9), np.float64)
     y = pn.rms_norm(x, np.full(9, 2.0), np.full(9, 0.5), backend="numba")

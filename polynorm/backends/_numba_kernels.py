@@ -169,12 +169,12 @@ _PREFETCH_MAX_BYTES = 8192
 _PREFETCH_EARLY_BYTES = 4096
 
 
-@_inline
+@_inline_ir
 def _row_bytes(a):
     return a.shape[1] * a.itemsize
 
 
-@_inline
+@_inline_ir
 def _prefetches(a):
     return _row_bytes(a) <= _PREFETCH_MAX_BYTES
 
@@ -222,10 +222,27 @@ def _rms_rstd(a, i, k, eps, inside, ss):
         if inside:
             return rms, 1.0 / math.sqrt(ms + eps)
         return rms, 1.0 / (rms + eps)
-    rms = _scaled_rms(a, i, k)
+    rms = _rms_out_of_range(a, i, k, ss)
     if inside:
         return rms, 1.0 / math.hypot(rms, math.sqrt(eps))
     return rms, 1.0 / (rms + eps)
+
+
+def _rms_out_of_range(a, i, k, ss):  # pragma: no cover - replaced by the overload
+    """The rms of a row whose float64 sum of squares ``ss`` (:func:`_sumsq`, or
+    the lanes of 16-bit rows) is out of :func:`_rms_rstd`'s range."""
+    raise NotImplementedError
+
+
+@overload(_rms_out_of_range, inline="always")
+def _ov_rms_out_of_range(a, i, k, ss):
+    if a.dtype == types.float32:
+        # float32 squares summed in float64 neither overflow nor fall below
+        # 2**-298: ss is out of range only as 0 (a zero row), Inf or NaN (an
+        # Inf or NaN element), where _scaled_rms gives 0 and NaN; a float32
+        # call then compiles without that scan
+        return lambda a, i, k, ss: 0.0 if ss == 0.0 else math.nan
+    return lambda a, i, k, ss: _scaled_rms(a, i, k)
 
 
 @_inline
