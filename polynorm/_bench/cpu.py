@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="polynorm._bench.cpu", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small shapes, short timings (< 60 s)")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None)
-    p.add_argument("--json", default="bench/results/cpu.json", help="where to write the records")
+    p.add_argument("--json", help="where to write the records (default: only the table is printed)")
     p.add_argument("--note", default="", help="a note stored in the JSON (e.g. 'shared machine')")
     p.add_argument("--shapes", nargs="+", default=None, metavar="NxD",
                    help="only these shapes (tokens x d), e.g. 16384x4096 4096x16384")
@@ -601,8 +601,9 @@ def main(argv: list[str] | None = None) -> int:
         meta["torch_threads"] = torch.get_num_threads()
     except ImportError:
         pass
-    write_json(args.json, records, meta)
-    print(f"wrote {args.json}")
+    if args.json:
+        write_json(args.json, records, meta)
+        print(f"wrote {args.json}")
     return 0
 
 
