@@ -382,7 +382,10 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
     pc[rneg, :] = -0.0
     # levels >= TREE_G index p64 (from row 0), the others pc
     prow = np.arange(levels)
-    prow[TREE_G:] -= TREE_G
+    # element by element: an array-to-slice assignment would compile Numba's
+    # formatted shape-mismatch error, a second of compile per specialisation
+    for lv in range(TREE_G, levels):
+        prow[lv] -= TREE_G
     crow = np.array([TREE_G, levels - TREE_G])
     pend = np.full(levels, -1, np.int64)
     G = 1 << TREE_G
