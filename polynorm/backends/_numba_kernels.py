@@ -118,6 +118,8 @@ _inline_ir = njit(nogil=True, inline="always", error_model=ERROR_MODEL)
 # thread count, since each row is reduced by the same code whatever the
 # driver or the number of threads.  No "nnan"/"ninf": NaN and Inf propagate.
 _reduce = njit(nogil=True, fastmath={"reassoc", "contract"}, error_model=ERROR_MODEL)
+# Options of an @overload compiled as a plain call (not inlined): the kernels'.
+_PLAIN_CALL = {"nogil": True, "error_model": ERROR_MODEL}
 
 
 def as_type_of(v, ref):  # pragma: no cover - replaced by the overload
@@ -463,7 +465,7 @@ def _stream_out(a, i, j0, j1, w, b, y, rc, oc, stage):
     return j1
 
 
-@_inline
+@_inline_ir
 def _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
     """Rows ``[lo, hi)`` of a float32/float64 forward whose ``y`` leaves through
     ``stage`` and streaming stores (:mod:`._numba_stream`): the lines of
@@ -572,15 +574,19 @@ def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
 
 
 # Row loops, one per path; the drivers pick one at typing time (_forward_path).
+# Each is inlined by Numba into _forward_path's choice, which is compiled as one
+# plain call: a separately compiled level costs LLVM a re-optimisation of all it
+# links, and an inline="always" overload is compiled in full anyway (to resolve
+# its signature) before it is typed again at its call site.
 
 
-@_inline
+@_inline_ir
 def _add_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
     for i in range(lo, hi):
         _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset)
 
 
-@_inline
+@_inline_ir
 def _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
     # 16-bit rows: pipelined (see _out_and_next)
     ss = _row_sumsq(x, lo, k) if lo < hi else 0.0
@@ -590,7 +596,7 @@ def _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
         stream_fence()
 
 
-@_inline
+@_inline_ir
 def _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset):
     for i in range(lo, hi):
         ss = _row_sumsq(x, i, k)
@@ -608,7 +614,7 @@ def _forward_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     raise NotImplementedError
 
 
-@overload(_forward_path, inline="always")
+@overload(_forward_path, jit_options=_PLAIN_CALL)
 def _ov_forward_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     if not _absent(r):
         return lambda lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage: (
@@ -631,7 +637,7 @@ def _llama_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):  # pragm
     raise NotImplementedError
 
 
-@overload(_llama_path, inline="always")
+@overload(_llama_path, jit_options=_PLAIN_CALL)
 def _ov_llama_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
     if _absent(r):
         def plain(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
