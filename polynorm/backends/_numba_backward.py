@@ -383,7 +383,7 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
     # levels >= TREE_G index p64 (from row 0), the others pc
     prow = np.arange(levels)
     # element by element: an array-to-slice assignment would compile Numba's
-    # formatted shape-mismatch error, a second of compile per specialisation
+    # formatted shape-mismatch error (its string formatting) into the kernel
     for lv in range(TREE_G, levels):
         prow[lv] -= TREE_G
     crow = np.array([TREE_G, levels - TREE_G])
