@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="16384x4096", help="tokens x d")
     ap.add_argument("--ops", nargs="+", default=["bwd"], choices=["fwd", "out", "add", "bwd", "gated", "quant"])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-weight", action="store_true", help="the calls without a weight")
     args = ap.parse_args(argv)
     import polynorm as pn
 
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     x, r, dy = (rng.standard_normal((n, d), dtype=np.float32).astype(dt) for _ in range(3))
     w = (1 + 0.1 * rng.standard_normal(d, dtype=np.float32)).astype(dt)
+    if args.no_weight:
+        w = None
     rstd = pn.rms_norm(x, w, return_rstd=True)[1]
     # one out= array for both: two arrays of the same size can sit on pages of
     # different speed (a copy into each measured 52 and 82 GB/s in one process)

@@ -142,10 +142,11 @@ def _absent(a) -> bool:
 
 def scale_shift(v, w, b, j, oc):  # pragma: no cover - replaced by the overload
     """``v * (w[j] + oc) + b[j]`` in the compute type of ``oc``; an absent
-    (``None``) weight or bias drops its term.
+    (``None``) weight or bias drops its term (chosen at typing time).
 
-    Chosen at typing time: a call without weight or bias compiles without
-    those terms (one branch-free loop per case, which vectorizes).
+    The drivers get ones for an absent weight
+    (``polynorm.backends.numba._ones``: the same bits, and calls with and
+    without a weight share a compiled variant); an absent bias is ``None``.
     """
     raise NotImplementedError
 
@@ -674,8 +675,8 @@ _borrow_opt = _none_or(borrow, ":func:`borrow` of an array.")
 
 
 # Forward drivers.  x, r, y, h: (n, d) (integer bits for 16-bit floats); w, b:
-# (d,) in the compute type (float64 for llama weights wider than it); absent
-# arrays are stand-ins of the same types (see polynorm.backends.numba).
+# (d,) in the compute type (float64 for llama weights wider than it), w ones
+# where absent (polynorm.backends.numba._ones); b, r, h: None where absent.
 # ``*_rows`` does rows [lo, hi) on one thread and is the serial path; the
 # parallel driver only splits the rows and calls it, so the row code is
 # compiled once (the parallel driver compiles in a fraction of the time) and
@@ -708,7 +709,8 @@ def _range_bounds(c, n):
 
 @_jit()
 def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
-    # r, h: the residual and the sum, or None; w, b: None where absent;
+    # r, h: the residual and the sum, or None; w: an array (ones where absent:
+    # polynorm.backends.numba._ones); b: an array or None;
     # stage: the (1, c) buffer of y's type that streamed rows pass through
     # (flag STREAM_Y: _streamed_rows for float rows, the pipeline's
     # _stream_out for 16-bit ones), or None

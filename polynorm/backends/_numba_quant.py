@@ -238,7 +238,8 @@ def quant_rows(lo, hi, x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
     """Rows ``[lo, hi)``: (``h = x + r``,) ``y`` into ``buf``, then ``q`` and ``sc``.
 
     ``x``, ``r``, ``h``: (n, d) (16-bit floats as integer bits; ``r``/``h``
-    stand-ins without HAS_R); ``w``, ``b``: (d,) in the compute type, or None;
+    stand-ins without HAS_R); ``w``, ``b``: (d,) in the compute type (``w``
+    ones where absent, ``b`` None);
     ``q``: (n, d) uint8; ``sc``: (n, groups) float32; ``buf``: (d,) float32;
     ``rs``: (1,) of the compute type (rounds rstd).
     """

@@ -25,6 +25,7 @@ threads at once; the serial kernels release the GIL and need no lock.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any
@@ -224,26 +225,47 @@ if hasattr(os, "register_at_fork"):
 
 
 def _param_vector(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarray:
-    """Weight/bias as the kernels take them: in the compute dtype.
+    """Weight/bias as the kernels take them: contiguous, in the compute dtype.
 
     This is the reference's own ``astype(weight, compute dtype)``; with
     ``exact`` (llama weights, whose own rounding matters) a weight wider than
-    the compute dtype is kept as float64 instead.  A ``(d,)`` copy at most;
-    a read-only one is aliased as :func:`_kview` does.
+    the compute dtype is kept as float64 instead.  A ``(d,)`` copy at most
+    (a strided one is copied too: one compiled layout); a read-only one is
+    aliased as :func:`_kview` does.
     """
     target = _F64 if exact and a.dtype.itemsize > cdt.itemsize else cdt
-    if a.dtype != target:
-        return a.astype(target)
+    if a.dtype != target or not a.flags.c_contiguous:
+        return np.ascontiguousarray(a, target)
     return a if a.flags.writeable else _writable_alias(a)
 
 
-def _affine(weight, bias, cdt: np.dtype, exact: bool = False) -> tuple:
-    """``(w, b)``: weight/bias as the forward kernels take them (:func:`_param_vector`),
-    ``None`` where absent (the kernels then compile without those terms)."""
+@functools.lru_cache(maxsize=32)
+def _ones(d: int, cdt: np.dtype) -> np.ndarray:
+    """The weight of a call without one: ones, with no offset.
+
+    ``v * (1 + 0)`` is ``v`` bit for bit (-0.0, Inf and NaN included), so a
+    call without a weight runs the kernel compiled for calls with one: half
+    the specialisations (compile time), at a load from L1 and a multiply per
+    element for weightless calls.  An absent bias stays ``None``: a stand-in
+    would cost the common weight-only call an add per element and a larger
+    first compile.  Shared and never written (the kernels only read w);
+    writable, as the callers' weights are (:func:`_param_vector`), so the
+    kernels' types match.
+    """
+    return np.ones(d, cdt)
+
+
+def _affine(weight, bias, cdt: np.dtype, d: int, offset: float, exact: bool = False) -> tuple:
+    """``(w, b, offset)`` as the forward kernels take them: weight/bias in the
+    compute dtype (:func:`_param_vector`), :func:`_ones` for an absent weight
+    (then with offset 0), ``None`` for an absent bias."""
     to_numpy = _interop.to_numpy
-    w = None if weight is None else _param_vector(to_numpy(weight), cdt, exact)
+    if weight is None:
+        w, offset = _ones(d, cdt), 0.0
+    else:
+        w = _param_vector(to_numpy(weight), cdt, exact)
     b = None if bias is None else _param_vector(to_numpy(bias), cdt)
-    return w, b
+    return w, b, offset
 
 
 def _info(plan: Plan) -> tuple:
@@ -259,17 +281,19 @@ def _info(plan: Plan) -> tuple:
 
 
 def _llama_codes(plan: Plan, weight: np.ndarray | None) -> int:
-    """Rounding formats of llama casting: xhat to x's dtype, g to weight's, product to both's."""
+    """Rounding formats of llama casting: xhat to x's dtype, g to weight's, product to both's.
+
+    Without a weight (a stand-in of ones, :func:`_affine`) both are x's format:
+    1 rounds to 1, and ``xhat * 1`` rounded again to x's format is xhat.
+    """
     from .._options import promote
     from ._numba_codec import FORMAT_CODE as code
 
     kernels = _k()
-    flags = code[plan.norm_dtype] << kernels.XCODE_SHIFT
-    if weight is not None:
-        wname = "bfloat16" if _bf(weight) else weight.dtype.name
-        flags |= code[wname] << kernels.WCODE_SHIFT
-        flags |= code[promote(plan.norm_dtype, wname)] << kernels.PCODE_SHIFT
-    return flags
+    xname = plan.norm_dtype
+    wname = xname if weight is None else "bfloat16" if _bf(weight) else weight.dtype.name
+    return ((code[xname] << kernels.XCODE_SHIFT) | (code[wname] << kernels.WCODE_SHIFT)
+            | (code[promote(xname, wname)] << kernels.PCODE_SHIFT))
 
 
 def forward(x, residual, weight, bias, plan: Plan, out=None):
@@ -297,13 +321,13 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
         h = empty((n, d), h_dt)
         r = _kview(to_numpy(residual))
         hk = _kview(h)
-    w, b = _affine(weight, bias, cdt, exact=plan.llama)
+    w, b, offset = _affine(weight, bias, cdt, d, plan.offset, exact=plan.llama)
     if plan.llama:
         flags |= _llama_codes(plan, None if weight is None else to_numpy(weight))
     stream = out is not None and residual is None and not plan.llama and _streams(y, x)
     if stream:
         flags |= kernels.STREAM_Y
-    args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, plan.offset, _stage(yk, stream))
+    args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, offset, _stage(yk, stream))
     if plan.llama:
         _run_rows(kernels.forward_llama_parallel, kernels.forward_llama_rows, n, d, args)
     else:
@@ -327,12 +351,12 @@ def forward_small(x: np.ndarray, weight, bias, plan: Plan):
         x = np.ascontiguousarray(x)  # as _unit_columns
     y = np.empty((n, d), y_dt)
     rstd = np.empty(n, cdt)
-    w, b = _affine(weight, bias, cdt)
+    w, b, offset = _affine(weight, bias, cdt, d, plan.offset)
     # _kview's own test, here without the call for the float32/float64 arrays
     xk = x if x.dtype.itemsize != 2 and x.flags.writeable else _kview(x)
     yk = y if y_dt.itemsize != 2 else _kview(y)
-    kernels.forward_rows(0, n, xk, None, w, b, yk, None, rstd, flags, plan.k, plan.eps, plan.offset,
-                   None)
+    kernels.forward_rows(0, n, xk, None, w, b, yk, None, rstd, flags, plan.k, plan.eps, offset,
+                         None)
     return y, rstd
 
 
@@ -577,10 +601,10 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
     direct = o is not None and o.flags.c_contiguous and o.dtype == y_dt
     y = o if direct else empty((n, d), y_dt)
     rstd = empty((n, gplan.groups), cdt)
-    w, b = _affine(weight, bias, cdt)
+    w, b, offset = _affine(weight, bias, cdt, d, plan.offset)
     u = np.empty((1, d), cdt)  # the gated row buffer (per task in the parallel driver)
     args = (xk, zk, w, b, _kview(y), rstd, u, flags, gplan.group_size, gplan.k, plan.eps,
-            plan.offset)
+            offset)
     _run_rows(G.forward_parallel, G.forward_rows, n, d, args)
     from_numpy = _interop.from_numpy
     if o is not None:
@@ -710,9 +734,9 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
             h = empty((n, d), h_dt)
             flags |= kernels.HAS_R
             rk, hk = _kview(rn), _kview(h)
-        w, b = _affine(weight, bias, cdt)
+        w, b, offset = _affine(weight, bias, cdt, d, plan.offset)
         args = (xk, rk, w, b, hk, q, sc, np.empty(d, np.float32), np.empty(1, cdt), flags,
-                plan.k, plan.eps, plan.offset, *qargs)
+                plan.k, plan.eps, offset, *qargs)
         _run_rows(Q.quant_parallel, Q.quant_rows, n, d, args)
         h = None if h is None else _interop.from_numpy(h, caller)
     if qplan.static:
