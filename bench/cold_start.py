@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -82,6 +81,15 @@ def measure(names: list[str]) -> list[dict]:
     return rows
 
 
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("cases", nargs="*", metavar="case",
@@ -93,8 +101,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown case(s): {', '.join(sorted(unknown))}")
     rows = measure(args.cases or list(CASES))
     if args.json:
-        meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor()
-                or platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()}
+        from polynorm._bench.common import machine_info
+
+        meta = {**machine_info(), "numba": _version("numba"), "numpy": _version("numpy")}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -5,10 +5,11 @@ Every option of the :class:`polynorm._options.Plan` arrives as a runtime
 scalar or a bit of ``flags``, so a kernel is specialised only on the element
 types and memory layouts of its arrays.  Weight and bias arrive in the
 compute type (the caller converts those ``(d,)`` arrays).  In the forward an
-absent residual, weight, bias or stage is ``None``: the path is chosen at
-typing time (:func:`_forward_path`, :func:`scale_shift`), so a call compiles
-only the code it runs (a fresh process's first float32 call compiles one
-path, not the fused add, the 16-bit pipeline and streaming besides).  The
+absent residual, bias or stage is ``None`` (an absent weight is ones): each
+path has its own drivers (:func:`forward_kernels`) and absent terms are
+dropped at typing time (:func:`scale_shift`), so a call compiles only the
+code it runs (a fresh process's first float32 call compiles one path, not
+the fused add, the 16-bit pipeline and streaming besides).  The
 backward takes an absent weight, rstd or grad_residual as ``None`` too (its
 ``is None`` branches are resolved when it is compiled); the gated backward
 takes stand-ins with flag bits (one compiled kernel for every case of a
@@ -574,11 +575,10 @@ def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
                   _row_sumsq(h, i, k), y)
 
 
-# Row loops, one per path; the drivers pick one at typing time (_forward_path).
-# Each is inlined by Numba into _forward_path's choice, which is compiled as one
-# plain call: a separately compiled level costs LLVM a re-optimisation of all it
-# links, and an inline="always" overload is compiled in full anyway (to resolve
-# its signature) before it is typed again at its call site.
+# Row loops, one per path, each inlined by Numba into its serial driver (below):
+# a separately compiled level costs LLVM a re-optimisation of all it links, and
+# an inline="always" overload is compiled in full anyway (to resolve its
+# signature) before it is typed again at its call site.
 
 
 @_inline_ir
@@ -605,32 +605,6 @@ def _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset):
             # the next row's reads overlap this row's output pass
             prefetch_row(x, i + 1)
         _fwd_norm_row(i, i + 1, x, w, b, y, rstd, flags, k, eps, offset, ss, None)
-
-
-def _forward_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):  # pragma: no cover
-    """Rows ``[lo, hi)`` of the forward by the path the argument types call for:
-    the fused add where ``r`` is an array, the 16-bit pipeline, streamed rows
-    where ``stage`` is an array, else the plain two passes.  Only that path is
-    compiled (replaced by the overload)."""
-    raise NotImplementedError
-
-
-@overload(_forward_path, jit_options=_PLAIN_CALL)
-def _ov_forward_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
-    if not _absent(r):
-        return lambda lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage: (
-            _add_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset))
-    if bits_dtype(x.dtype):
-        if _absent(stage):  # y stands in for the stage (STREAM_Y is clear)
-            return lambda lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage: (
-                _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, y))
-        return lambda lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage: (
-            _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage))
-    if not _absent(stage):
-        return lambda lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage: (
-            _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage))
-    return lambda lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage: (
-        _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset))
 
 
 def _llama_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):  # pragma: no cover
@@ -671,13 +645,28 @@ def _none_or(fn, doc: str):
 
 
 _own_stage = _none_or(np.empty_like, "A stage of the same shape for one parallel task.")
+
+
+def _stage_or_y(stage, y):  # pragma: no cover - replaced by the overload
+    """``stage``, or ``y`` itself where absent: where a 16-bit row's output
+    pass writes when y is not streamed (STREAM_Y clear)."""
+    raise NotImplementedError
+
+
+@overload(_stage_or_y, inline="always")
+def _ov_stage_or_y(stage, y):
+    if _absent(stage):
+        return lambda stage, y: y
+    return lambda stage, y: stage
+
+
 _borrow_opt = _none_or(borrow, ":func:`borrow` of an array.")
 
 
 # Forward drivers.  x, r, y, h: (n, d) (integer bits for 16-bit floats); w, b:
 # (d,) in the compute type (float64 for llama weights wider than it), w ones
 # where absent (polynorm.backends.numba._ones); b, r, h: None where absent.
-# ``*_rows`` does rows [lo, hi) on one thread and is the serial path; the
+# ``*_rows`` does rows [lo, hi) on one thread and is the serial path; its
 # parallel driver only splits the rows and calls it, so the row code is
 # compiled once (the parallel driver compiles in a fraction of the time) and
 # the two paths give the same bits by construction.
@@ -707,17 +696,46 @@ def _range_bounds(c, n):
     return lo, min(n, lo + _range_rows(n))
 
 
+@_inline_ir
+def _borrowed(x, r, w, b, y, h, rstd, stage):
+    """The drivers' arrays borrowed (:mod:`._numba_refs`): no reference counting below."""
+    return (borrow(x), _borrow_opt(r), borrow(w), _borrow_opt(b), borrow(y), _borrow_opt(h),
+            borrow(rstd), _borrow_opt(stage))
+
+
+# The serial drivers, one per path, share one signature: r, h: the residual
+# and the sum, or None; w: an array (ones where absent:
+# polynorm.backends.numba._ones); b: an array or None; stage: the (1, c)
+# buffer of y's type that streamed rows pass through (flag STREAM_Y), or None.
+
+
 @_jit()
 def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
-    # r, h: the residual and the sum, or None; w: an array (ones where absent:
-    # polynorm.backends.numba._ones); b: an array or None;
-    # stage: the (1, c) buffer of y's type that streamed rows pass through
-    # (flag STREAM_Y: _streamed_rows for float rows, the pipeline's
-    # _stream_out for 16-bit ones), or None
-    x, y, rstd = borrow(x), borrow(y), borrow(rstd)
-    r, h, w, b, stage = (_borrow_opt(r), _borrow_opt(h), _borrow_opt(w), _borrow_opt(b),
-                         _borrow_opt(stage))
-    _forward_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage)
+    """Rows ``[lo, hi)`` of the plain forward: float32/float64 rows, no residual,
+    y stored as usual (``r``, ``h``, ``stage``: None)."""
+    x, r, w, b, y, h, rstd, stage = _borrowed(x, r, w, b, y, h, rstd, stage)
+    _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset)
+
+
+@_jit()
+def forward_bits_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
+    """Rows ``[lo, hi)`` of a 16-bit forward without residual (pipelined)."""
+    x, r, w, b, y, h, rstd, stage = _borrowed(x, r, w, b, y, h, rstd, stage)
+    _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, _stage_or_y(stage, y))
+
+
+@_jit()
+def forward_streamed_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
+    """Rows ``[lo, hi)`` of a float32/float64 forward whose y streams out through ``stage``."""
+    x, r, w, b, y, h, rstd, stage = _borrowed(x, r, w, b, y, h, rstd, stage)
+    _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage)
+
+
+@_jit()
+def forward_add_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
+    """Rows ``[lo, hi)`` of the fused add: ``h = x + r``, y from h (``stage``: None)."""
+    x, r, w, b, y, h, rstd, stage = _borrowed(x, r, w, b, y, h, rstd, stage)
+    _add_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset)
 
 
 @_jit()
@@ -732,8 +750,46 @@ def forward_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     n = x.shape[0]
     for c in prange(_range_count(n)):
         lo, hi = _range_bounds(c, n)
+        forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage)
+
+
+@_jit(parallel=True)
+def forward_bits_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
+    n = x.shape[0]
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
         own = _own_stage(stage)  # one stage per task
-        forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, own)
+        forward_bits_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, own)
+
+
+@_jit(parallel=True)
+def forward_streamed_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
+    n = x.shape[0]
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
+        own = _own_stage(stage)  # one stage per task
+        forward_streamed_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, own)
+
+
+@_jit(parallel=True)
+def forward_add_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
+    n = x.shape[0]
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
+        forward_add_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage)
+
+
+def forward_kernels(residual: bool, bits: bool, stream: bool) -> tuple:
+    """``(parallel, serial)`` drivers of a forward: the fused add with a
+    ``residual``, the 16-bit pipeline for ``bits`` rows (whose stage is y
+    itself unless streamed), streamed y, or the plain two passes."""
+    if residual:
+        return forward_add_parallel, forward_add_rows
+    if bits:
+        return forward_bits_parallel, forward_bits_rows
+    if stream:
+        return forward_streamed_parallel, forward_streamed_rows
+    return forward_parallel, forward_rows
 
 
 @_jit(parallel=True)

@@ -331,7 +331,8 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     if plan.llama:
         _run_rows(kernels.forward_llama_parallel, kernels.forward_llama_rows, n, d, args)
     else:
-        _run_rows(kernels.forward_parallel, kernels.forward_rows, n, d, args)
+        drivers = kernels.forward_kernels(residual is not None, xk.dtype.itemsize == 2, stream)
+        _run_rows(*drivers, n, d, args)
     from_numpy = _interop.from_numpy
     return (out if out is not None else from_numpy(y, caller),
             None if h is None else from_numpy(h, caller), from_numpy(rstd, caller))
@@ -355,8 +356,8 @@ def forward_small(x: np.ndarray, weight, bias, plan: Plan):
     # _kview's own test, here without the call for the float32/float64 arrays
     xk = x if x.dtype.itemsize != 2 and x.flags.writeable else _kview(x)
     yk = y if y_dt.itemsize != 2 else _kview(y)
-    kernels.forward_rows(0, n, xk, None, w, b, yk, None, rstd, flags, plan.k, plan.eps, offset,
-                         None)
+    rows = kernels.forward_bits_rows if xk.dtype.itemsize == 2 else kernels.forward_rows
+    rows(0, n, xk, None, w, b, yk, None, rstd, flags, plan.k, plan.eps, offset, None)
     return y, rstd
 
 
