@@ -1,7 +1,7 @@
 """Vector instructions per 16 elements in the 16-bit kernels' hot loops (machine code, not time).
 
-Compiles the Numba forward (``forward_bits_rows``: plain and ``out=``
-rows) and backward (``backward_range``) for bfloat16 and float16 on this CPU,
+Compiles the Numba forward (``forward_bits_rows``: the pipelined rows;
+``forward_streamed_rows``: streamed ``out=`` rows) and backward (``backward_range``) for bfloat16 and float16 on this CPU,
 takes each innermost loop of their machine code that converts 16-bit data
 (``vpmovzxwd``/``vcvtph2ps`` in, ``vpmovdw``/``vpackusdw``/``vcvtps2ph``/
 ``vcvtneps2bf16`` out) and prints, per 16 elements: all instructions, the vector
@@ -130,7 +130,8 @@ def kernel_asm(dtypes: list[str]) -> dict[str, str]:
         pn.rms_norm_backward(r, x, w, backend="numba")
     out = {}
     bits = {"bfloat16": "uint16", "float16": "int16"}
-    for tag, fn, pos in (("fwd", K.forward_bits_rows, 2), ("bwd", KB.backward_range, 5)):
+    for tag, fn, pos in (("fwd", K.forward_bits_rows, 2), ("fwd out", K.forward_streamed_rows, 2),
+                         ("bwd", KB.backward_range, 5)):
         for sig, asm in fn.inspect_asm().items():
             for dt in dtypes:
                 if str(sig[pos].dtype) == bits[dt]:

@@ -501,8 +501,9 @@ def threshold(ds=(512, 1024, 4096), ns=(1, 2, 4, 8, 16, 32, 64, 128), min_time=0
 # --------------------------------------------------------------------------- streaming threshold
 
 
-def stream_threshold(ns=(64, 256, 512, 1024, 2048, 4096, 16384), d=4096, min_time=0.2):
-    """float32 ``out=`` forward with streaming stores / with ordinary ones, paired.
+def stream_threshold(ns=(64, 256, 512, 1024, 2048, 4096, 16384), d=4096, min_time=0.2,
+                     dtype="float32"):
+    """``out=`` forward with streaming stores / with ordinary ones, paired.
 
     Returns ``[(n, d, MiB of y, time ratio)]`` (below 1: streaming is faster).
     Each call writes the same ``out=`` array again, so a small ``y`` is still
@@ -516,7 +517,8 @@ def stream_threshold(ns=(64, 256, 512, 1024, 2048, 4096, 16384), d=4096, min_tim
     try:
         for n in ns:
             x = np.random.default_rng(0).standard_normal((n, d), dtype=np.float32)
-            w = np.ones(d, np.float32)
+            x = x.astype(numpy_dtype(dtype))
+            w = np.ones(d, x.dtype)
             y = np.empty_like(x)
 
             def streamed(x=x, w=w, y=y):
@@ -564,9 +566,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                           if tp < ts else ""))
         return 0
     if args.stream:
-        print(f"{'n':>6} {'d':>6} {'y MiB':>7} {'streamed / ordinary':>20}")
-        for n, d, mib, ratio in stream_threshold():
-            print(f"{n:>6} {d:>6} {mib:>7.0f} {ratio:>20.3f}")
+        print(f"{'dtype':>9} {'n':>6} {'d':>6} {'y MiB':>7} {'streamed / ordinary':>20}")
+        for dt in args.dtypes or ["float32"]:
+            for n, d, mib, ratio in stream_threshold(dtype=dt):
+                print(f"{dt:>9} {n:>6} {d:>6} {mib:>7.0f} {ratio:>20.3f}")
         return 0
     import numba
 

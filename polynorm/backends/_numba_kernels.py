@@ -359,7 +359,7 @@ def _out_span(a, i, j0, j1, w, b, y, rc, oc):
 
 
 @_inline
-def _fwd_norm_row(i, hi, a, w, b, y, rstd, flags, k, eps, offset, ss, stage):
+def _fwd_norm_row(i, hi, a, w, b, y, rstd, flags, k, eps, offset, ss):
     """Row ``i`` of y from its sum ``ss`` (:func:`_row_sumsq`).
 
     With ``i + 1 < hi`` (16-bit rows only) row ``i + 1``'s lanes sum is
@@ -373,20 +373,19 @@ def _fwd_norm_row(i, hi, a, w, b, y, rstd, flags, k, eps, offset, ss, stage):
     if r64 < math.inf and not rc < math.inf:
         _fwd_row_wide(i, a, w, b, y, r64, oc)
         return _row_sumsq(a, nxt, k) if nxt < hi else 0.0
-    return _out_and_next(i, hi, a, w, b, y, rc, oc, flags, k, stage)
+    return _out_and_next(i, hi, a, w, b, y, rc, oc, k)
 
 
-def _out_and_next(i, hi, a, w, b, y, rc, oc, flags, k, stage):  # pragma: no cover
+def _out_and_next(i, hi, a, w, b, y, rc, oc, k):  # pragma: no cover
     """Row ``i``'s output pass; for 16-bit rows with ``i + 1 < hi`` it also sums
-    row ``i + 1`` (returned; else 0), and with STREAM_Y writes y through
-    ``stage``.  Chosen at typing time, like _row_sumsq."""
+    row ``i + 1`` (returned; else 0).  Chosen at typing time, like _row_sumsq."""
     raise NotImplementedError
 
 
 @overload(_out_and_next, inline="always")
-def _ov_out_and_next(i, hi, a, w, b, y, rc, oc, flags, k, stage):
+def _ov_out_and_next(i, hi, a, w, b, y, rc, oc, k):
     if not bits_dtype(a.dtype):
-        def plain(i, hi, a, w, b, y, rc, oc, flags, k, stage):
+        def plain(i, hi, a, w, b, y, rc, oc, k):
             d = a.shape[1]
             if i + 1 < a.shape[0] and not _prefetches(a):
                 # long rows: the next row asked for a chunk at a time, spread
@@ -399,44 +398,29 @@ def _ov_out_and_next(i, hi, a, w, b, y, rc, oc, flags, k, stage):
                 _out_span(a, i, np.intp(0), d, w, b, y, rc, oc)  # not a literal: one compile
             return 0.0
         return plain
-    return lambda i, hi, a, w, b, y, rc, oc, flags, k, stage: _out_and_next_lanes(
-        i, hi, a, w, b, y, rc, oc, flags, k, stage)
+    return lambda i, hi, a, w, b, y, rc, oc, k: _out_and_next_lanes(i, hi, a, w, b, y, rc, oc, k)
 
 
 @_inline  # a call: Numba's IR inliner mishandles its loop-carried lanes
-def _out_and_next_lanes(i, hi, a, w, b, y, rc, oc, flags, k, stage):
+def _out_and_next_lanes(i, hi, a, w, b, y, rc, oc, k):
     # software pipeline: row i's output pass and row i+1's sum in one loop,
     # with the row after next prefetched a chunk at a time (without it the
     # pipeline is slower than two passes).  One output loop in the pipelined
     # part and one after it: each inlines every codec and case (compile time).
-    # With STREAM_Y, y leaves through the stage in whole lines (_stream_out),
-    # ``h`` columns behind the sum's grid: the sum's blocks stay where they are.
+    # A y that streams out takes _streamed_rows instead: its whole lines
+    # leave faster from a pass of their own than beside the next row's sum.
     nxt = i + 1
     pipe = nxt < hi
     kc = k - k % _CHUNK if pipe else 0
     acc = lanes_zero()
     ahead = i + 2 < a.shape[0]
-    d = a.shape[1]
-    streamed = (flags & STREAM_Y) != 0
-    h, lines_end = _whole_lines(y, i) if streamed else (0, 0)
-    o = h  # the next column of y to stream out
-    if streamed:
-        _out_span(a, i, np.intp(0), h, w, b, y, rc, oc)
     for jc in range(0, kc, _CHUNK):
         if ahead:
             prefetch_span(a, i + 2, jc, _CHUNK)
-        if streamed:
-            o = _stream_out(a, i, o, min(h + jc + _CHUNK, lines_end), w, b, y, rc, oc,
-                            stage)
-        else:
-            _out_span(a, i, jc, jc + _CHUNK, w, b, y, rc, oc)
+        _out_span(a, i, jc, jc + _CHUNK, w, b, y, rc, oc)
         for j in range(jc, jc + _CHUNK, SUM_BLOCK):
             acc = lanes_add_block(acc, a, nxt, j)
-    if streamed:
-        _stream_out(a, i, o, lines_end, w, b, y, rc, oc, stage)
-        _out_span(a, i, lines_end, d, w, b, y, rc, oc)
-    else:
-        _out_span(a, i, kc, d, w, b, y, rc, oc)
+    _out_span(a, i, kc, a.shape[1], w, b, y, rc, oc)
     return _lanes_rest(acc, a, nxt, k, kc) if pipe else 0.0
 
 
@@ -469,7 +453,7 @@ def _stream_out(a, i, j0, j1, w, b, y, rc, oc, stage):
 
 @_inline_ir
 def _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
-    """Rows ``[lo, hi)`` of a float32/float64 forward whose ``y`` leaves through
+    """Rows ``[lo, hi)`` of a forward (any float type) whose ``y`` leaves through
     ``stage`` and streaming stores (:mod:`._numba_stream`): the lines of
     ``y[i]`` are written whole, without being read first.  The values are
     those of :func:`_fwd_norm_row`.
@@ -569,10 +553,7 @@ def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
         prefetch_row(x, i + 1)
         prefetch_row(r, i + 1)
     _add_row(i, x, r, h)
-    # no streaming here (the front end does not ask for it with a residual):
-    # y stands in for the stage
-    _fwd_norm_row(i, i + 1, h, w, b, y, rstd, flags & ~STREAM_Y, k, eps, offset,
-                  _row_sumsq(h, i, k), y)
+    _fwd_norm_row(i, i + 1, h, w, b, y, rstd, flags, k, eps, offset, _row_sumsq(h, i, k))
 
 
 # Row loops, one per path, each inlined by Numba into its serial driver (below):
@@ -588,13 +569,11 @@ def _add_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
 
 
 @_inline_ir
-def _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
+def _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset):
     # 16-bit rows: pipelined (see _out_and_next)
     ss = _row_sumsq(x, lo, k) if lo < hi else 0.0
     for i in range(lo, hi):
-        ss = _fwd_norm_row(i, hi, x, w, b, y, rstd, flags, k, eps, offset, ss, stage)
-    if flags & STREAM_Y:
-        stream_fence()
+        ss = _fwd_norm_row(i, hi, x, w, b, y, rstd, flags, k, eps, offset, ss)
 
 
 @_inline_ir
@@ -604,7 +583,7 @@ def _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset):
         if i + 1 < x.shape[0] and _prefetches(x):
             # the next row's reads overlap this row's output pass
             prefetch_row(x, i + 1)
-        _fwd_norm_row(i, i + 1, x, w, b, y, rstd, flags, k, eps, offset, ss, None)
+        _fwd_norm_row(i, i + 1, x, w, b, y, rstd, flags, k, eps, offset, ss)
 
 
 def _llama_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):  # pragma: no cover
@@ -645,19 +624,6 @@ def _none_or(fn, doc: str):
 
 
 _own_stage = _none_or(np.empty_like, "A stage of the same shape for one parallel task.")
-
-
-def _stage_or_y(stage, y):  # pragma: no cover - replaced by the overload
-    """``stage``, or ``y`` itself where absent: where a 16-bit row's output
-    pass writes when y is not streamed (STREAM_Y clear)."""
-    raise NotImplementedError
-
-
-@overload(_stage_or_y, inline="always")
-def _ov_stage_or_y(stage, y):
-    if _absent(stage):
-        return lambda stage, y: y
-    return lambda stage, y: stage
 
 
 _borrow_opt = _none_or(borrow, ":func:`borrow` of an array.")
@@ -719,14 +685,15 @@ def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
 
 @_jit()
 def forward_bits_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
-    """Rows ``[lo, hi)`` of a 16-bit forward without residual (pipelined)."""
+    """Rows ``[lo, hi)`` of a 16-bit forward without residual, y stored as
+    usual (pipelined; ``r``, ``h``, ``stage``: None)."""
     x, r, w, b, y, h, rstd, stage = _borrowed(x, r, w, b, y, h, rstd, stage)
-    _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, _stage_or_y(stage, y))
+    _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset)
 
 
 @_jit()
 def forward_streamed_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
-    """Rows ``[lo, hi)`` of a float32/float64 forward whose y streams out through ``stage``."""
+    """Rows ``[lo, hi)`` of a forward whose y streams out through ``stage``."""
     x, r, w, b, y, h, rstd, stage = _borrowed(x, r, w, b, y, h, rstd, stage)
     _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage)
 
@@ -758,8 +725,7 @@ def forward_bits_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     n = x.shape[0]
     for c in prange(_range_count(n)):
         lo, hi = _range_bounds(c, n)
-        own = _own_stage(stage)  # one stage per task
-        forward_bits_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, own)
+        forward_bits_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage)
 
 
 @_jit(parallel=True)
@@ -781,14 +747,14 @@ def forward_add_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
 
 def forward_kernels(residual: bool, bits: bool, stream: bool) -> tuple:
     """``(parallel, serial)`` drivers of a forward: the fused add with a
-    ``residual``, the 16-bit pipeline for ``bits`` rows (whose stage is y
-    itself unless streamed), streamed y, or the plain two passes."""
+    ``residual``, streamed y, the 16-bit pipeline for ``bits`` rows, or the
+    plain two passes."""
     if residual:
         return forward_add_parallel, forward_add_rows
-    if bits:
-        return forward_bits_parallel, forward_bits_rows
     if stream:
         return forward_streamed_parallel, forward_streamed_rows
+    if bits:
+        return forward_bits_parallel, forward_bits_rows
     return forward_parallel, forward_rows
 
 

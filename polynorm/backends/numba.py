@@ -51,9 +51,10 @@ SERIAL_MAX_ELEMENTS = 1 << 16
 #: the cache, and whoever reads a y that would have fit in L3 next pays for
 #: it, so only arrays of about half a typical L3 or more stream.
 STREAM_MIN_BYTES = 16 << 20
-#: 16-bit rows (the pipelined forward) stream only from this many bytes on:
-#: shorter rows are slower streamed than stored (the stage's flush per row
-#: costs more than the reads it saves).
+#: 16-bit rows stream (two passes per row, instead of the pipelined
+#: forward's one) only from this many bytes on: shorter rows are faster
+#: pipelined and stored (the stage's flush per row costs more than the reads
+#: it saves).
 STREAM_MIN_ROW_BYTES_16 = 8192
 #: Elements per stage (the L1 buffer streamed rows pass through); whole lines
 #: for every dtype.
