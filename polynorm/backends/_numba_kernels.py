@@ -74,7 +74,6 @@ HAS_B = 1 << 2
 EPS_INSIDE = 1 << 3
 LLAMA = 1 << 4
 HAS_RSTD = 1 << 5  # gated backward: rstd given
-STREAM_Y = 1 << 7  # forward: y leaves through streaming stores (_numba_stream)
 # llama rounding formats (codes of _numba_codec.round_to), two bits each
 XCODE_SHIFT = 16
 WCODE_SHIFT = 18
@@ -672,7 +671,7 @@ def _borrowed(x, r, w, b, y, h, rstd, stage):
 # The serial drivers, one per path, share one signature: r, h: the residual
 # and the sum, or None; w: an array (ones where absent:
 # polynorm.backends.numba._ones); b: an array or None; stage: the (1, c)
-# buffer of y's type that streamed rows pass through (flag STREAM_Y), or None.
+# buffer of y's type that streamed rows pass through (forward_streamed_rows), or None.
 
 
 @_jit()

@@ -326,8 +326,6 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     if plan.llama:
         flags |= _llama_codes(plan, None if weight is None else to_numpy(weight))
     stream = out is not None and residual is None and not plan.llama and _streams(y, x)
-    if stream:
-        flags |= kernels.STREAM_Y
     args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, offset, _stage(yk, stream))
     if plan.llama:
         _run_rows(kernels.forward_llama_parallel, kernels.forward_llama_rows, n, d, args)
