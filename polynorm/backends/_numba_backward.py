@@ -22,6 +22,7 @@ from ._numba_kernels import (
     _PREFETCH_MAX_BYTES,
     EPS_INSIDE,
     HAS_B,
+    HAS_RSTD,
     _borrow_opt,
     _inline,
     _jit,
@@ -107,11 +108,12 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
         # short rows: the next row's x and dy stream in during both passes of this one
         prefetch_row(x, i + 1)
         prefetch_row(dy, i + 1)
+    have_rstd = (flags & HAS_RSTD) != 0
     rms = 0.0
     r64 = 0.0
-    if rstd_in is None or not inside:
+    if not have_rstd or not inside:
         rms, r64 = _stats(x, i, k, eps, inside)
-    if rstd_in is not None:
+    if have_rstd:
         r64 = np.float64(rstd_in[i])
         if not r64 < math.inf:  # a float32 rstd that overflowed: recompute it in float64
             rms, r64 = _stats(x, i, k, eps, inside)
@@ -372,7 +374,7 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
     that no two arrays of a loop ever lie close (see ``_PAD``).
     """
     dy, x, dx = borrow(dy), borrow(x), borrow(dx)
-    w, rstd_in, gr = _borrow_opt(w), _borrow_opt(rstd_in), _borrow_opt(gr)
+    w, rstd_in, gr = _borrow_opt(w), borrow(rstd_in), _borrow_opt(gr)
     out_lvl, out_idx, out_val, pc, p64 = (borrow(out_lvl), borrow(out_idx), borrow(out_val),
                                           borrow(pc), borrow(p64))
     W = out_val.shape[1]

@@ -256,6 +256,14 @@ def _ones(d: int, cdt: np.dtype) -> np.ndarray:
     return np.ones(d, cdt)
 
 
+@functools.lru_cache(maxsize=4)
+def _no_rstd(cdt: np.dtype) -> np.ndarray:
+    """The backward's ``rstd`` when none is given (``HAS_RSTD`` unset): never read,
+    of the type a given one has (the compute dtype, contiguous), so that calls
+    with and without one run the same compiled kernel."""
+    return np.zeros(1, cdt)
+
+
 def _affine(weight, bias, cdt: np.dtype, d: int, offset: float, exact: bool = False) -> tuple:
     """``(w, b, offset)`` as the forward kernels take them: weight/bias in the
     compute dtype (:func:`_param_vector`), :func:`_ones` for an absent weight
@@ -418,16 +426,20 @@ def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan, dx=N
     # casting does not change the backward: no llama bit
     flags = info[0] & ~kernels.LLAMA
     dyk = _kview(dyn)
-    # absent operands are None: the kernels compile without their terms
-    w = wn = bn = rs = gr = None
+    # absent weight, bias, grad_residual are None: the kernels compile without their terms
+    w = wn = bn = gr = None
     if weight is not None:
         wn = to_numpy(weight)
         w = _param_vector(wn, cdt)
     if bias is not None:
         bn = to_numpy(bias)
         flags |= kernels.HAS_B
-    if rstd is not None:
-        rs = _kview(to_numpy(rstd))
+    if rstd is None:
+        # a placeholder of the given rstd's type: one compiled kernel either way
+        rs = _no_rstd(cdt)
+    else:
+        flags |= kernels.HAS_RSTD
+        rs = _kview(np.ascontiguousarray(to_numpy(rstd)))
     if grad_residual is not None:
         gr = _kview(to_numpy(grad_residual))
     if dx is None:
