@@ -234,6 +234,7 @@ def test_streamed_out_equals_ordinary(monkeypatch, xdt, wdt, out_dtype, n, d, rn
         want, want_rstd = pn.rms_norm(x, w, **opts)
         monkeypatch.setattr(nb, "STREAM_MIN_BYTES", 0)
         monkeypatch.setattr(nb, "STREAM_MIN_ROW_BYTES_16", 0)
+        monkeypatch.setattr(nb, "STREAM_16", True)  # whatever the CPU
         for shift in range(4):  # the rows' first line boundary moves
             big = np.full((n, d + 8), 7, want.dtype)
             out = big[:, shift:shift + d]
@@ -261,15 +262,31 @@ def test_streaming_only_for_large_out(monkeypatch, rng):
     pn.rms_norm(x, out=np.empty_like(x), backend="numba")
     pn.rms_norm(x, out=np.empty((64, 512), np.float32)[:, ::2], backend="numba")  # strided
     assert calls == [False, False, True, False]
-    # 16-bit rows: from STREAM_MIN_ROW_BYTES_16 on
+    # 16-bit rows: from STREAM_MIN_ROW_BYTES_16 on, where STREAM_16
     xb = _data(rng, (64, 256), "bfloat16")
     monkeypatch.setattr(nb, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(nb, "STREAM_16", True)
     monkeypatch.setattr(nb, "STREAM_MIN_ROW_BYTES_16", 2 * 256 + 2)
     pn.rms_norm(xb, out=np.empty_like(xb), backend="numba")
     monkeypatch.setattr(nb, "STREAM_MIN_ROW_BYTES_16", 2 * 256)
     pn.rms_norm(xb, out=np.empty_like(xb), backend="numba")
     pn.add_rms_norm(xb, xb, out=np.empty_like(xb), backend="numba")  # never with a residual
-    assert calls[4:] == [False, True, False]
+    monkeypatch.setattr(nb, "STREAM_16", False)
+    pn.rms_norm(xb, out=np.empty_like(xb), backend="numba")
+    pn.rms_norm(x, out=np.empty_like(x), backend="numba")  # float32 rows stream anyway
+    assert calls[4:] == [False, True, False, False, True]
+
+
+@pytest.mark.parametrize("avx512", [False, True])
+def test_16_bit_rows_stream_where_the_cpu_has_avx512(monkeypatch, avx512):
+    """STREAM_16 unset: decided once, from the CPU's avx512f feature."""
+    from polynorm.backends import _numba_codec
+
+    asked = []
+    monkeypatch.setattr(nb, "STREAM_16", None)
+    monkeypatch.setattr(_numba_codec, "host_has", lambda f: asked.append(f) or avx512)
+    assert nb._streams_16() is avx512 and nb._streams_16() is avx512
+    assert asked == ["avx512f"] and nb.STREAM_16 is avx512
 
 
 # --------------------------------------------------------------------------- numerics

@@ -506,14 +506,14 @@ def stream_threshold(ns=(64, 256, 512, 1024, 2048, 4096, 16384), d=4096, min_tim
     """``out=`` forward with streaming stores / with ordinary ones, paired.
 
     Returns ``[(n, d, MiB of y, time ratio)]`` (below 1: streaming is faster).
-    Each call writes the same ``out=`` array again, so a small ``y`` is still
+    16-bit rows stream here whatever the CPU (``STREAM_16``).  Each call writes the same ``out=`` array again, so a small ``y`` is still
     in cache for the next call, as it would be for a consumer reading it.
     """
     import polynorm as pn
     from polynorm.backends import numba as nb
 
     rows = []
-    keep = nb.STREAM_MIN_BYTES
+    keep = nb.STREAM_MIN_BYTES, nb.STREAM_16
     try:
         for n in ns:
             x = np.random.default_rng(0).standard_normal((n, d), dtype=np.float32)
@@ -522,7 +522,7 @@ def stream_threshold(ns=(64, 256, 512, 1024, 2048, 4096, 16384), d=4096, min_tim
             y = np.empty_like(x)
 
             def streamed(x=x, w=w, y=y):
-                nb.STREAM_MIN_BYTES = 0
+                nb.STREAM_MIN_BYTES, nb.STREAM_16 = 0, True  # 16-bit too, whatever the CPU
                 pn.rms_norm(x, w, out=y)
 
             def ordinary(x=x, w=w, y=y):
@@ -532,7 +532,7 @@ def stream_threshold(ns=(64, 256, 512, 1024, 2048, 4096, 16384), d=4096, min_tim
             ts, to = paired_median(streamed, ordinary, min_time=min_time)
             rows.append((n, d, y.nbytes / 2**20, ts / to))
     finally:
-        nb.STREAM_MIN_BYTES = keep
+        nb.STREAM_MIN_BYTES, nb.STREAM_16 = keep
     return rows
 
 

@@ -446,7 +446,8 @@ _VF = ir.VectorType(_F32T, SUM_LANES)
 _VI1 = ir.VectorType(ir.IntType(1), SUM_LANES)
 
 
-def _host_has(feature: str) -> bool:
+def host_has(feature: str) -> bool:
+    """Whether the host CPU has LLVM feature ``feature`` (e.g. ``"avx512f"``)."""
     from llvmlite import binding
 
     try:
@@ -456,7 +457,7 @@ def _host_has(feature: str) -> bool:
 
 
 #: llvm.fma where the CPU has it; elsewhere an fmul + fadd (a libm call would be slow)
-_HAS_FMA = _host_has("fma")
+_HAS_FMA = host_has("fma")
 
 
 class SumLanes(types.Type):

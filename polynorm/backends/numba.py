@@ -56,6 +56,9 @@ STREAM_MIN_BYTES = 16 << 20
 #: pipelined and stored (the stage's flush per row costs more than the reads
 #: it saves).
 STREAM_MIN_ROW_BYTES_16 = 8192
+#: Whether 16-bit rows stream at all; None: decided at the first forward, from
+#: the CPU (:func:`_streams_16`).
+STREAM_16: bool | None = None
 #: Elements per stage (the L1 buffer streamed rows pass through); whole lines
 #: for every dtype.
 _STAGE = 256
@@ -150,10 +153,27 @@ def _bf(a: np.ndarray) -> bool:
     return a.dtype.kind == "V"
 
 
+def _streams_16() -> bool:
+    """:data:`STREAM_16`, or where unset: whether the CPU has AVX-512.
+
+    Streamed 16-bit rows take two passes over each row where the pipelined
+    forward takes one: that paid off on a CPU with AVX-512 and lost at every
+    size on one with AVX2 only (``python bench/cpu.py --stream --dtypes
+    bfloat16 float16`` times both; bench/results/stream-*.txt).
+    """
+    global STREAM_16
+    if STREAM_16 is None:
+        from ._numba_codec import host_has
+
+        STREAM_16 = host_has("avx512f")
+    return STREAM_16
+
+
 def _streams(y: np.ndarray, x: np.ndarray) -> bool:
     """Whether ``out=`` array ``y`` (of input ``x``) is written with streaming stores."""
     return (y.nbytes >= STREAM_MIN_BYTES
-            and (x.itemsize > 2 or x.shape[1] * 2 >= STREAM_MIN_ROW_BYTES_16)
+            and (x.itemsize > 2
+                 or (x.shape[1] * 2 >= STREAM_MIN_ROW_BYTES_16 and _streams_16()))
             and y.strides[1] == y.itemsize and y.ctypes.data % y.itemsize == 0
             and y.strides[0] % y.itemsize == 0)
 
