@@ -506,8 +506,9 @@ def stream_threshold(ns=(64, 256, 512, 1024, 2048, 4096, 16384), d=4096, min_tim
     """``out=`` forward with streaming stores / with ordinary ones, paired.
 
     Returns ``[(n, d, MiB of y, time ratio)]`` (below 1: streaming is faster).
-    16-bit rows stream here whatever the CPU (``STREAM_16``).  Each call writes the same ``out=`` array again, so a small ``y`` is still
-    in cache for the next call, as it would be for a consumer reading it.
+    16-bit rows stream here whatever the CPU (``STREAM_16``).  Each call writes
+    the same ``out=`` array again, so a small ``y`` is still in cache for the
+    next call, as it would be for a consumer reading it.
     """
     import polynorm as pn
     from polynorm.backends import numba as nb
