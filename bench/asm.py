@@ -1,7 +1,9 @@
 """Vector instructions per 16 elements in the 16-bit kernels' hot loops (machine code, not time).
 
 Compiles the Numba forward (``forward_bits_rows``: the pipelined rows;
-``forward_streamed_rows``: streamed ``out=`` rows) and backward (``backward_range``) for bfloat16 and float16 on this CPU,
+``forward_streamed_rows``: streamed ``out=`` rows), backward (``backward_range``), gated
+forward (``_numba_gated.forward_rows``) and quantized forward (``quant_rows``: float8,
+per-token scale) for bfloat16 and float16 on this CPU,
 takes each innermost loop of their machine code that converts 16-bit data
 (``vpmovzxwd``/``vcvtph2ps`` in, ``vpmovdw``/``vpackusdw``/``vcvtps2ph``/
 ``vcvtneps2bf16`` out) and prints, per 16 elements: all instructions, the vector
@@ -111,7 +113,9 @@ def kernel_asm(dtypes: list[str]) -> dict[str, str]:
     import polynorm as pn
     from polynorm._dtypes import numpy_dtype
     from polynorm.backends import _numba_backward as KB
+    from polynorm.backends import _numba_gated as G
     from polynorm.backends import _numba_kernels as K
+    from polynorm.backends import _numba_quant as Q
     from polynorm.backends import numba as nb
 
     rng = np.random.default_rng(0)
@@ -121,17 +125,21 @@ def kernel_asm(dtypes: list[str]) -> dict[str, str]:
         w = np.ones(4096, np.float32)
         pn.rms_norm(x, w, backend="numba")
         pn.add_rms_norm(x, r, w, backend="numba")
-        keep = nb.STREAM_MIN_BYTES
-        nb.STREAM_MIN_BYTES = 0  # compile the streamed out= rows as well
+        keep = nb.STREAM_MIN_BYTES, nb.STREAM_16
+        # compile the streamed out= rows as well, whether or not this CPU streams 16-bit rows
+        nb.STREAM_MIN_BYTES, nb.STREAM_16 = 0, True
         try:
             pn.rms_norm(x, w, backend="numba", out=np.empty_like(x))
         finally:
-            nb.STREAM_MIN_BYTES = keep
+            nb.STREAM_MIN_BYTES, nb.STREAM_16 = keep
         pn.rms_norm_backward(r, x, w, backend="numba")
+        pn.rms_norm_gated(x, r, w, backend="numba")
+        pn.rms_norm_quant(x, w, backend="numba")
     out = {}
     bits = {"bfloat16": "uint16", "float16": "int16"}
     for tag, fn, pos in (("fwd", K.forward_bits_rows, 2), ("fwd out", K.forward_streamed_rows, 2),
-                         ("bwd", KB.backward_range, 5)):
+                         ("bwd", KB.backward_range, 5), ("gated", G.forward_rows, 2),
+                         ("quant", Q.quant_rows, 2)):
         for sig, asm in fn.inspect_asm().items():
             for dt in dtypes:
                 if str(sig[pos].dtype) == bits[dt]:
