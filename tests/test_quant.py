@@ -152,16 +152,20 @@ def _encoder_inputs():
                            np.array([np.nan, -np.nan, np.inf, -np.inf], np.float32)])
 
 
-def test_numba_encoders_are_the_casts():
-    """The kernel's bit-level encoders against ml_dtypes (after the clip) and rint."""
+@pytest.mark.parametrize("width", [64, 71])
+def test_numba_encoders_are_the_casts(width):
+    """The kernel's bit-level encoders against ml_dtypes (after the clip) and rint:
+    rows of 64 go through the 32-lane block encoder only, rows of 71 put 7 of
+    every 71 values through the scalar tail (bench/encoders_exhaustive.py runs
+    all 2**32 float32 patterns)."""
     from polynorm.backends import _numba_quant as Q
 
     v = _encoder_inputs()
-    v = np.ascontiguousarray(v[: v.size // 64 * 64].reshape(-1, 64))
+    v = np.ascontiguousarray(v[: v.size // width * width].reshape(-1, width))
     for qdtype in ("float8_e4m3fn", "int8"):
         q = np.empty(v.shape, np.uint8)
         sc = np.empty((1, 1), np.float32)
-        Q.quantize_y_rows(0, v.shape[0], v, q, sc, np.float32(1.0), 64,
+        Q.quantize_y_rows(0, v.shape[0], v, q, sc, np.float32(1.0), width,
                           np.float32(QMAX[qdtype]), qdtype == "float8_e4m3fn", True)
         want, _ = oracle_quantize(v, qdtype, scale=1.0)
         got = q.view(FP8) if qdtype == "float8_e4m3fn" else q.view(np.int8)

@@ -45,13 +45,44 @@ from ._numba_refs import borrow
 _F32_MIN_NORMAL = np.float32(2.0**-126)
 
 
-@intrinsic
-def e4m3fn(typingctx, v):
-    """float32 ``v`` -> float8_e4m3fn bits: saturated to +-448, nearest even, NaN kept (sign too).
+#: float32 values one call of :func:`_encode_block` encodes: four 8-lane vectors,
+#: so that the 32 codes pack into one 32-byte store and the constants are
+#: loaded once per block (LLVM's own vectorization of the scalar loop takes
+#: 8 lanes at a time and reloads them every iteration)
+QBLOCK = 32
 
-    Written in 32-bit IR (Numba would widen the integer steps to 64 bits,
-    halving the vector width), in few operations and constants, since the
-    encoder is the costliest step of the quantized forward:
+
+def _consts(ty):
+    """Constant makers for ``ty``: float32/int32 scalars or vectors of them."""
+    f32, i32 = ir.FloatType(), ir.IntType(32)
+    n = ty.count if isinstance(ty, ir.VectorType) else None
+
+    def make(elt, val):
+        if n is None:
+            return ir.Constant(elt, val)
+        return ir.Constant(ir.VectorType(elt, n), [ir.Constant(elt, val)] * n)
+
+    return (lambda v: make(f32, v)), (lambda v: make(i32, v)), \
+        (f32 if n is None else ir.VectorType(f32, n)), (i32 if n is None else ir.VectorType(i32, n))
+
+
+def _fma(builder, a, b, d):
+    """``a * b + d`` rounded once (llvm.fma where the CPU has it); ``a * b`` must be exact
+    where the CPU has no FMA, so that both round once."""
+    if not _HAS_FMA:
+        return builder.fadd(builder.fmul(a, b), d)
+    ty = a.type
+    name = f"llvm.fma.v{ty.count}f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3), name)
+    return builder.call(fn, [a, b, d])
+
+
+def _e4m3fn_ir(builder, v):
+    """float32 ``v`` (a scalar or a vector) -> float8_e4m3fn codes in int32 lanes (low 8 bits).
+
+    Saturated to +-448, nearest even, NaN kept (sign too); 32-bit IR (Numba
+    would widen the integer steps to 64 bits, halving the vector width), in
+    few operations and constants:
 
     - ``a = min(448, |v|)``, a float compare that keeps a NaN;
     - a normal result (``a >= 2**-6``) rounds ``a``'s bits to a 3-bit mantissa
@@ -64,64 +95,104 @@ def e4m3fn(typingctx, v):
     Shifts and shuffles share two of Zen's four vector pipes, so masks are
     preferred to shift pairs.
     """
+    cf, ci, f32, i32 = _consts(v.type)
+    u = builder.bitcast(v, i32)
+    sign = builder.and_(builder.lshr(u, ci(24)), ci(0x80))
+    mag = builder.bitcast(builder.and_(u, ci(0x7FFFFFFF)), f32)
+    # 448 < mag is false for a NaN, which is then kept
+    a = builder.select(builder.fcmp_ordered("<", cf(448.0), mag), cf(448.0), mag)
+    au = builder.bitcast(a, i32)
+    lsb = builder.and_(builder.lshr(au, ci(20)), ci(1))
+    # (au + 0x7FFFF + lsb) >> 20, less the exponent rebias 120 << 3
+    nrm = builder.lshr(builder.add(builder.sub(au, ci((120 << 23) - 0x7FFFF)), lsb), ci(20))
+    nrm = builder.select(builder.icmp_unsigned("<", nrm, ci(0x7F)), nrm, ci(0x7F))
+    t = _fma(builder, a, cf(512.0), cf(2.0**23))  # a * 512 is exact
+    sub = builder.sub(builder.bitcast(t, i32), ci(0x4B000000))
+    code = builder.select(builder.icmp_signed("<", au, ci(0x3C800000)), sub, nrm)
+    return builder.or_(code, sign)
+
+
+def _int8_ir(builder, x):
+    """float32 ``x`` (a scalar or a vector) -> int8 in int32 lanes (low 8 bits): NaN -> 0,
+    saturated to [-128, 127], nearest even.
+
+    The clamped value plus 1.5 * 2**23 (float32) is rounded to an integer
+    by the addition itself; its low bits are the result (32-bit IR, as
+    :func:`_e4m3fn_ir`).
+    """
+    cf, ci, _, i32 = _consts(x.type)
+    x = builder.select(builder.fcmp_unordered("uno", x, x), cf(0.0), x)
+    x = builder.select(builder.fcmp_ordered(">", x, cf(-128.0)), x, cf(-128.0))
+    x = builder.select(builder.fcmp_ordered("<", x, cf(127.0)), x, cf(127.0))
+    t = builder.bitcast(builder.fadd(x, cf(1.5 * 2.0**23)), i32)
+    return builder.sub(t, ci(0x4B400000))
+
+
+@intrinsic
+def e4m3fn(typingctx, v):
+    """float32 ``v`` -> float8_e4m3fn bits (:func:`_e4m3fn_ir`)."""
     if v != types.float32:
         return None
 
     def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        f32 = ir.FloatType()
-
-        def c(n):
-            return ir.Constant(i32, n)
-
-        u = builder.bitcast(args[0], i32)
-        sign = builder.and_(builder.lshr(u, c(24)), c(0x80))
-        mag = builder.bitcast(builder.and_(u, c(0x7FFFFFFF)), f32)
-        sat = ir.Constant(f32, 448.0)
-        # 448 < mag is false for a NaN, which is then kept
-        a = builder.select(builder.fcmp_ordered("<", sat, mag), sat, mag)
-        au = builder.bitcast(a, i32)
-        lsb = builder.and_(builder.lshr(au, c(20)), c(1))
-        # (au + 0x7FFFF + lsb) >> 20, less the exponent rebias 120 << 3
-        nrm = builder.lshr(builder.add(builder.sub(au, c((120 << 23) - 0x7FFFF)), lsb), c(20))
-        nrm = builder.select(builder.icmp_unsigned("<", nrm, c(0x7F)), nrm, c(0x7F))
-        if _HAS_FMA:
-            fma = cgutils.get_or_insert_function(builder.module,
-                                                 ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
-            t = builder.call(fma, [a, ir.Constant(f32, 512.0), ir.Constant(f32, 2.0**23)])
-        else:  # a * 512 is exact, so both round once
-            t = builder.fadd(builder.fmul(a, ir.Constant(f32, 512.0)), ir.Constant(f32, 2.0**23))
-        sub = builder.sub(builder.bitcast(t, i32), c(0x4B000000))
-        code = builder.select(builder.icmp_signed("<", au, c(0x3C800000)), sub, nrm)
-        return builder.trunc(builder.or_(code, sign), ir.IntType(8))
+        return builder.trunc(_e4m3fn_ir(builder, args[0]), ir.IntType(8))
 
     return types.uint8(v), codegen
 
 
 @intrinsic
 def int8_bits(typingctx, v):
-    """float32 ``v`` -> int8 (as uint8 bits): NaN -> 0, saturated to [-128, 127], nearest even.
-
-    The clamped value plus 1.5 * 2**23 (float32) is rounded to an integer
-    by the addition itself; its low bits are the result (32-bit IR, as
-    :func:`e4m3fn`).
-    """
+    """float32 ``v`` -> int8 as uint8 bits (:func:`_int8_ir`)."""
     if v != types.float32:
         return None
 
     def codegen(context, builder, sig, args):
-        f32 = ir.FloatType()
-        i32 = ir.IntType(32)
-        x = args[0]
-        x = builder.select(builder.fcmp_unordered("uno", x, x), ir.Constant(f32, 0.0), x)
-        x = builder.select(builder.fcmp_ordered(">", x, ir.Constant(f32, -128.0)), x,
-                           ir.Constant(f32, -128.0))
-        x = builder.select(builder.fcmp_ordered("<", x, ir.Constant(f32, 127.0)), x,
-                           ir.Constant(f32, 127.0))
-        t = builder.bitcast(builder.fadd(x, ir.Constant(f32, 1.5 * 2.0**23)), i32)
-        return builder.trunc(builder.sub(t, ir.Constant(i32, 0x4B400000)), ir.IntType(8))
+        return builder.trunc(_int8_ir(builder, args[0]), ir.IntType(8))
 
     return types.uint8(v), codegen
+
+
+@intrinsic
+def _encode_block(typingctx, buf, q, i, j, s, fp8):
+    """``q[i, j : j + QBLOCK] = encode(buf[j : j + QBLOCK] / s)`` as vector IR: the
+    lanes of :func:`e4m3fn` (``fp8``, a compile-time bool) or :func:`int8_bits`,
+    the same operations lane by lane, so the same bits.  ``buf`` and ``q``'s
+    rows must have adjacent elements (the kernel allocates both)."""
+    if not (isinstance(buf, types.Array) and buf.ndim == 1 and buf.dtype == types.float32
+            and isinstance(q, types.Array) and q.ndim == 2 and q.dtype == types.uint8
+            and s == types.float32 and isinstance(fp8, types.BooleanLiteral)):
+        return None
+    is_fp8 = fp8.literal_value
+
+    def codegen(context, builder, sig, args):
+        bv, qv, iv, jv, sv, _ = args
+        bty, qty = sig.args[0], sig.args[1]
+        iv = context.cast(builder, iv, sig.args[2], types.intp)
+        jv = context.cast(builder, jv, sig.args[3], types.intp)
+        bary = context.make_array(bty)(context, builder, bv)
+        src = cgutils.get_item_pointer2(context, builder, bary.data,
+                                        cgutils.unpack_tuple(builder, bary.shape),
+                                        cgutils.unpack_tuple(builder, bary.strides),
+                                        bty.layout, [jv])
+        qary = context.make_array(qty)(context, builder, qv)
+        dst = cgutils.get_item_pointer2(context, builder, qary.data,
+                                        cgutils.unpack_tuple(builder, qary.shape),
+                                        cgutils.unpack_tuple(builder, qary.strides),
+                                        qty.layout, [iv, jv])
+        vf = ir.VectorType(ir.FloatType(), QBLOCK)
+        x = builder.load(builder.bitcast(src, vf.as_pointer()), align=4)
+        splat = builder.insert_element(ir.Constant(vf, ir.Undefined), sv,
+                                       ir.Constant(ir.IntType(32), 0))
+        splat = builder.shuffle_vector(splat, splat,
+                                       ir.Constant(ir.VectorType(ir.IntType(32), QBLOCK),
+                                                   [0] * QBLOCK))
+        x = builder.fdiv(x, splat)
+        code = _e4m3fn_ir(builder, x) if is_fp8 else _int8_ir(builder, x)
+        vb = ir.VectorType(ir.IntType(8), QBLOCK)
+        builder.store(builder.trunc(code, vb), builder.bitcast(dst, vb.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(buf, q, i, j, s, fp8), codegen
 
 
 @_inline_ir
@@ -140,11 +211,16 @@ def _encode_span(buf, q, i, j0, j1, s, fp8, pa, pb, pf):
         # unsigned columns: no negative-index wraparound test, so the loops vectorize
         lo = np.uint64(jc)
         hi = np.uint64(je)
+        hb = lo + (hi - lo) // np.uint64(QBLOCK) * np.uint64(QBLOCK)
         if fp8:
-            for j in range(lo, hi):
+            for j in range(lo, hb, np.uint64(QBLOCK)):
+                _encode_block(buf, q, i, j, s, True)
+            for j in range(hb, hi):
                 q[i, j] = e4m3fn(buf[j] / s)
         else:
-            for j in range(lo, hi):
+            for j in range(lo, hb, np.uint64(QBLOCK)):
+                _encode_block(buf, q, i, j, s, False)
+            for j in range(hb, hi):
                 q[i, j] = int8_bits(buf[j] / s)
 
 
