@@ -59,6 +59,7 @@ def calls(pn, x, w, r, dy, out, rstd):
         "add": lambda: pn.add_rms_norm(x, r, w),
         "bwd": lambda: pn.rms_norm_backward(dy, x, w, rstd=rstd),
         "gated": lambda: pn.rms_norm_gated(x, r, w),
+        "gated-nbg": lambda: pn.rms_norm_gated(x, r, w, norm_before_gate=True),
         "quant": lambda: pn.rms_norm_quant(x, w),
     }
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rev", default="HEAD", help="the commit to compare against (default HEAD)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--shape", default="16384x4096", help="tokens x d")
-    ap.add_argument("--ops", nargs="+", default=["bwd"], choices=["fwd", "out", "add", "bwd", "gated", "quant"])
+    ap.add_argument("--ops", nargs="+", default=["bwd"], choices=["fwd", "out", "add", "bwd", "gated", "gated-nbg", "quant"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-weight", action="store_true", help="the calls without a weight")
     args = ap.parse_args(argv)

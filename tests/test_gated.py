@@ -188,6 +188,58 @@ def test_numba_matches_reference_16bit_and_axis():
 # --------------------------------------------------------------------------- other arrays
 
 
+def _silu_inputs(n_rows):
+    """float32 inputs for silu: the exp's cut-offs and their neighbours, zeros, infinities,
+    NaN, subnormals, and random bit patterns; ``(n_rows, SILU_BLOCK)``."""
+    from polynorm.backends import _numba_gated as G
+
+    base = np.array([0.0, 1e-45, 1e-38, 1e-8, 0.5, 1.0, 10.0, 20.0, 30.0, 85.0, 86.0, 87.0,
+                     88.0, 88.37, 88.72283935546875, 89.0, 100.0, 1e10, 3e38, np.inf, np.nan],
+                    np.float32)
+    base = np.concatenate([base, -base])
+    near = np.concatenate([np.nextafter(base, np.float32(np.inf)),
+                           np.nextafter(base, np.float32(-np.inf))])
+    rnd = np.random.default_rng(0).integers(0, 2**32, n_rows * G.SILU_BLOCK,
+                                            dtype=np.uint64).astype(np.uint32).view(np.float32)
+    v = np.concatenate([base, near, rnd])
+    return v[: v.size // G.SILU_BLOCK * G.SILU_BLOCK].reshape(-1, G.SILU_BLOCK)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_numba_silu_block_is_the_scalar_silu(dtype):
+    """The forward's vector silu blocks (``_silu_block``) give the scalar loop's bits,
+    the product with x included, for every special value and random patterns."""
+    from numba import njit
+
+    from polynorm._dtypes import numpy_dtype
+    from polynorm.backends import _numba_gated as G
+    from polynorm.backends._numba_codec import HW_HALF, load
+    from polynorm.backends.numba import _kview
+
+    if dtype == "float16" and not HW_HALF:
+        pytest.skip("float16 blocks need the CPU's half conversions (else the scalar loop runs)")
+
+    @njit
+    def both(x, z, blk, blk_x, ref, ref_x):
+        for i in range(z.shape[0]):
+            G._silu_block(x, z, blk[i:i + 1], i, 0, False)
+            G._silu_block(x, z, blk_x[i:i + 1], i, 0, True)
+            for j in range(z.shape[1]):
+                s = G.silu(np.float32(load(z[i, j])))
+                ref[i, j] = s
+                ref_x[i, j] = np.float32(load(x[i, j])) * s
+
+    v = _silu_inputs(64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = _kview(np.ascontiguousarray(v.astype(numpy_dtype(dtype))))
+        x = _kview(np.ascontiguousarray(v[::-1].astype(numpy_dtype(dtype))))
+    out = [np.zeros(v.shape, np.float32) for _ in range(4)]
+    both(x, z, *out)
+    assert np.isnan(out[2]).any() and np.isinf(out[2]).any()
+    np.testing.assert_array_equal(out[0].view(np.uint32), out[2].view(np.uint32))
+    np.testing.assert_array_equal(out[1].view(np.uint32), out[3].view(np.uint32))
+
+
 def test_array_api_strict_and_torch():
     import array_api_strict as xps
     import torch

@@ -460,6 +460,54 @@ def host_has(feature: str) -> bool:
 _HAS_FMA = host_has("fma")
 
 
+def splat(ty, value):
+    """The LLVM constant ``value`` of type ``ty``: a scalar, or every lane of a vector."""
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
+    return ir.Constant(ty, value)
+
+
+def like(v, elt):
+    """``v``'s shape (scalar, or a vector of as many lanes) with element type ``elt``."""
+    return ir.VectorType(elt, v.type.count) if isinstance(v.type, ir.VectorType) else elt
+
+
+def item_pointer(context, builder, aty, aval, indices):
+    """Pointer to ``a[indices]`` (intp values; no wraparound, no bounds check)."""
+    ary = context.make_array(aty)(context, builder, aval)
+    return cgutils.get_item_pointer2(context, builder, ary.data,
+                                     cgutils.unpack_tuple(builder, ary.shape),
+                                     cgutils.unpack_tuple(builder, ary.strides),
+                                     aty.layout, indices)
+
+
+def decode_lanes(builder, bits, dt):
+    """Float32 lanes of a vector loaded from an array of Numba dtype ``dt``: float32
+    as is, 16-bit float bits decoded as :func:`load` decodes them one at a time
+    (``uint16`` bfloat16; ``int16`` float16, only where :data:`HW_HALF`)."""
+    n = bits.type.count
+    if dt == types.float32:
+        return bits
+    if dt == types.uint16:
+        i32v = ir.VectorType(_I32, n)
+        return builder.bitcast(builder.shl(builder.zext(bits, i32v), splat(i32v, 16)),
+                               ir.VectorType(ir.FloatType(), n))
+    assert dt == types.int16 and HW_HALF
+    return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), n)),
+                         ir.VectorType(ir.FloatType(), n))
+
+
+def fma_ir(builder, a, b, d):
+    """``a * b + d`` rounded once (``llvm.fma``) on float32 scalars or vectors; where the
+    CPU has no FMA an fmul and an fadd (the same bits only where ``a * b`` is exact)."""
+    if not _HAS_FMA:
+        return builder.fadd(builder.fmul(a, b), d)
+    ty = a.type
+    name = f"llvm.fma.v{ty.count}f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3), name)
+    return builder.call(fn, [a, b, d])
+
+
 class SumLanes(types.Type):
     """Numba type of the float64 lanes: an LLVM ``<SUM_LANES x double>`` value."""
 

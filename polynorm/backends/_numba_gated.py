@@ -9,7 +9,10 @@ is the plain forward's (``_row_sumsq`` / ``_rstd_from`` on the group as a
 itself, so a group's rstd has the bits ``rms_norm`` gives that group as a
 row; for ``False`` on ``u = x * silu(z)``, computed in the compute type
 into a per-task row buffer and summed from there.  ``silu`` runs in the
-compute type with an exp LLVM can vectorize (:func:`silu`).  Every row is
+compute type with an exp LLVM can vectorize (:func:`silu`); the forward's
+float32 silu passes take whole blocks of :data:`SILU_BLOCK` elements as
+vector IR (:func:`_silu_block`: the same operations lane by lane, so the
+same bits, with the exp's constants loaded once per block).  Every row is
 computed by the same compiled row code whatever the thread count or the
 other rows (batch invariance); the parallel driver splits the rows into
 ranges as the plain forward does.
@@ -27,10 +30,19 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._numba_codec import _HAS_FMA, load, prefetch_span, store
+from ._numba_codec import (
+    HW_HALF,
+    decode_lanes,
+    fma_ir,
+    item_pointer,
+    like,
+    load,
+    prefetch_span,
+    splat,
+    store,
+)
 from ._numba_kernels import (
     EPS_INSIDE,
     HAS_B,
@@ -77,46 +89,40 @@ _EXP_HI = 88.72283935546875  # above: exp overflows float32
 _EXP_LO = -86.0
 
 
-@intrinsic
-def _expf(typingctx, v):
-    """float32 ``exp(v)`` as straight-line IR (no libm call, so LLVM vectorizes
-    the loops that use it): ``2**n * p(r)`` with ``n = rint(v / ln 2)``.
+def _expf_ir(builder, x):
+    """float32 ``exp(x)`` (a scalar or a vector) as straight-line IR (no libm call, so
+    LLVM vectorizes the loops that use it): ``2**n * p(r)`` with ``n = rint(x / ln 2)``.
     +inf above :data:`_EXP_HI`, 0 below :data:`_EXP_LO`, NaN for NaN (the
     rounding trick keeps every step defined for any input: no poison)."""
+    f32, i32 = like(x, _F32), like(x, _I32)
+
+    def c(val):
+        return splat(f32, val)
+
+    t = fma_ir(builder, x, c(_LOG2E), c(_ROUND))
+    nf = builder.fsub(t, c(_ROUND))
+    r = fma_ir(builder, nf, c(-_LN2_HI), x)
+    r = fma_ir(builder, nf, c(-_LN2_LO), r)
+    p = c(_EXP_P[0])
+    for q in _EXP_P[1:]:
+        p = fma_ir(builder, p, r, c(q))
+    e = builder.fadd(fma_ir(builder, p, builder.fmul(r, r), r), c(1.0))
+    # 2**(n - 1) from n in t's low bits (n in [-124, 128] on the range kept), times 2
+    n = builder.sub(builder.bitcast(t, i32), builder.bitcast(c(_ROUND), i32))
+    scale = builder.bitcast(builder.shl(builder.add(n, splat(i32, 126)), splat(i32, 23)), f32)
+    e = builder.fmul(builder.fmul(e, scale), c(2.0))
+    e = builder.select(builder.fcmp_ordered(">", x, c(_EXP_HI)), c(math.inf), e)
+    return builder.select(builder.fcmp_ordered("<", x, c(_EXP_LO)), c(0.0), e)
+
+
+@intrinsic
+def _expf(typingctx, v):
+    """float32 ``exp(v)`` (:func:`_expf_ir`)."""
     if v != types.float32:
         return None
 
     def codegen(context, builder, sig, args):
-        x = args[0]
-
-        def c(val):
-            return ir.Constant(_F32, val)
-
-        if _HAS_FMA:
-            fn = cgutils.get_or_insert_function(builder.module,
-                                                ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
-
-            def fma(a, b, d):
-                return builder.call(fn, [a, b, d])
-        else:
-            def fma(a, b, d):
-                return builder.fadd(builder.fmul(a, b), d)
-
-        t = fma(x, c(_LOG2E), c(_ROUND))
-        nf = builder.fsub(t, c(_ROUND))
-        r = fma(nf, c(-_LN2_HI), x)
-        r = fma(nf, c(-_LN2_LO), r)
-        p = c(_EXP_P[0])
-        for q in _EXP_P[1:]:
-            p = fma(p, r, c(q))
-        e = builder.fadd(fma(p, builder.fmul(r, r), r), c(1.0))
-        # 2**(n - 1) from n in t's low bits (n in [-124, 128] on the range kept), times 2
-        n = builder.sub(builder.bitcast(t, _I32), builder.bitcast(c(_ROUND), _I32))
-        scale = builder.bitcast(builder.shl(builder.add(n, ir.Constant(_I32, 126)),
-                                            ir.Constant(_I32, 23)), _F32)
-        e = builder.fmul(builder.fmul(e, scale), c(2.0))
-        e = builder.select(builder.fcmp_ordered(">", x, c(_EXP_HI)), c(math.inf), e)
-        return builder.select(builder.fcmp_ordered("<", x, c(_EXP_LO)), c(0.0), e)
+        return _expf_ir(builder, args[0])
 
     return types.float32(v), codegen
 
@@ -141,6 +147,71 @@ def silu(v):
     return v / (as_type_of(1.0, v) + exp_c(-v))
 
 
+#: elements one :func:`_silu_block` call computes: four 8-lane float32 vectors,
+#: so the exp's constants are loaded once per block (LLVM's own vectorization
+#: of the scalar loop holds too few of them in AVX2's 16 registers and reloads
+#: them every 8 elements)
+SILU_BLOCK = 32
+
+
+def _block_ok(x, z, u):  # pragma: no cover - replaced by the overload
+    """Whether :func:`_silu_block` takes these arrays (a compile-time constant)."""
+    raise NotImplementedError
+
+
+def _lanes_dtype_ok(dt):
+    return dt == types.float32 or dt == types.uint16 or (dt == types.int16 and HW_HALF)
+
+
+@overload(_block_ok, inline="always")
+def _ov_block_ok(x, z, u):
+    ok = (u.dtype == types.float32 and _lanes_dtype_ok(x.dtype) and _lanes_dtype_ok(z.dtype))
+    return lambda x, z, u: ok
+
+
+@intrinsic
+def _silu_block(typingctx, x, z, u, i, j, mul_x):
+    """``u[0, j : j + SILU_BLOCK] = [x[i, j:...] *] silu(z[i, j:...])`` as float32 vector
+    IR (``x`` with ``mul_x``, a literal bool), the operations of :func:`silu` (and
+    the product) lane by lane: the same bits as the scalar loop.  Rows of unit
+    column stride (the kernels' arrays); arrays :func:`_block_ok` refuses
+    compile to nothing (the callers do not call it then)."""
+    if not (isinstance(x, types.Array) and isinstance(z, types.Array)
+            and isinstance(u, types.Array) and isinstance(mul_x, types.BooleanLiteral)):
+        return None
+    ok = u.dtype == types.float32 and _lanes_dtype_ok(x.dtype) and _lanes_dtype_ok(z.dtype)
+    with_x = mul_x.literal_value
+
+    def codegen(context, builder, sig, args):
+        if not ok:
+            return context.get_dummy_value()
+        xv, zv, uv, iv, jv, _ = args
+        iv = context.cast(builder, iv, sig.args[3], types.intp)
+        jv = context.cast(builder, jv, sig.args[4], types.intp)
+        zero = context.get_constant(types.intp, 0)
+
+        def lanes(aty, av):
+            elt = context.get_data_type(aty.dtype)
+            vty = ir.VectorType(elt, SILU_BLOCK)
+            p = item_pointer(context, builder, aty, av, [iv, jv])
+            v = builder.load(builder.bitcast(p, vty.as_pointer()),
+                             align=context.get_abi_sizeof(elt))
+            return decode_lanes(builder, v, aty.dtype)
+
+        zf = lanes(sig.args[1], zv)
+        f32v = zf.type
+        den = builder.fadd(splat(f32v, 1.0), _expf_ir(builder, builder.fsub(splat(f32v, -0.0),
+                                                                             zf)))
+        out = builder.fdiv(zf, den)
+        if with_x:
+            out = builder.fmul(lanes(sig.args[0], xv), out)
+        dst = item_pointer(context, builder, sig.args[2], uv, [zero, jv])
+        builder.store(out, builder.bitcast(dst, f32v.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(x, z, u, i, j, mul_x), codegen
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -156,18 +227,37 @@ def _group_rstd(a, ai, lo, gs, k, eps, flags, rstd, i, g):
 
 
 @_inline_ir
-def _out_gate(i, lo, hi, x, z, w, b, y, rc, oc):
-    """``y[i, lo:hi] = (x * rstd * (w + offset) + b) * silu(z)`` (norm_before_gate)."""
-    for j in range(np.uint64(lo), np.uint64(hi)):
+def _out_gate(i, lo, hi, x, z, w, b, y, rc, oc, u):
+    """``y[i, lo:hi] = (x * rstd * (w + offset) + b) * silu(z)`` (norm_before_gate);
+    where :func:`_block_ok`, silu(z) goes through ``u`` a block at a time first."""
+    j0 = np.uint64(lo)
+    if _block_ok(x, z, u):
+        step = np.uint64(SILU_BLOCK)
+        jb = j0 + (np.uint64(hi) - j0) // step * step
+        for j in range(j0, jb, step):
+            _silu_block(x, z, u, i, j, False)
+        for j in range(j0, jb):
+            t = scale_shift(as_type_of(load(x[i, j]), rc) * rc, w, b, j, oc)
+            store(y, (i, j), t * u[0, j])
+        j0 = jb
+    for j in range(j0, np.uint64(hi)):
         t = scale_shift(as_type_of(load(x[i, j]), rc) * rc, w, b, j, oc)
         store(y, (i, j), t * silu(as_type_of(load(z[i, j]), rc)))
 
 
 @_inline_ir
 def _gate_in(i, lo, hi, x, z, u):
-    """``u[0, lo:hi] = x[i] * silu(z[i])`` in the compute type (u's)."""
+    """``u[0, lo:hi] = x[i] * silu(z[i])`` in the compute type (u's): whole
+    :data:`SILU_BLOCK` blocks as vectors where :func:`_block_ok`, the rest here."""
     ref = u[0, 0]
-    for j in range(np.uint64(lo), np.uint64(hi)):
+    j0 = np.uint64(lo)
+    if _block_ok(x, z, u):
+        step = np.uint64(SILU_BLOCK)
+        jb = j0 + (np.uint64(hi) - j0) // step * step
+        for j in range(j0, jb, step):
+            _silu_block(x, z, u, i, j, True)
+        j0 = jb
+    for j in range(j0, np.uint64(hi)):
         u[0, j] = as_type_of(load(x[i, j]), ref) * silu(as_type_of(load(z[i, j]), ref))
 
 
@@ -218,7 +308,7 @@ def forward_rows(lo, hi, x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
                     if pf and i + 1 < n:
                         prefetch_span(x, i + 1, jc, je - jc)
                         prefetch_span(z, i + 1, jc, je - jc)
-                    _out_gate(i, jc, je, x, z, w, b, y, rc, oc)
+                    _out_gate(i, jc, je, x, z, w, b, y, rc, oc, u)
     else:
         for i in range(lo, hi):
             # the gate pass is the compute-heavy one: it prefetches the next row

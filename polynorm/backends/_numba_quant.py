@@ -24,7 +24,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_codec import _HAS_FMA, load, prefetch_span
+from ._numba_codec import fma_ir, like, load, prefetch_span, splat
 from ._numba_kernels import (
     _CHUNK_F,
     EPS_INSIDE,
@@ -52,31 +52,6 @@ _F32_MIN_NORMAL = np.float32(2.0**-126)
 QBLOCK = 32
 
 
-def _consts(ty):
-    """Constant makers for ``ty``: float32/int32 scalars or vectors of them."""
-    f32, i32 = ir.FloatType(), ir.IntType(32)
-    n = ty.count if isinstance(ty, ir.VectorType) else None
-
-    def make(elt, val):
-        if n is None:
-            return ir.Constant(elt, val)
-        return ir.Constant(ir.VectorType(elt, n), [ir.Constant(elt, val)] * n)
-
-    return (lambda v: make(f32, v)), (lambda v: make(i32, v)), \
-        (f32 if n is None else ir.VectorType(f32, n)), (i32 if n is None else ir.VectorType(i32, n))
-
-
-def _fma(builder, a, b, d):
-    """``a * b + d`` rounded once (llvm.fma where the CPU has it); ``a * b`` must be exact
-    where the CPU has no FMA, so that both round once."""
-    if not _HAS_FMA:
-        return builder.fadd(builder.fmul(a, b), d)
-    ty = a.type
-    name = f"llvm.fma.v{ty.count}f32" if isinstance(ty, ir.VectorType) else "llvm.fma.f32"
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3), name)
-    return builder.call(fn, [a, b, d])
-
-
 def _e4m3fn_ir(builder, v):
     """float32 ``v`` (a scalar or a vector) -> float8_e4m3fn codes in int32 lanes (low 8 bits).
 
@@ -95,7 +70,14 @@ def _e4m3fn_ir(builder, v):
     Shifts and shuffles share two of Zen's four vector pipes, so masks are
     preferred to shift pairs.
     """
-    cf, ci, f32, i32 = _consts(v.type)
+    f32, i32 = like(v, ir.FloatType()), like(v, ir.IntType(32))
+
+    def cf(c):
+        return splat(f32, c)
+
+    def ci(c):
+        return splat(i32, c)
+
     u = builder.bitcast(v, i32)
     sign = builder.and_(builder.lshr(u, ci(24)), ci(0x80))
     mag = builder.bitcast(builder.and_(u, ci(0x7FFFFFFF)), f32)
@@ -106,7 +88,7 @@ def _e4m3fn_ir(builder, v):
     # (au + 0x7FFFF + lsb) >> 20, less the exponent rebias 120 << 3
     nrm = builder.lshr(builder.add(builder.sub(au, ci((120 << 23) - 0x7FFFF)), lsb), ci(20))
     nrm = builder.select(builder.icmp_unsigned("<", nrm, ci(0x7F)), nrm, ci(0x7F))
-    t = _fma(builder, a, cf(512.0), cf(2.0**23))  # a * 512 is exact
+    t = fma_ir(builder, a, cf(512.0), cf(2.0**23))  # a * 512 is exact
     sub = builder.sub(builder.bitcast(t, i32), ci(0x4B000000))
     code = builder.select(builder.icmp_signed("<", au, ci(0x3C800000)), sub, nrm)
     return builder.or_(code, sign)
@@ -120,7 +102,14 @@ def _int8_ir(builder, x):
     by the addition itself; its low bits are the result (32-bit IR, as
     :func:`_e4m3fn_ir`).
     """
-    cf, ci, _, i32 = _consts(x.type)
+    f32, i32 = like(x, ir.FloatType()), like(x, ir.IntType(32))
+
+    def cf(c):
+        return splat(f32, c)
+
+    def ci(c):
+        return splat(i32, c)
+
     x = builder.select(builder.fcmp_unordered("uno", x, x), cf(0.0), x)
     x = builder.select(builder.fcmp_ordered(">", x, cf(-128.0)), x, cf(-128.0))
     x = builder.select(builder.fcmp_ordered("<", x, cf(127.0)), x, cf(127.0))
