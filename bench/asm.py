@@ -6,7 +6,8 @@ forward (``_numba_gated.forward_rows``) and quantized forward (``quant_rows``: f
 per-token scale) for bfloat16 and float16 on this CPU,
 takes each innermost loop of their machine code that converts 16-bit data
 (``vpmovzxwd``/``vcvtph2ps`` in, ``vpmovdw``/``vpackusdw``/``vcvtps2ph``/
-``vcvtneps2bf16`` out) and prints, per 16 elements: all instructions, the vector
+``vcvtneps2bf16`` out) or packs codes into bytes (the quantized forward's float8
+encode: ``vpackuswb``/``vpmovdb``) and prints, per 16 elements: all instructions, the vector
 ones (an ``xmm``/``ymm``/``zmm``/mask register operand), the rounding ones (the
 integer bfloat16 encode: ``vpsrld vpandd vpaddd vpcmpgtd vpord vptestnmd
 vpblendmd vcmpunordps vpmovdw ...``; or the hardware one, ``vcvtneps2bf16``
@@ -44,6 +45,8 @@ ROUNDING = {"vpsrld", "vpandd", "vpand", "vpaddd", "vpcmpgtd", "vpcmpeqd", "vpma
             "vcvtneps2bf16", "vfpclassps", "korw"}
 DECODE_IN = ("vpmovzxwd", "vcvtph2ps")
 ENCODE_OUT = ("vpmovdw", "vpackusdw", "vcvtps2ph", "vcvtneps2bf16")
+#: the quantized forward's float8/int8 encode loops pack float32 codes into bytes
+BYTES_OUT = ("vpackuswb", "vpmovdb", "vpmovusdb")
 
 
 def innermost_loops(asm: str) -> list[list[str]]:
@@ -84,7 +87,7 @@ def elements_per_iteration(body: list[str]) -> int | None:
 def describe(body: list[str]) -> dict | None:
     """Counts per 16 elements of a loop that converts 16-bit data, else None."""
     ops = collections.Counter(t.split()[0] for t in body)
-    if not any(ops[o] for o in DECODE_IN) or not any(ops[o] for o in ENCODE_OUT + DECODE_IN):
+    if not any(ops[o] for o in DECODE_IN + BYTES_OUT):
         return None
     n = elements_per_iteration(body)
     if not n:
@@ -160,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             (Path(args.save) / (name.replace(" ", "_") + ".s")).write_text(asm)
         rows = [d for d in map(describe, innermost_loops(asm))
                 if d and d["width"] != "xmm" and d["elements"] >= 8]
-        print(f"== {name}: vectorized loops converting 16-bit data; per 16 elements: all / "
+        print(f"== {name}: vectorized loops converting 16-bit data or packing bytes; per 16 elements: all / "
               "vector / rounding+packing instructions; vector loads and stores of 16-bit "
               "and float32 data")
         seen = set()

@@ -52,6 +52,9 @@ def import_rev(rev: str, where: Path):
     return polynorm_old
 
 
+OPS = ("fwd", "out", "add", "bwd", "gated", "gated-nbg", "gated-bwd", "gated-nbg-bwd", "quant")
+
+
 def calls(pn, x, w, r, dy, out, rstd):
     return {
         "fwd": lambda: pn.rms_norm(x, w),
@@ -60,12 +63,17 @@ def calls(pn, x, w, r, dy, out, rstd):
         "bwd": lambda: pn.rms_norm_backward(dy, x, w, rstd=rstd),
         "gated": lambda: pn.rms_norm_gated(x, r, w),
         "gated-nbg": lambda: pn.rms_norm_gated(x, r, w, norm_before_gate=True),
+        "gated-bwd": lambda: pn.rms_norm_gated_backward(dy, x, r, w),
+        "gated-nbg-bwd": lambda: pn.rms_norm_gated_backward(dy, x, r, w, norm_before_gate=True),
         "quant": lambda: pn.rms_norm_quant(x, w),
     }
 
 
-def _first(a):
-    return np.asarray(a[0] if isinstance(a, tuple) else a)
+def _bytes(a) -> bytes:
+    """Every array an op returns (all of a tuple's), as bytes."""
+    parts = a if isinstance(a, tuple) else (a,)
+    return b"".join(np.ascontiguousarray(np.asarray(p)).view(np.uint8).tobytes()
+                    for p in parts if p is not None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rev", default="HEAD", help="the commit to compare against (default HEAD)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--shape", default="16384x4096", help="tokens x d")
-    ap.add_argument("--ops", nargs="+", default=["bwd"], choices=["fwd", "out", "add", "bwd", "gated", "gated-nbg", "quant"])
+    ap.add_argument("--ops", nargs="+", default=["bwd"], choices=list(OPS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-weight", action="store_true", help="the calls without a weight")
     args = ap.parse_args(argv)
@@ -95,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         new_calls = calls(pn, x, w, r, dy, out, rstd)
         old_calls = calls(old, x, w, r, dy, out, rstd)
         for op in args.ops:
-            a = _first(new_calls[op]()).copy()
-            b = _first(old_calls[op]())
-            same = np.array_equal(a.view(np.uint8), b.view(np.uint8))
+            a = _bytes(new_calls[op]())
+            same = a == _bytes(old_calls[op]())
             ratios = []
             for _ in range(args.repeats):
                 t, t_old = paired_median(new_calls[op], old_calls[op], min_time=0.4)

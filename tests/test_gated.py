@@ -240,6 +240,41 @@ def test_numba_silu_block_is_the_scalar_silu(dtype):
     np.testing.assert_array_equal(out[1].view(np.uint32), out[3].view(np.uint32))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_numba_dsilu_block_is_the_scalar_dsilu(dtype):
+    """The backward's vector blocks (``_dsilu_block``: silu and its derivative) give
+    the scalar loop's bits for every special value and random patterns."""
+    from numba import njit
+
+    from polynorm._dtypes import numpy_dtype
+    from polynorm.backends import _numba_gated as G
+    from polynorm.backends._numba_codec import HW_HALF, load
+    from polynorm.backends.numba import _kview
+
+    if dtype == "float16" and not HW_HALF:
+        pytest.skip("float16 blocks need the CPU's half conversions (else the scalar loop runs)")
+
+    @njit
+    def both(z, blk, ref):
+        one = np.float32(1.0)
+        for i in range(z.shape[0]):
+            G._dsilu_block(z, blk[i], i, 0)
+            for j in range(z.shape[1]):
+                zj = np.float32(load(z[i, j]))
+                den = one + G.exp_c(-zj)
+                sig = one / den
+                ref[i, 0, j] = zj / den
+                ref[i, 1, j] = sig * (one + zj * (one - sig))
+
+    v = _silu_inputs(64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        z = _kview(np.ascontiguousarray(v.astype(numpy_dtype(dtype))))
+    blk, ref = (np.zeros((v.shape[0], 2, v.shape[1]), np.float32) for _ in range(2))
+    both(z, blk, ref)
+    assert np.isnan(ref).any() and np.isinf(ref).any()
+    np.testing.assert_array_equal(blk.view(np.uint32), ref.view(np.uint32))
+
+
 def test_array_api_strict_and_torch():
     import array_api_strict as xps
     import torch

@@ -212,6 +212,41 @@ def _silu_block(typingctx, x, z, u, i, j, mul_x):
     return types.void(x, z, u, i, j, mul_x), codegen
 
 
+@intrinsic
+def _dsilu_block(typingctx, z, buf, i, j):
+    """``buf[0, j:j + SILU_BLOCK] = silu(z[i, j:...])`` and ``buf[1, j:...] = silu'(z)``
+    as float32 vector IR: the backward's scalar operations (``den = 1 + exp(-z)``,
+    ``z / den``, ``sig = 1 / den``, ``sig * (1 + z * (1 - sig))``) lane by lane, so
+    the same bits; compiles to nothing where :func:`_block_ok` refuses."""
+    if not (isinstance(z, types.Array) and isinstance(buf, types.Array)):
+        return None
+    ok = buf.dtype == types.float32 and _lanes_dtype_ok(z.dtype)
+
+    def codegen(context, builder, sig, args):
+        if not ok:
+            return context.get_dummy_value()
+        zv, bv, iv, jv = args
+        iv = context.cast(builder, iv, sig.args[2], types.intp)
+        jv = context.cast(builder, jv, sig.args[3], types.intp)
+        elt = context.get_data_type(sig.args[0].dtype)
+        p = item_pointer(context, builder, sig.args[0], zv, [iv, jv])
+        zf = decode_lanes(builder, builder.load(
+            builder.bitcast(p, ir.VectorType(elt, SILU_BLOCK).as_pointer()),
+            align=context.get_abi_sizeof(elt)), sig.args[0].dtype)
+        f32v = zf.type
+        one = splat(f32v, 1.0)
+        den = builder.fadd(one, _expf_ir(builder, builder.fsub(splat(f32v, -0.0), zf)))
+        sg = builder.fdiv(one, den)
+        ds = builder.fmul(sg, builder.fadd(one, builder.fmul(zf, builder.fsub(one, sg))))
+        for row, val in ((0, builder.fdiv(zf, den)), (1, ds)):
+            dst = item_pointer(context, builder, sig.args[1], bv,
+                               [context.get_constant(types.intp, row), jv])
+            builder.store(val, builder.bitcast(dst, f32v.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(z, buf, i, j), codegen
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -365,29 +400,30 @@ def _dot_group(dn, v, w, lo, n, rc, oc):
 
 @_inline_ir
 def _bwd_fill(i, dy, x, z, buf, nbg):
-    """The buffer's rows for row ``i``: silu(z), silu'(z), v, dn."""
+    """The buffer's rows for row ``i``: silu(z), silu'(z) (whole :data:`SILU_BLOCK`
+    blocks as vectors where :func:`_block_ok`), then v and dn."""
     ref = buf[0, 0]
     one = as_type_of(1.0, ref)
     d = np.uint64(x.shape[1])
+    j0 = np.uint64(0)
+    if _block_ok(x, z, buf):
+        step = np.uint64(SILU_BLOCK)
+        j0 = d // step * step
+        for j in range(np.uint64(0), j0, step):
+            _dsilu_block(z, buf, i, j)
+    for j in range(j0, d):
+        zj = as_type_of(load(z[i, j]), ref)
+        den = one + exp_c(-zj)
+        buf[_S, j] = zj / den  # the forward's silu (same bits)
+        sig = one / den
+        buf[_DS, j] = sig * (one + zj * (one - sig))
     if nbg:
         for j in range(d):
-            zj = as_type_of(load(z[i, j]), ref)
-            den = one + exp_c(-zj)
-            s = zj / den  # the forward's silu (same bits)
-            sig = one / den
-            buf[_S, j] = s
-            buf[_DS, j] = sig * (one + zj * (one - sig))
             buf[_V, j] = as_type_of(load(x[i, j]), ref)
-            buf[_DN, j] = as_type_of(load(dy[i, j]), ref) * s
+            buf[_DN, j] = as_type_of(load(dy[i, j]), ref) * buf[_S, j]
     else:
         for j in range(d):
-            zj = as_type_of(load(z[i, j]), ref)
-            den = one + exp_c(-zj)
-            s = zj / den
-            sig = one / den
-            buf[_S, j] = s
-            buf[_DS, j] = sig * (one + zj * (one - sig))
-            buf[_V, j] = as_type_of(load(x[i, j]), ref) * s  # the forward's u
+            buf[_V, j] = as_type_of(load(x[i, j]), ref) * buf[_S, j]  # the forward's u
             buf[_DN, j] = as_type_of(load(dy[i, j]), ref)
 
 
