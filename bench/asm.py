@@ -74,12 +74,17 @@ def innermost_loops(asm: str) -> list[list[str]]:
 
 def elements_per_iteration(body: list[str]) -> int | None:
     """The loop's step in elements: an index register added to once per iteration
-    and used scaled by 2 or 4 (an element index) in the loop's addresses."""
+    and used scaled by 2 or 4 (an element index) in the loop's addresses; one also
+    used unscaled beside its scale-2 uses counts the 16-bit data's bytes (half a
+    step's elements)."""
+    text = " ".join(body)
     for t in body:
         m = _STEP.match(t)
         if m and int(m.group(1)) > 0:
-            reg = m.group(2)
-            if re.search(rf",{re.escape(reg)},[24]\)", " ".join(body)):
+            reg = re.escape(m.group(2))
+            if re.search(rf",{reg},[24]\)", text):
+                if re.search(rf",{reg}\)", text) and re.search(rf",{reg},2\)", text):
+                    return int(m.group(1)) // 2
                 return int(m.group(1))
     return None
 

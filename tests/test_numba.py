@@ -7,6 +7,7 @@ can get wrong.  Ground truth is the extended-precision oracle ``_oracle``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -569,7 +570,7 @@ def test_pipelined_row_sum_is_the_rows_own(bf, d, rng):
     for k in sorted({d, max(1, d // 2), 1}):
         for i in range(2):
             ss = K._sumsq_lanes(bits, i, k)
-            nxt = K._fwd_norm_row(i, 3, bits, w, w, y, rstd, flags, k, 1e-6, 0.0, ss)
+            nxt = K._fwd_norm_row(i, 3, bits, w, w, y, rstd, flags, k, 1e-6, 0.0, ss, False)
             alone = K._sumsq_lanes(bits, i + 1, k)
             assert np.float64(nxt).view(np.uint64) == np.float64(alone).view(np.uint64)
             want = np.sum(bits[i + 1, :k].view(HALF["bfloat16" if bf else "float16"])
@@ -652,3 +653,96 @@ def test_bf16_encoder_every_float32():
         return bad
 
     assert mismatches() == 0
+
+
+def test_bf16_out_blocks_equal_the_scalar_span(rng):
+    """The bfloat16 output blocks (``_bf16_out_block``, with and without the NaN
+    guard) give the scalar output loop's bits: every edge class of the rounding as
+    ``w + offset`` (x = 1, rstd = 1), random patterns, x's decode included."""
+    from polynorm.backends import _numba_kernels as K
+
+    @numba.njit
+    def spans(x, w, y_ref, y_guard, y_free, rc, oc):
+        for i in range(x.shape[0]):
+            K._out_span(x, i, np.uint64(0), x.shape[1], w, None, y_ref, rc, oc)
+            K._out_span_blocks(x, i, 0, x.shape[1], w, None, y_guard, rc, oc, K.SPAN_BLOCKS)
+            K._out_span_blocks(x, i, 0, x.shape[1], w, None, y_free, rc, oc,
+                               K.SPAN_BLOCKS_NO_NAN)
+
+    u = np.concatenate([_bf16_edge_patterns(),
+                        rng.integers(0, 1 << 32, 1 << 16, dtype=np.uint64).astype(np.uint32)])
+    d = 4 * K.OUT_BLOCK + 5  # whole blocks and a tail
+    u = u[: u.size // d * d]
+    w = u.view(np.float32)
+    ones = np.full((1, d), 0x3F80, np.uint16)  # bfloat16 1.0
+    rows = w.reshape(-1, d)
+    outs = [np.zeros((rows.shape[0], d), np.uint16) for _ in range(3)]
+    for r in range(rows.shape[0]):
+        views = [o[r:r + 1] for o in outs]
+        spans(ones, np.ascontiguousarray(rows[r]), *views, np.float32(1.0), np.float32(0.0))
+    ref, guard, free = outs
+    np.testing.assert_array_equal(guard, ref)
+    ok = ~np.isnan(rows)
+    np.testing.assert_array_equal(free[ok], ref[ok])
+    # and on x's decode: random bfloat16 x, float32 weights, an offset
+    x = rng.integers(0, 1 << 16, (8, d), dtype=np.uint64).astype(np.uint16)
+    outs = [np.zeros((8, d), np.uint16) for _ in range(3)]
+    spans(x, rng.standard_normal(d, dtype=np.float32), *outs, np.float32(0.37), np.float32(1.0))
+    np.testing.assert_array_equal(outs[1], outs[0])
+    xf = codec.decode_array(x.ravel(), True).reshape(x.shape)
+    ok = ~np.isnan(xf) & ~np.isinf(xf)  # the rows' lanes whose product cannot be NaN
+    np.testing.assert_array_equal(outs[2][ok], outs[0][ok])
+
+
+@pytest.mark.parametrize("d", [7, 16, 100, 4096])
+def test_bf16_forward_rows_of_every_mode(d, rng):
+    """bfloat16 rows that take each output mode (blocks without the NaN guard, with
+    it, element by element) give ``bf16((x * rstd) * (w + offset))`` from the rstd
+    returned, bit for bit: finite rows, NaN/Inf rows, NaN past k (partial), an eps=0
+    zero row (rstd inf), outputs that overflow to Inf, a non-finite weight."""
+    bf = ml_dtypes.bfloat16
+    n = 24
+    x = rng.standard_normal((n, d), dtype=np.float32)
+    x[1, d // 2] = np.nan
+    x[2, 0] = np.inf
+    x[3, -1] = -np.inf
+    x[4] = 0.0
+    x[5, -1] = np.nan  # past k for partial=0.5 (d > 1)
+    x[6] *= 1e4  # large, within float16
+    # float16 x into bfloat16 y: a NaN whose payload reaches the low half of its
+    # float32 bits (the case the NaN guard is there for)
+    xh = x.astype(np.float16)
+    xh.view(np.uint16)[7, d // 2] = 0x7E07
+    big = rng.standard_normal(d, dtype=np.float32) * np.float32(1e37)
+    big[::5] = 3e38  # finite weights whose products overflow to Inf
+    for w in (big,
+              np.where(np.arange(d) == d // 3, np.float32(np.inf), np.float32(2.0))):
+        for (partial, eps), offset, x in itertools.product(
+                ((1.0, 0.0), (0.5, 1e-6)), (0.0, 1.0), (xh.astype(bf), xh)):
+            y, rstd = pn.rms_norm(x, w, eps=eps, partial=partial, offset=offset,
+                                  out_dtype="bfloat16", return_rstd=True, backend="numba")
+            with np.errstate(all="ignore"):
+                t = (x.astype(np.float32) * rstd[:, None]) * (w + np.float32(offset))
+            want = codec.encode_array(t.ravel(), True).reshape(t.shape)
+            np.testing.assert_array_equal(y.view(np.uint16), want)
+
+
+@pytest.mark.parametrize("d", [7, 100, 4096])
+def test_bf16_fused_add_sum_bits(d, rng):
+    """The fused add's bfloat16 ``h`` is ``bf16(x + r)`` in float32 bit for bit: NaN
+    payloads, Inf + -Inf, overflow to Inf, column-strided inputs; y takes the
+    output blocks (``_bf16_out_block``) from that h."""
+    bf = ml_dtypes.bfloat16
+    x = rng.standard_normal((9, 2 * d), dtype=np.float32)
+    r = rng.standard_normal((9, 2 * d), dtype=np.float32)
+    x[1, d // 2], r[2, 0], r[3, -1] = np.nan, np.inf, -np.inf
+    x[3, -1] = np.inf
+    x[4], r[4] = 3e38, 3e38
+    xb, rb = x.astype(bf), r.astype(bf)
+    xb.view(np.uint16)[5, d - 1] = 0x7F81  # a signalling NaN
+    for xs, rs in ((xb[:, :d], rb[:, :d]), (xb[:, ::2], rb[:, ::2])):
+        _, h = pn.add_rms_norm(xs, rs, np.ones(d, np.float32), backend="numba")
+        with np.errstate(all="ignore"):
+            t = xs.astype(np.float32) + rs.astype(np.float32)
+        want = codec.encode_array(t.ravel(), True).reshape(t.shape)
+        np.testing.assert_array_equal(h.view(np.uint16), want)

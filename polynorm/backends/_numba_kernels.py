@@ -46,13 +46,18 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 from .._cache import install_numba_locator
 from ._numba_codec import (
+    HW_HALF,
     SUM_BLOCK,
     bits_dtype,
+    decode_lanes,
+    encode_bf16_ir,
+    item_pointer,
     lanes_add_block,
     lanes_add_part,
     lanes_total,
@@ -61,6 +66,7 @@ from ._numba_codec import (
     prefetch_row,
     prefetch_span,
     round_to,
+    splat,
     store,
 )
 from ._numba_refs import borrow, row_of
@@ -357,12 +363,139 @@ def _out_span(a, i, j0, j1, w, b, y, rc, oc):
         store(y, (i, j), scale_shift(load(a[i, j]) * rc, w, b, j, oc))
 
 
+#: columns one :func:`_bf16_out_block` call writes: two 8-lane vectors on AVX2
+#: (LLVM's own vectorization of :func:`_out_span` packs 8 lanes at a time and
+#: reloads its constants every 8 columns)
+OUT_BLOCK = 16
+#: the row modes of :func:`_out_span_blocks`: element by element, whole blocks
+#: with the NaN guard, whole blocks without it (the row can hold no NaN)
+SPAN_SCALAR, SPAN_BLOCKS, SPAN_BLOCKS_NO_NAN = 0, 1, 2
+
+
+def _blocks_ok(a, w, b, y):  # pragma: no cover - replaced by the overload
+    """Whether :func:`_bf16_out_block` takes these arrays (a compile-time constant):
+    bfloat16 y, 16-bit x it can decode as a vector, float32 weights, no bias."""
+    raise NotImplementedError
+
+
+def _lanes_in(dt) -> bool:
+    return dt == types.uint16 or (dt == types.int16 and HW_HALF)
+
+
+@overload(_blocks_ok, inline="always")
+def _ov_blocks_ok(a, w, b, y):
+    ok = (y.dtype == types.uint16 and _lanes_in(a.dtype) and w.dtype == types.float32
+          and _absent(b))
+    return lambda a, w, b, y: ok
+
+
+@intrinsic
+def _bf16_out_block(typingctx, a, i, j, w, y, rc, oc, nan_guard):
+    """``y[i, j : j + OUT_BLOCK] = a[i, j:...] * rc * (w[j:...] + oc)`` rounded to
+    bfloat16, as float32 vector IR: :func:`_out_span`'s operations lane by lane
+    (the same bits), the rounding of :func:`._numba_codec.encode_bf16_ir`
+    (``nan_guard``, a literal bool: False only where no lane can be NaN).  Rows of
+    unit column stride; arrays :func:`_blocks_ok` refuses compile to nothing."""
+    if not (isinstance(a, types.Array) and isinstance(w, types.Array)
+            and isinstance(y, types.Array) and isinstance(nan_guard, types.BooleanLiteral)):
+        return None
+    ok = (y.dtype == types.uint16 and _lanes_in(a.dtype) and w.dtype == types.float32
+          and rc == types.float32 and oc == types.float32)
+    guard = nan_guard.literal_value
+
+    def codegen(context, builder, sig, args):
+        if not ok:
+            return context.get_dummy_value()
+        av, iv, jv, wv, yv, rcv, ocv, _ = args
+        iv = context.cast(builder, iv, sig.args[1], types.intp)
+        jv = context.cast(builder, jv, sig.args[2], types.intp)
+        f32v = ir.VectorType(ir.FloatType(), OUT_BLOCK)
+
+        def lanes(aty, aval, idx, elt):
+            p = item_pointer(context, builder, aty, aval, idx)
+            return builder.load(builder.bitcast(p, ir.VectorType(elt, OUT_BLOCK).as_pointer()),
+                                align=context.get_abi_sizeof(elt))
+
+        def bcast(v):
+            one = builder.insert_element(ir.Constant(f32v, ir.Undefined), v,
+                                         ir.Constant(ir.IntType(32), 0))
+            return builder.shuffle_vector(one, one, splat(ir.VectorType(ir.IntType(32),
+                                                                         OUT_BLOCK), 0))
+
+        elt = context.get_data_type(sig.args[0].dtype)
+        v = decode_lanes(builder, lanes(sig.args[0], av, [iv, jv], elt), sig.args[0].dtype)
+        g = builder.fadd(lanes(sig.args[3], wv, [jv], ir.FloatType()), bcast(ocv))
+        t = builder.fmul(builder.fmul(v, bcast(rcv)), g)
+        dst = item_pointer(context, builder, sig.args[4], yv, [iv, jv])
+        bits = encode_bf16_ir(builder, t, guard)
+        builder.store(bits, builder.bitcast(dst, bits.type.as_pointer()), align=2)
+        return context.get_dummy_value()
+
+    return types.void(a, i, j, w, y, rc, oc, nan_guard), codegen
+
+
 @_inline
-def _fwd_norm_row(i, hi, a, w, b, y, rstd, flags, k, eps, offset, ss):
+def _span_mode(a, w, b, y, wok, k, ss, rc):
+    """Row ``i``'s :func:`_out_span_blocks` mode: blocks where :func:`_blocks_ok` and
+    ``wok`` (every ``w + offset`` finite, unit column strides); without the NaN guard
+    where the statistic saw every element (``k == d``) and found them finite and
+    rstd is finite: a product of finite numbers can overflow to Inf, never NaN."""
+    if not (_blocks_ok(a, w, b, y) and wok):
+        return SPAN_SCALAR
+    if k == a.shape[1] and ss < math.inf and rc < math.inf:
+        return SPAN_BLOCKS_NO_NAN
+    return SPAN_BLOCKS
+
+
+@_inline
+def _out_span_blocks(a, i, j0, j1, w, b, y, rc, oc, mode):
+    """:func:`_out_span` with whole :data:`OUT_BLOCK` blocks from ``j0`` as vectors
+    (:func:`_bf16_out_block`) in the modes of :func:`_span_mode`."""
+    jb = np.uint64(j0)
+    if _blocks_ok(a, w, b, y) and mode != SPAN_SCALAR:
+        step = np.uint64(OUT_BLOCK)
+        jb = jb + (np.uint64(j1) - jb) // step * step
+        if mode == SPAN_BLOCKS_NO_NAN:
+            for j in range(np.uint64(j0), jb, step):
+                _bf16_out_block(a, i, j, w, y, rc, oc, False)
+        else:
+            for j in range(np.uint64(j0), jb, step):
+                _bf16_out_block(a, i, j, w, y, rc, oc, True)
+    _out_span(a, i, jb, j1, w, b, y, rc, oc)
+
+
+def _weights_ok(a, w, b, y, oc):  # pragma: no cover - replaced by the overload
+    """``wok`` of :func:`_span_mode` for a row range: every ``w + oc`` finite and
+    unit column strides (False where :func:`_blocks_ok` refuses, without a look)."""
+    raise NotImplementedError
+
+
+@overload(_weights_ok, inline="always")
+def _ov_weights_ok(a, w, b, y, oc):
+    if not _absent(b) or not (
+            y.dtype == types.uint16 and _lanes_in(a.dtype) and w.dtype == types.float32):
+        return lambda a, w, b, y, oc: False
+    return lambda a, w, b, y, oc: (a.strides[1] == a.itemsize and y.strides[1] == y.itemsize
+                                   and _finite_sum(w, oc))
+
+
+@_reduce
+def _finite_sum(w, oc):
+    """Whether every ``w[j] + oc`` (float32) is finite: their ``g - g`` sum is 0, else NaN."""
+    s = np.float32(0.0)
+    for j in range(w.shape[0]):
+        g = w[j] + np.float32(oc)
+        s += g - g
+    return s == 0.0
+
+
+@_inline
+def _fwd_norm_row(i, hi, a, w, b, y, rstd, flags, k, eps, offset, ss, wok):
     """Row ``i`` of y from its sum ``ss`` (:func:`_row_sumsq`).
 
     With ``i + 1 < hi`` (16-bit rows only) row ``i + 1``'s lanes sum is
-    accumulated during this row's output pass and returned; else 0.
+    accumulated during this row's output pass and returned; else 0.  ``wok``:
+    :func:`_weights_ok` of the row range.
     """
     r64 = _rstd_from(a, i, k, eps, (flags & EPS_INSIDE) != 0, ss)
     rstd[i] = r64
@@ -372,19 +505,20 @@ def _fwd_norm_row(i, hi, a, w, b, y, rstd, flags, k, eps, offset, ss):
     if r64 < math.inf and not rc < math.inf:
         _fwd_row_wide(i, a, w, b, y, r64, oc)
         return _row_sumsq(a, nxt, k) if nxt < hi else 0.0
-    return _out_and_next(i, hi, a, w, b, y, rc, oc, k)
+    mode = _span_mode(a, w, b, y, wok, k, ss, rc)
+    return _out_and_next(i, hi, a, w, b, y, rc, oc, k, mode)
 
 
-def _out_and_next(i, hi, a, w, b, y, rc, oc, k):  # pragma: no cover
+def _out_and_next(i, hi, a, w, b, y, rc, oc, k, mode):  # pragma: no cover
     """Row ``i``'s output pass; for 16-bit rows with ``i + 1 < hi`` it also sums
     row ``i + 1`` (returned; else 0).  Chosen at typing time, like _row_sumsq."""
     raise NotImplementedError
 
 
 @overload(_out_and_next, inline="always")
-def _ov_out_and_next(i, hi, a, w, b, y, rc, oc, k):
+def _ov_out_and_next(i, hi, a, w, b, y, rc, oc, k, mode):
     if not bits_dtype(a.dtype):
-        def plain(i, hi, a, w, b, y, rc, oc, k):
+        def plain(i, hi, a, w, b, y, rc, oc, k, mode):
             d = a.shape[1]
             if i + 1 < a.shape[0] and not _prefetches(a):
                 # long rows: the next row asked for a chunk at a time, spread
@@ -397,11 +531,12 @@ def _ov_out_and_next(i, hi, a, w, b, y, rc, oc, k):
                 _out_span(a, i, np.intp(0), d, w, b, y, rc, oc)  # not a literal: one compile
             return 0.0
         return plain
-    return lambda i, hi, a, w, b, y, rc, oc, k: _out_and_next_lanes(i, hi, a, w, b, y, rc, oc, k)
+    return lambda i, hi, a, w, b, y, rc, oc, k, mode: _out_and_next_lanes(
+        i, hi, a, w, b, y, rc, oc, k, mode)
 
 
 @_inline  # a call: Numba's IR inliner mishandles its loop-carried lanes
-def _out_and_next_lanes(i, hi, a, w, b, y, rc, oc, k):
+def _out_and_next_lanes(i, hi, a, w, b, y, rc, oc, k, mode):
     # software pipeline: row i's output pass and row i+1's sum in one loop,
     # with the row after next prefetched a chunk at a time (without it the
     # pipeline is slower than two passes).  One output loop in the pipelined
@@ -416,10 +551,10 @@ def _out_and_next_lanes(i, hi, a, w, b, y, rc, oc, k):
     for jc in range(0, kc, _CHUNK):
         if ahead:
             prefetch_span(a, i + 2, jc, _CHUNK)
-        _out_span(a, i, jc, jc + _CHUNK, w, b, y, rc, oc)
+        _out_span_blocks(a, i, jc, jc + _CHUNK, w, b, y, rc, oc, mode)
         for j in range(jc, jc + _CHUNK, SUM_BLOCK):
             acc = lanes_add_block(acc, a, nxt, j)
-    _out_span(a, i, kc, a.shape[1], w, b, y, rc, oc)
+    _out_span_blocks(a, i, kc, a.shape[1], w, b, y, rc, oc, mode)
     return _lanes_rest(acc, a, nxt, k, kc) if pipe else 0.0
 
 
@@ -546,13 +681,13 @@ def _add_row(i, x, r, h):
 
 
 @_inline_ir
-def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
+def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset, wok):
     """Fused add: ``h[i] = x[i] + r[i]``, then row ``i`` of y from h (its own sum)."""
     if i + 1 < x.shape[0] and _prefetches(x):
         prefetch_row(x, i + 1)
         prefetch_row(r, i + 1)
     _add_row(i, x, r, h)
-    _fwd_norm_row(i, i + 1, h, w, b, y, rstd, flags, k, eps, offset, _row_sumsq(h, i, k))
+    _fwd_norm_row(i, i + 1, h, w, b, y, rstd, flags, k, eps, offset, _row_sumsq(h, i, k), wok)
 
 
 # Row loops, one per path, each inlined by Numba into its serial driver (below):
@@ -563,16 +698,18 @@ def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset):
 
 @_inline_ir
 def _add_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
+    wok = _weights_ok(h, w, b, y, offset)
     for i in range(lo, hi):
-        _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset)
+        _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset, wok)
 
 
 @_inline_ir
 def _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset):
     # 16-bit rows: pipelined (see _out_and_next)
     ss = _row_sumsq(x, lo, k) if lo < hi else 0.0
+    wok = _weights_ok(x, w, b, y, offset)
     for i in range(lo, hi):
-        ss = _fwd_norm_row(i, hi, x, w, b, y, rstd, flags, k, eps, offset, ss)
+        ss = _fwd_norm_row(i, hi, x, w, b, y, rstd, flags, k, eps, offset, ss, wok)
 
 
 @_inline_ir
@@ -582,7 +719,7 @@ def _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset):
         if i + 1 < x.shape[0] and _prefetches(x):
             # the next row's reads overlap this row's output pass
             prefetch_row(x, i + 1)
-        _fwd_norm_row(i, i + 1, x, w, b, y, rstd, flags, k, eps, offset, ss)
+        _fwd_norm_row(i, i + 1, x, w, b, y, rstd, flags, k, eps, offset, ss, False)
 
 
 def _llama_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):  # pragma: no cover
