@@ -6,7 +6,7 @@ forward (``_numba_gated.forward_rows``) and quantized forward (``quant_rows``: f
 per-token scale) for bfloat16 and float16 on this CPU,
 takes each innermost loop of their machine code that converts 16-bit data
 (``vpmovzxwd``/``vcvtph2ps`` in, ``vpmovdw``/``vpackusdw``/``vcvtps2ph``/
-``vcvtneps2bf16`` out) or packs codes into bytes (the quantized forward's float8
+``vcvtneps2bf16`` out; bfloat16 pairs split and joined by ``vpblendw``) or packs codes into bytes (the quantized forward's float8
 encode: ``vpackuswb``/``vpmovdb``) and prints, per 16 elements: all instructions, the vector
 ones (an ``xmm``/``ymm``/``zmm``/mask register operand), the rounding ones (the
 integer bfloat16 encode: ``vpsrld vpandd vpaddd vpcmpgtd vpord vptestnmd
@@ -42,9 +42,12 @@ _STEP = re.compile(r"^(?:addq|subq)\s+\$(-?\d+),\s*(%\w+)$")
 ROUNDING = {"vpsrld", "vpandd", "vpand", "vpaddd", "vpcmpgtd", "vpcmpeqd", "vpmaxud", "vpord",
             "vpor", "vptestnmd", "vptestmd", "vpblendmd", "vblendvps", "vcmpunordps",
             "vandps", "vorps", "vpmovdw", "vpackusdw", "vpermq", "vinserti64x4",
-            "vcvtneps2bf16", "vfpclassps", "korw"}
+            "vcvtneps2bf16", "vfpclassps", "korw", "vpblendw"}
 DECODE_IN = ("vpmovzxwd", "vcvtph2ps")
 ENCODE_OUT = ("vpmovdw", "vpackusdw", "vcvtps2ph", "vcvtneps2bf16")
+#: the bfloat16 output blocks read and write 16-bit pairs whole: the halves are
+#: split by a shift and a word blend, and blended back (``_bf16_out_block``)
+PAIRS = ("vpblendw",)
 #: the quantized forward's float8/int8 encode loops pack float32 codes into bytes
 BYTES_OUT = ("vpackuswb", "vpmovdb", "vpmovusdb")
 
@@ -92,7 +95,7 @@ def elements_per_iteration(body: list[str]) -> int | None:
 def describe(body: list[str]) -> dict | None:
     """Counts per 16 elements of a loop that converts 16-bit data, else None."""
     ops = collections.Counter(t.split()[0] for t in body)
-    if not any(ops[o] for o in DECODE_IN + BYTES_OUT):
+    if not any(ops[o] for o in DECODE_IN + BYTES_OUT + PAIRS):
         return None
     n = elements_per_iteration(body)
     if not n:
@@ -103,6 +106,10 @@ def describe(body: list[str]) -> dict | None:
         else "xmm"
     mem16_in = sum(1 for t in body if t.split()[0] in DECODE_IN and "(" in t)
     out16 = sum(1 for t in body if t.split()[0] in ENCODE_OUT)
+    if ops["vpblendw"]:  # pairs: whole 16-bit vectors moved in and out
+        mem16_in += sum(1 for t in body if t.startswith("vmovdqu\t(") or
+                        t.startswith("vmovdqu (") and t.endswith("mm"))
+        out16 += sum(1 for t in body if t.split()[0] == "vmovdqu" and t.endswith(")"))
     # float32 vectors read (a memory operand scaled by 4) and written
     ld32 = sum(1 for t in body if _VEC.search(t) and re.search(r"^[^,]*\(%\w+,%\w+,4\),", t)
                and not t.split()[0].startswith(("vmovnt",)))

@@ -570,7 +570,8 @@ def test_pipelined_row_sum_is_the_rows_own(bf, d, rng):
     for k in sorted({d, max(1, d // 2), 1}):
         for i in range(2):
             ss = K._sumsq_lanes(bits, i, k)
-            nxt = K._fwd_norm_row(i, 3, bits, w, w, y, rstd, flags, k, 1e-6, 0.0, ss, False)
+            nxt = K._fwd_norm_row(i, 3, bits, w, w, y, rstd, flags, k, 1e-6, 0.0, ss,
+                                  K._NO_BLOCKS)
             alone = K._sumsq_lanes(bits, i + 1, k)
             assert np.float64(nxt).view(np.uint64) == np.float64(alone).view(np.uint64)
             want = np.sum(bits[i + 1, :k].view(HALF["bfloat16" if bf else "float16"])
@@ -663,10 +664,13 @@ def test_bf16_out_blocks_equal_the_scalar_span(rng):
 
     @numba.njit
     def spans(x, w, y_ref, y_guard, y_free, rc, oc):
+        wg = np.empty(x.shape[1] - x.shape[1] % K.OUT_BLOCK, np.float32)
+        K._pair_weights(w, oc, wg)
         for i in range(x.shape[0]):
             K._out_span(x, i, np.uint64(0), x.shape[1], w, None, y_ref, rc, oc)
-            K._out_span_blocks(x, i, 0, x.shape[1], w, None, y_guard, rc, oc, K.SPAN_BLOCKS)
-            K._out_span_blocks(x, i, 0, x.shape[1], w, None, y_free, rc, oc,
+            K._out_span_blocks(x, i, 0, x.shape[1], w, None, y_guard, rc, oc, wg,
+                               K.SPAN_BLOCKS)
+            K._out_span_blocks(x, i, 0, x.shape[1], w, None, y_free, rc, oc, wg,
                                K.SPAN_BLOCKS_NO_NAN)
 
     u = np.concatenate([_bf16_edge_patterns(),
@@ -709,8 +713,8 @@ def test_bf16_forward_rows_of_every_mode(d, rng):
     x[4] = 0.0
     x[5, -1] = np.nan  # past k for partial=0.5 (d > 1)
     x[6] *= 1e4  # large, within float16
-    # float16 x into bfloat16 y: a NaN whose payload reaches the low half of its
-    # float32 bits (the case the NaN guard is there for)
+    # float16 x into bfloat16 y (element by element): a NaN whose payload reaches
+    # the low half of its float32 bits
     xh = x.astype(np.float16)
     xh.view(np.uint16)[7, d // 2] = 0x7E07
     big = rng.standard_normal(d, dtype=np.float32) * np.float32(1e37)

@@ -160,14 +160,14 @@ def _bf16_to_f32_ir(typingctx, b):
     return types.float32(b), codegen
 
 
-def encode_bf16_ir(builder, f, nan_guard=True):
-    """bfloat16 bits (``i16``, or a vector of them) of float32 ``f`` (a scalar or a
-    vector), rounded to nearest even: :func:`_f32_to_bf16_sw`'s bits in fewer
-    vector operations.  The rounding bias (0x7FFF, or 0x8000 when the kept part
-    is odd) is a select on a bit test; the NaN guard an unordered float compare,
-    NaN and number merged before the one shift.  ``nan_guard=False`` leaves the
-    guard out, for values known to hold no NaN (an Inf rounds right without it):
-    4 vector operations per 8 lanes on AVX2 instead of 7."""
+def round_bf16_ir(builder, f, nan_guard=True):
+    """float32 ``f`` (a scalar or a vector) rounded to bfloat16 in the top half of
+    its ``i32`` bits (the low half is garbage): :func:`_f32_to_bf16_sw`'s bits in
+    fewer vector operations.  The rounding bias (0x7FFF, or 0x8000 when the kept
+    part is odd) is a select on a bit test; the NaN guard an unordered float
+    compare, NaN and number merged before the caller's shift.  ``nan_guard=False``
+    leaves the guard out, for values known to hold no NaN (an Inf rounds right
+    without it): 4 vector operations per 8 lanes on AVX2 instead of 7."""
     i32 = like(f, _I32)
 
     def c(v):
@@ -180,7 +180,14 @@ def encode_bf16_ir(builder, f, nan_guard=True):
         nan = builder.fcmp_unordered("uno", f, f)
         q = builder.or_(u, c(0x400000))  # quiet, top of the payload kept: (u >> 16) | 0x40
         r = builder.select(nan, q, r)
-    return builder.trunc(builder.lshr(r, c(16)), like(f, _I16))
+    return r
+
+
+def encode_bf16_ir(builder, f, nan_guard=True):
+    """bfloat16 bits (``i16``, or a vector of them) of float32 ``f``: :func:`round_bf16_ir`
+    and the shift."""
+    r = round_bf16_ir(builder, f, nan_guard)
+    return builder.trunc(builder.lshr(r, splat(r.type, 16)), like(f, _I16))
 
 
 @intrinsic

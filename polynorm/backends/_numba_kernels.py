@@ -52,11 +52,8 @@ from numba.extending import intrinsic, overload
 
 from .._cache import install_numba_locator
 from ._numba_codec import (
-    HW_HALF,
     SUM_BLOCK,
     bits_dtype,
-    decode_lanes,
-    encode_bf16_ir,
     item_pointer,
     lanes_add_block,
     lanes_add_part,
@@ -65,6 +62,7 @@ from ._numba_codec import (
     load,
     prefetch_row,
     prefetch_span,
+    round_bf16_ir,
     round_to,
     splat,
     store,
@@ -363,84 +361,93 @@ def _out_span(a, i, j0, j1, w, b, y, rc, oc):
         store(y, (i, j), scale_shift(load(a[i, j]) * rc, w, b, j, oc))
 
 
-#: columns one :func:`_bf16_out_block` call writes: two 8-lane vectors on AVX2
-#: (LLVM's own vectorization of :func:`_out_span` packs 8 lanes at a time and
-#: reloads its constants every 8 columns)
+#: columns one :func:`_bf16_out_block` call writes: one 32-byte load of bfloat16
+#: x, two 8-lane float32 vectors, one 32-byte store
 OUT_BLOCK = 16
 #: the row modes of :func:`_out_span_blocks`: element by element, whole blocks
 #: with the NaN guard, whole blocks without it (the row can hold no NaN)
 SPAN_SCALAR, SPAN_BLOCKS, SPAN_BLOCKS_NO_NAN = 0, 1, 2
 
 
-def _blocks_ok(a, w, b, y):  # pragma: no cover - replaced by the overload
+def _blocks_ok(a, b, y):  # pragma: no cover - replaced by the overload
     """Whether :func:`_bf16_out_block` takes these arrays (a compile-time constant):
-    bfloat16 y, 16-bit x it can decode as a vector, float32 weights, no bias."""
+    bfloat16 x and y, no bias."""
     raise NotImplementedError
 
 
-def _lanes_in(dt) -> bool:
-    return dt == types.uint16 or (dt == types.int16 and HW_HALF)
+def _block_types_ok(a, b, y) -> bool:
+    return (isinstance(a, types.Array) and isinstance(y, types.Array)
+            and a.dtype == types.uint16 and y.dtype == types.uint16 and _absent(b))
 
 
 @overload(_blocks_ok, inline="always")
-def _ov_blocks_ok(a, w, b, y):
-    ok = (y.dtype == types.uint16 and _lanes_in(a.dtype) and w.dtype == types.float32
-          and _absent(b))
-    return lambda a, w, b, y: ok
+def _ov_blocks_ok(a, b, y):
+    ok = _block_types_ok(a, b, y)
+    return lambda a, b, y: ok
 
 
 @intrinsic
-def _bf16_out_block(typingctx, a, i, j, w, y, rc, oc, nan_guard):
+def _bf16_out_block(typingctx, a, i, j, wg, y, rc, nan_guard):
     """``y[i, j : j + OUT_BLOCK] = a[i, j:...] * rc * (w[j:...] + oc)`` rounded to
     bfloat16, as float32 vector IR: :func:`_out_span`'s operations lane by lane
-    (the same bits), the rounding of :func:`._numba_codec.encode_bf16_ir`
-    (``nan_guard``, a literal bool: False only where no lane can be NaN).  Rows of
-    unit column stride; arrays :func:`_blocks_ok` refuses compile to nothing."""
-    if not (isinstance(a, types.Array) and isinstance(w, types.Array)
-            and isinstance(y, types.Array) and isinstance(nan_guard, types.BooleanLiteral)):
+    (the same bits), the rounding of :func:`._numba_codec.round_bf16_ir`
+    (``nan_guard``, a literal bool: False only where no lane can be NaN).
+
+    The block's 16 bfloat16 values are read as 8 pairs: the even columns are
+    the pairs' low halves shifted up, the odd ones their high halves masked,
+    and the results go back as the shifted even and the masked odd halves
+    blended; ``wg`` holds ``w + oc`` in that order (:func:`_pair_weights`).
+    Rows of unit column stride, ``j`` a multiple of :data:`OUT_BLOCK`; arrays
+    :func:`_blocks_ok` refuses compile to nothing."""
+    if not isinstance(nan_guard, types.BooleanLiteral):
         return None
-    ok = (y.dtype == types.uint16 and _lanes_in(a.dtype) and w.dtype == types.float32
-          and rc == types.float32 and oc == types.float32)
+    ok = (_block_types_ok(a, None, y) and isinstance(wg, types.Array)
+          and wg.dtype == types.float32 and rc == types.float32)
     guard = nan_guard.literal_value
 
     def codegen(context, builder, sig, args):
         if not ok:
             return context.get_dummy_value()
-        av, iv, jv, wv, yv, rcv, ocv, _ = args
+        av, iv, jv, wv, yv, rcv, _ = args
         iv = context.cast(builder, iv, sig.args[1], types.intp)
         jv = context.cast(builder, jv, sig.args[2], types.intp)
-        f32v = ir.VectorType(ir.FloatType(), OUT_BLOCK)
+        half = OUT_BLOCK // 2
+        i32 = ir.IntType(32)
+        f32v, i32v = ir.VectorType(ir.FloatType(), half), ir.VectorType(i32, half)
 
-        def lanes(aty, aval, idx, elt):
-            p = item_pointer(context, builder, aty, aval, idx)
-            return builder.load(builder.bitcast(p, ir.VectorType(elt, OUT_BLOCK).as_pointer()),
-                                align=context.get_abi_sizeof(elt))
+        def pointer(aty, aval, idx, vty):
+            return builder.bitcast(item_pointer(context, builder, aty, aval, idx),
+                                   vty.as_pointer())
 
-        def bcast(v):
-            one = builder.insert_element(ir.Constant(f32v, ir.Undefined), v,
-                                         ir.Constant(ir.IntType(32), 0))
-            return builder.shuffle_vector(one, one, splat(ir.VectorType(ir.IntType(32),
-                                                                         OUT_BLOCK), 0))
-
-        elt = context.get_data_type(sig.args[0].dtype)
-        v = decode_lanes(builder, lanes(sig.args[0], av, [iv, jv], elt), sig.args[0].dtype)
-        g = builder.fadd(lanes(sig.args[3], wv, [jv], ir.FloatType()), bcast(ocv))
-        t = builder.fmul(builder.fmul(v, bcast(rcv)), g)
-        dst = item_pointer(context, builder, sig.args[4], yv, [iv, jv])
-        bits = encode_bf16_ir(builder, t, guard)
-        builder.store(bits, builder.bitcast(dst, bits.type.as_pointer()), align=2)
+        pairs = builder.load(pointer(sig.args[0], av, [iv, jv], i32v), align=2)
+        even = builder.bitcast(builder.shl(pairs, splat(i32v, 16)), f32v)
+        odd = builder.bitcast(builder.and_(pairs, splat(i32v, -65536)), f32v)
+        r1 = builder.insert_element(ir.Constant(f32v, ir.Undefined), rcv, ir.Constant(i32, 0))
+        r = builder.shuffle_vector(r1, r1, splat(i32v, 0))
+        wp = pointer(sig.args[3], wv, [jv], f32v)
+        ge = builder.load(wp, align=4)
+        go = builder.load(builder.gep(wp, [ir.Constant(i32, 1)]), align=4)
+        re = round_bf16_ir(builder, builder.fmul(builder.fmul(even, r), ge), guard)
+        ro = round_bf16_ir(builder, builder.fmul(builder.fmul(odd, r), go), guard)
+        i16v = ir.VectorType(ir.IntType(16), OUT_BLOCK)
+        lo = builder.bitcast(builder.lshr(re, splat(i32v, 16)), i16v)
+        hi = builder.bitcast(ro, i16v)
+        blend = [t + OUT_BLOCK * (t % 2) for t in range(OUT_BLOCK)]  # even from lo, odd from hi
+        out = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(i32, OUT_BLOCK), blend))
+        builder.store(out, pointer(sig.args[4], yv, [iv, jv], i16v), align=2)
         return context.get_dummy_value()
 
-    return types.void(a, i, j, w, y, rc, oc, nan_guard), codegen
+    return types.void(a, i, j, wg, y, rc, nan_guard), codegen
 
 
 @_inline
-def _span_mode(a, w, b, y, wok, k, ss, rc):
+def _span_mode(a, b, y, wg, k, ss, rc):
     """Row ``i``'s :func:`_out_span_blocks` mode: blocks where :func:`_blocks_ok` and
-    ``wok`` (every ``w + offset`` finite, unit column strides); without the NaN guard
-    where the statistic saw every element (``k == d``) and found them finite and
-    rstd is finite: a product of finite numbers can overflow to Inf, never NaN."""
-    if not (_blocks_ok(a, w, b, y) and wok):
+    the row range has block weights ``wg`` (:func:`_block_weights`); without the
+    NaN guard where the statistic saw every element (``k == d``) and found them
+    finite and rstd is finite: a product of finite numbers can overflow to Inf,
+    never NaN."""
+    if not (_blocks_ok(a, b, y) and wg.shape[0] > 0):
         return SPAN_SCALAR
     if k == a.shape[1] and ss < math.inf and rc < math.inf:
         return SPAN_BLOCKS_NO_NAN
@@ -448,35 +455,55 @@ def _span_mode(a, w, b, y, wok, k, ss, rc):
 
 
 @_inline
-def _out_span_blocks(a, i, j0, j1, w, b, y, rc, oc, mode):
-    """:func:`_out_span` with whole :data:`OUT_BLOCK` blocks from ``j0`` as vectors
-    (:func:`_bf16_out_block`) in the modes of :func:`_span_mode`."""
+def _out_span_blocks(a, i, j0, j1, w, b, y, rc, oc, wg, mode):
+    """:func:`_out_span` with the whole :data:`OUT_BLOCK` blocks of ``[j0, j1)``
+    (block-aligned ``j0``) as vectors (:func:`_bf16_out_block`) in the modes of
+    :func:`_span_mode`."""
     jb = np.uint64(j0)
-    if _blocks_ok(a, w, b, y) and mode != SPAN_SCALAR:
+    if _blocks_ok(a, b, y) and mode != SPAN_SCALAR:
         step = np.uint64(OUT_BLOCK)
         jb = jb + (np.uint64(j1) - jb) // step * step
         if mode == SPAN_BLOCKS_NO_NAN:
             for j in range(np.uint64(j0), jb, step):
-                _bf16_out_block(a, i, j, w, y, rc, oc, False)
+                _bf16_out_block(a, i, j, wg, y, rc, False)
         else:
             for j in range(np.uint64(j0), jb, step):
-                _bf16_out_block(a, i, j, w, y, rc, oc, True)
+                _bf16_out_block(a, i, j, wg, y, rc, True)
     _out_span(a, i, jb, j1, w, b, y, rc, oc)
 
 
-def _weights_ok(a, w, b, y, oc):  # pragma: no cover - replaced by the overload
-    """``wok`` of :func:`_span_mode` for a row range: every ``w + oc`` finite and
-    unit column strides (False where :func:`_blocks_ok` refuses, without a look)."""
+@_inline
+def _pair_weights(w, oc, wg):
+    """``wg`` = ``w + oc`` in float32 for the whole blocks of ``w``, in
+    :func:`_bf16_out_block`'s order: per block its even columns, then its odd ones."""
+    half = OUT_BLOCK // 2
+    for j0 in range(0, wg.shape[0], OUT_BLOCK):
+        for t in range(half):
+            wg[j0 + t] = w[j0 + 2 * t] + oc
+            wg[j0 + half + t] = w[j0 + 2 * t + 1] + oc
+
+
+def _block_weights(a, w, b, y, oc):  # pragma: no cover - replaced by the overload
+    """A row range's ``wg`` for :func:`_bf16_out_block` (:func:`_pair_weights`), or an
+    empty array where the rows take no blocks: arrays :func:`_blocks_ok` refuses,
+    column strides other than 1, a non-finite ``w + oc``."""
     raise NotImplementedError
 
 
-@overload(_weights_ok, inline="always")
-def _ov_weights_ok(a, w, b, y, oc):
-    if not _absent(b) or not (
-            y.dtype == types.uint16 and _lanes_in(a.dtype) and w.dtype == types.float32):
-        return lambda a, w, b, y, oc: False
-    return lambda a, w, b, y, oc: (a.strides[1] == a.itemsize and y.strides[1] == y.itemsize
-                                   and _finite_sum(w, oc))
+@overload(_block_weights, inline="always")
+def _ov_block_weights(a, w, b, y, oc):
+    if not _block_types_ok(a, b, y) or w.dtype != types.float32:
+        return lambda a, w, b, y, oc: np.empty(0, np.float32)
+
+    def impl(a, w, b, y, oc):
+        d = a.shape[1]
+        if (a.strides[1] != a.itemsize or y.strides[1] != y.itemsize
+                or not _finite_sum(w, oc)):
+            return np.empty(0, np.float32)
+        wg = np.empty(d - d % OUT_BLOCK, np.float32)
+        _pair_weights(w, np.float32(oc), wg)
+        return wg
+    return impl
 
 
 @_reduce
@@ -490,12 +517,12 @@ def _finite_sum(w, oc):
 
 
 @_inline
-def _fwd_norm_row(i, hi, a, w, b, y, rstd, flags, k, eps, offset, ss, wok):
+def _fwd_norm_row(i, hi, a, w, b, y, rstd, flags, k, eps, offset, ss, wg):
     """Row ``i`` of y from its sum ``ss`` (:func:`_row_sumsq`).
 
     With ``i + 1 < hi`` (16-bit rows only) row ``i + 1``'s lanes sum is
-    accumulated during this row's output pass and returned; else 0.  ``wok``:
-    :func:`_weights_ok` of the row range.
+    accumulated during this row's output pass and returned; else 0.  ``wg``:
+    :func:`_block_weights` of the row range.
     """
     r64 = _rstd_from(a, i, k, eps, (flags & EPS_INSIDE) != 0, ss)
     rstd[i] = r64
@@ -505,20 +532,20 @@ def _fwd_norm_row(i, hi, a, w, b, y, rstd, flags, k, eps, offset, ss, wok):
     if r64 < math.inf and not rc < math.inf:
         _fwd_row_wide(i, a, w, b, y, r64, oc)
         return _row_sumsq(a, nxt, k) if nxt < hi else 0.0
-    mode = _span_mode(a, w, b, y, wok, k, ss, rc)
-    return _out_and_next(i, hi, a, w, b, y, rc, oc, k, mode)
+    mode = _span_mode(a, b, y, wg, k, ss, rc)
+    return _out_and_next(i, hi, a, w, b, y, rc, oc, k, wg, mode)
 
 
-def _out_and_next(i, hi, a, w, b, y, rc, oc, k, mode):  # pragma: no cover
+def _out_and_next(i, hi, a, w, b, y, rc, oc, k, wg, mode):  # pragma: no cover
     """Row ``i``'s output pass; for 16-bit rows with ``i + 1 < hi`` it also sums
     row ``i + 1`` (returned; else 0).  Chosen at typing time, like _row_sumsq."""
     raise NotImplementedError
 
 
 @overload(_out_and_next, inline="always")
-def _ov_out_and_next(i, hi, a, w, b, y, rc, oc, k, mode):
+def _ov_out_and_next(i, hi, a, w, b, y, rc, oc, k, wg, mode):
     if not bits_dtype(a.dtype):
-        def plain(i, hi, a, w, b, y, rc, oc, k, mode):
+        def plain(i, hi, a, w, b, y, rc, oc, k, wg, mode):
             d = a.shape[1]
             if i + 1 < a.shape[0] and not _prefetches(a):
                 # long rows: the next row asked for a chunk at a time, spread
@@ -531,12 +558,12 @@ def _ov_out_and_next(i, hi, a, w, b, y, rc, oc, k, mode):
                 _out_span(a, i, np.intp(0), d, w, b, y, rc, oc)  # not a literal: one compile
             return 0.0
         return plain
-    return lambda i, hi, a, w, b, y, rc, oc, k, mode: _out_and_next_lanes(
-        i, hi, a, w, b, y, rc, oc, k, mode)
+    return lambda i, hi, a, w, b, y, rc, oc, k, wg, mode: _out_and_next_lanes(
+        i, hi, a, w, b, y, rc, oc, k, wg, mode)
 
 
 @_inline  # a call: Numba's IR inliner mishandles its loop-carried lanes
-def _out_and_next_lanes(i, hi, a, w, b, y, rc, oc, k, mode):
+def _out_and_next_lanes(i, hi, a, w, b, y, rc, oc, k, wg, mode):
     # software pipeline: row i's output pass and row i+1's sum in one loop,
     # with the row after next prefetched a chunk at a time (without it the
     # pipeline is slower than two passes).  One output loop in the pipelined
@@ -551,10 +578,10 @@ def _out_and_next_lanes(i, hi, a, w, b, y, rc, oc, k, mode):
     for jc in range(0, kc, _CHUNK):
         if ahead:
             prefetch_span(a, i + 2, jc, _CHUNK)
-        _out_span_blocks(a, i, jc, jc + _CHUNK, w, b, y, rc, oc, mode)
+        _out_span_blocks(a, i, jc, jc + _CHUNK, w, b, y, rc, oc, wg, mode)
         for j in range(jc, jc + _CHUNK, SUM_BLOCK):
             acc = lanes_add_block(acc, a, nxt, j)
-    _out_span_blocks(a, i, kc, a.shape[1], w, b, y, rc, oc, mode)
+    _out_span_blocks(a, i, kc, a.shape[1], w, b, y, rc, oc, wg, mode)
     return _lanes_rest(acc, a, nxt, k, kc) if pipe else 0.0
 
 
@@ -681,13 +708,13 @@ def _add_row(i, x, r, h):
 
 
 @_inline_ir
-def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset, wok):
+def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset, wg):
     """Fused add: ``h[i] = x[i] + r[i]``, then row ``i`` of y from h (its own sum)."""
     if i + 1 < x.shape[0] and _prefetches(x):
         prefetch_row(x, i + 1)
         prefetch_row(r, i + 1)
     _add_row(i, x, r, h)
-    _fwd_norm_row(i, i + 1, h, w, b, y, rstd, flags, k, eps, offset, _row_sumsq(h, i, k), wok)
+    _fwd_norm_row(i, i + 1, h, w, b, y, rstd, flags, k, eps, offset, _row_sumsq(h, i, k), wg)
 
 
 # Row loops, one per path, each inlined by Numba into its serial driver (below):
@@ -698,18 +725,22 @@ def _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset, wok):
 
 @_inline_ir
 def _add_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):
-    wok = _weights_ok(h, w, b, y, offset)
+    wg = _block_weights(h, w, b, y, offset)
     for i in range(lo, hi):
-        _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset, wok)
+        _fwd_add_row(i, x, r, w, b, y, h, rstd, flags, k, eps, offset, wg)
 
 
 @_inline_ir
 def _bits_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset):
     # 16-bit rows: pipelined (see _out_and_next)
     ss = _row_sumsq(x, lo, k) if lo < hi else 0.0
-    wok = _weights_ok(x, w, b, y, offset)
+    wg = _block_weights(x, w, b, y, offset)
     for i in range(lo, hi):
-        ss = _fwd_norm_row(i, hi, x, w, b, y, rstd, flags, k, eps, offset, ss, wok)
+        ss = _fwd_norm_row(i, hi, x, w, b, y, rstd, flags, k, eps, offset, ss, wg)
+
+
+#: the ``wg`` of rows that take no output blocks (:func:`_block_weights`)
+_NO_BLOCKS = np.empty(0, np.float32)
 
 
 @_inline_ir
@@ -719,7 +750,7 @@ def _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset):
         if i + 1 < x.shape[0] and _prefetches(x):
             # the next row's reads overlap this row's output pass
             prefetch_row(x, i + 1)
-        _fwd_norm_row(i, i + 1, x, w, b, y, rstd, flags, k, eps, offset, ss, False)
+        _fwd_norm_row(i, i + 1, x, w, b, y, rstd, flags, k, eps, offset, ss, _NO_BLOCKS)
 
 
 def _llama_path(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset):  # pragma: no cover
