@@ -646,6 +646,36 @@ def _block_squares(builder, acc, dt, load, decode):
     return builder.fadd(acc, builder.fpext(p, _VD))
 
 
+def _bf16_block_squares_pairs(builder, acc, base):
+    """:func:`_block_squares` of a whole contiguous bfloat16 block, read as pairs:
+    each group's 16 values are one 8-lane i32 load whose low halves (shifted up)
+    are the even lanes and whose high halves (masked) the odd ones.  Each lane's
+    chain of fused multiply-adds is the one :func:`_block_squares` runs, so the
+    float32 partial has the same bits; it is put back in lane order (one
+    interleave per block) before the float64 add."""
+    half = SUM_LANES // 2
+    i32v, f32v = ir.VectorType(_I32, half), ir.VectorType(_F32T, half)
+    pe = po = ir.Constant(f32v, [0.0] * half)
+    fma = None
+    if _HAS_FMA:
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32v, [f32v] * 3),
+                                             f"llvm.fma.v{half}f32")
+    for t in range(SUM_GROUPS):
+        p = builder.inttoptr(builder.add(base, ir.Constant(_I64, t * SUM_LANES * 2)),
+                             i32v.as_pointer())
+        pairs = builder.load(p, align=2)
+        e = builder.bitcast(builder.shl(pairs, splat(i32v, 16)), f32v)
+        o = builder.bitcast(builder.and_(pairs, splat(i32v, -65536)), f32v)
+        if fma:
+            pe, po = builder.call(fma, [e, e, pe]), builder.call(fma, [o, o, po])
+        else:
+            pe = builder.fadd(builder.fmul(e, e), pe)
+            po = builder.fadd(builder.fmul(o, o), po)
+    order = [(lane // 2) + half * (lane % 2) for lane in range(SUM_LANES)]
+    part = builder.shuffle_vector(pe, po, ir.Constant(ir.VectorType(_I32, SUM_LANES), order))
+    return builder.fadd(acc, builder.fpext(part, _VD))
+
+
 def _lanes_codegen(context, builder, sig, args, count):
     accv, av, iv, jv = args[:4]
     aty = sig.args[1]
@@ -662,6 +692,8 @@ def _lanes_codegen(context, builder, sig, args, count):
             return _block_squares(builder, accv, dt, load, lambda v: v)
         # 16-bit bits: the format is the type's (uint16 bfloat16, int16 float16)
         if dt == types.uint16:
+            if contiguous and count is None:
+                return _bf16_block_squares_pairs(builder, accv, base)
             return _block_squares(builder, accv, dt, load, lambda v: _vec_bf16(builder, v))
         return _block_squares(builder, accv, dt, load, lambda v: _vec_f16(context, builder, v))
 
