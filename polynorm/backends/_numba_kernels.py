@@ -440,18 +440,28 @@ def _bf16_out_block(typingctx, a, i, j, wg, y, rc, nan_guard):
     return types.void(a, i, j, wg, y, rc, nan_guard), codegen
 
 
-@_inline
-def _span_mode(a, b, y, wg, k, ss, rc):
+def _span_mode(a, b, y, wg, k, ss, rc):  # pragma: no cover - replaced by the overload
     """Row ``i``'s :func:`_out_span_blocks` mode: blocks where :func:`_blocks_ok` and
     the row range has block weights ``wg`` (:func:`_block_weights`); without the
     NaN guard where the statistic saw every element (``k == d``) and found them
     finite and rstd is finite: a product of finite numbers can overflow to Inf,
-    never NaN."""
-    if not (_blocks_ok(a, b, y) and wg.shape[0] > 0):
-        return SPAN_SCALAR
-    if k == a.shape[1] and ss < math.inf and rc < math.inf:
-        return SPAN_BLOCKS_NO_NAN
-    return SPAN_BLOCKS
+    never NaN.  Arrays :func:`_blocks_ok` refuses get SPAN_SCALAR at typing time
+    (a float32 forward compiles nothing of it)."""
+    raise NotImplementedError
+
+
+@overload(_span_mode, inline="always")
+def _ov_span_mode(a, b, y, wg, k, ss, rc):
+    if not _block_types_ok(a, b, y):
+        return lambda a, b, y, wg, k, ss, rc: SPAN_SCALAR
+
+    def impl(a, b, y, wg, k, ss, rc):
+        if wg.shape[0] == 0:
+            return SPAN_SCALAR
+        if k == a.shape[1] and ss < math.inf and rc < math.inf:
+            return SPAN_BLOCKS_NO_NAN
+        return SPAN_BLOCKS
+    return impl
 
 
 @_inline
