@@ -364,6 +364,7 @@ def _out_span(a, i, j0, j1, w, b, y, rc, oc):
 #: columns one :func:`_bf16_out_block` call writes: one 32-byte load of bfloat16
 #: x, two 8-lane float32 vectors, one 32-byte store
 OUT_BLOCK = 16
+assert _CHUNK % OUT_BLOCK == 0  # the pipelined pass's chunks start block-aligned
 #: the row modes of :func:`_out_span_blocks`: element by element, whole blocks
 #: with the NaN guard, whole blocks without it (the row can hold no NaN)
 SPAN_SCALAR, SPAN_BLOCKS, SPAN_BLOCKS_NO_NAN = 0, 1, 2
