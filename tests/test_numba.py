@@ -662,10 +662,15 @@ def test_bf16_out_blocks_equal_the_scalar_span(rng):
     ``w + offset`` (x = 1, rstd = 1), random patterns, x's decode included."""
     from polynorm.backends import _numba_kernels as K
 
+    def pairs(w, oc):
+        """w + oc for the whole blocks, per block its even columns, then its odd ones."""
+        n = w.size - w.size % K.OUT_BLOCK
+        with np.errstate(invalid="ignore"):
+            g = w[:n] + oc
+        return np.ascontiguousarray(g.reshape(-1, K.OUT_BLOCK // 2, 2).transpose(0, 2, 1)).ravel()
+
     @numba.njit
-    def spans(x, w, y_ref, y_guard, y_free, rc, oc):
-        wg = np.empty(x.shape[1] - x.shape[1] % K.OUT_BLOCK, np.float32)
-        K._pair_weights(w, oc, wg)
+    def spans(x, w, y_ref, y_guard, y_free, rc, oc, wg):
         for i in range(x.shape[0]):
             K._out_span(x, i, np.uint64(0), x.shape[1], w, None, y_ref, rc, oc)
             K._out_span_blocks(x, i, 0, x.shape[1], w, None, y_guard, rc, oc, wg,
@@ -683,7 +688,8 @@ def test_bf16_out_blocks_equal_the_scalar_span(rng):
     outs = [np.zeros((rows.shape[0], d), np.uint16) for _ in range(3)]
     for r in range(rows.shape[0]):
         views = [o[r:r + 1] for o in outs]
-        spans(ones, np.ascontiguousarray(rows[r]), *views, np.float32(1.0), np.float32(0.0))
+        wr = np.ascontiguousarray(rows[r])
+        spans(ones, wr, *views, np.float32(1.0), np.float32(0.0), pairs(wr, np.float32(0.0)))
     ref, guard, free = outs
     np.testing.assert_array_equal(guard, ref)
     ok = ~np.isnan(rows)
@@ -691,7 +697,8 @@ def test_bf16_out_blocks_equal_the_scalar_span(rng):
     # and on x's decode: random bfloat16 x, float32 weights, an offset
     x = rng.integers(0, 1 << 16, (8, d), dtype=np.uint64).astype(np.uint16)
     outs = [np.zeros((8, d), np.uint16) for _ in range(3)]
-    spans(x, rng.standard_normal(d, dtype=np.float32), *outs, np.float32(0.37), np.float32(1.0))
+    w = rng.standard_normal(d, dtype=np.float32)
+    spans(x, w, *outs, np.float32(0.37), np.float32(1.0), pairs(w, np.float32(1.0)))
     np.testing.assert_array_equal(outs[1], outs[0])
     xf = codec.decode_array(x.ravel(), True).reshape(x.shape)
     ok = ~np.isnan(xf) & ~np.isinf(xf)  # the rows' lanes whose product cannot be NaN

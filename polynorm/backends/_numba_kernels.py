@@ -483,21 +483,10 @@ def _out_span_blocks(a, i, j0, j1, w, b, y, rc, oc, wg, mode):
     _out_span(a, i, jb, j1, w, b, y, rc, oc)
 
 
-@_inline
-def _pair_weights(w, oc, wg):
-    """``wg`` = ``w + oc`` in float32 for the whole blocks of ``w``, in
-    :func:`_bf16_out_block`'s order: per block its even columns, then its odd ones."""
-    half = OUT_BLOCK // 2
-    for j0 in range(0, wg.shape[0], OUT_BLOCK):
-        for t in range(half):
-            wg[j0 + t] = w[j0 + 2 * t] + oc
-            wg[j0 + half + t] = w[j0 + 2 * t + 1] + oc
-
-
 def _block_weights(a, w, b, y, oc):  # pragma: no cover - replaced by the overload
-    """A row range's ``wg`` for :func:`_bf16_out_block` (:func:`_pair_weights`), or an
-    empty array where the rows take no blocks: arrays :func:`_blocks_ok` refuses,
-    column strides other than 1, a non-finite ``w + oc``."""
+    """A row range's ``wg`` for :func:`_bf16_out_block`, or an empty array where the
+    rows take no blocks: arrays :func:`_blocks_ok` refuses (at typing time), column
+    strides other than 1, a non-finite ``w + oc``."""
     raise NotImplementedError
 
 
@@ -505,26 +494,30 @@ def _block_weights(a, w, b, y, oc):  # pragma: no cover - replaced by the overlo
 def _ov_block_weights(a, w, b, y, oc):
     if not _block_types_ok(a, b, y) or w.dtype != types.float32:
         return lambda a, w, b, y, oc: np.empty(0, np.float32)
-
-    def impl(a, w, b, y, oc):
-        d = a.shape[1]
-        if (a.strides[1] != a.itemsize or y.strides[1] != y.itemsize
-                or not _finite_sum(w, oc)):
-            return np.empty(0, np.float32)
-        wg = np.empty(d - d % OUT_BLOCK, np.float32)
-        _pair_weights(w, np.float32(oc), wg)
-        return wg
-    return impl
+    return lambda a, w, b, y, oc: _pair_weights(a, w, y, np.float32(oc))
 
 
-@_reduce
-def _finite_sum(w, oc):
-    """Whether every ``w[j] + oc`` (float32) is finite: their ``g - g`` sum is 0, else NaN."""
-    s = np.float32(0.0)
-    for j in range(w.shape[0]):
-        g = w[j] + np.float32(oc)
-        s += g - g
-    return s == 0.0
+@_inline
+def _pair_weights(a, w, y, oc):
+    """``w + oc`` in float32 for the whole blocks of ``w``, in :func:`_bf16_out_block`'s
+    order (per block its even columns, then its odd ones), or an empty array where a
+    column stride is not 1 or a ``w + oc`` is not finite (one function: each
+    separately compiled helper costs every bfloat16 driver's first compile)."""
+    d = a.shape[1]
+    if a.strides[1] != a.itemsize or y.strides[1] != y.itemsize:
+        return np.empty(0, np.float32)
+    finite = True
+    for j in range(d):
+        finite &= abs(w[j] + oc) < math.inf
+    if not finite:
+        return np.empty(0, np.float32)
+    half = OUT_BLOCK // 2
+    wg = np.empty(d - d % OUT_BLOCK, np.float32)
+    for j0 in range(0, wg.shape[0], OUT_BLOCK):
+        for t in range(half):
+            wg[j0 + t] = w[j0 + 2 * t] + oc
+            wg[j0 + half + t] = w[j0 + 2 * t + 1] + oc
+    return wg
 
 
 @_inline
