@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--dtype", action="append", choices=FLOAT_DTYPES,
                    help="compile only for this dtype (repeatable; default: all four)")
     w.add_argument("--no-backward", action="store_true", help="skip the backward")
+    w.add_argument("--cuda", metavar="ARCH",
+                   help="instead: compile every CUDA kernel for ARCH (e.g. sm_90) with NVRTC, "
+                        "one process per core; needs no GPU")
 
     b = sub.add_parser("bench", help="benchmark the installed backends")
     b.add_argument("--quick", action="store_true", help="a short run (about a minute)")
@@ -192,6 +195,19 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     from ._cache import cache_dir
     from ._warmup import warmup
 
+    if args.cuda:
+        import time
+
+        from .backends import _nvrtc
+
+        ok, why = _nvrtc.available()
+        if not ok:
+            raise ValueError(f"--cuda compiles with NVRTC, which is not usable here: {why}")
+        t0 = time.perf_counter()
+        count = _nvrtc.warm_cache(args.cuda)
+        print(f"{count} CUDA kernels for {args.cuda} cached in {cache_dir() / 'cubin'} "
+              f"({time.perf_counter() - t0:.1f} s)")
+        return 0
     ok, why = pn.backends()["numba"]
     if not ok:
         raise ValueError(f"warmup compiles the Numba kernels, which are not usable here: {why}")

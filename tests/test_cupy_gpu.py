@@ -179,3 +179,104 @@ def test_gpu_torch_bfloat16_on_side_stream(d):
     dxr, dwr, _ = _ref(pn.rms_norm_backward, np.ones_like(x), x, w)
     _close(dx.float().cpu().numpy(), dxr.astype(np.float32), "bfloat16", scale=4)
     _close(dw.cpu().numpy(), dwr, "float32", scale=64 * 64)
+
+
+# ------------------------------------------------------------------ batch invariance, fusions
+
+
+@pytest.mark.parametrize(("d", "dtype"), [(4096, "bfloat16"), (1000, "float16"), (65536, "float32"),
+                                          (300000, "float16")])
+def test_gpu_batch_invariance(d, dtype):
+    """A token's bits never depend on the other tokens, how many, or the row stride."""
+    rng = np.random.default_rng(d)
+    n = 257 if d < 100000 else 5
+    if dtype == "bfloat16":  # cupy has no bfloat16: move its bits as uint16
+        pytest.importorskip("torch")
+    x = _data(rng, (n, d), dtype)
+    w = _data(rng, d, dtype)
+    dy = _data(rng, (n, d), dtype)
+
+    def run(rows):
+        if dtype == "bfloat16":
+            xt, wt, dyt = (_torch_bf16(a) for a in (x[rows], w, dy[rows]))
+            y = pn.rms_norm(xt, wt, backend="cupy")
+            dx = pn.rms_norm_backward(dyt, xt, wt, backend="cupy")[0]
+            return (y.view(torch.int16).cpu().numpy(), dx.view(torch.int16).cpu().numpy())
+        xc, wc, dyc = cupy.asarray(x[rows]), cupy.asarray(w), cupy.asarray(dy[rows])
+        y = pn.rms_norm(xc, wc, backend="cupy").get()
+        dx = pn.rms_norm_backward(dyc, xc, wc, backend="cupy")[0].get()
+        return y.view(f"u{y.itemsize}"), dx.view(f"u{dx.itemsize}")
+
+    y_all, dx_all = run(slice(None))
+    for i in (0, 1, n // 2, n - 1):
+        y1, dx1 = run(slice(i, i + 1))
+        np.testing.assert_array_equal(y1[0], y_all[i])
+        np.testing.assert_array_equal(dx1[0], dx_all[i])
+    y_odd, dx_odd = run(slice(1, None, 2))  # another row stride and count
+    np.testing.assert_array_equal(y_odd, y_all[1::2])
+    np.testing.assert_array_equal(dx_odd, dx_all[1::2])
+
+
+def _torch_bf16(a):
+    """A bfloat16 numpy array as a CUDA torch tensor of the same bits."""
+    return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).cuda().view(torch.bfloat16)
+
+
+GATED_CASES = [  # (n, d, dtype, group_size, norm_before_gate)
+    (5, 7, "float32", None, False), (64, 1024, "float16", None, False), (9, 4096, "float32", 512, True),
+    (3, 20000, "float16", 2500, False), (4, 3000, "float64", None, True), (2, 70000, "float32", None, False),
+]
+
+
+@pytest.mark.parametrize(("n", "d", "dtype", "group_size", "nbg"), GATED_CASES)
+def test_gpu_gated_forward_and_backward(n, d, dtype, group_size, nbg):
+    rng = np.random.default_rng(d + n)
+    x, z, dy = (_data(rng, (n, d), dtype) for _ in range(3))
+    w, b = _data(rng, d, dtype), _data(rng, d, dtype)
+    kw = {"group_size": group_size, "norm_before_gate": nbg}
+    c = [cupy.asarray(a) for a in (x, z, w, b, dy)]
+    y, rstd = pn.rms_norm_gated(*c[:4], return_rstd=True, backend="cupy", **kw)
+    yr, rr = _ref(pn.rms_norm_gated, x, z, w, b, return_rstd=True, **kw)
+    assert y.dtype == yr.dtype and rstd.shape == rr.shape
+    _close(y.get(), yr, dtype, scale=8)
+    _close(rstd.get(), rr, "float64" if dtype == "float64" else "float32", scale=4)
+    got = pn.rms_norm_gated_backward(c[4], *c[:4], backend="cupy", **kw)
+    want = _ref(pn.rms_norm_gated_backward, dy, x, z, w, b, **kw)
+    for a, e, s in zip(got, want, (8, 8, 8 * n, 8 * n), strict=True):
+        assert a.dtype == e.dtype
+        _close(a.get(), e, dtype, scale=s)
+
+
+@pytest.mark.parametrize("group_size", [None, 128])
+@pytest.mark.parametrize(("n", "d", "dtype"), [(7, 1000, "float16"), (33, 4096, "float32"), (3, 40000, "float16")])
+def test_gpu_quant_int8(n, d, dtype, group_size):
+    rng = np.random.default_rng(d)
+    x, r, w = _data(rng, (n, d), dtype), _data(rng, (n, d), dtype), _data(rng, d, dtype)
+    if group_size is not None and d % group_size:
+        group_size = None
+    q, s, h = pn.rms_norm_quant(cupy.asarray(x), cupy.asarray(w), residual=cupy.asarray(r), dtype="int8",
+                                group_size=group_size, backend="cupy")
+    qr, sr, hr = _ref(pn.rms_norm_quant, x, w, residual=r, dtype="int8", group_size=group_size)
+    np.testing.assert_array_equal(h.get(), hr)
+    _close(s.get(), sr, "float32", scale=4)
+    # rstd may differ in its last bit (another summation order): q by at most one step
+    assert np.abs(q.get().astype(np.int32) - qr.astype(np.int32)).max() <= 1
+
+
+@needs_torch_cuda
+@pytest.mark.parametrize("scale", [None, 0.05])
+@pytest.mark.parametrize(("n", "d"), [(16, 4096), (2, 65536)])
+def test_gpu_quant_e4m3_torch(n, d, scale):
+    rng = np.random.default_rng(d)
+    x, r, w = _data(rng, (n, d), "float32"), _data(rng, (n, d), "float32"), _data(rng, d, "float32")
+    xt, rt, wt = (torch.from_numpy(a).to("cuda", torch.bfloat16) for a in (x, r, w))
+    q, s, h = pn.rms_norm_quant(xt, wt, residual=rt, scale=scale)
+    assert q.dtype == torch.float8_e4m3fn and h.dtype == torch.bfloat16
+    xb, rb, wb = (t.float().cpu().numpy().astype(ml_dtypes.bfloat16) for t in (xt, rt, wt))
+    qr, sr, hr = _ref(pn.rms_norm_quant, xb, wb, residual=rb, scale=scale)
+    np.testing.assert_array_equal(h.float().cpu().numpy(), hr.astype(np.float32))
+    _close(s.cpu().numpy(), sr, "float32", scale=4)
+    got, want = q.float().cpu().numpy(), qr.astype(np.float32)
+    # one e4m3 step (3 mantissa bits) where rstd's last bit differs
+    np.testing.assert_allclose(got, want, rtol=2.0**-3, atol=2.0**-9)
+    assert (got == want).mean() > 0.99

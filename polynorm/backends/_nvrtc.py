@@ -125,3 +125,44 @@ def cached_cubin(name: str, arch: str) -> tuple[Path, str]:
     meta_tmp.write_text(json.dumps({"name": name, "lowered": res.lowered[name], "arch": arch}))
     os.replace(meta_tmp, meta)
     return cubin, res.lowered[name]
+
+
+def _cached_one(args: tuple[str, str]) -> str:
+    return cached_cubin(*args)[1]
+
+
+def warm_cache(arch: str, names: list[str] | None = None, jobs: int | None = None) -> int:
+    """Compile every specialisation for ``arch`` into the cubin cache, ``jobs`` at a time.
+
+    A first GPU call compiles its kernel on demand (about a second each); this fills
+    the cache ahead of time, one NVRTC process per core (the compiles are independent).
+
+    Parameters
+    ----------
+    arch : str
+        The target, e.g. ``"sm_90"``.
+    names : list of str, optional
+        Name expressions (default :func:`~._cuda_launch.specialisations`: all).
+    jobs : int, optional
+        Worker processes (default: the CPU count).
+
+    Returns
+    -------
+    int
+        How many cubins are now cached for ``arch``.
+
+    Examples
+    --------
+    >>> from polynorm.backends import _nvrtc
+    >>> if _nvrtc.available()[0]:                                   # doctest: +SKIP
+    ...     _nvrtc.warm_cache("sm_90", ["pn_colsum<float, float>"], jobs=1)
+    1
+    """
+    from concurrent.futures import ProcessPoolExecutor
+
+    todo = [(nm, arch) for nm in (cl.specialisations() if names is None else names)]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
+    if jobs == 1:
+        return len([_cached_one(t) for t in todo])
+    with ProcessPoolExecutor(jobs) as pool:
+        return len(list(pool.map(_cached_one, todo)))
