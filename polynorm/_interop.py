@@ -277,7 +277,7 @@ def from_cupy(a: Any, like: Any, dtype: str | None = None) -> Any:
         return None
     mod = type(like).__module__.split(".")[0]
     if mod == "cupy":
-        return a
+        return _cupy_bfloat16(a) if dtype == "bfloat16" else a
     if mod == "torch":
         import torch
 
@@ -290,6 +290,15 @@ def from_cupy(a: Any, like: Any, dtype: str | None = None) -> Any:
         j = jnp.from_dlpack(a)
         return jax.lax.bitcast_convert_type(j, jnp.bfloat16) if dtype == "bfloat16" else j
     raise TypeError(f"cannot wrap a cupy array as {type(like).__name__}")
+
+
+def _cupy_bfloat16(a: Any) -> Any:
+    """bfloat16 bits in an int16 cupy array as a bfloat16 cupy array where cupy has
+    the dtype (cupy >= 14, through ml_dtypes), else the int16 array itself."""
+    try:
+        return a.view(_bf16())
+    except (TypeError, ValueError):
+        return a
 
 
 def host_empty(shape: tuple[int, ...], dtype: Any, like: Any) -> np.ndarray:

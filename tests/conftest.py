@@ -138,7 +138,10 @@ def _jax_read(a):
 def _cupy_make(a):
     import cupy
 
-    return cupy.asarray(a)
+    try:
+        return cupy.asarray(a)
+    except (TypeError, ValueError) as exc:  # bfloat16 before cupy 14
+        pytest.skip(f"cupy {cupy.__version__} cannot hold {a.dtype}: {exc}")
 
 
 def _cupy_read(a):

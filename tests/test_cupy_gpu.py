@@ -66,6 +66,8 @@ OPTIONS = [
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 @pytest.mark.parametrize(("n", "d", "dtype"), FWD_CASES)
 def test_gpu_forward_matches_reference(n, d, dtype, opts):
+    if int(d * opts.get("partial", 1.0)) < 1:
+        pytest.skip("partial leaves no element of this row (a ValueError, tests/test_errors.py)")
     rng = np.random.default_rng(n * 1000 + d)
     x, w, b = _data(rng, (n, d), dtype), _data(rng, d, dtype), _data(rng, d, dtype)
     y, rstd = pn.rms_norm(cupy.asarray(x), cupy.asarray(w), cupy.asarray(b), return_rstd=True,
