@@ -14,6 +14,7 @@
 #   gpu_env.txt         what was found / installed (nvidia-smi, versions, backends)
 #   gpu_tests.txt       pytest -k "cupy and not emul": tests/test_cupy_gpu.py and the suite's cupy cases
 #   gpu-<date>.json     the benchmark records (polynorm._bench.gpu); its table in gpu_bench.txt
+#   gpu_overhead.txt    a small call's host time against its kernels alone, and its profile
 #   gpu_model.txt       the launch model's prediction for every case (no GPU needed), to set
 #                       beside the measured table
 #   hf-gpu-<date>.json  bench/hf.py on the GPU: a tiny Llama training step, HF vs patched
@@ -136,6 +137,12 @@ timeout 300 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs -k "cupy an
     tests/ >"$RESULTS/gpu_tests.txt" 2>&1 || status=$?
 tail -n 15 "$RESULTS/gpu_tests.txt"
 log "GPU tests exit status $status (5: nothing collected)"
+
+# ---- a small call's host time against its kernels alone (bench/gpu_overhead.py)
+if [ "$MODE" = run ]; then
+    timeout 90 "$PY" bench/gpu_overhead.py --op fwd --calls 200 >"$RESULTS/gpu_overhead.txt" 2>&1
+    log "host-overhead profile exit status $? (gpu_overhead.txt)"
+fi
 
 # ---- the prediction, before the measurement (pure Python; register counts from
 # bench/results/sass-kernels.json)

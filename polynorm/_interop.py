@@ -273,8 +273,8 @@ def to_cupy(a: Any) -> Any:
 def from_cupy(a: Any, like: Any, dtype: str | None = None) -> Any:
     """Wrap cupy result ``a`` into the array type of ``like`` (DLPack, zero-copy
     for cupy and torch).  ``dtype="bfloat16"``: ``a`` holds bfloat16 bits."""
-    if a is None:
-        return None
+    if a is None or type(a).__module__.split(".", 1)[0] == "torch":
+        return a  # the cupy backend's torch-allocated results need no wrapping
     mod = type(like).__module__.split(".")[0]
     if mod == "cupy":
         return _cupy_bfloat16(a) if dtype == "bfloat16" else a

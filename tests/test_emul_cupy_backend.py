@@ -308,13 +308,21 @@ def test_emul_cupy_backward(fake_cupy, case, n, d):
 
 @pytest.mark.parametrize("d", [64, 20000])
 def test_emul_cupy_torch_bfloat16(fake_cupy, monkeypatch, d):
-    """torch bfloat16 tensors go through _interop.to_cupy / from_cupy (int16 views).
+    """torch bfloat16 tensors go to the kernels as they are (their data pointers and
+    strides; torch allocates the results): no DLPack, no cupy arrays.
 
-    CPU tensors stand in for CUDA ones (DLPack works the same); the stream
-    context, which needs CUDA, is replaced.
+    CPU tensors stand in for CUDA ones: their pointers are registered with the
+    stand-in (as numpy views of the same memory); the stream context, which
+    needs CUDA, is replaced.
     """
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(cupy_backend, "_on_callers_stream", lambda x: contextlib.nullcontext())
+
+    def torch_ptr(t):
+        bits = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        return _fake(bits.detach().numpy()).data.ptr
+
+    monkeypatch.setattr(cupy_backend, "_torch_ptr", torch_ptr)
     rng = np.random.default_rng(d)
     x = _rand(rng, (4, d), np.float32).astype(ml_dtypes.bfloat16)
     w = _rand(rng, d, np.float32)

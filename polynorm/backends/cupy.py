@@ -1,9 +1,12 @@
 """CuPy backend: the generated CUDA kernels of ``polynorm/_cuda`` on CUDA arrays.
 
-Takes cupy arrays and torch/jax arrays in CUDA memory (through DLPack, no
-host round trip; bfloat16 travels as an int16 view because cupy has no
-bfloat16).  Kernels run on the caller's current stream: torch's current
-stream for torch tensors, cupy's current stream otherwise.
+Takes cupy arrays and torch/jax arrays in CUDA memory, with no host round
+trip.  The row kernels (forward, fused add, backward) take torch tensors as
+they are -- data pointer and strides, results from torch's allocator -- since
+on small shapes a call's time is its host glue; jax arrays and the fusions go
+through DLPack (bfloat16 as an int16 view where cupy has no bfloat16).
+Kernels run on the caller's current stream: torch's current stream for torch
+tensors, cupy's current stream otherwise.
 
 Which kernel, grid, block and shared memory: :mod:`polynorm.backends._cuda_launch`.
 Each kernel instantiation is compiled on first use by NVRTC
@@ -166,6 +169,26 @@ def recording():
         _recorded = None
 
 
+#: (device, raw stream pointer) -> cupy's wrapper of that torch stream (made once: a
+#: wrapper costs ~1.5 us and, in cupy >= 14, a DeprecationWarning each time)
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def _torch_stream(torch: Any, dev: int) -> Any:
+    import cupy
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~0.3 us against ~5 us
+    ptr = raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
+    stream = _streams.get((dev, ptr))
+    if stream is None:
+        if len(_streams) > 64:  # streams come and go: keep the table small
+            _streams.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = _streams[(dev, ptr)] = cupy.cuda.ExternalStream(ptr, dev)
+    return stream
+
+
 @contextlib.contextmanager
 def _on_callers_stream(x: Any):
     """The device of ``x`` and its library's current stream, for the whole call."""
@@ -176,10 +199,8 @@ def _on_callers_stream(x: Any):
         import torch
 
         dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        with cupy.cuda.Device(dev):
-            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev)
-            with stream:
-                yield
+        with cupy.cuda.Device(dev), _torch_stream(torch, dev):
+            yield
         return
     if mod == "cupy":
         with x.device:
@@ -223,19 +244,60 @@ def _view(a: Any) -> Any:
     return c
 
 
+def _is_torch(a: Any) -> bool:
+    return type(a).__module__.split(".", 1)[0] == "torch"
+
+
+def _dev(a: Any) -> Any:
+    """A buffer the kernels can take: a torch CUDA tensor as it is (its pointer and
+    strides are read directly, no DLPack: a call's host time is mostly such glue),
+    anything else as a cupy view (:func:`_view`); the last axis made contiguous."""
+    if a is None or not _is_torch(a):
+        return _view(a)
+    if a.dim() == 2 and a.shape[1] > 1 and a.stride(1) != 1:
+        return a.contiguous()
+    if a.dim() == 1 and a.shape[0] > 1 and a.stride(0) != 1:
+        return a.contiguous()
+    return a
+
+
+def _torch_ptr(t: Any) -> int:
+    return t.data_ptr()
+
+
 def _ptr(c: Any) -> np.uint64:
-    return np.uint64(0 if c is None else c.data.ptr)
+    if c is None:
+        return np.uint64(0)
+    return np.uint64(_torch_ptr(c) if _is_torch(c) else c.data.ptr)
 
 
 def _rs(c: Any) -> np.int64:
     """Row stride in elements (0 for absent arrays)."""
-    return np.int64(0 if c is None else c.strides[0] // c.itemsize)
+    if c is None:
+        return np.int64(0)
+    return np.int64(c.stride(0) if _is_torch(c) else c.strides[0] // c.itemsize)
 
 
-def _empty(shape: tuple[int, ...], dtype: str, zero: bool = False):
-    import cupy
+def _col_stride(c: Any) -> int:
+    return c.stride(1) if _is_torch(c) else c.strides[1] // c.itemsize
 
-    a = (cupy.zeros if zero else cupy.empty)(shape, dtype=_NP_STORAGE[dtype])
+
+_TORCH_DTYPES: dict[str, Any] = {}
+
+
+def _empty(shape: tuple[int, ...], dtype: str, zero: bool = False, like: Any = None):
+    """A new device array; a torch tensor on ``like``'s device when ``like`` is one
+    (torch's allocator, on its current stream), else a cupy array."""
+    if like is not None and _is_torch(like):
+        import torch
+
+        if not _TORCH_DTYPES:
+            _TORCH_DTYPES.update({k: getattr(torch, k) for k in _NP_STORAGE})
+        a = (torch.zeros if zero else torch.empty)(shape, dtype=_TORCH_DTYPES[dtype], device=like.device)
+    else:
+        import cupy
+
+        a = (cupy.zeros if zero else cupy.empty)(shape, dtype=_NP_STORAGE[dtype])
     if _recorded is not None:
         _recorded.append((None, a, None))  # kept alive for the replay; not a launch
     return a
@@ -257,18 +319,18 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
         rk = _cast(residual, types.res)
         wk = _cast(weight, types.weight)
         bk = _cast(bias, ct)
-        xc, resc, wc, bc = _view(xk), _view(rk), _view(wk), _view(bk)
+        xc, resc, wc, bc = _dev(xk), _dev(rk), _dev(wk), _dev(bk)
         n, d = xc.shape
         yc = None
         direct = out is not None and types.out == plan.out_dtype
         if direct:
-            yc = _interop.to_cupy(out)
-            if yc.shape[1] > 1 and yc.strides[1] != yc.itemsize:
+            yc = out if _is_torch(out) else _interop.to_cupy(out)
+            if yc.shape[1] > 1 and _col_stride(yc) != 1:
                 yc, direct = None, False
         if yc is None:
-            yc = _empty((n, d), types.out)
-        hc = _empty((n, d), types.h) if resc is not None else None
-        rstd = _empty((n,), ct)
+            yc = _empty((n, d), types.out, like=x)
+        hc = _empty((n, d), types.h, like=x) if resc is not None else None
+        rstd = _empty((n,), ct, like=x)
         num_sms, max_smem = _device()
         launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out, max_smem=max_smem,
                                    num_sms=num_sms)
@@ -280,7 +342,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
             np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
             np.int32(plan.llama),
         )
-        _launch_rows(launch, head, tail, n, d, plan.k, sums=1)
+        _launch_rows(launch, head, tail, n, d, plan.k, sums=1, like=x)
         if direct:
             y = out
         else:
@@ -290,11 +352,12 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
         return y, h, _interop.from_cupy(rstd, x)
 
 
-def _launch_rows(launch, head: tuple, tail: tuple, n: int, d: int, k: int, sums: int) -> None:
+def _launch_rows(launch, head: tuple, tail: tuple, n: int, d: int, k: int, sums: int,
+                 like: Any = None) -> None:
     """A row kernel's launch (``head``, the row scalars, ``tail``), or pn_*_split's two
     launches around a float64 buffer of ``sums`` sums per (row, slice)."""
     if launch.slices:
-        part = _empty((sums * n * launch.slices,), "float64")
+        part = _empty((sums * n * launch.slices,), "float64", like=like)
         args = (*head, _ptr(part), np.int64(n), np.int32(d), np.int32(k), np.int32(launch.slices), *tail)
         _launch(launch, args)
         _launch(dataclasses.replace(launch, name=launch.name2), args)
@@ -313,27 +376,27 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     types = cl.backward_types(xd, _name(dy), _name(grad_residual), wd)
     ct = types.compute
     with _on_callers_stream(x):
-        xc = _view(x)
-        dyc = _view(_cast(dy, types.dy))
-        gc = _view(_cast(grad_residual, types.dy))
-        wc = _view(_cast(weight, types.weight))
-        rstdc = _view(_cast(rstd, ct))
+        xc = _dev(x)
+        dyc = _dev(_cast(dy, types.dy))
+        gc = _dev(_cast(grad_residual, types.dy))
+        wc = _dev(_cast(weight, types.weight))
+        rstdc = _dev(_cast(rstd, ct))
         n, d = xc.shape
-        dxc = _empty((n, d), xd)
+        dxc = _empty((n, d), xd, like=x)
         num_sms, max_smem = _device()
         want = weight is not None or bias is not None
         launch = cl.backward_launch(n, d, xd, types.dy, types.weight, partials=want,
                                     num_sms=num_sms, max_smem=max_smem,
                                     has_w=weight is not None, has_g=grad_residual is not None)
         shape = (launch.partial_rows, launch.ldp)
-        dwp = _empty(shape, ct, zero=launch.big) if weight is not None else None
-        dbp = _empty(shape, ct, zero=launch.big) if bias is not None else None
+        dwp = _empty(shape, ct, zero=launch.big, like=x) if weight is not None else None
+        dbp = _empty(shape, ct, zero=launch.big, like=x) if bias is not None else None
         head = (
             _ptr(dyc), _rs(dyc), _ptr(xc), _rs(xc), _ptr(wc), _ptr(rstdc), _ptr(gc), _rs(gc),
             _ptr(dxc), _rs(dxc), _ptr(dwp), _ptr(dbp), np.int64(launch.ldp),
         )
         tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset))
-        _launch_rows(launch, head, tail, n, d, plan.k, sums=2)
+        _launch_rows(launch, head, tail, n, d, plan.k, sums=2, like=x)
         dx = _interop.from_cupy(dxc, x, xd)
         dweight = _colsum(dwp, d, ct, wd, x) if weight is not None else None
         dbias = _colsum(dbp, d, ct, bd, x) if bias is not None else None
@@ -342,7 +405,7 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
 
 def _colsum(part, d: int, ct: str, want: str, like: Any):
     kout = cl.colsum_out(ct, want)
-    out = _empty((d,), kout)
+    out = _empty((d,), kout, like=like)
     launch = cl.colsum_launch(d, ct, kout)
     _launch(launch, (_ptr(part), np.int64(part.shape[0]), np.int64(part.shape[1]), np.int32(d), _ptr(out)))
     return _cast(_interop.from_cupy(out, like, kout), want)
