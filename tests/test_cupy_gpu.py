@@ -282,3 +282,35 @@ def test_gpu_quant_e4m3_torch(n, d, scale):
     # one e4m3 step (3 mantissa bits) where rstd's last bit differs
     np.testing.assert_allclose(got, want, rtol=2.0**-3, atol=2.0**-9)
     assert (got == want).mean() > 0.99
+
+
+@needs_torch_cuda
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("d", [1000, 40000])
+def test_gpu_torch_tensors_give_the_cupy_bits(dtype, d):
+    """torch tensors go to the kernels by pointer, cupy arrays as cupy: the same bits,
+    strided rows, ``out=`` and the fused add included."""
+    rng = np.random.default_rng(5)
+    base, r, dy = _data(rng, (14, d + 3), dtype), _data(rng, (7, d), dtype), _data(rng, (7, d), dtype)
+    w, b = _data(rng, d, dtype), _data(rng, d, dtype)
+    x = base[::2, 3:]  # every other row, unaligned start
+
+    def bits(a):
+        a = a.get() if isinstance(a, cupy.ndarray) else a.cpu().numpy()
+        return a.view(f"u{a.itemsize}")
+
+    tt = {k: torch.from_numpy(np.ascontiguousarray(v)).cuda() for k, v in
+          {"base": base, "r": r, "dy": dy, "w": w, "b": b}.items()}
+    cc = {k: cupy.asarray(v) for k, v in {"base": base, "r": r, "dy": dy, "w": w, "b": b}.items()}
+    got, want = [], []
+    for lib, out in ((tt, got), (cc, want)):
+        xs = lib["base"][::2, 3:]
+        out += [pn.rms_norm(xs, lib["w"], lib["b"], backend="cupy")]
+        out += list(pn.add_rms_norm(xs, lib["r"], lib["w"], backend="cupy"))
+        out += [a for a in pn.rms_norm_backward(lib["dy"], xs, lib["w"], lib["b"], backend="cupy")]
+    for g, e in zip(got, want, strict=True):
+        np.testing.assert_array_equal(bits(g), bits(e))
+    y = torch.empty((7, d), device="cuda", dtype=getattr(torch, dtype))
+    assert pn.rms_norm(tt["base"][::2, 3:], tt["w"], tt["b"], out=y) is y
+    np.testing.assert_array_equal(bits(y), bits(want[0]))
+    _close(want[0].get(), _ref(pn.rms_norm, x, w, b), dtype, scale=4)
