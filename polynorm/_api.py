@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import array_api_compat as aac
 import numpy as _np
 
-from . import _fast
+from . import _fast, _fast_cuda
 from . import backends as _backends
 from ._dtypes import float_dtype_name, namespace_dtype
 from ._memory import check_out_memory, host_view, partly_written
@@ -345,6 +345,10 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
         r = _fast.forward(mod, x, residual, weight, bias, out, return_rstd, opts, fused)
         if r is not None:
             return r
+    if type(x).__module__ == "torch":
+        r = _fast_cuda.forward(x, residual, weight, bias, out, return_rstd, opts, fused)
+        if r is not None:
+            return r
     x, residual, weight, bias = _native(x), _native(residual), _native(weight), _native(bias)
     weight, bias = _chunk_library_params(x, weight, bias)
     call = _prepare(x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out},
@@ -601,6 +605,10 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
     mod = _fast.numba_module(opts) if out is None else None
     if mod is not None:
         r = _fast.backward(mod, dy, x, weight, bias, rstd, grad_residual, opts)
+        if r is not None:
+            return r
+    if out is None and type(x).__module__ == "torch":
+        r = _fast_cuda.backward(dy, x, weight, bias, rstd, grad_residual, opts)
         if r is not None:
             return r
     dy, x, weight, bias, rstd, grad_residual = (
