@@ -249,6 +249,7 @@ SLOW_SWEEPS = (
     "tests/test_numba.py::test_strided_inputs[bfloat16-*",
     "tests/test_numba.py::test_streamed_out_equals_ordinary[*bfloat16*",
     "tests/test_numba.py::test_streamed_out_equals_ordinary[*float16*",
+    "tests/test_numba.py::test_streamed_out_equals_ordinary[*-float64-float32-None]",
     "tests/test_layout.py::test_read_only_and_zero_stride_input[torch-*",
     "tests/test_layout.py::test_read_only_and_zero_stride_input[jax-*",
     "tests/test_layout.py::test_read_only_and_zero_stride_input[dask-*",
@@ -265,6 +266,8 @@ SLOW_SWEEPS = (
     # patched model's fullgraph compile stays), the HF models in float32 (bfloat16 stays)
     "tests/test_torch.py::test_torch_compile_fullgraph_functional_options",
     "tests/test_hf_patch.py::test_model_logits_and_gradients_match_hf[*-torch.float32]",
+    # the gated kernel's parallel rows in float32 (bfloat16 stays)
+    "tests/test_gated.py::test_numba_parallel_rows_invariant[float32]",
     # NVRTC compiles of every specialisation and their machine-code targets (~50 s per
     # architecture): the default run compiles one kernel (test_nvrtc_cached_cubin)
     "tests/test_nvrtc.py::test_nvrtc_every_specialisation_compiles[*",
