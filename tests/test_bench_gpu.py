@@ -71,7 +71,7 @@ def test_bench_gpu_records(cpu_suite):
 def test_bench_gpu_main_writes_json(cpu_suite, monkeypatch, tmp_path):
     monkeypatch.setattr(gpu, "available", lambda: (True, "ok"))
     out = tmp_path / "gpu.json"
-    assert gpu.main(["--no-peers", "--dtypes", "float32", "--out", str(out)]) == 0
+    assert gpu.main(["--quick", "--no-peers", "--dtypes", "float32", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert {r["dtype"] for r in doc["records"]} == {"float32"}
     assert doc["meta"]["targets"]["bwd"] == 0.75 and "device" in doc["meta"]
