@@ -16,7 +16,8 @@ import sys
 from typing import Any
 
 from . import backends as _backends
-from ._options import Options, Plan, make_plan, promote
+from ._fast import _plan
+from ._options import Options, promote
 
 __all__ = ["forward", "backward"]
 
@@ -77,13 +78,6 @@ def _head(x: Any, weight: Any, bias: Any, st: list) -> tuple | None:
     if n == 0 or not (_vector(weight, d, x.device, st) and _vector(bias, d, x.device, st)):
         return None
     return dtype, d, n
-
-
-def _plan(d: int, dtype: str, opts: Options) -> Plan | None:
-    try:
-        return make_plan(d, dtype, opts)
-    except (TypeError, ValueError):
-        return None  # the general path raises it, in its own order
 
 
 def forward(x, residual, weight, bias, out, return_rstd: bool, opts: Options, fused: bool):
