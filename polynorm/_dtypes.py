@@ -136,4 +136,19 @@ def namespace_dtype(xp: ModuleType, name: str, like: Any = None) -> Any:
         raise TypeError(
             f"bfloat16 needs ml_dtypes for the array library {xp.__name__}: pip install ml_dtypes"
         ) from None
+    if module == "cupy" and not _cupy_has(ml_dtypes.bfloat16):
+        import cupy
+
+        raise TypeError(f"cupy {cupy.__version__} has no bfloat16 dtype (cupy >= 14 has)")
     return ml_dtypes.bfloat16
+
+
+def _cupy_has(dtype: Any) -> bool:
+    """Whether this cupy can allocate arrays of ``dtype`` (bfloat16: cupy >= 14)."""
+    import cupy
+
+    try:
+        cupy.empty(0, dtype=dtype)
+    except (TypeError, ValueError):
+        return False
+    return True

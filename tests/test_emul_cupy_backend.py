@@ -391,3 +391,24 @@ def test_emul_cupy_split_rows(fake_cupy, xd):
     names = [nm for nm, *_ in _Kernel.launches]
     assert names[:2] == [cl.bwd_split_name(xd, xd, xd, 1), cl.bwd_split_name(xd, xd, xd, 2)]
     assert sum(nm.startswith("pn_colsum") for nm in names) == 2
+
+
+def test_emul_cupy_bfloat16_needs_a_cupy_that_has_it(fake_cupy, monkeypatch):
+    """cupy < 14 has no bfloat16 dtype: asking for bfloat16 results of cupy arrays
+    (``out_dtype="bfloat16"``) is a TypeError before any kernel, not int16 bits."""
+    from polynorm._dtypes import namespace_dtype
+
+    xp = types.SimpleNamespace(__name__="array_api_compat.cupy")
+    like = _fake(np.zeros(3, np.float32))
+    assert namespace_dtype(xp, "bfloat16", like) == ml_dtypes.bfloat16  # the stand-in has it
+    cupy = sys.modules["cupy"]
+
+    def empty(shape, dtype):
+        if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16):
+            raise TypeError("Unsupported dtype bfloat16")
+        return _garbage(shape, dtype)
+
+    monkeypatch.setattr(cupy, "empty", empty)
+    monkeypatch.setattr(cupy, "__version__", "13.6.0", raising=False)
+    with pytest.raises(TypeError, match="cupy 13.6.0 has no bfloat16"):
+        namespace_dtype(xp, "bfloat16", like)
