@@ -75,7 +75,8 @@ def _head(x: Any, weight: Any, bias: Any, st: list) -> tuple | None:
     if dtype is None or d == 0:
         return None
     n = x.numel() // d
-    if n == 0 or not (_vector(weight, d, x.device, st) and _vector(bias, d, x.device, st)):
+    dev = x.device
+    if n == 0 or not (_vector(weight, d, dev, st) and _vector(bias, d, dev, st)):
         return None
     return dtype, d, n
 

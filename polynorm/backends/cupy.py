@@ -254,11 +254,7 @@ def _dev(a: Any) -> Any:
     anything else as a cupy view (:func:`_view`); the last axis made contiguous."""
     if a is None or not _is_torch(a):
         return _view(a)
-    if a.dim() == 2 and a.shape[1] > 1 and a.stride(1) != 1:
-        return a.contiguous()
-    if a.dim() == 1 and a.shape[0] > 1 and a.stride(0) != 1:
-        return a.contiguous()
-    return a
+    return a.contiguous() if a.shape[-1] > 1 and a.stride(-1) != 1 else a
 
 
 def _torch_ptr(t: Any) -> int:
