@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -61,16 +59,11 @@ def _names(family: str) -> list[str]:
 
 
 @functools.cache
-def _modules() -> dict:
-    # the four g++ runs in parallel (each is a few seconds; cached by content hash after)
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        futures = {f: pool.submit(compile_source, cl.SOURCE_PATH, _names(f)) for f in DTYPES}
-        return {f: fut.result() for f, fut in futures.items()}
-
-
 def module(family: str):
-    """The emulated library holding the kernels of x dtype ``family``."""
-    return _modules()[family]
+    """The emulated library holding the kernels of x dtype ``family``, built on first use
+    (a run that takes no float16 kernel builds no float16 library; cached by content
+    hash after)."""
+    return compile_source(cl.SOURCE_PATH, _names(family))
 
 
 #: how the emulator runs blocks (changed only by the schedule test)

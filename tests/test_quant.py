@@ -174,6 +174,39 @@ def test_numba_encoders_are_the_casts(width):
             np.testing.assert_array_equal(q[np.isnan(v)], want.view(np.uint8)[np.isnan(v)])
 
 
+_SCALES = (3.0, 0.1, 2.0**-80, 2.0**100, 2.5e35, 1e-39,
+           float(np.float32(7.0) / np.float32(448.0)),
+           float(np.nextafter(np.float32(2.0), np.float32(0.0)) * np.float32(2.0**-40)))
+
+
+@pytest.mark.parametrize("scale", _SCALES)
+def test_numba_encoder_quotients_are_divisions(scale):
+    """The block encoder's codes are those of the correctly rounded ``y / s`` for static
+    scales of any size (a subnormal one, a significand of all ones among them), for
+    quotients on every code, midpoint and their float32 neighbours (``y`` the float32
+    nearest ``t * s`` and one ulp either side), random bit patterns and signed zeros:
+    a kernel that multiplied by ``1 / s`` instead (as vLLM's static kernels do) fails it."""
+    from polynorm.backends import _numba_quant as Q
+
+    s = np.float32(scale)
+    t = _encoder_inputs()
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        y0 = (t.astype(np.float64) * np.float64(s)).astype(np.float32)
+    y = np.concatenate([y0, np.nextafter(y0, np.float32(np.inf)),
+                        np.nextafter(y0, np.float32(-np.inf)), t])
+    y = np.ascontiguousarray(y[: y.size // 64 * 64].reshape(-1, 64))
+    for qdtype in ("float8_e4m3fn", "int8"):
+        q = np.empty(y.shape, np.uint8)
+        sc = np.empty((1, 1), np.float32)
+        Q.quantize_y_rows(0, y.shape[0], y, q, sc, s, 64, np.float32(QMAX[qdtype]),
+                          qdtype == "float8_e4m3fn", True)
+        want, _ = oracle_quantize(y, qdtype, scale=s)
+        got = q.view(FP8) if qdtype == "float8_e4m3fn" else q.view(np.int8)
+        assert_q_equal(got, want, f"{qdtype}, scale {s!r}")
+        if qdtype == "float8_e4m3fn":  # the zeros' signs too
+            np.testing.assert_array_equal(q[y == 0], want.view(np.uint8)[y == 0])
+
+
 # --------------------------------------------------------------------------- special values
 
 

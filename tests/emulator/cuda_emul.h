@@ -3,7 +3,7 @@
 // The prelude the emulation harness (tests/emulator/harness.py) force-includes
 // in front of the EXACT generated .cu source that CuPy/NVRTC compiles; the
 // source itself is never edited.  Compile with
-//   g++ -std=c++20 -O1 -pthread -fPIC -fno-extern-tls-init -fno-strict-aliasing
+//   g++ -std=c++20 -Og -pthread -fPIC -fno-extern-tls-init -fno-strict-aliasing
 //
 // Execution model
 //   * A launch runs its blocks on a few OS worker threads (one block at a time
