@@ -24,7 +24,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._numba_codec import fma_ir, like, load, prefetch_span, splat
+from ._numba_codec import like, load, prefetch_span, splat
 from ._numba_kernels import (
     _CHUNK_F,
     EPS_INSIDE,
@@ -60,15 +60,19 @@ def _e4m3fn_ir(builder, v):
     few operations and constants:
 
     - ``a = min(448, |v|)``, a float compare that keeps a NaN;
-    - a normal result (``a >= 2**-6``) rounds ``a``'s bits to a 3-bit mantissa
-      by adding half an ulp less one plus the kept lsb (nearest even), with
-      the exponent rebias folded into the same constant; a NaN's bits give a
+    - ``a`` rounded to the format's spacing by the float add itself:
+      ``r = (a + m) - m`` with ``m = max(2**e, 2**-6) * 2**20`` (``2**e`` the
+      power of two at or below ``a``), whose ulp is the format's step there
+      (``2**(e-3)``, ``2**-9`` among the subnormals): one rounding to nearest
+      even, and the subtraction is exact;
+    - the code is the bits of ``r * 2**-120`` shifted right by 20: the
+      product moves e4m3's exponent range onto float32's bottom one, so a
+      normal ``r`` gives exponent and 3-bit mantissa, a subnormal one (a
+      float32 subnormal, exact) its multiple of ``2**-9``; a NaN's bits give a
       code above 0x7f, which the ``min(code, 0x7f)`` turns into NaN's 0x7f;
-    - a subnormal one is ``rint(a * 2**9)``, exact as ``fma(a, 2**9, 2**23)``;
     - the sign is ``v``'s bit 31 moved to bit 7.
 
-    Shifts and shuffles share two of Zen's four vector pipes, so masks are
-    preferred to shift pairs.
+    Nothing here flushes subnormals (Numba sets no FTZ/DAZ).
     """
     f32, i32 = like(v, ir.FloatType()), like(v, ir.IntType(32))
 
@@ -83,14 +87,12 @@ def _e4m3fn_ir(builder, v):
     mag = builder.bitcast(builder.and_(u, ci(0x7FFFFFFF)), f32)
     # 448 < mag is false for a NaN, which is then kept
     a = builder.select(builder.fcmp_ordered("<", cf(448.0), mag), cf(448.0), mag)
-    au = builder.bitcast(a, i32)
-    lsb = builder.and_(builder.lshr(au, ci(20)), ci(1))
-    # (au + 0x7FFFF + lsb) >> 20, less the exponent rebias 120 << 3
-    nrm = builder.lshr(builder.add(builder.sub(au, ci((120 << 23) - 0x7FFFF)), lsb), ci(20))
-    nrm = builder.select(builder.icmp_unsigned("<", nrm, ci(0x7F)), nrm, ci(0x7F))
-    t = fma_ir(builder, a, cf(512.0), cf(2.0**23))  # a * 512 is exact
-    sub = builder.sub(builder.bitcast(t, i32), ci(0x4B000000))
-    code = builder.select(builder.icmp_signed("<", au, ci(0x3C800000)), sub, nrm)
+    e = builder.and_(builder.bitcast(a, i32), ci(0x7F800000))
+    e = builder.select(builder.icmp_signed("<", e, ci(0x3C800000)), ci(0x3C800000), e)
+    m = builder.bitcast(builder.add(e, ci(20 << 23)), f32)
+    r = builder.fsub(builder.fadd(a, m), m)
+    code = builder.lshr(builder.bitcast(builder.fmul(r, cf(2.0**-120)), i32), ci(20))
+    code = builder.select(builder.icmp_unsigned("<", code, ci(0x7F)), code, ci(0x7F))
     return builder.or_(code, sign)
 
 
