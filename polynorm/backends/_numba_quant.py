@@ -52,6 +52,10 @@ _F32_MIN_NORMAL = np.float32(2.0**-126)
 QBLOCK = 32
 
 
+#: float32 bits of e4m3's smallest normal, 2**-6
+_MIN_NORMAL_BITS = int(np.float32(2.0**-6).view(np.int32))
+
+
 def _e4m3fn_ir(builder, v):
     """float32 ``v`` (a scalar or a vector) -> float8_e4m3fn codes in int32 lanes (low 8 bits).
 
@@ -87,8 +91,8 @@ def _e4m3fn_ir(builder, v):
     mag = builder.bitcast(builder.and_(u, ci(0x7FFFFFFF)), f32)
     # 448 < mag is false for a NaN, which is then kept
     a = builder.select(builder.fcmp_ordered("<", cf(448.0), mag), cf(448.0), mag)
-    e = builder.and_(builder.bitcast(a, i32), ci(0x7F800000))
-    e = builder.select(builder.icmp_signed("<", e, ci(0x3C800000)), ci(0x3C800000), e)
+    e = builder.and_(builder.bitcast(a, i32), ci(0x7F800000))  # 2**e, as bits
+    e = builder.select(builder.icmp_signed("<", e, ci(_MIN_NORMAL_BITS)), ci(_MIN_NORMAL_BITS), e)
     m = builder.bitcast(builder.add(e, ci(20 << 23)), f32)
     r = builder.fsub(builder.fadd(a, m), m)
     code = builder.lshr(builder.bitcast(builder.fmul(r, cf(2.0**-120)), i32), ci(20))
