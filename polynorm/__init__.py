@@ -1,17 +1,19 @@
 """polynorm: RMSNorm and partial RMSNorm for every array library.
 
 Public names: :func:`rms_norm`, :func:`add_rms_norm`, :func:`rms_norm_backward`,
-:func:`rms_norm_gated`, :func:`rms_norm_gated_backward`, :func:`rms_norm_quant` and :func:`backends`.
+:func:`rms_norm_gated`, :func:`rms_norm_gated_backward`, :func:`rms_norm_quant`, :func:`backends`,
+and :data:`output_pool` (the CPU backend's bounded pool of freed output buffers).
 The semantics are in :mod:`polynorm._options`.
 """
 
 from ._api import add_rms_norm, backends, rms_norm, rms_norm_backward
 from ._gated import rms_norm_gated, rms_norm_gated_backward
+from ._pool import output_pool
 from ._quant import rms_norm_quant
 
 __version__ = "0.1.0"
 
 __all__ = [
     "rms_norm", "add_rms_norm", "rms_norm_backward", "rms_norm_gated", "rms_norm_gated_backward",
-    "rms_norm_quant", "backends", "__version__",
+    "rms_norm_quant", "backends", "output_pool", "__version__",
 ]

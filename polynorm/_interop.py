@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ._pool import output_pool
+
 
 def _lib(a: Any) -> str:
     return type(a).__module__.partition(".")[0]
@@ -302,18 +304,20 @@ def _cupy_bfloat16(a: Any) -> Any:
 
 
 def host_empty(shape: tuple[int, ...], dtype: Any, like: Any) -> np.ndarray:
-    """``np.empty``, or :func:`empty` (64-byte aligned) when the result goes back to jax.
+    """An array from the output pool (:mod:`polynorm._pool`), or :func:`empty`
+    (64-byte aligned, not pooled) when the result goes back to jax.
 
     For backends allocating results for :func:`from_numpy`: jax takes only
-    aligned host memory without a copy, and numpy's allocations are 16-byte
-    aligned; other callers keep plain ``np.empty`` (cheaper by ~1 us).
+    aligned host memory without a copy (whether it keeps the numpy array
+    alive is jax's business, so jax results are never pooled); a torch
+    tensor from ``torch.from_numpy`` holds its array, as the pool needs.
 
     >>> host_empty((2, 3), np.float32, np.zeros(1)).shape
     (2, 3)
     """
     if _lib(like) in ("jax", "jaxlib"):
         return empty(shape, dtype)
-    return np.empty(shape, dtype)
+    return output_pool.empty(shape, dtype)
 
 
 # ------------------------------------------------------------------ the front end's fast path

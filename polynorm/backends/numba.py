@@ -35,6 +35,7 @@ import numpy as np
 from .. import _interop
 from .._dtypes import numpy_dtype
 from .._options import Plan
+from .._pool import output_pool
 
 name = "numba"
 
@@ -110,8 +111,11 @@ _F16_BITS = np.dtype(np.int16)
 _F64 = np.dtype(np.float64)
 
 
-def _foreign_empty(caller):
-    """Allocation for results that go back to ``caller``'s library (aligned for jax)."""
+def _empty_for(caller):
+    """Allocation for results that go back to ``caller``'s library: the output
+    pool (:mod:`polynorm._pool`) for numpy, aligned memory for jax."""
+    if type(caller) is np.ndarray:
+        return output_pool.empty
 
     def empty(shape, dtype):
         return _interop.host_empty(shape, dtype, caller)
@@ -340,7 +344,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
         x = np.ascontiguousarray(x)  # _unit_columns: the row reductions take adjacent elements
     n, d = x.shape
     flags, y_dt, h_dt, cdt = _info(plan)
-    empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
+    empty = _empty_for(caller)
     y = empty((n, d), y_dt) if out is None else to_numpy(out)
     rstd = empty(n, cdt)
     xk = _kview(x)
@@ -353,7 +357,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     w, b, offset = _affine(weight, bias, cdt, d, plan.offset, exact=plan.llama)
     if plan.llama:
         flags |= _llama_codes(plan, None if weight is None else to_numpy(weight))
-    stream = out is not None and residual is None and not plan.llama and _streams(y, x)
+    stream = residual is None and not plan.llama and _streams(y, x)
     args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, offset, _stage(yk, stream))
     if plan.llama:
         _run_rows(kernels.forward_llama_parallel, kernels.forward_llama_rows, n, d, args)
@@ -463,7 +467,7 @@ def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan, dx=N
     if grad_residual is not None:
         gr = _kview(to_numpy(grad_residual))
     if dx is None:
-        empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
+        empty = _empty_for(caller)
         dx = empty((n, d), xn.dtype)
     width = d * ((wn is not None) + (bn is not None))
     args = (dyk, _kview(xn), w, rs, gr, _kview(dx), flags, plan.k, plan.eps, plan.offset)
@@ -512,7 +516,7 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
             _launch_parallel(bwd_kernels.tree_parallel, vals, nb)
         else:
             bwd_kernels.tree_cols(0, width, vals, nb)
-        empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
+        empty = _empty_for(caller)
         dw, db = finish(vals[0], d, None if wn is None else wn.dtype,
                         None if bn is None else bn.dtype, empty)
     from_numpy = _interop.from_numpy
@@ -628,7 +632,7 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
         flags |= G.PREFETCH
     xk, zk = _gated_in(x), _gated_in(z)
     n, d = xk.shape
-    empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
+    empty = _empty_for(caller)
     o = None if out is None else _interop.to_numpy(out)
     direct = o is not None and o.flags.c_contiguous and o.dtype == y_dt
     y = o if direct else empty((n, d), y_dt)
@@ -657,7 +661,7 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
     xn, zn = _interop.to_numpy(x), _interop.to_numpy(z)
     xk, zk, dyk = _gated_in(xn), _gated_in(zn), _gated_in(dy)
     n, d = xk.shape
-    empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
+    empty = _empty_for(caller)
     dx = empty((n, d), xn.dtype)
     dz = empty((n, d), zn.dtype)
     lw = np.empty((n, d), cdt)  # written also without weight (then dropped): one kernel variant
@@ -735,7 +739,7 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
     plan = qplan.plan
     caller = x
     n, d = x.shape
-    empty = np.empty if type(caller) is np.ndarray else _foreign_empty(caller)
+    empty = _empty_for(caller)
     if qplan.static:
         s = qplan.scale if scale is None else float(np.asarray(_interop.to_numpy(scale)
                                                               ).reshape(()))
