@@ -58,13 +58,13 @@ def test_a_view_keeps_its_buffer_out_of_the_pool(pool):
     assert pool.held_bytes > 0
 
 
-def test_arrays_are_aligned_writable_c_ordered_of_any_dtype(pool):
+def test_arrays_are_page_aligned_writable_c_ordered_of_any_dtype(pool):
     import ml_dtypes
 
     for dt in (np.float32, np.float16, ml_dtypes.bfloat16, np.float64):
         a = pool.empty((3, 1000, 500), dt)
         assert a.dtype == np.dtype(dt) and a.shape == (3, 1000, 500)
-        assert a.flags.c_contiguous and a.flags.writeable and _address(a) % 64 == 0
+        assert a.flags.c_contiguous and a.flags.writeable and _address(a) % 4096 == 0
     assert pool.empty(BIG[1] * 128, np.float32).shape == (BIG[1] * 128,)
 
 
