@@ -1,4 +1,4 @@
-"""Non-temporal ("streaming") stores for the Numba forward's large ``out=`` writes.
+"""Non-temporal ("streaming") stores for the Numba forward's large outputs.
 
 An ordinary store to a line that is not in cache first reads that line
 (read for ownership), so writing ``y`` over an existing array moves its
@@ -14,8 +14,9 @@ non-temporal stores (:func:`stream_copy`), aligned to the row's lines
 as usual).  The values and their rounding are those of the ordinary path;
 only the way the bytes reach memory differs.  The lines bypass the cache,
 so this pays only for outputs larger than the cache (the caller decides;
-see ``polynorm.backends.numba.STREAM_MIN_BYTES``), and a freshly allocated
-output gains nothing (its pages are zeroed in cache when first touched).
+see ``polynorm.backends.numba.STREAM_MIN_BYTES``).  The forward's own
+outputs stream too: they come from the output pool (``polynorm._pool``),
+memory already in use, which streams like an ``out=`` array.
 
 Streaming stores are weakly ordered: a thread ends its rows with
 :func:`stream_fence` before other threads may read them.

@@ -45,7 +45,7 @@ name = "numba"
 #: machine, so the crossover is taken high.
 SERIAL_MAX_ELEMENTS = 1 << 16
 
-#: An ``out=`` array of at least this many bytes is written with streaming
+#: A forward output (``out=`` or its own) of at least this many bytes is written with streaming
 #: (non-temporal) stores, which skip reading each line before writing it
 #: (see :mod:`._numba_stream`; rows of unit column stride;
 #: ``python bench/cpu.py --stream`` times both by size).  Streamed lines leave
@@ -174,7 +174,8 @@ def _streams_16() -> bool:
 
 
 def _streams(y: np.ndarray, x: np.ndarray) -> bool:
-    """Whether ``out=`` array ``y`` (of input ``x``) is written with streaming stores."""
+    """Whether the forward output ``y`` (``out=`` or its own; of input ``x``) is written with
+    streaming stores."""
     return (y.nbytes >= STREAM_MIN_BYTES
             and (x.itemsize > 2
                  or (x.shape[1] * 2 >= STREAM_MIN_ROW_BYTES_16 and _streams_16()))
