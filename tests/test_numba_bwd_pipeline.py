@@ -101,3 +101,62 @@ def test_recomputed_rstd_is_the_forwards(dtype, eps_mode, rng):
         want = pn.rms_norm_backward(dy, x, w, rstd=rstd, eps_mode=eps_mode, eps=1e-30,
                                     backend="numba")[0]
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("d,opts", [
+    (2600, {"partial": 0.37}),  # k inside a chunk: that chunk is stored as usual
+    (4099, {"bias": True}),  # a partial last chunk; rows start off a line
+    (2560, {"grad_residual": True}),  # rows of whole lines
+])
+def test_streamed_dx_equals_ordinary(monkeypatch, dtype, d, opts, rng):
+    """dx written through the stage with streaming stores (STREAM_DX) has the
+    bits of ordinary stores, on every row alignment (offsets into the array),
+    into a fresh array, into out= and into dy itself; nothing beside out moves."""
+    from polynorm.backends import numba as nb
+
+    dt = DTYPES[dtype]
+    n = 40  # whole 16-row groups, the folded rows after them, two threads' blocks
+    x = rng.standard_normal((n, d)).astype(dt)
+    dy = rng.standard_normal((n, d)).astype(dt)
+    w = rng.standard_normal(d).astype(dt)
+    b = rng.standard_normal(d).astype(dt) if opts.get("bias") else None
+    gr = rng.standard_normal((n, d)).astype(dt) if opts.get("grad_residual") else None
+    kw = {k: v for k, v in opts.items() if k == "partial"}
+
+    def call(dyp, out=None):
+        return pn.rms_norm_backward(dyp, x, w, b, grad_residual=gr, out=out, backend="numba",
+                                    **kw)
+
+    monkeypatch.setattr(nb, "STREAM_MIN_BYTES", 1 << 62)
+    want = [np.asarray(a) for a in call(dy) if a is not None]
+    streamed = []
+    real = nb._streams_dx
+    monkeypatch.setattr(nb, "_streams_dx", lambda a: streamed.append(real(a)) or streamed[-1])
+    monkeypatch.setattr(nb, "STREAM_MIN_BYTES", 0)
+    got = [np.asarray(a) for a in call(dy) if a is not None]
+    for a, e in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a.view(np.uint8), e.view(np.uint8))
+    for shift in range(3):  # the rows' first line boundary moves
+        big = np.full((n, d + 8), 7, dt)
+        out = big[:, shift:shift + d]
+        call(dy, out=out)
+        np.testing.assert_array_equal(out.view(np.uint8), want[0].view(np.uint8))
+        assert (big[:, :shift] == 7).all() and (big[:, shift + d:] == 7).all()
+    dyc = dy.copy()
+    call(dyc, out=dyc)  # in place over dy
+    np.testing.assert_array_equal(dyc.view(np.uint8), want[0].view(np.uint8))
+    assert streamed and all(streamed[:1])
+
+
+def test_bfloat16_dx_is_not_streamed(rng):
+    """bfloat16's dx pass is bound in the core: the stage costs more than the
+    reads it saves (numba._streams_dx)."""
+    from polynorm.backends import numba as nb
+
+    big = 1 << 25
+    assert nb._streams_dx(np.empty((big // 4, 2), np.float16))
+    assert nb._streams_dx(np.empty((big // 8, 2), np.float32))
+    assert not nb._streams_dx(np.empty((big // 4, 2), ml_dtypes.bfloat16))
+    assert not nb._streams_dx(np.empty((4, 2), np.float32))  # small: stays in cache
+    assert not nb._streams_dx(np.empty((big // 4, 4), np.float32)[:, ::2])  # strided rows

@@ -23,6 +23,7 @@ from ._numba_kernels import (
     EPS_INSIDE,
     HAS_B,
     HAS_RSTD,
+    STREAM_DX,
     _borrow_opt,
     _inline,
     _jit,
@@ -32,6 +33,7 @@ from ._numba_kernels import (
     as_type_of,
 )
 from ._numba_refs import borrow, row_of
+from ._numba_stream import LINE, line_gap, stream_copy, stream_fence
 from ._rowtree import TREE_G
 
 assert TREE_G == 4, "_group_node spells out the adds of a 16-row node"
@@ -87,7 +89,7 @@ def _dot_row(dy, x, w, i, rc, oc):
 
 @_inline
 def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro, rw, rneg,
-             rtmp):
+             rtmp, stage):
     """dx of row ``i``, and its node of the row tree.
 
     The row's terms (``[dy*xhat | dy]``, for whichever of weight/bias there
@@ -152,16 +154,29 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
             # of its columns: DRAM streams under the compute
             fold = depth > 0
             step = _BWD_CHUNK if chunked else max(d, 1)
+            # whole 64-byte lines of dx a chunk at a time: through the stage (in L1)
+            # and streaming stores, which do not read the lines first
+            streams = ((flags & STREAM_DX) != 0 and chunked and line_gap(dx, i) == 0
+                       and (step * dx.itemsize) % LINE == 0)
             for jc in range(0, d, step):
                 je = min(jc + step, d)
                 if chunked:
                     prefetch_span(x, i + 1, jc, je - jc)
                     prefetch_span(dy, i + 1, jc, je - jc)
                 jm = min(max(k, jc), je)
+                if streams and je - jc == step and (jm == je or jm == jc):
+                    # a whole chunk on one side of k: one pass (one more inlined copy of
+                    # the loop, not two: compile time); the chunk across k is stored as usual
+                    _dx_pass(i, jc, je, dy, x, w, gr, stage, 0, jc, rc, oc,
+                             coef if jm == je else zero, pc, ro, e0, e1, e2, fold)
+                    stream_copy(dx, i, jc, stage, step)
+                    continue
                 if jc < jm:
-                    _dx_pass(i, jc, jm, dy, x, w, gr, dx, rc, oc, coef, pc, ro, e0, e1, e2, fold)
+                    _dx_pass(i, jc, jm, dy, x, w, gr, dx, i, 0, rc, oc, coef, pc, ro, e0, e1, e2,
+                             fold)
                 if jm < je:
-                    _dx_pass(i, jm, je, dy, x, w, gr, dx, rc, oc, zero, pc, ro, e0, e1, e2, fold)
+                    _dx_pass(i, jm, je, dy, x, w, gr, dx, i, 0, rc, oc, zero, pc, ro, e0, e1, e2,
+                             fold)
         else:
             _dx_plain(i, np.intp(0), k, dy, x, gr, dx, rc, oc, coef)
             if k < d:
@@ -239,8 +254,9 @@ def _dx_plain(i, lo, hi, dy, x, gr, dx, rc, oc, coef):
 
 
 @_inline
-def _dx_pass(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, pc, ro, e0, e1, e2, fold):
-    """``dx[i, lo:hi] = rstd * (g*dy - xhat*coef) (+ grad_residual)`` and, in
+def _dx_pass(i, lo, hi, dy, x, w, gr, dx, di, dj, rc, oc, coef, pc, ro, e0, e1, e2, fold):
+    """``dx[i, lo:hi] = rstd * (g*dy - xhat*coef) (+ grad_residual)``, stored at
+    ``dx[di, j - dj]`` (``dx, i, 0``, or the stage of a streamed chunk), and, in
     the same loop, the row's dweight terms ``dy*xhat`` of columns ``lo:hi``
     into pool row ``ro`` -- joined with the waiting left siblings
     ``e2 + (e1 + (e0 + dy*xhat))`` if ``fold``.
@@ -251,16 +267,17 @@ def _dx_pass(i, lo, hi, dy, x, w, gr, dx, rc, oc, coef, pc, ro, e0, e1, e2, fold
     a whole group (:func:`_group_node`).
     """
     P = np.uint64(_PAD)
+    o = np.uint64(dj)
     if fold:
         for j in range(np.uint64(lo), np.uint64(hi)):
             v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef)
-            store(dx, (i, j), v)
+            store(dx, (di, j - o), v)
             c = P + j
             pc[ro, c] = pc[e2, c] + (pc[e1, c] + (pc[e0, c] + p))
     else:
         for j in range(np.uint64(lo), np.uint64(hi)):
             v, p = _dx_val(x, dy, w, gr, i, j, rc, oc, coef)
-            store(dx, (i, j), v)
+            store(dx, (di, j - o), v)
             pc[ro, P + j] = p
 
 
@@ -390,6 +407,7 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
         prow[lv] -= TREE_G
     crow = np.array([TREE_G, levels - TREE_G])
     pend = np.full(levels, -1, np.int64)
+    stage = np.empty((1, _BWD_CHUNK), dx.dtype)  # STREAM_DX's chunk of dx
     G = 1 << TREE_G
     s0 = TREE_G + 3  # the group's term rows
     g = glo
@@ -401,7 +419,7 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
             for r in range(G):
                 # np.intp: literal ints would compile another variant of the callee
                 _bwd_row(g + r - row0, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset,
-                         np.intp(0), pc, s0 + r, prow, rneg, rtmp)
+                         np.intp(0), pc, s0 + r, prow, rneg, rtmp, stage)
             _group_node(pc, s0, p64, crow[1], W)
             o = _carry(np.intp(TREE_G), g >> TREE_G, glo, ntot, cap, pc, p64, prow, crow, pend,
                        out_lvl, out_idx, out_val, o)
@@ -416,7 +434,7 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
                    and ((g >> depth) - 1) << depth >= glo):
                 depth += 1
         _bwd_row(g - row0, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, crow[0],
-                 prow, rneg, rtmp)
+                 prow, rneg, rtmp, stage)
         if W:
             for lv in range(depth):
                 pend[lv] = -1
@@ -429,6 +447,8 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
                 o = _carry(depth, j, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl,
                            out_idx, out_val, o)
         g += 1
+    if flags & STREAM_DX:
+        stream_fence()  # before another thread, or the caller, reads dx
     # nodes still waiting for a right sibling beyond the range, left to right
     for lv in range(levels - 1, -1, -1):
         if pend[lv] >= 0:

@@ -78,6 +78,7 @@ HAS_B = 1 << 2
 EPS_INSIDE = 1 << 3
 LLAMA = 1 << 4
 HAS_RSTD = 1 << 5  # backward (plain and gated): rstd given
+STREAM_DX = 1 << 6  # backward: dx leaves through a stage and streaming stores
 # llama rounding formats (codes of _numba_codec.round_to), two bits each
 XCODE_SHIFT = 16
 WCODE_SHIFT = 18
