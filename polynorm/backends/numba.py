@@ -187,11 +187,12 @@ def _streams_dx(dx: np.ndarray) -> bool:
     """Whether the backward writes ``dx`` with streaming stores (rows with a weight,
     in whole 64-byte lines: the kernel checks the rest).
 
-    Not bfloat16: its dx pass is bound in the core, and on an AVX2 CPU it ran
-    1.09x the time through the stage; float32 took 0.82x, float16 0.93x
+    float32 and float64 only: on an AVX2 CPU float32 took 0.76-0.82x the time
+    through the stage, while 16-bit dx passes, bound in the core, gained
+    nothing dependable (float16 0.92-1.07x by shape, bfloat16 1.09x)
     (``python bench/compare.py --rev REV --ops bwd``, 16384 x 4096 / 4096 x 16384).
     """
-    return (dx.nbytes >= STREAM_MIN_BYTES and (dx.itemsize != 2 or dx.dtype == np.float16)
+    return (dx.nbytes >= STREAM_MIN_BYTES and dx.itemsize >= 4
             and dx.ndim == 2 and dx.strides[1] == dx.itemsize)
 
 
