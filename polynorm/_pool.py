@@ -11,9 +11,11 @@ A buffer comes back only when nothing can reach the array it backed: the
 array's ``base`` is a small lease object, and the buffer returns to the pool
 when the lease is collected, after the array and every view of it (a torch
 tensor made by ``torch.from_numpy`` holds the array too).  So a result is
-never shared with a later one.  What the pool keeps is bounded by
-:attr:`OutputPool.max_bytes`; a returning buffer that would exceed it is
-freed instead.
+never shared with a later one.  Sizes are rounded up to one of 16-32 classes
+per doubling (at most ~6% more memory), so that near sizes share buffers.
+What the pool keeps is bounded by :attr:`OutputPool.max_bytes`: a returning
+buffer makes room by freeing the size classes returned to least recently, so
+a pool that saw other sizes before follows the sizes in use now.
 
 Arrays from the pool are ordinary numpy arrays, with two differences from
 ``np.empty``: they do not own their memory (``a.flags.owndata`` is False,
@@ -34,7 +36,7 @@ __all__ = ["MIN_BYTES", "OutputPool", "output_pool"]
 #: Outputs below this many bytes come from ``np.empty``: the allocator reuses
 #: small blocks without the OS, and a pool lookup would cost more than it saves.
 MIN_BYTES = 1 << 20
-#: Pooled sizes are whole multiples of this, so near sizes share buffers.
+#: Pooled sizes are whole multiples of this at least (and of 1/32 of the size).
 GRAIN = 1 << 16
 #: Pooled arrays start on a page.  Where an output starts a little after
 #: its inputs within a 4 KiB page (numpy's large arrays start 16 bytes in),
@@ -142,7 +144,8 @@ class OutputPool:
         nbytes = math.prod(shape) * dt.itemsize
         if nbytes < MIN_BYTES or self._max == 0:
             return np.empty(shape, dt)
-        size = -(-nbytes // GRAIN) * GRAIN
+        grain = max(GRAIN, 1 << (nbytes.bit_length() - 5))
+        size = -(-nbytes // grain) * grain
         with self._lock:
             blocks = self._free.get(size)
             got = blocks.pop() if blocks else None
@@ -156,17 +159,24 @@ class OutputPool:
 
     def _give_back(self, raw: np.ndarray, ptr: int, size: int) -> None:
         with self._lock:
-            if self._held + size <= self._max:
-                self._free.setdefault(size, []).append((raw, ptr))
-                self._held += size
+            if size > self._max:
+                return
+            # the dict's order is the classes' order of last return: this one last
+            blocks = self._free.pop(size, [])
+            blocks.append((raw, ptr))
+            self._free[size] = blocks
+            self._held += size
+            self._trim(self._max)
 
     def _trim(self, limit: int) -> None:
+        """Free buffers, least recently returned class first, until at most ``limit``
+        bytes are kept."""
         with self._lock:
-            for size in sorted(self._free, reverse=True):
+            while self._held > limit:
+                size = next(iter(self._free))
                 blocks = self._free[size]
-                while blocks and self._held > limit:
-                    blocks.pop()
-                    self._held -= size
+                blocks.pop()
+                self._held -= size
                 if not blocks:
                     del self._free[size]
 

@@ -90,6 +90,34 @@ def test_the_bound_holds_and_lowering_it_frees(pool):
     assert pool.held_bytes == 0
 
 
+def test_the_pool_follows_the_sizes_in_use(pool):
+    """A full pool makes room by freeing the least recently returned sizes."""
+    mib = 1 << 20
+    pool.max_bytes = 8 * mib
+    old = [pool.empty(2 * mib, np.uint8) for _ in range(4)]
+    del old
+    assert pool.held_bytes == 8 * mib
+    new = pool.empty(3 * mib, np.uint8)
+    new_address = _address(new)
+    del new  # frees two of the 2 MiB buffers to make room
+    assert pool.held_bytes == 7 * mib
+    assert _address(pool.empty(3 * mib, np.uint8)) == new_address
+    too_big = pool.empty(9 * mib, np.uint8)
+    del too_big  # larger than the bound: freed, nothing else is
+    assert pool.held_bytes == 7 * mib
+
+
+def test_near_sizes_share_a_size_class(pool):
+    a = pool.empty(3_000_000, np.uint8)
+    where = _address(a)
+    del a
+    b = pool.empty(1_505_000, np.float16)  # 3_010_000 bytes: the same class (multiples of 2**17 here)
+    assert _address(b) == where
+    del b
+    c = pool.empty(3_200_000, np.uint8)  # the next class up
+    assert _address(c) != where
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "1", True, None])
 def test_a_bad_bound_is_a_value_error(pool, bad):
     with pytest.raises(ValueError, match="max_bytes"):
