@@ -151,6 +151,8 @@ class OutputPool:
             got = blocks.pop() if blocks else None
             if got is not None:
                 self._held -= size
+                if not blocks:  # _trim takes the first class as non-empty
+                    del self._free[size]
         if got is None:
             raw = np.empty(size + ALIGN, np.uint8)
             base = raw.__array_interface__["data"][0]

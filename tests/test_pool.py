@@ -107,6 +107,20 @@ def test_the_pool_follows_the_sizes_in_use(pool):
     assert pool.held_bytes == 7 * mib
 
 
+def test_a_class_emptied_by_a_request_is_not_left_behind(pool):
+    mib = 1 << 20
+    pool.max_bytes = 4 * mib
+    a = pool.empty(2 * mib, np.uint8)
+    del a
+    b = pool.empty(2 * mib, np.uint8)  # takes the class's only buffer
+    c, e = pool.empty(3 * mib, np.uint8), pool.empty(3 * mib, np.uint8)
+    del c, e  # 6 MiB returned: one 3 MiB buffer is freed to make room
+    assert pool.held_bytes == 3 * mib
+    del b
+    pool.max_bytes = 0
+    assert pool.held_bytes == 0
+
+
 def test_near_sizes_share_a_size_class(pool):
     a = pool.empty(3_000_000, np.uint8)
     where = _address(a)
