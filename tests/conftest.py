@@ -200,6 +200,23 @@ def case(request) -> Case:
 
 
 @pytest.fixture
+def forked() -> Callable[[Callable], tuple[int | None, Any]]:
+    """``run(target)``: ``target(queue)`` in a forked child; ``(exit code, what it put)``."""
+    import multiprocessing
+
+    def run(target):
+        ctx = multiprocessing.get_context("fork")
+        q = ctx.Queue()
+        p = ctx.Process(target=target, args=(q,))
+        p.start()
+        got = q.get(timeout=120)
+        p.join(60)
+        return p.exitcode, got
+
+    return run
+
+
+@pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20261130)
 

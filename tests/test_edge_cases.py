@@ -260,17 +260,12 @@ def _child_call(q):
 @pytest.mark.skipif(not hasattr(multiprocessing, "get_all_start_methods")
                     or "fork" not in multiprocessing.get_all_start_methods(),
                     reason="no fork start method here")
-def test_forked_child_can_call_after_a_parallel_call():
+def test_forked_child_can_call_after_a_parallel_call(forked):
     x = np.linspace(-1, 1, PARALLEL[0] * PARALLEL[1], dtype=np.float32).reshape(PARALLEL)
     y = pn.rms_norm(x)  # a parallel launch in the parent (the omp layer, if that is numba's)
     dx = pn.rms_norm_backward(np.ones_like(x), x, np.ones(PARALLEL[1], np.float32))[0]
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_child_call, args=(q,))
-    p.start()
-    got = q.get(timeout=120)
-    p.join(60)
-    assert p.exitcode == 0
+    code, got = forked(_child_call)
+    assert code == 0
     assert got == (y.tobytes(), dx.tobytes())  # the child's kernels give the same bits
 
 

@@ -248,13 +248,8 @@ def _child_allocates(q):
 
 @pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(),
                     reason="no fork start method here")
-def test_a_forked_child_uses_the_pool(numba_ready):
+def test_a_forked_child_uses_the_pool(numba_ready, forked):
     held = [pn.output_pool.empty(BIG, np.float32) for _ in range(2)]
     del held  # buffers in the parent's pool at the fork
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_child_allocates, args=(q,))
-    p.start()
-    got = q.get(timeout=120)
-    p.join(60)
-    assert p.exitcode == 0 and got == (True, pn.rms_norm(_x(0)).tobytes())
+    code, got = forked(_child_allocates)
+    assert code == 0 and got == (True, pn.rms_norm(_x(0)).tobytes())
