@@ -42,6 +42,7 @@ def test_locator_answers_only_for_polynorm(monkeypatch):
     def foreign():  # a function outside the package
         return 1
 
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     assert locator.from_function(foreign, __file__) is None
     fn = nbk.forward_rows.py_func
     assert locator.from_function(fn, nbk.__file__) is not None
