@@ -24,6 +24,8 @@ import argparse
 import collections
 import os
 import re
+import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -120,7 +122,22 @@ def describe(body: list[str]) -> dict | None:
         "rounding": sum(c for o, c in ops.items() if o in ROUNDING) * per,
         "in16": mem16_in * per, "out16": out16 * per, "ld32": ld32 * per, "st32": st32 * per,
         "ops": dict(sorted(ops.items())),
+        "body": body,
     }
+
+
+def mca_cycles(body: list[str], cpu: str, iterations: int = 300) -> float | None:
+    """llvm-mca's steady-state cycles per iteration of a loop body on ``cpu``
+    (None without an ``llvm-mca`` executable)."""
+    exe = shutil.which("llvm-mca") or next(
+        (e for v in range(20, 10, -1) if (e := shutil.which(f"llvm-mca-{v}"))), None)
+    if exe is None:
+        return None
+    src = "\n".join(body[:-1]) + "\n"  # without the jump back
+    res = subprocess.run([exe, f"-mcpu={cpu}", f"-iterations={iterations}", "-all-stats=false",
+                          "-instruction-info=false"], input=src, capture_output=True, text=True)
+    m = re.search(r"Total Cycles:\s*(\d+)", res.stdout)
+    return int(m.group(1)) / iterations if m else None
 
 
 def kernel_asm(dtypes: list[str]) -> dict[str, str]:
@@ -162,11 +179,20 @@ def kernel_asm(dtypes: list[str]) -> dict[str, str]:
     return out
 
 
+def _mca_note(d: dict, cpu: str | None) -> str:
+    if not cpu:
+        return ""
+    c = mca_cycles(d["body"], cpu)
+    return "" if c is None else f";  mca {cpu} {c * 16 / d['elements']:5.1f} cycles"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"],
                     choices=["bfloat16", "float16"])
     ap.add_argument("--save", default=None, help="a folder for the whole listings")
+    ap.add_argument("--mca", default=None, metavar="CPU",
+                    help="add llvm-mca's cycles per 16 elements on this -mcpu (e.g. znver2)")
     args = ap.parse_args(argv)
     listings = kernel_asm(args.dtypes)
     for name, asm in sorted(listings.items()):
@@ -187,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             seen.add(key)
             print(f"  {d['width']} x{d['elements']:<3} {d['all']:5.1f} / {d['vector']:5.1f} / "
                   f"{d['rounding']:4.1f};  ld16 {d['in16']:g}  st16 {d['out16']:g}  "
-                  f"ld32 {d['ld32']:g}  st32 {d['st32']:g}")
+                  f"ld32 {d['ld32']:g}  st32 {d['st32']:g}" + _mca_note(d, args.mca))
     return 0
 
 
