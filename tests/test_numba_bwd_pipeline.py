@@ -166,3 +166,24 @@ def test_16_bit_dx_is_not_streamed(rng):
     assert not nb._streams_dx(np.empty((big // 4, 2), ml_dtypes.bfloat16))
     assert not nb._streams_dx(np.empty((4, 2), np.float32))  # small: stays in cache
     assert not nb._streams_dx(np.empty((big // 4, 4), np.float32)[:, ::2])  # strided rows
+    raw = np.empty(big + 64, np.uint8)
+    assert not nb._streams_dx(raw[2:2 + big].view(np.float32).reshape(-1, 2))  # misaligned
+
+
+@pytest.mark.parametrize("offset", [2, 62])
+def test_misaligned_out_is_not_streamed(monkeypatch, offset, rng):
+    """An out= array off its element grid (bytes at any offset) is written with
+    ordinary stores: the streaming stores need aligned lines, and faulted there."""
+    from polynorm.backends import numba as nb
+
+    monkeypatch.setattr(nb, "STREAM_MIN_BYTES", 0)
+    n, d = 40, 2560
+    x, dy = (rng.standard_normal((n, d), dtype=np.float32) for _ in range(2))
+    w = rng.standard_normal(d, dtype=np.float32)
+    want = pn.rms_norm_backward(dy, x, w, backend="numba")[0]
+    raw = np.zeros(n * d * 4 + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    out = raw[start:start + n * d * 4].view(np.float32).reshape(n, d)
+    assert not out.flags.aligned
+    pn.rms_norm_backward(dy, x, w, out=out, backend="numba")
+    np.testing.assert_array_equal(out.view(np.uint8), want.view(np.uint8))

@@ -173,14 +173,21 @@ def _streams_16() -> bool:
     return STREAM_16
 
 
+def _streamable(a: np.ndarray) -> bool:
+    """Whether rows of 2-D ``a`` may be written with streaming stores: large enough
+    to leave the caches, unit column stride, and every row on a multiple of the
+    element size (the kernels' line arithmetic, ``line_gap``, counts whole elements:
+    a row off that grid would take the aligned streaming stores at a misaligned
+    address, and fault)."""
+    return (a.nbytes >= STREAM_MIN_BYTES and a.ndim == 2 and a.strides[1] == a.itemsize
+            and a.ctypes.data % a.itemsize == 0 and a.strides[0] % a.itemsize == 0)
+
+
 def _streams(y: np.ndarray, x: np.ndarray) -> bool:
     """Whether the forward output ``y`` (``out=`` or its own; of input ``x``) is written with
     streaming stores."""
-    return (y.nbytes >= STREAM_MIN_BYTES
-            and (x.itemsize > 2
-                 or (x.shape[1] * 2 >= STREAM_MIN_ROW_BYTES_16 and _streams_16()))
-            and y.strides[1] == y.itemsize and y.ctypes.data % y.itemsize == 0
-            and y.strides[0] % y.itemsize == 0)
+    return _streamable(y) and (
+        x.itemsize > 2 or (x.shape[1] * 2 >= STREAM_MIN_ROW_BYTES_16 and _streams_16()))
 
 
 def _streams_dx(dx: np.ndarray) -> bool:
@@ -192,8 +199,7 @@ def _streams_dx(dx: np.ndarray) -> bool:
     nothing dependable (float16 0.92-1.07x by shape, bfloat16 1.09x)
     (``python bench/compare.py --rev REV --ops bwd``, 16384 x 4096 / 4096 x 16384).
     """
-    return (dx.nbytes >= STREAM_MIN_BYTES and dx.itemsize >= 4
-            and dx.ndim == 2 and dx.strides[1] == dx.itemsize)
+    return dx.itemsize >= 4 and _streamable(dx)
 
 
 def _stage(yk: np.ndarray, stream: bool) -> np.ndarray | None:
