@@ -33,6 +33,7 @@ from ._numba_kernels import (
     _stats,
     as_type_of,
 )
+from ._numba_pairs import PAIR_BLOCK, dx_pairs, pair_position, pair_weight, pairs_kernel
 from ._numba_refs import borrow, row_of
 from ._numba_stream import LINE, line_gap, stream_copy, stream_fence
 from ._rowtree import TREE_G
@@ -90,7 +91,7 @@ def _dot_row(dy, x, w, i, rc, oc):
 
 @_inline
 def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro, rw, rneg,
-             rtmp, stage):
+             rtmp, stage, g2):
     """dx of row ``i``, and its node of the row tree.
 
     The row's terms (``[dy*xhat | dy]``, for whichever of weight/bias there
@@ -98,6 +99,8 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
     rows ``rw[0..depth-1]`` -- the tree's adds, in its order -- go to pool
     row ``ro``.  Absent siblings read row ``rneg``, -0.0, which adds nothing:
     one loop serves every depth.  dweight's adds are fused into the dx pass.
+    ``g2``: the weight in the pair layout (:mod:`._numba_pairs`) for its
+    first ``len(g2)`` columns, whose terms go to the pool in that layout.
 
     Pool rows are indices, not array views: a view per row costs Numba
     reference-count calls on every row.
@@ -131,7 +134,7 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
         _fold(pc, ro, e0, e1, e2, rtmp, ob, d)
     if r64 < math.inf and not rc < math.inf:
         _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, e0, e1, e2,
-                      rtmp)
+                      rtmp, g2.shape[0])
     else:
         oc = as_type_of(offset, rc)
         # rows as (1, d) C arrays (row_of): one compiled dot for every layout
@@ -161,11 +164,21 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
             # kernels compile without the branch)
             streams = (not _is_bits(dx) and (flags & STREAM_DX) != 0 and chunked
                        and line_gap(dx, i) == 0 and (step * dx.itemsize) % LINE == 0)
+            npair = g2.shape[0]
             for jc in range(0, d, step):
                 je = min(jc + step, d)
                 if chunked:
                     prefetch_span(x, i + 1, jc, je - jc)
                     prefetch_span(dy, i + 1, jc, je - jc)
+                if pairs_kernel(x, w, gr) and jc < npair:
+                    # whole blocks as pairs (jc is a multiple of the block); the
+                    # row's last columns, if any, as below
+                    jp = min(je, npair)
+                    dx_pairs(x, dy, dx, g2, pc, _PAD, i, jc, jp, k, rc, coef, ro, e0, e1, e2,
+                             fold)
+                    jc = jp
+                    if jc == je:
+                        continue
                 jm = min(max(k, jc), je)
                 if streams and je - jc == step:
                     # two passes where the chunk spans k, as below (one pass with the
@@ -200,9 +213,10 @@ def _g64(w, j, offset):
 
 @_inline
 def _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, e0, e1, e2,
-                  rtmp):
+                  rtmp, npair):
     """The backward of a row whose rstd overflows float32, in float64 (rare: a
-    float32 row of rms < ~3e-39 with a tiny eps; dx itself is then beyond float32)."""
+    float32 row of rms < ~3e-39 with a tiny eps; dx itself is then beyond float32).
+    Its dweight terms go where the others do: the first ``npair`` columns in pairs."""
     d = x.shape[1]
     c = 0.0
     for j in range(d):
@@ -220,7 +234,7 @@ def _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, 
         if gr is not None:
             v += np.float64(load(gr[i, j]))
         store(dxi, j, v)
-        pc[rtmp, _PAD + j] = as_type_of(dyv * xh, pc[rtmp, _PAD])
+        pc[rtmp, _PAD + pair_position(j, npair)] = as_type_of(dyv * xh, pc[rtmp, _PAD])
     if w is not None:
         _fold(pc, ro, e0, e1, e2, rtmp, np.intp(0), d)
 
@@ -320,8 +334,9 @@ def _row(pool, r):
 
 
 @_inline
-def _emit(lv, j, r, pc, p64, out_lvl, out_idx, out_val, o):
-    """Append node ``(lv, j)``, held in pool row ``r``, to the output slots."""
+def _emit(lv, j, r, pc, p64, out_lvl, out_idx, out_val, o, npair):
+    """Append node ``(lv, j)``, held in pool row ``r``, to the output slots, its
+    columns in order (the first ``npair`` are in pairs in the pools)."""
     out_lvl[o] = lv
     out_idx[o] = j
     dst = out_val[o]
@@ -333,11 +348,16 @@ def _emit(lv, j, r, pc, p64, out_lvl, out_idx, out_val, o):
         src64 = _row(p64, r)
         for t in range(dst.shape[0]):
             dst[t] = src64[t]
+    if npair:
+        for t in range(npair):
+            dst[t] = pc[r, _PAD + pair_position(t, npair)] if lv < TREE_G else \
+                p64[r, _PAD + pair_position(t, npair)]
     return o + 1
 
 
 @_inline
-def _carry(lv, j, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl, out_idx, out_val, o):
+def _carry(lv, j, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl, out_idx, out_val, o,
+           npair):
     """Carry the finished node ``(lv, j)`` (held in the current pool row) up the tree.
 
     It merges with its pending left sibling, waits (pending) for a right
@@ -378,7 +398,7 @@ def _carry(lv, j, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl, out_idx, o
         lv += 1
         j >>= 1
     return _emit(lv, j, crow[0] if lv < TREE_G else crow[1], pc, p64, out_lvl, out_idx, out_val,
-                 o)
+                 o, npair)
 
 
 @_jit()
@@ -415,6 +435,13 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
     crow = np.array([TREE_G, levels - TREE_G])
     pend = np.full(levels, -1, np.int64)
     stage = np.empty((1, _BWD_CHUNK), dx.dtype)  # STREAM_DX's chunk of dx
+    # bfloat16 rows with a weight: whole blocks of columns as pairs
+    d = x.shape[1]
+    npair = 0
+    if (pairs_kernel(x, w, gr) and x.strides[1] == 2 and dy.strides[1] == 2
+            and dx.strides[1] == 2):
+        npair = d - d % PAIR_BLOCK
+    g2 = pair_weight(w, offset, npair)
     G = 1 << TREE_G
     s0 = TREE_G + 3  # the group's term rows
     g = glo
@@ -426,10 +453,10 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
             for r in range(G):
                 # np.intp: literal ints would compile another variant of the callee
                 _bwd_row(g + r - row0, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset,
-                         np.intp(0), pc, s0 + r, prow, rneg, rtmp, stage)
+                         np.intp(0), pc, s0 + r, prow, rneg, rtmp, stage, g2)
             _group_node(pc, s0, p64, crow[1], W)
             o = _carry(np.intp(TREE_G), g >> TREE_G, glo, ntot, cap, pc, p64, prow, crow, pend,
-                       out_lvl, out_idx, out_val, o)
+                       out_lvl, out_idx, out_val, o, npair)
             g += G
             continue
         # how many of the row's ancestors complete with it: the levels whose
@@ -441,7 +468,7 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
                    and ((g >> depth) - 1) << depth >= glo):
                 depth += 1
         _bwd_row(g - row0, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, crow[0],
-                 prow, rneg, rtmp, stage)
+                 prow, rneg, rtmp, stage, g2)
         if W:
             for lv in range(depth):
                 pend[lv] = -1
@@ -452,14 +479,14 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
                 pend[depth] = j
             else:
                 o = _carry(depth, j, glo, ntot, cap, pc, p64, prow, crow, pend, out_lvl,
-                           out_idx, out_val, o)
+                           out_idx, out_val, o, npair)
         g += 1
     if flags & STREAM_DX:
         stream_fence()  # before another thread, or the caller, reads dx
     # nodes still waiting for a right sibling beyond the range, left to right
     for lv in range(levels - 1, -1, -1):
         if pend[lv] >= 0:
-            o = _emit(lv, pend[lv], prow[lv], pc, p64, out_lvl, out_idx, out_val, o)
+            o = _emit(lv, pend[lv], prow[lv], pc, p64, out_lvl, out_idx, out_val, o, npair)
     return o
 
 

@@ -1,0 +1,223 @@
+"""bfloat16 rows read and written as 32-bit pairs: the backward's dx pass in explicit vectors.
+
+A bfloat16 value is the top half of a float32, so 16 of them loaded as eight
+32-bit words give two float32 vectors at one operation each: the words
+shifted up 16 bits hold the even elements, the words with their low half
+cleared the odd ones (the forward's sums of squares read rows this way too,
+``_numba_codec._bf16_block_squares_pairs``).  The way back is as short: the
+rounded even results shifted down, the odd ones blended in as high halves.
+LLVM's vectorization of the scalar loop widens and narrows each element
+instead, with a shuffle each way (``python bench/asm.py`` counts both).
+
+:func:`dx_pairs` computes every element with the float32 operations of the
+scalar loop (``_numba_backward._dx_val``), in the same order, so dx has the
+same bits.  What differs is where a column's row-tree term (``dy * xhat``)
+goes in a pool row: the 16 columns of a block ``b`` (``16*b .. 16*b+15``,
+whole blocks only) sit with the even ones first (:func:`pair_position`).
+The tree adds column by column, so the order does not change its sums; the
+kernel puts the columns back in order where a node leaves it.  The weight
+is read in the same order (:func:`pair_weight`, with the offset added).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from ._numba_codec import _row_at
+from ._numba_kernels import _inline
+
+#: Columns per block of the pair layout.
+PAIR_BLOCK = 16
+
+_LANES = PAIR_BLOCK // 2
+_I1, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F32 = ir.FloatType()
+_VI = ir.VectorType(_I32, _LANES)
+_VF = ir.VectorType(_F32, _LANES)
+_VH = ir.VectorType(_I16, PAIR_BLOCK)
+#: i16 lane l of a stored block: the even result's (shifted) low half for even
+#: l, the odd result's high half for odd l (one vpblendw)
+_BLEND = ir.Constant(ir.VectorType(_I32, PAIR_BLOCK),
+                     [lane if lane % 2 == 0 else PAIR_BLOCK + lane for lane in range(PAIR_BLOCK)])
+
+
+def _splat(ty, value):
+    return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
+
+
+def _vsplat(builder, ty, v):
+    """A vector of type ``ty`` with ``v`` (an LLVM value) in every lane."""
+    first = builder.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(first, first, ir.Constant(ir.VectorType(_I32, ty.count),
+                                                            [0] * ty.count))
+
+
+def _decode(builder, words):
+    """The even and odd elements of 16 bfloat16 values (eight i32 words) as float32."""
+    even = builder.shl(words, _splat(_VI, 16))
+    odd = builder.and_(words, _splat(_VI, -65536))
+    return builder.bitcast(even, _VF), builder.bitcast(odd, _VF)
+
+
+def _round(builder, v):
+    """float32 lanes rounded to bfloat16 in the top halves of their i32 words.
+
+    Round to nearest even as :func:`._numba_codec.round_bf16_ir` does (bias
+    0x7FFF, 0x8000 when the kept part is odd).  A NaN lane gets no bias, so
+    its top half is its own: ``v`` here is always the result of a float
+    multiply or add, and those return quiet NaNs (LLVM's semantics, and what
+    x86 and Arm do), so that is the quiet NaN with the top of its payload
+    that the codec's guard makes.
+    """
+    u = builder.bitcast(v, _VI)
+    odd = builder.and_(builder.lshr(u, _splat(_VI, 16)), _splat(_VI, 1))
+    bias = builder.add(odd, _splat(_VI, 0x7FFF))
+    nan = builder.fcmp_unordered("uno", v, v)
+    return builder.add(u, builder.select(nan, _splat(_VI, 0), bias))
+
+
+def _pack(builder, even, odd):
+    """The 16 bfloat16 values (i16 lanes, in order) of rounded even and odd words."""
+    lo = builder.bitcast(builder.lshr(even, _splat(_VI, 16)), _VH)
+    return builder.shuffle_vector(lo, builder.bitcast(odd, _VH), _BLEND)
+
+
+def _ptr(builder, base, byte_offset, ty):
+    return builder.inttoptr(builder.add(base, byte_offset), ty.as_pointer())
+
+
+@intrinsic
+def dx_pairs(typingctx, x, dy, dx, g2, pc, pad, i, j0, j1, k, rc, coef, ro, e0, e1, e2, fold):
+    """``dx[i, j0:j1]`` of a bfloat16 row, and its row-tree terms into pool ``pc``.
+
+    The pass of ``_numba_backward._dx_pass`` (weight, no grad_residual) for
+    columns ``j0 .. j1`` (multiples of :data:`PAIR_BLOCK`; rows with unit
+    column stride): ``dx = rc * (dy * g - xhat * c)`` with ``c = coef`` for
+    columns below ``k`` and 0 from ``k`` on, ``g`` from ``g2``
+    (:func:`pair_weight`); ``dy * xhat`` to pool row ``ro`` (its columns
+    from element ``pad`` on) in the pair
+    layout, joined with the waiting siblings ``e2 + (e1 + (e0 + term))`` if
+    ``fold``.  Arrays of other dtypes compile to nothing (the callers'
+    branch on :func:`pairs_kernel` removes the call).
+    """
+    if not all(isinstance(a, types.Array) for a in (x, dy, dx, g2, pc)):
+        return None
+    sig = types.void(x, dy, dx, g2, pc, pad, i, j0, j1, k, rc, coef, ro, e0, e1, e2, fold)
+    if x.dtype != types.uint16 or rc != types.float32:
+        return sig, lambda context, builder, sig, args: context.get_dummy_value()
+
+    def codegen(context, builder, sig, args):
+        xv, dyv, dxv, g2v, pcv = args[:5]
+        at = sig.args
+
+        def intp(n):
+            return context.cast(builder, args[n], at[n], types.intp)
+
+        pad, iv, lo, hi, kv = intp(5), intp(6), intp(7), intp(8), intp(9)
+        xb = _row_at(context, builder, at[0], xv, iv, ir.Constant(_I64, 0))[0]
+        dyb = _row_at(context, builder, at[1], dyv, iv, ir.Constant(_I64, 0))[0]
+        dxb = _row_at(context, builder, at[2], dxv, iv, ir.Constant(_I64, 0))[0]
+        gb = builder.ptrtoint(context.make_array(at[3])(context, builder, g2v).data, _I64)
+        rows = [_row_at(context, builder, at[4], pcv, intp(n), pad)[0] for n in (12, 13, 14, 15)]
+        rcv = _vsplat(builder, _VF, args[10])
+        cv = _vsplat(builder, _VF, args[11])
+        zero = _splat(_VF, 0.0)
+        fold_on = context.cast(builder, args[16], at[16], types.boolean)
+
+        def block(j, ce, co, fold):
+            b2 = builder.mul(j, ir.Constant(_I64, 2))
+            b4 = builder.mul(j, ir.Constant(_I64, 4))
+            b4o = builder.add(b4, ir.Constant(_I64, 4 * _LANES))
+            xe, xo = _decode(builder, builder.load(_ptr(builder, xb, b2, _VI), align=1))
+            ye, yo = _decode(builder, builder.load(_ptr(builder, dyb, b2, _VI), align=1))
+            ge = builder.load(_ptr(builder, gb, b4, _VF), align=4)
+            go = builder.load(_ptr(builder, gb, b4o, _VF), align=4)
+            out = []
+            for xs, ys, gs, cs, off in ((xe, ye, ge, ce, b4), (xo, yo, go, co, b4o)):
+                # operands in the order of the scalar loop's machine code: where
+                # two NaNs meet, x86 returns the first operand's
+                xh = builder.fmul(xs, rcv)
+                v = builder.fmul(builder.fsub(builder.fmul(gs, ys), builder.fmul(xh, cs)), rcv)
+                out.append(_round(builder, v))
+                p = builder.fmul(xh, ys)
+                if fold:
+                    for e in rows[1:]:
+                        p = builder.fadd(p, builder.load(_ptr(builder, e, off, _VF), align=4))
+                builder.store(p, _ptr(builder, rows[0], off, _VF), align=4)
+            builder.store(_pack(builder, *out), _ptr(builder, dxb, b2, _VH), align=1)
+
+        def span(start, stop, ce, co, fold):
+            with cgutils.for_range_slice(builder, start, stop, ir.Constant(_I64, PAIR_BLOCK),
+                                         intp=_I64) as (j, _):
+                block(j, ce, co, fold)
+
+        def clamp(v):
+            return builder.select(builder.icmp_signed("<", v, lo), lo,
+                                  builder.select(builder.icmp_signed(">", v, hi), hi, v))
+
+        # columns below k take coef, the others 0: whole blocks each side of
+        # k, and the block that spans it with a coefficient per lane
+        kb = builder.and_(kv, ir.Constant(_I64, -PAIR_BLOCK))
+        spans = builder.icmp_signed("!=", kb, kv)
+        a_end = clamp(kb)
+        c_start = clamp(builder.add(kb, builder.select(spans, ir.Constant(_I64, PAIR_BLOCK),
+                                                       ir.Constant(_I64, 0))))
+        mid = builder.and_(spans, builder.and_(builder.icmp_signed(">=", kb, lo),
+                                               builder.icmp_signed("<", kb, hi)))
+        ksplat = _vsplat(builder, ir.VectorType(_I64, _LANES), kv)
+        kbsplat = _vsplat(builder, ir.VectorType(_I64, _LANES), kb)
+        cols_e = builder.add(kbsplat, ir.Constant(ir.VectorType(_I64, _LANES),
+                                                  list(range(0, PAIR_BLOCK, 2))))
+        cols_o = builder.add(kbsplat, ir.Constant(ir.VectorType(_I64, _LANES),
+                                                  list(range(1, PAIR_BLOCK, 2))))
+        ke = builder.select(builder.icmp_signed("<", cols_e, ksplat), cv, zero)
+        ko = builder.select(builder.icmp_signed("<", cols_o, ksplat), cv, zero)
+        for fold in (True, False):
+            with builder.if_then(fold_on if fold else builder.not_(fold_on)):
+                span(lo, a_end, cv, cv, fold)
+                with builder.if_then(mid):
+                    block(kb, ke, ko, fold)
+                span(c_start, hi, zero, zero, fold)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def pairs_kernel(x, w, gr):  # pragma: no cover - replaced by the overload
+    """Whether a backward on rows ``x`` with weight ``w`` and ``gr`` takes :func:`dx_pairs`
+    (bfloat16 with a weight, no grad_residual): a compile-time constant."""
+    raise NotImplementedError
+
+
+@overload(pairs_kernel, inline="always")
+def _ov_pairs_kernel(x, w, gr):
+    flag = (isinstance(x, types.Array) and x.dtype == types.uint16
+            and not isinstance(w, (types.NoneType, types.Omitted))
+            and isinstance(gr, (types.NoneType, types.Omitted)))
+    return lambda x, w, gr: flag
+
+
+@_inline
+def pair_weight(w, offset, n):
+    """``w + offset`` in float32, its first ``n`` columns (whole blocks) in the pair layout."""
+    g2 = np.empty(n, np.float32)
+    if w is not None:
+        oc = np.float32(offset)
+        for b in range(0, n, PAIR_BLOCK):
+            for t in range(_LANES):
+                g2[b + t] = np.float32(w[b + 2 * t]) + oc
+                g2[b + _LANES + t] = np.float32(w[b + 2 * t + 1]) + oc
+    return g2
+
+
+@_inline
+def pair_position(j, n):
+    """Where column ``j`` sits in a pool row whose first ``n`` columns are in pairs."""
+    if j >= n:
+        return j
+    r = j % PAIR_BLOCK
+    return j - r + (r >> 1) + _LANES * (r & 1)
