@@ -61,6 +61,14 @@ _PAD = 64
 #: Elements per float32 partial of the backward's dot (see :func:`_dot_row`).
 DOT_BLOCK = 512
 
+#: Bytes of a whole 16-row node's terms (16 pool rows) up to which the rows
+#: that take the pair pass (bfloat16) go through :func:`_group_node`; wider
+#: rows fold their waiting siblings in as they go, which costs that pass
+#: less than reading the 16 rows back from L2 or beyond (bfloat16 d 4096 to
+#: 16384 ran 0.95-0.97x the time folding; d 1024 and 2048 1.02-1.04x:
+#: ``python bench/compare.py --ops bwd``).  Other rows always group.
+_PAIR_GROUP_MAX_BYTES = 128 * 1024
+
 
 @_reduce
 def _dot_row(dy, x, w, i, rc, oc):
@@ -444,9 +452,10 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
     g2 = pair_weight(w, offset, npair)
     G = 1 << TREE_G
     s0 = TREE_G + 3  # the group's term rows
+    group = W and cap >= TREE_G and (npair == 0 or G * W * 4 <= _PAIR_GROUP_MAX_BYTES)
     g = glo
     while g < ghi:
-        if W and cap >= TREE_G and (g & (G - 1)) == 0 and g + G <= ghi:
+        if group and (g & (G - 1)) == 0 and g + G <= ghi:
             # a whole level-TREE_G node in the range: each row's terms to its own
             # pool row, then the node's adds in one pass over the columns (the
             # row-by-row fold reads three sibling rows per row instead)
