@@ -6,6 +6,8 @@ the same row: dx, and the row-tree terms it leaves in the pool (in the
 pair layout), joined with waiting siblings or not, with ``k`` inside a
 16-column block.  Its rounding is checked against the codec on every
 bfloat16 top half with the low halves that decide ties and carries.
+:func:`~polynorm.backends._numba_pairs.dot_pairs` is checked against its
+documented summation order, written out in numpy.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from numba import njit  # noqa: E402
 
 from polynorm.backends._numba_backward import _PAD, _dx_pass  # noqa: E402
 from polynorm.backends._numba_codec import encode_array  # noqa: E402
-from polynorm.backends._numba_pairs import PAIR_BLOCK, dx_pairs, pair_position  # noqa: E402
+from polynorm.backends._numba_pairs import (  # noqa: E402
+    DOT_BLOCK,
+    PAIR_BLOCK,
+    dot_pairs,
+    dx_pairs,
+    pair_position,
+    pair_weight,
+)
 
 _POOL_ROWS = 4  # the row written (0) and three waiting siblings
 
@@ -100,3 +109,55 @@ def test_pair_rounding_matches_the_codec():
         want = encode_array(w + np.float32(0.0), True)
     assert (dxa.ravel() == want).all()
     assert (dxb.ravel() == want).all()
+
+
+@njit
+def _dot(x, dy, w, offset, npair, rc):
+    g2 = pair_weight(w, offset, npair)
+    return dot_pairs(x, dy, g2, w, 0, rc, np.float32(offset))
+
+
+def _fma32(a, b, c):
+    # a * b is exact in float64; the add rounds there, then to float32 (a double
+    # rounding that differs from one fused rounding about once in 2**29 adds)
+    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
+
+
+def _documented_dot(x, dy, w, offset, npair, rc):
+    """The order :func:`dot_pairs` documents, one float32 operation at a time."""
+    d = x.shape[0]
+    g = w + np.float32(offset)
+    p = dy * (x * rc)  # float32 products, as the kernel rounds them
+    c = 0.0
+    for b in range(0, d, DOT_BLOCK):
+        e = min(b + DOT_BLOCK, d)
+        pe = max(b, min(e, npair))
+        lanes = np.zeros(2 * PAIR_BLOCK, np.float32)
+        for m, j0 in enumerate(range(b, pe, PAIR_BLOCK)):
+            cols = j0 + np.r_[0:PAIR_BLOCK:2, 1:PAIR_BLOCK:2]  # even columns first
+            base = PAIR_BLOCK * (m % 2)
+            for t, j in enumerate(cols):
+                lanes[base + t] = _fma32(g[j], p[j], lanes[base + t])
+        h = PAIR_BLOCK // 2
+        v = np.float32(lanes[0:h] + lanes[2 * h:3 * h]) + np.float32(lanes[h:2 * h] + lanes[3 * h:])
+        while v.shape[0] > 1:
+            v = v[: v.shape[0] // 2] + v[v.shape[0] // 2:]
+        s = v[0]
+        for j in range(pe, e):
+            s = _fma32(g[j], p[j], s)
+        c += np.float64(s)
+    return c
+
+
+@pytest.mark.parametrize("d", [16, 48, 515, 1040, 1300])
+def test_dot_pairs_sums_in_its_documented_order(d, rng):
+    npair = d - d % PAIR_BLOCK
+    x = rng.standard_normal(d).astype(np.float32) * np.float32(3.0)
+    dy = rng.standard_normal(d).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    xb, dyb = (encode_array(a, True) for a in (x, dy))
+    xf, dyf = (np.ascontiguousarray((a.astype(np.uint32) << 16)).view(np.float32)
+               for a in (xb, dyb))
+    rc, offset = np.float32(0.61), 0.25
+    got = _dot(xb[None, :], dyb[None, :], w, offset, npair, rc)
+    assert got == _documented_dot(xf, dyf, w, offset, npair, rc)

@@ -33,7 +33,14 @@ from ._numba_kernels import (
     _stats,
     as_type_of,
 )
-from ._numba_pairs import PAIR_BLOCK, dx_pairs, pair_position, pair_weight, pairs_kernel
+from ._numba_pairs import (
+    PAIR_BLOCK,
+    dot_pairs,
+    dx_pairs,
+    pair_position,
+    pair_weight,
+    pairs_kernel,
+)
 from ._numba_refs import borrow, row_of
 from ._numba_stream import LINE, line_gap, stream_copy, stream_fence
 from ._rowtree import TREE_G
@@ -146,7 +153,10 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
     else:
         oc = as_type_of(offset, rc)
         # rows as (1, d) C arrays (row_of): one compiled dot for every layout
-        c = _dot_row(row_of(dy, i), row_of(x, i), w, 0, rc, oc)
+        if pairs_kernel(x, w, gr) and g2.shape[0] > 0:
+            c = dot_pairs(x, dy, g2, w, i, rc, oc)
+        else:
+            c = _dot_row(row_of(dy, i), row_of(x, i), w, 0, rc, oc)
         coef64 = c / k
         if not inside:
             coef64 = 0.0 if rms == 0.0 else coef64 * ((rms + eps) / rms)

@@ -27,11 +27,14 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._numba_codec import _row_at
+from ._numba_codec import _row_at, fma_ir
 from ._numba_kernels import _inline
 
 #: Columns per block of the pair layout.
 PAIR_BLOCK = 16
+
+#: Columns per float32 partial of :func:`dot_pairs` (``_numba_backward.DOT_BLOCK``).
+DOT_BLOCK = 512
 
 _LANES = PAIR_BLOCK // 2
 _I1, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -221,3 +224,113 @@ def pair_position(j, n):
         return j
     r = j % PAIR_BLOCK
     return j - r + (r >> 1) + _LANES * (r & 1)
+
+
+def _fsplat(builder, ty, v):
+    return _vsplat(builder, ty, v) if isinstance(ty, ir.VectorType) else v
+
+
+def _decode1(builder, bits16):
+    """One bfloat16 (i16) as float32."""
+    return builder.bitcast(builder.shl(builder.zext(bits16, _I32), ir.Constant(_I32, 16)), _F32)
+
+
+@intrinsic
+def dot_pairs(typingctx, x, dy, g2, w, i, rc, oc):
+    """The backward's ``c = sum_j g_j * dy[i, j] * xhat[i, j]`` of a bfloat16 row, in float64.
+
+    Per :data:`DOT_BLOCK` columns a float32 partial, added to ``c`` in
+    float64.  In a block, the whole 16-column blocks of the pair layout (the
+    first ``len(g2)`` columns) go to 32 float32 lanes -- lane ``t`` of
+    16-column block ``m`` (even columns first) is lane ``t + 16 * (m % 2)``
+    -- each one fused multiply-add per column, ``g * (dy * xhat)``; the
+    lanes are then added in a fixed tree (the two blocks' lanes, the even
+    and odd halves, then halves of 8, 4, 2), and the columns past the pair
+    layout (the row's last < 16) are added to that one at a time, in order.
+    ``g`` is ``g2`` (:func:`pair_weight`) in the pair layout, ``w + oc``
+    past it.  The order is this code's, not the optimizer's: the same row
+    has the same ``c`` in every kernel that calls this.  Other dtypes, or no
+    weight, compile to 0 (the callers' branch on :func:`pairs_kernel` removes
+    the call).
+    """
+    if not all(isinstance(a, types.Array) for a in (x, dy, g2)):
+        return None
+    sig = types.float64(x, dy, g2, w, i, rc, oc)
+    if not isinstance(w, types.Array) or x.dtype != types.uint16 or rc != types.float32:
+        return sig, lambda context, builder, sig, args: context.get_constant(types.float64, 0.0)
+
+    def codegen(context, builder, sig, args):
+        xv, dyv, g2v, wv = args[:4]
+        at = sig.args
+        iv = context.cast(builder, args[4], at[4], types.intp)
+        rcs, ocs = args[5], context.cast(builder, args[6], at[6], types.float32)
+        rcv = _vsplat(builder, _VF, rcs)
+        xa = context.make_array(at[0])(context, builder, xv)
+        d = cgutils.unpack_tuple(builder, xa.shape)[1]
+        xb = _row_at(context, builder, at[0], xv, iv, ir.Constant(_I64, 0))[0]
+        dyb = _row_at(context, builder, at[1], dyv, iv, ir.Constant(_I64, 0))[0]
+        ga = context.make_array(at[2])(context, builder, g2v)
+        gb = builder.ptrtoint(ga.data, _I64)
+        npair = cgutils.unpack_tuple(builder, ga.shape)[0]
+        wb = builder.ptrtoint(context.make_array(at[3])(context, builder, wv).data, _I64)
+        zero = _splat(_VF, 0.0)
+        c = cgutils.alloca_once_value(builder, ir.Constant(ir.DoubleType(), 0.0))
+        accs = [cgutils.alloca_once(builder, _VF) for _ in range(4)]  # block 0 e/o, block 1 e/o
+        s = cgutils.alloca_once(builder, _F32)
+
+        def add_block(j, pair):
+            """Lanes of accumulator pair ``pair`` plus 16-column block ``j``."""
+            b2 = builder.mul(j, ir.Constant(_I64, 2))
+            b4 = builder.mul(j, ir.Constant(_I64, 4))
+            xe, xo = _decode(builder, builder.load(_ptr(builder, xb, b2, _VI), align=1))
+            ye, yo = _decode(builder, builder.load(_ptr(builder, dyb, b2, _VI), align=1))
+            for xs, ys, half in ((xe, ye, 0), (xo, yo, 1)):
+                g = builder.load(_ptr(builder, gb, builder.add(b4, ir.Constant(
+                    _I64, 4 * _LANES * half)), _VF), align=4)
+                p = builder.fmul(ys, builder.fmul(xs, rcv))
+                acc = accs[2 * pair + half]
+                builder.store(fma_ir(builder, g, p, builder.load(acc)), acc)
+
+        step = ir.Constant(_I64, DOT_BLOCK)
+        with cgutils.for_range_slice(builder, ir.Constant(_I64, 0), d, step, intp=_I64) as (b, _):
+            e = builder.add(b, step)
+            e = builder.select(builder.icmp_signed("<", e, d), e, d)
+            pe = builder.select(builder.icmp_signed("<", e, npair), e, npair)
+            pe = builder.select(builder.icmp_signed("<", pe, b), b, pe)
+            for acc in accs:
+                builder.store(zero, acc)
+            # pairs of 16-column blocks, then a last single one
+            n2 = builder.sub(pe, b)
+            two = builder.add(b, builder.and_(n2, ir.Constant(_I64, -2 * PAIR_BLOCK)))
+            with cgutils.for_range_slice(builder, b, two, ir.Constant(_I64, 2 * PAIR_BLOCK),
+                                         intp=_I64) as (j, _):
+                add_block(j, 0)
+                add_block(builder.add(j, ir.Constant(_I64, PAIR_BLOCK)), 1)
+            with builder.if_then(builder.icmp_signed("<", two, pe)):
+                add_block(two, 0)
+            v = [builder.load(acc) for acc in accs]
+            v = builder.fadd(builder.fadd(v[0], v[2]), builder.fadd(v[1], v[3]))
+            m = _LANES
+            while m > 1:
+                h = m // 2
+                lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h),
+                                                              list(range(h))))
+                hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h),
+                                                              list(range(h, m))))
+                v = builder.fadd(lo, hi)
+                m = h
+            builder.store(builder.extract_element(v, ir.Constant(_I32, 0)), s)
+            # the row's last columns, past the pair layout, one at a time
+            with cgutils.for_range_slice(builder, pe, e, ir.Constant(_I64, 1), intp=_I64) as (j, _):
+                b2 = builder.mul(j, ir.Constant(_I64, 2))
+                xs = _decode1(builder, builder.load(_ptr(builder, xb, b2, _I16), align=1))
+                ys = _decode1(builder, builder.load(_ptr(builder, dyb, b2, _I16), align=1))
+                g = builder.fadd(builder.load(_ptr(builder, wb, builder.mul(
+                    j, ir.Constant(_I64, 4)), _F32), align=4), ocs)
+                p = builder.fmul(ys, builder.fmul(xs, rcs))
+                builder.store(fma_ir(builder, g, p, builder.load(s)), s)
+            builder.store(builder.fadd(builder.load(c), builder.fpext(builder.load(s),
+                                                                       ir.DoubleType())), c)
+        return builder.load(c)
+
+    return sig, codegen
