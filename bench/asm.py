@@ -81,7 +81,7 @@ def elements_per_iteration(body: list[str]) -> int | None:
     """The loop's step in elements: an index register added to once per iteration
     and used scaled by 2 or 4 (an element index) in the loop's addresses; one also
     used unscaled beside its scale-2 uses counts the 16-bit data's bytes (half a
-    step's elements)."""
+    step's elements); else a counter that is compared and in no address."""
     text = " ".join(body)
     for t in body:
         m = _STEP.match(t)
@@ -90,6 +90,15 @@ def elements_per_iteration(body: list[str]) -> int | None:
             if re.search(rf",{reg},[24]\)", text):
                 if re.search(rf",{reg}\)", text) and re.search(rf",{reg},2\)", text):
                     return int(m.group(1)) // 2
+                return int(m.group(1))
+    # loops that bump pointers (the explicit-vector ones) count columns in a
+    # register of their own: stepped, compared, and in no address
+    for t in body:
+        m = _STEP.match(t)
+        if m and int(m.group(1)) > 0:
+            reg = re.escape(m.group(2))
+            if (re.search(rf"^cmpq\s+.*{reg}$", "\n".join(body), re.M)
+                    and not re.search(rf"\([^)]*{reg}[^)]*\)", text)):
                 return int(m.group(1))
     return None
 
