@@ -34,6 +34,7 @@ from ._numba_kernels import (
     as_type_of,
 )
 from ._numba_pairs import (
+    DOT_BLOCK,
     PAIR_BLOCK,
     dot_pairs,
     dx_pairs,
@@ -65,8 +66,6 @@ _BWD_CHUNK = 256
 #: Elements of padding on each side of a row of the leaf pool (>= 256 bytes).
 _PAD = 64
 
-#: Elements per float32 partial of the backward's dot (see :func:`_dot_row`).
-DOT_BLOCK = 512
 
 #: Bytes of a whole 16-row node's terms (16 pool rows) up to which the rows
 #: that take the pair pass (bfloat16) go through :func:`_group_node`; wider
@@ -86,7 +85,8 @@ def _dot_row(dy, x, w, i, rc, oc):
     blocks keep the error at ~DOT_BLOCK/64 float32 roundings of the row's
     sum of magnitudes.  A pure reduction (no stores): LLVM vectorizes it the
     same way for every row, so a row's ``c`` has the same bits wherever the
-    row falls.
+    row falls.  bfloat16 rows with a weight take :func:`._numba_pairs.dot_pairs`
+    instead (the same blocks, an order written out).
     """
     d = x.shape[1]
     c = 0.0

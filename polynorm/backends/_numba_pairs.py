@@ -1,4 +1,4 @@
-"""bfloat16 rows read and written as 32-bit pairs: the backward's dx pass in explicit vectors.
+"""bfloat16 rows read and written as 32-bit pairs: the backward's passes in explicit vectors.
 
 A bfloat16 value is the top half of a float32, so 16 of them loaded as eight
 32-bit words give two float32 vectors at one operation each: the words
@@ -17,6 +17,11 @@ whole blocks only) sit with the even ones first (:func:`pair_position`).
 The tree adds column by column, so the order does not change its sums; the
 kernel puts the columns back in order where a node leaves it.  The weight
 is read in the same order (:func:`pair_weight`, with the offset added).
+
+:func:`dot_pairs`, the row's ``c`` before that pass, reads the row the same
+way and sums in an order it states (LLVM's vectorization of the scalar dot
+chose its own).  In instructions per 16 elements on AVX2 (``python
+bench/asm.py``): the dx pass 43 against LLVM's 52, the dot 15 against 17.5.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from ._numba_kernels import _inline
 #: Columns per block of the pair layout.
 PAIR_BLOCK = 16
 
-#: Columns per float32 partial of :func:`dot_pairs` (``_numba_backward.DOT_BLOCK``).
+#: Elements per float32 partial of the backward's dot (:func:`dot_pairs` and
+#: ``_numba_backward._dot_row``).
 DOT_BLOCK = 512
 
 _LANES = PAIR_BLOCK // 2
