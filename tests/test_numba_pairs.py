@@ -156,7 +156,7 @@ def test_dot_pairs_sums_in_its_documented_order(d, rng):
     dy = rng.standard_normal(d).astype(np.float32)
     w = rng.standard_normal(d).astype(np.float32)
     xb, dyb = (encode_array(a, True) for a in (x, dy))
-    xf, dyf = (np.ascontiguousarray((a.astype(np.uint32) << 16)).view(np.float32)
+    xf, dyf = (np.ascontiguousarray(a.astype(np.uint32) << 16).view(np.float32)
                for a in (xb, dyb))
     rc, offset = np.float32(0.61), 0.25
     got = _dot(xb[None, :], dyb[None, :], w, offset, npair, rc)
