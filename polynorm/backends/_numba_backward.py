@@ -70,9 +70,10 @@ _PAD = 64
 #: Bytes of a whole 16-row node's terms (16 pool rows) up to which the rows
 #: that take the pair pass (bfloat16) go through :func:`_group_node`; wider
 #: rows fold their waiting siblings in as they go, which costs that pass
-#: less than reading the 16 rows back from L2 or beyond (bfloat16 d 4096 to
-#: 16384 ran 0.95-0.97x the time folding; d 1024 and 2048 1.02-1.04x:
-#: ``python bench/compare.py --ops bwd``).  Other rows always group.
+#: less than reading the 16 rows back from half the L2 or beyond.  LLVM's
+#: folding loop costs more: other rows always group (``python
+#: bench/compare.py --ops bwd`` times a change of it; the measurements are in
+#: bench/results/bwd-bf16-pairs-2026-12-05-avx2.txt).
 _PAIR_GROUP_MAX_BYTES = 128 * 1024
 
 

@@ -20,8 +20,8 @@ is read in the same order (:func:`pair_weight`, with the offset added).
 
 :func:`dot_pairs`, the row's ``c`` before that pass, reads the row the same
 way and sums in an order it states (LLVM's vectorization of the scalar dot
-chose its own).  In instructions per 16 elements on AVX2 (``python
-bench/asm.py``): the dx pass 43 against LLVM's 52, the dot 15 against 17.5.
+chose its own).  ``python bench/asm.py`` counts the instructions of both
+passes and of LLVM's loops beside them.
 """
 
 from __future__ import annotations
