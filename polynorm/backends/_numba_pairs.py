@@ -32,7 +32,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from ._numba_codec import _row_at, fma_ir
+from ._numba_codec import _row_at, fma_ir, splat
 from ._numba_kernels import _inline
 
 #: Columns per block of the pair layout.
@@ -54,10 +54,6 @@ _BLEND = ir.Constant(ir.VectorType(_I32, PAIR_BLOCK),
                      [lane if lane % 2 == 0 else PAIR_BLOCK + lane for lane in range(PAIR_BLOCK)])
 
 
-def _splat(ty, value):
-    return ir.Constant(ty, [ir.Constant(ty.element, value)] * ty.count)
-
-
 def _vsplat(builder, ty, v):
     """A vector of type ``ty`` with ``v`` (an LLVM value) in every lane."""
     first = builder.insert_element(ir.Constant(ty, ir.Undefined), v, ir.Constant(_I32, 0))
@@ -67,8 +63,8 @@ def _vsplat(builder, ty, v):
 
 def _decode(builder, words):
     """The even and odd elements of 16 bfloat16 values (eight i32 words) as float32."""
-    even = builder.shl(words, _splat(_VI, 16))
-    odd = builder.and_(words, _splat(_VI, -65536))
+    even = builder.shl(words, splat(_VI, 16))
+    odd = builder.and_(words, splat(_VI, -65536))
     return builder.bitcast(even, _VF), builder.bitcast(odd, _VF)
 
 
@@ -83,15 +79,15 @@ def _round(builder, v):
     that the codec's guard makes.
     """
     u = builder.bitcast(v, _VI)
-    odd = builder.and_(builder.lshr(u, _splat(_VI, 16)), _splat(_VI, 1))
-    bias = builder.add(odd, _splat(_VI, 0x7FFF))
+    odd = builder.and_(builder.lshr(u, splat(_VI, 16)), splat(_VI, 1))
+    bias = builder.add(odd, splat(_VI, 0x7FFF))
     nan = builder.fcmp_unordered("uno", v, v)
-    return builder.add(u, builder.select(nan, _splat(_VI, 0), bias))
+    return builder.add(u, builder.select(nan, splat(_VI, 0), bias))
 
 
 def _pack(builder, even, odd):
     """The 16 bfloat16 values (i16 lanes, in order) of rounded even and odd words."""
-    lo = builder.bitcast(builder.lshr(even, _splat(_VI, 16)), _VH)
+    lo = builder.bitcast(builder.lshr(even, splat(_VI, 16)), _VH)
     return builder.shuffle_vector(lo, builder.bitcast(odd, _VH), _BLEND)
 
 
@@ -108,10 +104,10 @@ def dx_pairs(typingctx, x, dy, dx, g2, pc, pad, i, j0, j1, k, rc, coef, ro, e0, 
     column stride): ``dx = rc * (dy * g - xhat * c)`` with ``c = coef`` for
     columns below ``k`` and 0 from ``k`` on, ``g`` from ``g2``
     (:func:`pair_weight`); ``dy * xhat`` to pool row ``ro`` (its columns
-    from element ``pad`` on) in the pair
-    layout, joined with the waiting siblings ``e2 + (e1 + (e0 + term))`` if
-    ``fold``.  Arrays of other dtypes compile to nothing (the callers'
-    branch on :func:`pairs_kernel` removes the call).
+    from element ``pad`` on) in the pair layout, joined with the waiting
+    siblings ``e2 + (e1 + (e0 + term))`` if ``fold``.  Arrays of other dtypes
+    compile to nothing (the callers' branch on :func:`pairs_kernel` removes
+    the call).
     """
     if not all(isinstance(a, types.Array) for a in (x, dy, dx, g2, pc)):
         return None
@@ -134,7 +130,7 @@ def dx_pairs(typingctx, x, dy, dx, g2, pc, pad, i, j0, j1, k, rc, coef, ro, e0, 
         rows = [_row_at(context, builder, at[4], pcv, intp(n), pad)[0] for n in (12, 13, 14, 15)]
         rcv = _vsplat(builder, _VF, args[10])
         cv = _vsplat(builder, _VF, args[11])
-        zero = _splat(_VF, 0.0)
+        zero = splat(_VF, 0.0)
         fold_on = context.cast(builder, args[16], at[16], types.boolean)
 
         def block(j, ce, co, fold):
@@ -232,10 +228,6 @@ def pair_position(j, n):
     return j - r + (r >> 1) + _LANES * (r & 1)
 
 
-def _fsplat(builder, ty, v):
-    return _vsplat(builder, ty, v) if isinstance(ty, ir.VectorType) else v
-
-
 def _decode1(builder, bits16):
     """One bfloat16 (i16) as float32."""
     return builder.bitcast(builder.shl(builder.zext(bits16, _I32), ir.Constant(_I32, 16)), _F32)
@@ -279,7 +271,7 @@ def dot_pairs(typingctx, x, dy, g2, w, i, rc, oc):
         gb = builder.ptrtoint(ga.data, _I64)
         npair = cgutils.unpack_tuple(builder, ga.shape)[0]
         wb = builder.ptrtoint(context.make_array(at[3])(context, builder, wv).data, _I64)
-        zero = _splat(_VF, 0.0)
+        zero = splat(_VF, 0.0)
         c = cgutils.alloca_once_value(builder, ir.Constant(ir.DoubleType(), 0.0))
         accs = [cgutils.alloca_once(builder, _VF) for _ in range(4)]  # block 0 e/o, block 1 e/o
         s = cgutils.alloca_once(builder, _F32)
