@@ -310,6 +310,26 @@ SLOW_SWEEPS = (
     "tests/test_numba_bwd_pipeline.py::test_recomputed_rstd_is_the_forwards[*-float64]",
     "tests/test_rowtree.py::test_any_split_of_the_rows_gives_the_same_bits[2100-130-float16]",
     "tests/test_rowtree.py::test_any_split_of_the_rows_gives_the_same_bits[2100-130-float64]",
+    # variants that are the only default users of a kernel specialisation (~4-6 s of
+    # compile each; bench/compile_census.py finds them): the row tree's parallel
+    # blocks in bfloat16 and float64 (float32 stays), the emulated gated forward in
+    # bfloat16 (float32 stays), opcheck without a weight (plain, all, axis-middle
+    # stay), the fast path's mixed-dtype backward (its forward and add stay), the
+    # bfloat16 output-saving bound (float32's saving tests stay), the README's
+    # float64 claim at (64, 16, 4096) ((64, 1024) stays), jax's bfloat16 llama
+    # path under jit (float32 stays), the numba quantizer with a residual (the
+    # fast-path test's residual stays)
+    "tests/test_rowtree.py::test_any_split_of_the_rows_gives_the_same_bits[2100-130-bfloat16]",
+    "tests/test_rowtree.py::test_kernel_sums_dbias_over_the_defined_tree[bfloat16-4099]",
+    "tests/test_rowtree.py::test_kernel_sums_dbias_over_the_defined_tree[float64-4099]",
+    "tests/test_emul_fusions.py::test_emul_gated_forward[bfloat16]",
+    "tests/test_torch.py::test_opcheck_forward_ops[no-weight]",
+    "tests/test_numba.py::test_fast_path_equals_generic_path[rms_norm_backward]",
+    "tests/test_lean.py::test_bfloat16_output_saving_within_bfloat16_precision",
+    "tests/test_docs.py::test_readme_claim_default_casting_has_torch_rms_norm_bits_where_rstd_agrees"
+    "[(64, 16, 4096)-float64]",
+    "tests/test_jax.py::test_jit_runs_the_kernels_with_the_eager_bits[bfloat16-llama-axis]",
+    "tests/test_quant.py::test_residual[numba]",
 )
 
 
