@@ -95,6 +95,35 @@ def test_kernel_sums_dbias_over_the_defined_tree(n, dtype):
     np.testing.assert_array_equal(db.view(np.uint64), want.view(np.uint64))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("wide", [False, True])
+def test_kernel_sums_dweight_over_the_defined_tree(dtype, wide):
+    """dweight's leaves are ``dy * (x * rstd)`` in float32 (rstd given): numpy's
+    float32 products are the kernel's, so the tree predicts dweight's bits --
+    for rows that group 16 leaves a node and for rows wide enough to fold
+    their waiting siblings in the dx pass instead (``_GROUP_MAX_BYTES``)."""
+    from polynorm.backends import _numba_backward as K
+
+    limit = K._GROUP_MAX_BYTES_F16 if dtype == "float16" else K._GROUP_MAX_BYTES
+    # terms of dweight and dbias: 2 d columns in a pool row of float32
+    d = limit // (2 * 4 * 2**G) + 3 if wide else 40
+    n = 40
+    rng = np.random.default_rng(d)
+    dt = DTYPES[dtype]
+    x = rng.standard_normal((n, d)).astype(dt)
+    dy = (rng.standard_normal((n, d)) * 10.0 ** rng.integers(-2, 3, (n, 1))).astype(dt)
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    b = np.zeros(d, np.float32)
+    rstd = pn.rms_norm(x, eps=1e-6, return_rstd=True)[1]
+    _, dw, db = nb.backward(dy, x, w, b, rstd, None, _plan(d, dtype))
+    f32 = np.float32
+    leaves = dy.astype(f32) * (x.astype(f32) * rstd.astype(f32)[:, None])
+    np.testing.assert_array_equal(dw.view(np.uint32),
+                                  _tree(leaves, f32).astype(f32).view(np.uint32))
+    np.testing.assert_array_equal(db.view(np.uint32),
+                                  _tree(dy.astype(f32), f32).astype(f32).view(np.uint32))
+
+
 def _cuts(rng, n, k):
     return sorted({0, n, *rng.integers(0, n + 1, size=k).tolist()})
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import get_thread_id, prange
+from numba import get_thread_id, prange, types
+from numba.extending import overload
 
 from ._numba_codec import load, prefetch_row, prefetch_span, store
 from ._numba_kernels import (
@@ -67,14 +68,34 @@ _BWD_CHUNK = 256
 _PAD = 64
 
 
-#: Bytes of a whole 16-row node's terms (16 pool rows) up to which the rows
-#: that take the pair pass (bfloat16) go through :func:`_group_node`; wider
-#: rows fold their waiting siblings in as they go, which costs that pass
-#: less than reading the 16 rows back from half the L2 or beyond.  LLVM's
-#: folding loop costs more: other rows always group (``python
-#: bench/compare.py --ops bwd`` times a change of it; the measurements are in
-#: bench/results/bwd-bf16-pairs-2026-12-05-avx2.txt).
-_PAIR_GROUP_MAX_BYTES = 128 * 1024
+#: Bytes of a whole 16-row node's terms (16 float32 pool rows) up to which a
+#: range's rows go through :func:`_group_node`; wider rows fold their
+#: waiting siblings in as they go, which costs the dx pass less than reading
+#: 16 rows back from the far half of the L2 or beyond.  float16's folding
+#: loop (LLVM's, with a conversion each way per element) costs more than the
+#: others': its rows group up to the size of an L2.  float64 rows, and
+#: bfloat16 rows that do not take the pair pass, always group.  ``python
+#: bench/compare.py --ops bwd`` times a change of these; the measurements are
+#: in bench/results/bwd-bf16-pairs-2026-12-05-avx2.txt and
+#: bench/results/bwd-fold-2026-12-05-avx2.txt.
+_GROUP_MAX_BYTES = 128 * 1024
+_GROUP_MAX_BYTES_F16 = 512 * 1024
+
+
+def _group_max_bytes(x, npair):  # pragma: no cover - replaced by the overload
+    """:data:`_GROUP_MAX_BYTES` for rows ``x`` (``npair``: columns in the pair
+    pass); bfloat16 rows without the pair pass and float64 rows: no limit."""
+    raise NotImplementedError
+
+
+@overload(_group_max_bytes, inline="always")
+def _ov_group_max_bytes(x, npair):
+    if x.dtype == types.uint16:  # bfloat16 bits: the pair pass folds cheaply
+        return lambda x, npair: _GROUP_MAX_BYTES if npair else 1 << 62
+    if x.dtype == types.int16:  # float16 bits
+        return lambda x, npair: _GROUP_MAX_BYTES_F16
+    limit = _GROUP_MAX_BYTES if x.dtype == types.float32 else 1 << 62
+    return lambda x, npair: limit
 
 
 @_reduce
@@ -463,7 +484,7 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
     g2 = pair_weight(w, offset, npair)
     G = 1 << TREE_G
     s0 = TREE_G + 3  # the group's term rows
-    group = W and cap >= TREE_G and (npair == 0 or G * W * 4 <= _PAIR_GROUP_MAX_BYTES)
+    group = W and cap >= TREE_G and G * W * 4 <= _group_max_bytes(x, npair)
     g = glo
     while g < ghi:
         if group and (g & (G - 1)) == 0 and g + G <= ghi:
