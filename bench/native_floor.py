@@ -4,9 +4,10 @@ The 16-bit forward's target is a fraction of a copy of the same bytes
 (``polynorm._bench.roof``).  To tell what the algorithm costs on this machine
 from what the Numba kernels leave on the table, this script compiles (gcc,
 ``-O3 -march=native -fopenmp``) the simplest fast RMSNorm forward of 16-bit
-rows there is, with AVX-512 intrinsics: per row, the sum of squares in
-float32 lanes, then ``y = x * rstd * w`` rounded to the 16-bit type by the
-hardware (``vcvtne2ps2bf16`` / ``vcvtps2ph``) and written with plain or
+rows there is, with AVX-512 intrinsics, or AVX2 ones on CPUs without it: per
+row, the sum of squares in float32 lanes, then ``y = x * rstd * w`` rounded
+to the 16-bit type by the hardware (``vcvtne2ps2bf16`` / ``vcvtps2ph``; on
+AVX2 bfloat16 by an integer round to nearest even) and written with plain or
 streaming stores, rows over OpenMP threads.  It does none of polynorm's
 work beyond that (no eps placement, partial, offset, bias, overflow-safe
 statistics or fixed-order reductions).
@@ -19,7 +20,8 @@ Run::
     python bench/native_floor.py                 # bfloat16 and float16, 16384x4096 and 4096x16384
     python bench/native_floor.py --json bench/results/native-floor.json
 
-Needs gcc and a CPU with AVX-512 (BF16 for bfloat16); exits with a message otherwise.
+Needs gcc and a CPU with AVX-512 (BF16 for bfloat16), or else AVX2 with F16C: 8 lanes,
+float16 through ``vcvtps2ph``, bfloat16 rounded in integer ops; exits with a message otherwise.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 
+#ifdef __AVX512F__
 static inline __m512 ld_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -93,6 +96,67 @@ KERNEL(norm_bf16, ld_bf16, pack_bf16)
 int has_bf16(void) { return 1; }
 #else
 int has_bf16(void) { return 0; }
+#endif
+#else  /* AVX2 + F16C: 8 lanes */
+
+static inline __m256 ld_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline __m256 ld_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+#define KERNEL(NAME, LD, PACK)                                                          \
+void NAME(const uint16_t *x, const float *w, uint16_t *y, long n, long d, float eps,   \
+          int stream) {                                                                \
+    _Pragma("omp parallel for schedule(static)")                                       \
+    for (long i = 0; i < n; i++) {                                                     \
+        const uint16_t *xr = x + i * d;                                                \
+        uint16_t *yr = y + i * d;                                                      \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                     \
+        for (long j = 0; j < d; j += 32) {                                             \
+            __m256 v0 = LD(xr + j), v1 = LD(xr + j + 8);                               \
+            __m256 v2 = LD(xr + j + 16), v3 = LD(xr + j + 24);                         \
+            a0 = _mm256_fmadd_ps(v0, v0, a0); a1 = _mm256_fmadd_ps(v1, v1, a1);        \
+            a2 = _mm256_fmadd_ps(v2, v2, a2); a3 = _mm256_fmadd_ps(v3, v3, a3);        \
+        }                                                                              \
+        __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));        \
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  \
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));                                        \
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));                                         \
+        __m256 r = _mm256_set1_ps(1.0f / sqrtf(_mm_cvtss_f32(h) / d + eps));           \
+        for (long j = 0; j < d; j += 16) {                                             \
+            __m256 v0 = _mm256_mul_ps(_mm256_mul_ps(LD(xr + j), r),                    \
+                                      _mm256_loadu_ps(w + j));                         \
+            __m256 v1 = _mm256_mul_ps(_mm256_mul_ps(LD(xr + j + 8), r),                \
+                                      _mm256_loadu_ps(w + j + 8));                     \
+            __m256i o = PACK(v0, v1);                                                  \
+            if (stream) _mm256_stream_si256((__m256i *)(yr + j), o);                   \
+            else _mm256_storeu_si256((__m256i *)(yr + j), o);                          \
+        }                                                                              \
+    }                                                                                  \
+    if (stream) _mm_sfence();                                                          \
+}
+
+static inline __m256i pack_f16(__m256 v0, __m256 v1) {
+    return _mm256_set_m128i(_mm256_cvtps_ph(v1, _MM_FROUND_TO_NEAREST_INT),
+                            _mm256_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT));
+}
+KERNEL(norm_f16, ld_f16, pack_f16)
+
+/* round to nearest even in integer ops (no NaN guard: the rows here hold none) */
+static inline __m256i rne_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd,
+                             _mm256_set1_epi32(0x7FFF))), 16);
+}
+static inline __m256i pack_bf16(__m256 v0, __m256 v1) {
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(rne_bf16(v0), rne_bf16(v1)), 0xD8);
+}
+KERNEL(norm_bf16, ld_bf16, pack_bf16)
+int has_bf16(void) { return 1; }
 #endif
 """
 
@@ -179,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
               "(1 = as fast as the fastest copy of the same bytes in its round)")
         for dtype in args.dtypes:
             if dtype == "bfloat16" and not lib.has_bf16():
-                print("bfloat16: this CPU has no AVX-512 BF16; skipped")
+                print("bfloat16: this AVX-512 CPU has no BF16; skipped")
                 continue
             for shape in args.shapes:
                 n, d = map(int, shape.split("x"))
