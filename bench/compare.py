@@ -52,7 +52,7 @@ def import_rev(rev: str, where: Path):
     return polynorm_old
 
 
-OPS = ("fwd", "out", "add", "bwd", "gated", "gated-nbg", "gated-bwd", "gated-nbg-bwd", "quant")
+OPS = ("fwd", "out", "add", "bwd", "bwd-gr", "gated", "gated-nbg", "gated-bwd", "gated-nbg-bwd", "quant")
 
 
 def calls(pn, x, w, r, dy, out, rstd):
@@ -61,6 +61,7 @@ def calls(pn, x, w, r, dy, out, rstd):
         "out": lambda: pn.rms_norm(x, w, out=out),
         "add": lambda: pn.add_rms_norm(x, r, w),
         "bwd": lambda: pn.rms_norm_backward(dy, x, w, rstd=rstd),
+        "bwd-gr": lambda: pn.rms_norm_backward(dy, x, w, rstd=rstd, grad_residual=r),
         "gated": lambda: pn.rms_norm_gated(x, r, w),
         "gated-nbg": lambda: pn.rms_norm_gated(x, r, w, norm_before_gate=True),
         "gated-bwd": lambda: pn.rms_norm_gated_backward(dy, x, r, w),
