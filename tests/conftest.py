@@ -311,7 +311,7 @@ SLOW_SWEEPS = (
     "tests/test_rowtree.py::test_any_split_of_the_rows_gives_the_same_bits[2100-130-float16]",
     "tests/test_rowtree.py::test_any_split_of_the_rows_gives_the_same_bits[2100-130-float64]",
     # variants that are the only default users of a kernel specialisation (~4-6 s of
-    # compile each; bench/compile_census.py finds them): the row tree's parallel
+    # compile each: bench/compile_census.py prints a test's seconds): the row tree's parallel
     # blocks in bfloat16 and float64 (float32 stays), the emulated gated forward in
     # bfloat16 (float32 stays), opcheck without a weight (plain, all, axis-middle
     # stay), the fast path's mixed-dtype backward (its forward and add stay), the
