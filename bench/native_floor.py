@@ -42,122 +42,111 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 
+/* one kernel, written over W float32 lanes: AVX-512 (16) or AVX2 + F16C (8) */
 #ifdef __AVX512F__
-static inline __m512 ld_bf16(const uint16_t *p) {
+#define W 16
+typedef __m512 V;
+typedef __m512i VI;
+#define ZERO _mm512_setzero_ps
+#define ADD _mm512_add_ps
+#define MUL _mm512_mul_ps
+#define FMA _mm512_fmadd_ps
+#define SET1 _mm512_set1_ps
+#define LOADF _mm512_loadu_ps
+#define HSUM _mm512_reduce_add_ps
+#define STORE(p, o) _mm512_storeu_si512((p), (o))
+#define STREAM(p, o) _mm512_stream_si512((__m512i *)(p), (o))
+static inline V ld_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-static inline __m512 ld_f16(const uint16_t *p) {
+static inline V ld_f16(const uint16_t *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
-
-#define KERNEL(NAME, LD, PACK)                                                          \
-void NAME(const uint16_t *x, const float *w, uint16_t *y, long n, long d, float eps,   \
-          int stream) {                                                                \
-    _Pragma("omp parallel for schedule(static)")                                       \
-    for (long i = 0; i < n; i++) {                                                     \
-        const uint16_t *xr = x + i * d;                                                \
-        uint16_t *yr = y + i * d;                                                      \
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                     \
-        for (long j = 0; j < d; j += 64) {                                             \
-            __m512 v0 = LD(xr + j), v1 = LD(xr + j + 16);                              \
-            __m512 v2 = LD(xr + j + 32), v3 = LD(xr + j + 48);                         \
-            a0 = _mm512_fmadd_ps(v0, v0, a0); a1 = _mm512_fmadd_ps(v1, v1, a1);        \
-            a2 = _mm512_fmadd_ps(v2, v2, a2); a3 = _mm512_fmadd_ps(v3, v3, a3);        \
-        }                                                                              \
-        float ss = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1),           \
-                                                      _mm512_add_ps(a2, a3)));         \
-        __m512 r = _mm512_set1_ps(1.0f / sqrtf(ss / d + eps));                         \
-        for (long j = 0; j < d; j += 32) {                                             \
-            __m512 v0 = _mm512_mul_ps(_mm512_mul_ps(LD(xr + j), r),                    \
-                                      _mm512_loadu_ps(w + j));                         \
-            __m512 v1 = _mm512_mul_ps(_mm512_mul_ps(LD(xr + j + 16), r),               \
-                                      _mm512_loadu_ps(w + j + 16));                    \
-            __m512i o = PACK(v0, v1);                                                  \
-            if (stream) _mm512_stream_si512((__m512i *)(yr + j), o);                   \
-            else _mm512_storeu_si512(yr + j, o);                                       \
-        }                                                                              \
-    }                                                                                  \
-    if (stream) _mm_sfence();                                                          \
-}
-
-static inline __m512i pack_f16(__m512 v0, __m512 v1) {
+static inline VI pack_f16(V v0, V v1) {
     return _mm512_inserti64x4(
         _mm512_castsi256_si512(_mm512_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT)),
         _mm512_cvtps_ph(v1, _MM_FROUND_TO_NEAREST_INT), 1);
 }
-KERNEL(norm_f16, ld_f16, pack_f16)
-
 #ifdef __AVX512BF16__
-static inline __m512i pack_bf16(__m512 v0, __m512 v1) {
-    return (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
-}
-KERNEL(norm_bf16, ld_bf16, pack_bf16)
-int has_bf16(void) { return 1; }
+#define HAS_BF16 1
+static inline VI pack_bf16(V v0, V v1) { return (VI)_mm512_cvtne2ps_pbh(v1, v0); }
 #else
-int has_bf16(void) { return 0; }
+#define HAS_BF16 0
 #endif
-#else  /* AVX2 + F16C: 8 lanes */
-
-static inline __m256 ld_bf16(const uint16_t *p) {
+#else
+#define W 8
+typedef __m256 V;
+typedef __m256i VI;
+#define ZERO _mm256_setzero_ps
+#define ADD _mm256_add_ps
+#define MUL _mm256_mul_ps
+#define FMA _mm256_fmadd_ps
+#define SET1 _mm256_set1_ps
+#define LOADF _mm256_loadu_ps
+#define STORE(p, o) _mm256_storeu_si256((__m256i *)(p), (o))
+#define STREAM(p, o) _mm256_stream_si256((__m256i *)(p), (o))
+static inline float HSUM(V a) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+static inline V ld_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(
         _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
-static inline __m256 ld_f16(const uint16_t *p) {
+static inline V ld_f16(const uint16_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
-
-#define KERNEL(NAME, LD, PACK)                                                          \
-void NAME(const uint16_t *x, const float *w, uint16_t *y, long n, long d, float eps,   \
-          int stream) {                                                                \
-    _Pragma("omp parallel for schedule(static)")                                       \
-    for (long i = 0; i < n; i++) {                                                     \
-        const uint16_t *xr = x + i * d;                                                \
-        uint16_t *yr = y + i * d;                                                      \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                     \
-        for (long j = 0; j < d; j += 32) {                                             \
-            __m256 v0 = LD(xr + j), v1 = LD(xr + j + 8);                               \
-            __m256 v2 = LD(xr + j + 16), v3 = LD(xr + j + 24);                         \
-            a0 = _mm256_fmadd_ps(v0, v0, a0); a1 = _mm256_fmadd_ps(v1, v1, a1);        \
-            a2 = _mm256_fmadd_ps(v2, v2, a2); a3 = _mm256_fmadd_ps(v3, v3, a3);        \
-        }                                                                              \
-        __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));        \
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  \
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));                                        \
-        h = _mm_add_ss(h, _mm_movehdup_ps(h));                                         \
-        __m256 r = _mm256_set1_ps(1.0f / sqrtf(_mm_cvtss_f32(h) / d + eps));           \
-        for (long j = 0; j < d; j += 16) {                                             \
-            __m256 v0 = _mm256_mul_ps(_mm256_mul_ps(LD(xr + j), r),                    \
-                                      _mm256_loadu_ps(w + j));                         \
-            __m256 v1 = _mm256_mul_ps(_mm256_mul_ps(LD(xr + j + 8), r),                \
-                                      _mm256_loadu_ps(w + j + 8));                     \
-            __m256i o = PACK(v0, v1);                                                  \
-            if (stream) _mm256_stream_si256((__m256i *)(yr + j), o);                   \
-            else _mm256_storeu_si256((__m256i *)(yr + j), o);                          \
-        }                                                                              \
-    }                                                                                  \
-    if (stream) _mm_sfence();                                                          \
-}
-
-static inline __m256i pack_f16(__m256 v0, __m256 v1) {
+static inline VI pack_f16(V v0, V v1) {
     return _mm256_set_m128i(_mm256_cvtps_ph(v1, _MM_FROUND_TO_NEAREST_INT),
                             _mm256_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT));
 }
-KERNEL(norm_f16, ld_f16, pack_f16)
-
 /* round to nearest even in integer ops (no NaN guard: the rows here hold none) */
-static inline __m256i rne_bf16(__m256 v) {
+static inline __m256i rne_bf16(V v) {
     __m256i u = _mm256_castps_si256(v);
     __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd,
                              _mm256_set1_epi32(0x7FFF))), 16);
 }
-static inline __m256i pack_bf16(__m256 v0, __m256 v1) {
+#define HAS_BF16 1
+static inline VI pack_bf16(V v0, V v1) {
     return _mm256_permute4x64_epi64(_mm256_packus_epi32(rne_bf16(v0), rne_bf16(v1)), 0xD8);
 }
-KERNEL(norm_bf16, ld_bf16, pack_bf16)
-int has_bf16(void) { return 1; }
 #endif
+
+#define KERNEL(NAME, LD, PACK)                                                          \
+void NAME(const uint16_t *x, const float *w, uint16_t *y, long n, long d, float eps,   \
+          int stream) {                                                                \
+    _Pragma("omp parallel for schedule(static)")                                       \
+    for (long i = 0; i < n; i++) {                                                     \
+        const uint16_t *xr = x + i * d;                                                \
+        uint16_t *yr = y + i * d;                                                      \
+        V a0 = ZERO(), a1 = a0, a2 = a0, a3 = a0;                                      \
+        for (long j = 0; j < d; j += 4 * W) {                                          \
+            V v0 = LD(xr + j), v1 = LD(xr + j + W);                                    \
+            V v2 = LD(xr + j + 2 * W), v3 = LD(xr + j + 3 * W);                        \
+            a0 = FMA(v0, v0, a0); a1 = FMA(v1, v1, a1);                                \
+            a2 = FMA(v2, v2, a2); a3 = FMA(v3, v3, a3);                                \
+        }                                                                              \
+        float ss = HSUM(ADD(ADD(a0, a1), ADD(a2, a3)));                                \
+        V r = SET1(1.0f / sqrtf(ss / d + eps));                                        \
+        for (long j = 0; j < d; j += 2 * W) {                                          \
+            V v0 = MUL(MUL(LD(xr + j), r), LOADF(w + j));                              \
+            V v1 = MUL(MUL(LD(xr + j + W), r), LOADF(w + j + W));                      \
+            VI o = PACK(v0, v1);                                                       \
+            if (stream) STREAM(yr + j, o);                                             \
+            else STORE(yr + j, o);                                                     \
+        }                                                                              \
+    }                                                                                  \
+    if (stream) _mm_sfence();                                                          \
+}
+
+KERNEL(norm_f16, ld_f16, pack_f16)
+#if HAS_BF16
+KERNEL(norm_bf16, ld_bf16, pack_bf16)
+#endif
+int has_bf16(void) { return HAS_BF16; }
 """
 
 
