@@ -390,18 +390,20 @@ def performance_rst(devices: dict[str, RecordFile], folder: Path) -> str:
             "and the note written with the run, then the other files (investigations cited "
             "by :doc:`design`) with their first line. The README's and this page's tables "
             "come only from the current files above.", ""]
-    rows, other = [], []
+    index: list[list[str]] = []
+    other: list[list[str]] = []
     for path in sorted(p for p in folder.iterdir() if p.is_file()):
-        rf = load(path)
-        if rf is not None:
-            flag = " (quick)" if rf.quick else ""
-            rows.append([path.name, rf.date[:10], rf.suite + flag, rf.device if rf.device !=
-                         rf.suite else f"{rf.machine.get('cpu_model', '')}, "
-                                       f"{rf.machine.get('cpu_count', '?')} CPUs",
-                         str(len(rf.records)), _short(str(rf.meta.get("note", "")))])
+        found = load(path)
+        if found is not None:
+            flag = " (quick)" if found.quick else ""
+            where = (found.device if found.device != found.suite else
+                     f"{found.machine.get('cpu_model', '')}, "
+                     f"{found.machine.get('cpu_count', '?')} CPUs")
+            index.append([path.name, found.date[:10], found.suite + flag, where,
+                         str(len(found.records)), _short(str(found.meta.get("note", "")))])
         else:
             other.append([path.name, _short(_describe(path))])
-    out += _list_table(["file", "date", "suite", "device", "records", "note"], rows,
+    out += _list_table(["file", "date", "suite", "device", "records", "note"], index,
                        widths="20 8 6 12 5 49")
     out += _list_table(["file", "what"], other, widths="25 75")
     return "\n".join(out).rstrip() + "\n"
