@@ -203,13 +203,13 @@ def _gpu_summary(rf: RecordFile, dtype: str = "bfloat16") -> str:
 
     def span(v: list[float]) -> str:
         lo, hi = min(v), max(v)
-        return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}"
+        return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f} to {hi:.2f}"
 
     parts = [f"{op} {span(v)}" for op, v in by_op.items()]
     return (f"In {dtype} polynorm is slower than torch eager in {sum(v < 1 for v in vs_torch)} "
             f"of these {len(vs_torch)} cases and slower than Liger in "
-            f"{sum(v < 1 for v in vs_liger)} of {len(vs_liger)}; its kernels alone reach "
-            f"{', '.join(parts)} of a device copy (the cases of 16M elements and more).")
+            f"{sum(v < 1 for v in vs_liger)} of {len(vs_liger)}. Over its cases of 16M "
+            f"elements and more, its kernels alone reach {', '.join(parts)} of a device copy.")
 
 
 def _drop_empty(head: list[str], rows: list[list[str]], text: int) -> tuple[list[str], list[list[str]]]:
