@@ -149,6 +149,11 @@ def rms_norm_quant(
     a scale below ``2**-126`` becomes 1) and accept an upper bound
     ``scale_ub``; int8 saturates to ``[-128, 127]`` as here.
 
+    The options are :func:`polynorm.rms_norm`'s but ``out_dtype`` (``y`` is
+    float32).  ``backend="auto"`` runs the Numba kernel for host memory, the
+    CUDA kernel (``pn_quant_fwd``) for CUDA arrays and the array-API
+    reference otherwise.
+
     Parameters
     ----------
     x : array
@@ -174,11 +179,6 @@ def rms_norm_quant(
         normalized slice (64 or 128 for DeepSeek-style block fp8; any divisor
         of ``d``); ``None`` is one scale per token.  Not with ``scale``.
     {options}
-
-    The options are :func:`polynorm.rms_norm`'s but ``out_dtype`` (``y`` is
-    float32).  ``backend="auto"`` runs the Numba kernel for host memory, the
-    CUDA kernel (``pn_quant_fwd``) for CUDA arrays and the array-API
-    reference otherwise.
 
     Returns
     -------

@@ -70,8 +70,17 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", metavar="FILE", help="write the records and machine as JSON")
     b.add_argument("--plot", metavar="FILE", help="write a PNG: GB/s against hidden size")
     b.add_argument("--markdown", metavar="FILE", help="write the results as a Markdown table")
-    b.add_argument("--readme", metavar="FILE",
-                   help="rewrite the results block of FILE (between its polynorm bench markers)")
+    b.add_argument("--readme", metavar="README", nargs="?", const="README.md",
+                   help="measure nothing: write the performance tables of README (default "
+                        "README.md, between its perf markers) and docs/performance.rst from "
+                        "the newest full run per device committed in bench/results/")
+    b.add_argument("--check", action="store_true",
+                   help="with --readme: write nothing, exit 1 when either file is stale")
+    b.add_argument("--results", metavar="DIR",
+                   help="with --readme: the record files (default: bench/results beside README)")
+    b.add_argument("--docs", metavar="FILE",
+                   help="with --readme: the page to write (default: docs/performance.rst "
+                        "beside README)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("--gpu-model", action="store_true",
                    help="print the CUDA launch model's predictions (occupancy, bytes in flight, "
@@ -265,21 +274,19 @@ def _write_text(path: str, text: str) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from ._bench import common, report
 
+    if args.readme is not None:
+        return _bench_readme(args)
+    for flag in ("check", "results", "docs"):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag} goes with --readme")
     if args.gpu_model:
         from ._bench import model
 
         print(model.table(model.run()))
         return 0
 
-    for flag in ("json", "plot", "markdown", "readme"):
+    for flag in ("json", "plot", "markdown"):
         _check_output(f"--{flag}", getattr(args, flag))
-    if args.readme:
-        from pathlib import Path
-
-        text = Path(args.readme).read_text() if Path(args.readme).is_file() else ""
-        if report.README_START not in text or report.README_END not in text:
-            raise ValueError(f"--readme {args.readme}: no results markers in it "
-                             f"({report.README_START} ... {report.README_END})")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -316,14 +323,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"wrote {args.plot}")
         else:
             print("no records: no plot written", file=sys.stderr)
-    if args.readme and outcome.records:
-        import shlex
-
-        command = "polynorm " + " ".join(shlex.quote(a) for a in args.argv)
-        report.update_readme(args.readme, outcome.records, machine, command,
-                             args.plot if args.plot and outcome.records else None)
-        print(f"updated {args.readme}")
     return 1 if outcome.failed else 0
+
+
+def _bench_readme(args: argparse.Namespace) -> int:
+    """``bench --readme [--check]``: the tables from the committed records; runs no suite."""
+    from ._bench import readme
+
+    runs = [f for f in ("quick", "backend", "dtype", "json", "plot", "markdown", "gpu_model")
+            if getattr(args, f)]
+    if runs:
+        raise ValueError(f"--readme measures nothing and takes no --{runs[0].replace('_', '-')}"
+                         ": run the benchmark with --json into bench/results/ first")
+    if not args.check:
+        for flag, path in (("--readme", args.readme), ("--docs", args.docs)):
+            _check_output(flag, path)
+    files = readme.update(args.readme, args.results, args.docs, check=args.check)
+    for path in files:
+        print(f"{'stale' if args.check else 'wrote'}: {path}")
+    if args.check and files:
+        print(f"run `polynorm bench --readme` to regenerate {len(files)} file(s)",
+              file=sys.stderr)
+        return 1
+    if not files:
+        print("up to date")
+    return 0
 
 
 # ------------------------------------------------------------------ entry point

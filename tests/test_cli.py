@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import subprocess
 import sys
 import types
@@ -316,34 +315,6 @@ def test_a_refused_bench_creates_no_folders(tmp_path, fake_suites, capsys, monke
     assert main(["bench", "--quick", "--no-progress", "--backend", "torch", "--json",
                  str(new / "x.json")]) == 2
     assert not (tmp_path / "new").exists()
-
-
-def test_bench_readme_block_is_regenerated_in_place(fake_suites, tmp_path, capsys, monkeypatch):
-    # the machine line quotes the load average at start: fixed, so that two runs can agree
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))
-    readme = tmp_path / "README.md"
-    before, after = "# title\n\n## Results\n\n", "\n\n## Layout\nkept\n"
-    readme.write_text(before + report.README_START + "\nold table\n" + report.README_END + after)
-    png = tmp_path / "bench" / "results" / "quick.png"
-    argv = ["bench", "--quick", "--no-progress", "--backend", "numba", "--plot", str(png),
-            "--readme", str(readme)]
-    assert main(argv) == 0
-    text = readme.read_text()
-    assert text.startswith(before + report.README_START) and text.endswith(report.README_END + after)
-    assert "old table" not in text
-    assert "](bench/results/quick.png)" in text  # relative to the README
-    assert "Command: `polynorm bench --quick --no-progress --backend numba" in text
-    assert "| fast | fwd | fast | float32 | 1024 | 4096 |" in text  # headline: largest d only
-    assert "| 1024 | 256 |" not in text
-    assert main(argv) == 0 and readme.read_text() == text  # idempotent (fake numbers are fixed)
-
-
-def test_bench_readme_without_markers_is_exit_2_before_running(fake_suites, tmp_path, capsys):
-    readme = tmp_path / "README.md"
-    readme.write_text("# no markers\n")
-    assert main(["bench", "--quick", "--readme", str(readme)]) == 2
-    assert "no results markers" in capsys.readouterr().err
-    assert readme.read_text() == "# no markers\n"
 
 
 def test_bench_backend_selects_suites(fake_suites, capsys):
