@@ -18,6 +18,7 @@ import numpy as _np
 from . import _fast, _fast_cuda
 from . import backends as _backends
 from ._dtypes import float_dtype_name, namespace_dtype
+from ._interop import jax_committed
 from ._memory import check_out_memory, host_view, partly_written
 from ._options import NormOptions, Options, Plan, make_plan, pack_options, promote, takes_options
 
@@ -73,18 +74,55 @@ def _namespace(arrays: dict[str, Any]):
     except TypeError:
         kinds = ", ".join(f"{k}: {type(v).__module__}.{type(v).__name__}" for k, v in present.items())
         raise TypeError(f"arrays from different libraries cannot be mixed ({kinds})") from None
-    first_name, first = next(iter(present.items()))
-    dev = aac.device(first)
+    first: tuple[str, Any] | None = None  # the first array with a placement, and it
     for argname, a in present.items():
-        other = aac.device(a)
-        # None: a traced jax array, whose device is jax's to place (a concrete weight
-        # closed over by jit(grad(f)) meets a traced x here)
-        if other != dev and dev is not None and other is not None:
+        where = _placement(a)
+        if where is None:
+            continue
+        if first is None:
+            first = (argname, where)
+        elif where != first[1]:
             raise ValueError(
-                f"{first_name} is on device {dev} but {argname} is on device {other}; "
-                "move them to one device"
+                f"{first[0]} is on device {aac.device(present[first[0]])} but {argname} "
+                f"is on device {aac.device(a)}; move them to one device"
             )
     return xp
+
+
+def _placement(a: Any) -> Any:
+    """Where ``a`` lives, for the check that a call's arrays live in one place; None
+    where that is jax's to decide.
+
+    A concrete jax array counts by the set of devices it is on: a sharded ``x`` and
+    a weight replicated over the same devices go together, as in jnp.  An
+    uncommitted jax array in host memory counts as nowhere: jnp moves it to the
+    committed arrays' device, and the Numba kernels read host memory of every CPU
+    device alike (a gradient jax makes for a result on ``cpu:1`` starts
+    uncommitted on ``cpu:0``).  A traced one has no device yet (a concrete weight
+    closed over by ``jit(grad(f))`` meets a traced ``x``).
+    """
+    if aac.is_jax_array(a):
+        import jax
+
+        if isinstance(a, jax.core.Tracer):
+            return None
+        try:
+            devices = a.devices()
+        except Exception:  # a deleted array: its use raises jax's own error later
+            return aac.device(a)
+        if not jax_committed(a) and all(d.platform == "cpu" for d in devices):
+            return None
+        return frozenset(devices)
+    return aac.device(a)
+
+
+def result_device(x: Any) -> Any:
+    """``device=`` for results made here rather than by a kernel: ``x``'s, or None
+    for an uncommitted jax ``x``, whose results jnp leaves uncommitted (``device=``
+    would commit them, and a committed result cannot meet arrays on another device)."""
+    if aac.is_jax_array(x) and not jax_committed(x):
+        return None
+    return aac.device(x)
 
 
 def _chunk_library_params(x: Any, weight: Any, bias: Any) -> tuple[Any, Any]:
@@ -396,7 +434,7 @@ def _empty_forward(lay: _Layout, x, residual, plan: Plan):
     from ._dtypes import namespace_dtype
 
     xp = lay.xp
-    dev = aac.device(x)
+    dev = result_device(x)
     y = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.out_dtype, x), device=dev)
     h = None
     if residual is not None:
@@ -630,9 +668,10 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
     out2 = _view_rows(lay, out) if out is not None else None
     if lay.n == 0:
         xp = lay.xp
-        dx = xp.empty(lay.shape, dtype=x.dtype, device=aac.device(x)) if out is None else out
-        dw = None if weight is None else xp.zeros(weight.shape, dtype=weight.dtype, device=aac.device(x))
-        db = None if bias is None else xp.zeros(bias.shape, dtype=bias.dtype, device=aac.device(x))
+        dev = result_device(x)
+        dx = xp.empty(lay.shape, dtype=x.dtype, device=dev) if out is None else out
+        dw = None if weight is None else xp.zeros(weight.shape, dtype=weight.dtype, device=dev)
+        db = None if bias is None else xp.zeros(bias.shape, dtype=bias.dtype, device=dev)
         return dx, dw, db
     try:
         with _no_autograd(x):

@@ -131,7 +131,7 @@ def gated_forward(x, z, weight, bias, opts: Options, *, group_size, norm_before_
                              ("x", "z", "weight", "bias"))
     xp = lay.xp
     if lay.n == 0:
-        dev = aac.device(x)
+        dev = _api.result_device(x)
         y2 = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.out_dtype, x), device=dev)
         rstd = xp.empty((0, gplan.groups), dtype=namespace_dtype(xp, plan.compute_dtype, x),
                         device=dev)
@@ -247,7 +247,7 @@ def gated_backward(dy, x, z, weight, bias, rstd, opts: Options, *, group_size,
             raise TypeError(f"rstd must have dtype {gplan.plan.rstd_dtype}, got {got}")
         rstd2 = xp.reshape(rstd, (lay.n, gplan.groups))
     if lay.n == 0:
-        dev = aac.device(x)
+        dev = _api.result_device(x)
         dx = xp.empty(lay.shape, dtype=x.dtype, device=dev)
         dz = xp.empty(lay.shape, dtype=z.dtype, device=dev)
         dw = None if weight is None else xp.zeros(weight.shape, dtype=weight.dtype, device=dev)

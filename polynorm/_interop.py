@@ -7,8 +7,9 @@ backend module converts in exactly one place.
 
 Host memory: torch CPU tensors through torch's numpy bridge (the same
 zero-copy buffer sharing as DLPack, at a third of the per-call cost), jax CPU
-arrays through their buffer (read-only views) and results back to jax through
-DLPack.  CUDA memory: DLPack into cupy.
+arrays through their buffer (read-only views) and results back to jax with
+``jax.device_put`` (zero-copy, onto the caller's device).  CUDA memory: DLPack
+into cupy.
 
 bfloat16 has no numpy dtype of its own (numpy's DLPack import rejects it); it
 travels as an int16 view and is represented by ``ml_dtypes.bfloat16`` arrays,
@@ -116,10 +117,12 @@ def _bf16() -> np.dtype:
 def from_numpy(a: np.ndarray | None, like: Any) -> Any:
     """Wrap numpy result ``a`` into the array type of ``like``.
 
-    torch: a CPU tensor sharing ``a``'s memory (bfloat16 included).  jax: a
-    CPU array through DLPack, zero-copy when ``a`` is 64-byte aligned (see
-    :func:`empty`) and a copy otherwise (jax's rule); bfloat16 included, by a
-    DLPack capsule of the ``uint16`` view retyped as bfloat16.
+    torch: a CPU tensor sharing ``a``'s memory (bfloat16 included).  jax: an
+    array placed as ``like`` is (``jax.device_put``): on ``like``'s device if
+    ``like`` is committed to one (``cpu:1`` as ``cpu:0``), else uncommitted on
+    the default device, as a jnp operation places its result; zero-copy when
+    ``a`` is 64-byte aligned (see :func:`empty`) and a copy otherwise (jax's
+    rule), bfloat16 included.
 
     >>> import numpy as np, torch
     >>> y = np.arange(3, dtype=np.float32)
@@ -138,64 +141,19 @@ def from_numpy(a: np.ndarray | None, like: Any) -> Any:
         return torch.from_numpy(a)
     if lib in ("jax", "jaxlib"):
         import jax
-        import jax.numpy as jnp
 
-        if a.dtype == _bf16():
-            try:
-                return jnp.from_dlpack(_BF16DLPack(a))
-            except Exception:  # a DLPack layout we do not know: one bit-cast copy
-                return jax.lax.bitcast_convert_type(jnp.from_dlpack(a.view(np.uint16)),
-                                                    jnp.bfloat16)
-        return jnp.from_dlpack(a)
+        # DLPack import would land on the device numbered 0 whatever like's device; a
+        # result on another device than its inputs' fails in the next jnp operation
+        # or gradient (and device_put takes ml_dtypes' bfloat16 as it is)
+        return jax.device_put(a, next(iter(like.devices())) if jax_committed(like) else None)
     raise TypeError(f"cannot wrap a numpy array as {type(like).__module__}.{type(like).__name__}")
 
 
-class _BF16DLPack:
-    """DLPack export of an ``ml_dtypes.bfloat16`` array, which numpy refuses to export.
-
-    numpy exports the ``uint16`` view of the same memory; the capsule's DLTensor
-    then gets the bfloat16 type code before the consumer (jax) reads it.  The
-    capsule's deleter is numpy's own and keeps the array alive as usual.
-    """
-
-    def __init__(self, a: np.ndarray) -> None:
-        self._u16 = a.view(np.uint16)
-
-    def __dlpack_device__(self) -> tuple[int, int]:
-        return self._u16.__dlpack_device__()
-
-    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
-        cap = self._u16.__dlpack__()  # the unversioned capsule, "dltensor"
-        dtype = _dl_dtype(cap)
-        if (dtype.code, dtype.bits, dtype.lanes) != (1, 16, 1):  # kDLUInt, 16 bits
-            raise TypeError(f"unexpected DLPack dtype {(dtype.code, dtype.bits, dtype.lanes)}")
-        dtype.code = 4  # kDLBfloat
-        return cap
-
-
-_DL: list[Any] = []  # [DLTensor ctypes class, PyCapsule_GetPointer], made on first use
-
-
-def _dl_dtype(capsule: Any) -> Any:
-    """The ``DLDataType`` field of the DLTensor in an unversioned DLPack capsule (ctypes)."""
-    if not _DL:
-        import ctypes
-
-        class DLDataType(ctypes.Structure):
-            _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
-                        ("lanes", ctypes.c_uint16)]
-
-        class DLTensor(ctypes.Structure):  # a DLManagedTensor starts with its DLTensor
-            _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
-                        ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
-                        ("dtype", DLDataType)]
-
-        # a prototype of our own: setting argtypes on ctypes.pythonapi's would be global
-        proto = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)
-        get = proto(("PyCapsule_GetPointer", ctypes.pythonapi))
-        _DL.extend((DLTensor, get))
-    tensor, get = _DL
-    return tensor.from_address(get(capsule, b"dltensor")).dtype
+def jax_committed(a: Any) -> bool:
+    """Whether jax array ``a`` is committed to its devices (``jax.Array.committed``;
+    jax versions without the public property have ``_committed``; unknown: True)."""
+    c = getattr(a, "committed", None)
+    return bool(getattr(a, "_committed", True) if c is None else c)
 
 
 #: jax takes host memory without a copy only at this alignment.

@@ -24,8 +24,25 @@ What runs where (forward and backward alike):
   touch of XLA's fresh output buffer; the kernel alone: ~10 ms), but
   ~20 us more per call at (1, 4096): use it for bit-identical results.
   Under ``vmap`` the kernels run once per batch element (``"sequential"``).
+  XLA cannot split the host call: a sharded input is gathered and every
+  device runs it on the whole array (the result comes back replicated).
 - concrete CUDA arrays: the CuPy kernels through DLPack when cupy is
   installed (not tested on a machine without a GPU).
+- concrete arrays on several devices (sharded, e.g. ``NamedSharding`` over
+  a mesh), with ``weight``/``bias`` replicated on the same devices: the
+  pure array-API reference through jnp, which XLA partitions: rows per
+  shard, results sharded as ``x``, the reference's bits.  Eager jnp compiles
+  each operation for every new shape and sharding (a first call costs
+  seconds, later ones milliseconds); under ``jit`` it is one compilation.
+
+Results come back on ``x``'s device: committed to it when ``x`` is
+(``jax.device_put(x, jax.devices()[1])``), else uncommitted on the default
+device, as jnp places the result of uncommitted inputs; the gradients of an
+eager ``jax.grad`` likewise.  Arrays committed to different devices (or
+device sets) are a ``ValueError``, as in jnp; an uncommitted array goes with
+any CPU placement (jnp moves it).  With an uncommitted ``x`` and a weight
+committed elsewhere the result stays uncommitted on ``x``'s device (jnp
+would commit it to the weight's), and jax moves it where it meets the weight.
 
 Only reverse mode is defined (a ``custom_vjp`` has no forward-mode rule).
 Needs ``pip install 'polynorm[jax]'``.

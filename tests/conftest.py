@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -21,6 +22,13 @@ import numpy as np
 import pytest
 
 import polynorm as pn
+
+# jax with two CPU devices (set before jax starts its backend; nothing above imports
+# jax), so that the placement tests have a device besides the default one: results on
+# cpu:1 stay there, sharded arrays span a mesh.  cpu:0 stays the default device.
+if "jax" not in sys.modules and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        (os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=2")).strip()
 
 NP_DTYPES = {
     "float16": np.dtype(np.float16),

@@ -271,3 +271,77 @@ def test_fuzz_public_api(kind):
         _check(kind, op, args, dict(opts))
 
     run()
+
+
+# ------------------------------------------------------------------ jax device placement
+# tests/conftest.py gives jax two CPU devices; a result must come back on its input's
+# device, committed to it as the input is, with the bits of the same call on the default
+# device: whichever device, any number of tokens, through every front end.
+
+
+@st.composite
+def _placements(draw, ndev):
+    op = draw(st.sampled_from(["fwd", "add", "bwd", "grad", "gated", "quant"]))
+    kernel_dtypes = ["float32", "bfloat16"]  # the gated and quantized kernels' default-run ones
+    dtype = draw(st.sampled_from(kernel_dtypes if op in ("gated", "quant")
+                                 else kernel_dtypes + ["float16", "float64"]))
+    return dict(op=op, shape=(draw(st.integers(0, 4)), draw(st.integers(1, 6))), dtype=dtype,
+                device=draw(st.integers(0, ndev - 1)), x_committed=draw(st.booleans()),
+                weight=draw(st.sampled_from(["none", "with-x", "uncommitted"])),
+                wdtype=draw(st.sampled_from([dtype, "float32"])), seed=draw(st.integers(0, 99)))
+
+
+def _placed_call(p, x, r, w):
+    import jax
+    import jax.numpy as jnp
+
+    import polynorm.jax as pj
+
+    op = p["op"]
+    if op == "fwd":
+        return pn.rms_norm(x, w, return_rstd=True)
+    if op == "add":
+        return pn.add_rms_norm(x, r, w, return_rstd=True)
+    if op == "bwd":
+        return pn.rms_norm_backward(r, x, w)
+    if op == "gated":
+        return pj.rms_norm_gated(x, r, w)
+    if op == "quant":
+        return pj.rms_norm_quant(x, w, dtype="int8")
+    argnums = (0,) if w is None else (0, 1)
+    return jax.grad(lambda x, w: (pj.rms_norm(x, w).astype(jnp.float32) ** 2).sum(),
+                    argnums=argnums)(x, w)
+
+
+def test_fuzz_jax_device_placement():
+    jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)
+    from polynorm._interop import jax_committed
+    devices = jax.devices()
+
+    @settings(max_examples=max(10, FUZZ_EXAMPLES // 2), deadline=None, derandomize=True,
+              database=None, suppress_health_check=list(HealthCheck))
+    @given(_placements(len(devices)))
+    def run(p):
+        rng = np.random.default_rng(p["seed"])
+        dt = np.dtype(FLOATS[p["dtype"]])
+        x, r = ((rng.standard_normal(p["shape"]) * 3).astype(dt) for _ in range(2))
+        w = None if p["weight"] == "none" else (
+            1 + rng.standard_normal(p["shape"][-1:])).astype(FLOATS[p["wdtype"]])
+        dev = devices[p["device"]]
+        want = _placed_call(p, *(None if a is None else jax.numpy.asarray(a) for a in (x, r, w)))
+        xj, rj = (jax.device_put(a, dev) if p["x_committed"] else jax.numpy.asarray(a)
+                  for a in (x, r))
+        wj = None if w is None else (jax.device_put(w, dev) if p["weight"] == "with-x"
+                                     else jax.numpy.asarray(w))
+        got = _placed_call(p, xj, rj, wj)
+        leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+        assert len(leaves) == len(want_leaves)
+        for g, e in zip(leaves, want_leaves, strict=True):
+            assert g.devices() == xj.devices(), (p, g.devices(), xj.devices())
+            # uncommitted as jnp leaves it (a committed one would refuse other devices' arrays)
+            assert jax_committed(g) == jax_committed(xj), p
+            assert g.dtype == e.dtype and g.shape == e.shape
+            assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(e).view(np.uint8)), p
+
+    run()

@@ -335,3 +335,117 @@ def test_jit_of_grad_with_a_closed_over_bias():
     gx, gw = g(jnp.arange(16.0).reshape(2, 8), w)
     assert gx.shape == (2, 8) and gw.shape == (8,)
     assert bool(jnp.isfinite(gx).all())
+
+
+# ------------------------------------------------------------------ device placement
+# tests/conftest.py gives jax two CPU devices (XLA_FLAGS, before jax starts)
+
+
+def _devices(n=2):
+    devs = jax.devices("cpu")
+    if len(devs) < n:
+        pytest.skip(f"needs {n} jax CPU devices, has {len(devs)} (jax started before "
+                    "tests/conftest.py could set XLA_FLAGS)")
+    return devs
+
+
+def _every_op(x, r, w):
+    """Each front end on (x, r, w): the functional API, polynorm.jax and its gradients,
+    the gated and the quantized op."""
+    import polynorm.jax as pj
+
+    def loss(x, w):
+        return (rms_norm(x, w).astype(jnp.float32) ** 2).sum()
+
+    def gated_loss(x, z):
+        return pj.rms_norm_gated(x, z, w).astype(jnp.float32).sum()
+
+    return {
+        "rms_norm": pn.rms_norm(x, w, return_rstd=True),
+        "add_rms_norm": pn.add_rms_norm(x, r, w, return_rstd=True),
+        "rms_norm_backward": pn.rms_norm_backward(r, x, w),
+        "jax.rms_norm": rms_norm(x, w),
+        "jax.add_rms_norm": add_rms_norm(x, r, w),
+        "grad": jax.grad(loss, argnums=(0, 1))(x, w),
+        "rms_norm_gated": pj.rms_norm_gated(x, r, w),
+        "gated grad": jax.grad(gated_loss, argnums=(0, 1))(x, r),
+        "rms_norm_quant": pj.rms_norm_quant(x, w, dtype="int8"),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_results_and_gradients_stay_on_a_non_default_device(dtype):
+    """Arrays on cpu:1: every result there too (not on cpu:0), and the eager bits."""
+    dev = _devices()[1]
+    x, r = _rand((6, 32), dtype), _rand((6, 32), dtype, seed=1)
+    w = _rand((32,), "float32", seed=2)
+    want = _every_op(x, r, w)
+    got = _every_op(*(jax.device_put(a, dev) for a in (x, r, w)))
+    for name, res in got.items():
+        for a in jax.tree.leaves(res):
+            assert a.devices() == {dev}, name
+        _assert_same_bits(res, want[name])
+
+
+def test_check_grads_on_a_non_default_device():
+    """check_grads passes uncommitted cotangents (numpy): jax may move them, as jnp does."""
+    dev = _devices()[1]
+    x, w, b, opts = _args(OPTION_SETS["all"])
+    x, w, b = (jax.device_put(a, dev) for a in (x, w, b))
+    check_grads(lambda x, w, b: rms_norm(x, w, b, **opts), (x, w, b), order=1, modes=["rev"])
+    r = jax.device_put(_rand(x.shape, seed=5), dev)
+    check_grads(lambda x, r, w, b: add_rms_norm(x, r, w, b, **opts), (x, r, w, b), order=1,
+                modes=["rev"])
+
+
+def test_uncommitted_inputs_give_uncommitted_results():
+    """As a jnp operation: a result jax may move next to arrays committed elsewhere."""
+    dev = _devices()[1]
+    x, w = _rand((3, 8), "float32"), _rand((8,), "float32", seed=1)
+    y = pn.rms_norm(x, w)
+    assert not _interop.jax_committed(y)
+    assert not any(_interop.jax_committed(a) for a in pn.rms_norm(x[:0], w, return_rstd=True))
+    assert (y + jax.device_put(x, dev)).devices() == {dev}
+    y1 = pn.rms_norm(jax.device_put(x, dev), w)  # the weight moves to x's device
+    assert y1.devices() == {dev} and _interop.jax_committed(y1)
+    _assert_same_bits(y1, y)
+
+
+def test_arrays_committed_to_different_devices_are_a_value_error():
+    d0, d1 = _devices()[:2]
+    x, w = _rand((3, 8), "float32"), _rand((8,), "float32", seed=1)
+    with pytest.raises(ValueError, match="x is on device cpu:1 but weight is on device cpu:0"):
+        pn.rms_norm(jax.device_put(x, d1), jax.device_put(w, d0))
+    with pytest.raises(ValueError, match="x is on device cpu:1 but dy is on device cpu:0"):
+        pn.rms_norm_backward(jax.device_put(x, d0), jax.device_put(x, d1), w)
+
+
+def test_sharded_x_with_a_replicated_weight_runs_per_shard_rows():
+    """x split over a mesh by tokens, weight replicated on it: the jnp reference, which
+    XLA partitions; results on the same mesh, x-shaped ones split as x is.  (Eager jnp
+    compiles each operation for the sharding: a few front ends only.)"""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(_devices()[:2]), ("d",))
+    x, r = _rand((4, 16), "float32"), _rand((4, 16), "float32", seed=1)
+    w = 1 + 0.3 * _rand((16,), "float32", seed=2)
+    rows, whole = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
+
+    def ops(x, r, w):
+        return {"rms_norm": pn.rms_norm(x, w, return_rstd=True),
+                "add_rms_norm": pn.add_rms_norm(x, r, w),
+                "grad": jax.grad(lambda x, w: (rms_norm(x, w) ** 2).sum(), argnums=(0, 1))(x, w)}
+
+    got = ops(jax.device_put(x, rows), jax.device_put(r, rows), jax.device_put(w, whole))
+    want = ops(x, r, w)
+    for name, res in got.items():
+        for g, e in zip(jax.tree.leaves(res), jax.tree.leaves(want[name]), strict=True):
+            assert g.sharding.device_set == set(mesh.devices.flat), name
+            if g.shape == x.shape:
+                assert g.sharding.is_equivalent_to(rows, g.ndim), name
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5,
+                                       err_msg=name)
+    # a weight committed to one device of the mesh: jnp refuses it too
+    with pytest.raises(ValueError, match="weight is on device cpu:0"):
+        pn.rms_norm(jax.device_put(x, rows), jax.device_put(w, mesh.devices.flat[0]))
