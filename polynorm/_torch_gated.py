@@ -5,10 +5,14 @@ One custom op pair, ``torch.ops.polynorm.rms_norm_gated`` and
 hand-written backward (:func:`polynorm.rms_norm_gated_backward`, fed the
 forward's ``rstd``) registered through ``register_autograd``: eager calls
 and ``torch.compile(fullgraph=True)`` run the same op, so the same bits.
+``torch.func`` and ``torch.jit.trace`` work as for :func:`polynorm.torch.rms_norm`
+(vmap rules; an ``autograd.Function`` with ``setup_context`` under ``torch.func``);
+second derivatives and forward-mode AD raise ``NotImplementedError``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +23,21 @@ from ._options import NormOptions, Options, pack_options, takes_options
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-from .torch import _NOPTS, _OPTS, _fake_checks, _from_op, _op_args
+from .torch import (
+    _NOPTS,
+    _OPTS,
+    _fake_checks,
+    _forward_ad,
+    _from_op,
+    _front,
+    _function,
+    _functorch,
+    _no_context,
+    _op_args,
+    _refuse_second_order,
+    _vmap_loop,
+    _vmapped_opts,
+)
 
 __all__ = ["rms_norm_gated", "RMSNormGated"]
 
@@ -83,8 +101,9 @@ def _setup(ctx, inputs, output):
 
 def _bwd(ctx, dy, _drstd):
     x, z, weight, bias, rstd = ctx.saved_tensors
-    dx, dz, dw, db = torch.ops.polynorm.rms_norm_gated_backward(
-        dy.contiguous(), x, z, weight, bias, rstd, *ctx.opts)
+    # grad on (create_graph=True, torch.func): a node refusing a second derivative
+    bwd = _GatedBackwardFn.apply if torch.is_grad_enabled() else _gated_backward_op
+    dx, dz, dw, db = bwd(dy.contiguous(), x, z, weight, bias, rstd, *ctx.opts)
     need = ctx.needs_input_grad
     return (dx if need[0] else None, dz if need[1] else None,
             dw if weight is not None and need[2] else None,
@@ -92,6 +111,26 @@ def _bwd(ctx, dy, _drstd):
 
 
 _gated_op.register_autograd(_bwd, setup_context=_setup)
+
+
+@_gated_op.register_vmap
+def _(info, in_dims, x, z, weight, bias, group_size, norm_before_gate, *opts):
+    xd, zd, wd, bd = in_dims[:4]
+    if wd is not None or bd is not None:
+        return _vmap_loop(_gated_op, info, in_dims, x, z, weight, bias, group_size,
+                          norm_before_gate, *opts)
+    n = info.batch_size
+    out = _gated_op(_front(x, xd, n), _front(z, zd, n), weight, bias, group_size,
+                    norm_before_gate, *_vmapped_opts(opts, x.ndim - (xd is not None)))
+    return out, (0, 0)
+
+
+_gated_backward_op.register_vmap(functools.partial(_vmap_loop, _gated_backward_op))
+_gated_backward_op.register_autograd(_refuse_second_order("rms_norm_gated"),
+                                     setup_context=_no_context)
+_GatedBackwardFn = _function("_GatedBackwardFn", _gated_backward_op, _no_context,
+                             _refuse_second_order("rms_norm_gated"), "rms_norm_gated's backward")
+_GatedFn = _function("_GatedFn", _gated_op, _setup, _bwd, "rms_norm_gated")
 
 
 @takes_options()
@@ -132,9 +171,12 @@ def rms_norm_gated(
     (torch.Size([2, 8]), torch.Size([2, 8]))
     """
     opts = pack_options("rms_norm_gated", options)
-    y, _ = torch.ops.polynorm.rms_norm_gated(x, z, weight, bias, group_size,
-                                             bool(norm_before_gate), *_op_args(opts))
-    return y
+    args = (x, z, weight, bias, group_size, bool(norm_before_gate), *_op_args(opts))
+    # torch.func and forward-mode AD: the Function (the op's own autograd has no
+    # setup_context for torch.func, and no jvp to refuse forward mode clearly)
+    if _functorch() or (not torch.compiler.is_compiling() and _forward_ad._current_level >= 0):
+        return _GatedFn.apply(*args)[0]
+    return torch.ops.polynorm.rms_norm_gated(*args)[0]
 
 
 class RMSNormGated(torch.nn.Module):

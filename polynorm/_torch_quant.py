@@ -4,6 +4,7 @@ One custom op, ``torch.ops.polynorm.rms_norm_quant``, with a fake
 implementation, so that ``torch.compile(fullgraph=True)`` keeps it in its
 graph; eager calls and compiled ones run the same kernel (the same bits).
 Inference only: the op has no autograd formula (``q`` is not differentiable).
+``torch.vmap`` and ``torch.jit.trace`` run the op (it has a vmap rule).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ._options import NormOptions, Options, pack_options, takes_options
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-from .torch import _OPTS, _fake_checks, _from_op, _op_args
+from .torch import _OPTS, _fake_checks, _from_op, _front, _op_args, _vmap_loop, _vmapped_opts
 
 __all__ = ["rms_norm_quant"]
 
@@ -73,6 +74,19 @@ def _(x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
         hdt = _TORCH_DTYPES[promote(_DTYPE_NAMES[x.dtype], _DTYPE_NAMES[residual.dtype])]
         h = x.new_empty(x.shape, dtype=hdt)
     return (x.new_empty(x.shape, dtype=dtype), x.new_empty(s_shape, dtype=torch.float32), h)
+
+
+@_quant_op.register_vmap
+def _(info, in_dims, x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
+    xd, wd, bd, rd, sd = in_dims[:5]
+    if wd is not None or bd is not None or sd is not None:
+        return _vmap_loop(_quant_op, info, in_dims, x, weight, bias, residual, scale,
+                          scale_value, dtype, group_size, *opts)
+    n = info.batch_size
+    out = _quant_op(_front(x, xd, n), weight, bias, _front(residual, rd, n), scale, scale_value,
+                    dtype, group_size, *_vmapped_opts(opts, x.ndim - (xd is not None)))
+    static = scale is not None or scale_value is not None  # one scale, not one per token
+    return out, (0, None if static else 0, None if residual is None else 0)
 
 
 @takes_options(exclude=("out_dtype",))

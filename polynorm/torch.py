@@ -25,17 +25,32 @@ a Hugging Face ``transformers`` model for polynorm ones (see ``polynorm._hf``).
 
 CPU tensors run on the Numba kernels through zero-copy views; CUDA tensors on
 the CuPy kernels through DLPack (that path is not tested on a machine without
-a GPU).  The backward is not itself differentiable (no double backward).
+a GPU).
+
+``torch.func`` (``vmap``, ``grad``, ``vjp``, ``jacrev``) and ``torch.jit.trace``
+run the custom ops too: they carry vmap rules (a ``vmap`` over tokens is one
+kernel call; a ``vmap`` over weights, and every batched backward, one call
+per slice, since ``dweight`` sums over the tokens of one slice), and
+``autograd.Function``\\ s with ``setup_context`` for ``torch.func``'s
+gradients.  Forward-mode AD (``jvp``, ``jacfwd``, ``hessian``,
+``torch.autograd.forward_ad``) raises ``NotImplementedError``.
+
+The backward is not itself differentiable: a second derivative through it
+(``create_graph=True`` and a second ``backward``/``autograd.grad``,
+``gradgradcheck``, nested ``torch.func.grad``/``jacrev``)
+raises ``NotImplementedError`` when it reaches the norm, instead of
+treating the norm's gradient as a constant.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.autograd.function import once_differentiable
+import torch.autograd.forward_ad as _forward_ad
 
 from . import _api, _lean
 from ._options import OPTION_TYPES, Options, TorchOptions, make_plan, pack_options, takes_options
@@ -79,6 +94,20 @@ def _kept_input(ctx, kept, weight, bias, rstd):
     return _lean.recover_input(kept, weight, bias, rstd, axes, ctx.opts.offset)
 
 
+_NO_FORWARD_AD = (
+    "polynorm.torch: forward-mode AD (torch.func.jvp, jacfwd, hessian, "
+    "torch.autograd.forward_ad) is not supported by {op}; reverse mode is "
+    "(backward, torch.func.grad, vjp, jacrev)"
+)
+
+
+def _refuse_forward_ad(op: str):
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(_NO_FORWARD_AD.format(op=op))
+
+    return staticmethod(jvp)
+
+
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, opts, save, in_place):
@@ -88,13 +117,17 @@ class _RMSNormFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
         kept, weight, bias, rstd = ctx.saved_tensors
         x = _kept_input(ctx, kept, weight, bias, rstd)
+        if torch.is_grad_enabled():  # create_graph=True: a node that refuses a 2nd derivative
+            dx, dw, db = _op_backward(ctx, x, weight, bias, rstd, dy, None, 1)
+            return (dx.to(ctx.x_dtype), dw, db, None, None, None)
         dy = dy.contiguous()
         dx, dw, db = _api.backward(dy, x, weight, bias, rstd, None, ctx.opts, _dx_memory(ctx, dy))
         return (dx.to(ctx.x_dtype), *_param_grads(ctx, dw, db, 1), None, None, None)
+
+    jvp = _refuse_forward_ad("rms_norm")
 
 
 class _AddRMSNormFn(torch.autograd.Function):
@@ -107,10 +140,11 @@ class _AddRMSNormFn(torch.autograd.Function):
         return y, h
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy, dh):
         kept, weight, bias, rstd = ctx.saved_tensors
         h = _kept_input(ctx, kept, weight, bias, rstd)
+        if torch.is_grad_enabled():  # create_graph=True: as in _RMSNormFn
+            return (*_add_op_grads(ctx, h, weight, bias, rstd, dy, dh), None, None, None)
         # dh: the gradient reaching h through the residual stream, fused into dx
         dy = dy.contiguous()
         dxh, dw, db = _api.backward(dy, h, weight, bias, rstd,
@@ -121,6 +155,8 @@ class _AddRMSNormFn(torch.autograd.Function):
         gx = dxh.to(x_dtype) if need[0] else None
         gr = dxh.to(r_dtype) if need[1] else None
         return (gx, gr, *_param_grads(ctx, dw, db, 2), None, None, None)
+
+    jvp = _refuse_forward_ad("add_rms_norm")
 
 
 # torch.compile must not trace into the kernels (numba's dispatcher crashes dynamo).
@@ -247,10 +283,10 @@ def _(dy, x, weight, bias, rstd, grad_residual, *opts):
 
 def _op_backward(ctx, x, weight, bias, rstd, dy, dh, first: int):
     """The op's backward: dx (h's gradient for the fused add), dweight, dbias."""
-    dx, dw, db = torch.ops.polynorm.rms_norm_backward(
-        dy.contiguous(), x, weight, bias, rstd, None if dh is None else dh.contiguous(),
-        *_op_args(ctx.opts),
-    )
+    # grad on (create_graph=True, torch.func): a node refusing a second derivative
+    bwd = _RMSNormBackwardFn.apply if torch.is_grad_enabled() else _rms_norm_backward_op
+    dx, dw, db = bwd(dy.contiguous(), x, weight, bias, rstd,
+                     None if dh is None else dh.contiguous(), *_op_args(ctx.opts))
     need = ctx.needs_input_grad
     return (dx, dw if weight is not None and need[first] else None,
             db if bias is not None and need[first + 1] else None)
@@ -281,17 +317,133 @@ def _setup_add_rms_norm(ctx, inputs, output):
     ctx.mark_non_differentiable(output[2])
 
 
-def _add_rms_norm_op_bwd(ctx, dy, dh, _drstd):
-    kept, weight, bias, rstd = ctx.saved_tensors
-    h = _kept_input(ctx, kept, weight, bias, rstd)
+def _add_op_grads(ctx, h, weight, bias, rstd, dy, dh):
+    """The fused add's gradients (x, residual, weight, bias) through the backward op."""
     dxh, dw, db = _op_backward(ctx, h, weight, bias, rstd, dy, dh, 2)
     x_dtype, r_dtype = ctx.dtypes
     need = ctx.needs_input_grad
-    return (dxh.to(x_dtype) if need[0] else None, dxh.to(r_dtype) if need[1] else None, dw, db,
-            *(None,) * (_NOPTS + 1))
+    return (dxh.to(x_dtype) if need[0] else None, dxh.to(r_dtype) if need[1] else None, dw, db)
+
+
+def _add_rms_norm_op_bwd(ctx, dy, dh, _drstd):
+    kept, weight, bias, rstd = ctx.saved_tensors
+    h = _kept_input(ctx, kept, weight, bias, rstd)
+    return (*_add_op_grads(ctx, h, weight, bias, rstd, dy, dh), *(None,) * (_NOPTS + 1))
 
 
 _add_rms_norm_op.register_autograd(_add_rms_norm_op_bwd, setup_context=_setup_add_rms_norm)
+
+
+# ------------------------------------------------------------------ torch.func, second derivatives
+#: raised by every backward's own backward (reached only by a second derivative)
+_NO_SECOND_ORDER = (
+    "polynorm.torch: second derivatives are not supported: {op}'s backward is "
+    "hand-written and not itself differentiable (double backward through "
+    "create_graph=True, gradgradcheck, torch.func.hessian, nested torch.func.grad/jacrev)"
+)
+
+
+def _refuse_second_order(op: str):
+    def backward(ctx, *grads):
+        raise NotImplementedError(_NO_SECOND_ORDER.format(op=op))
+
+    return backward
+
+
+def _no_context(ctx, inputs, output):
+    pass
+
+
+def _function(name: str, op, setup_context, backward, opname: str) -> type:
+    """An ``autograd.Function`` running ``op`` with the given formula, for ``torch.func``.
+
+    The autograd that ``register_autograd`` gives an op has no ``setup_context``
+    staticmethod, which ``torch.func.grad``/``vjp``/``jacrev`` require; this one
+    has, and vmaps through the op's own vmap rule (``generate_vmap_rule``).
+    """
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(lambda *args: op(*args)),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward),
+        "jvp": _refuse_forward_ad(opname),
+        "generate_vmap_rule": True,
+        "__module__": __name__,
+    })
+
+
+def _vmap_loop(op, info, in_dims, *args):
+    """``op`` once per vmapped slice, the results stacked on dim 0.
+
+    For batched weights or biases and for every backward: ``dweight`` is a sum over
+    the tokens of one slice, so slices cannot share a kernel call.
+    """
+    if info.batch_size == 0:  # no slices: one slice of ones gives the shapes and dtypes
+        one = op(*(a.new_ones(a.shape[:d] + a.shape[d + 1:]) if isinstance(d, int) else a
+                   for a, d in zip(args, in_dims, strict=True)))
+        return tuple(r.new_empty((0, *r.shape)) for r in one), (0,) * len(one)
+    # in_dims of a list argument (axis) is a list of Nones
+    outs = [op(*(a.select(d, i) if isinstance(d, int) else a
+                 for a, d in zip(args, in_dims, strict=True)))
+            for i in range(info.batch_size)]
+    return tuple(torch.stack(r) for r in zip(*outs, strict=True)), (0,) * len(outs[0])
+
+
+def _front(a, d, n: int):
+    """``a`` with its vmapped dim ``d`` first, or broadcast to ``n`` there if unbatched."""
+    if a is None:
+        return None
+    return a.expand(n, *a.shape) if d is None else a.movedim(d, 0)
+
+
+def _vmapped_opts(args, ndim: int) -> list:
+    """The op's options for a slice of ``ndim`` dims, its axes moved one to the right
+    (the vmapped dim comes first; the tokens of all slices go to one kernel call)."""
+    opts = Options(*args[:_NOPTS])
+    axes = _api._normalize_axis(tuple(opts.axis), ndim)
+    return [*opts._replace(axis=[a + 1 for a in axes]), *args[_NOPTS:]]
+
+
+@_rms_norm_op.register_vmap
+def _(info, in_dims, x, weight, bias, *args):
+    if in_dims[1] is not None or in_dims[2] is not None:
+        return _vmap_loop(_rms_norm_op, info, in_dims, x, weight, bias, *args)
+    out = _rms_norm_op(x.movedim(in_dims[0], 0), weight, bias, *_vmapped_opts(args, x.ndim - 1))
+    return out, (0, 0)
+
+
+@_add_rms_norm_op.register_vmap
+def _(info, in_dims, x, residual, weight, bias, *args):
+    xd, rd, wd, bd = in_dims[:4]
+    if wd is not None or bd is not None:
+        return _vmap_loop(_add_rms_norm_op, info, in_dims, x, residual, weight, bias, *args)
+    n = info.batch_size
+    ndim = x.ndim - (xd is not None)
+    out = _add_rms_norm_op(_front(x, xd, n), _front(residual, rd, n), weight, bias,
+                           *_vmapped_opts(args, ndim))
+    return out, (0, 0, 0)
+
+
+_rms_norm_backward_op.register_vmap(functools.partial(_vmap_loop, _rms_norm_backward_op))
+_rms_norm_backward_op.register_autograd(_refuse_second_order("rms_norm"),
+                                        setup_context=_no_context)
+_RMSNormBackwardFn = _function("_RMSNormBackwardFn", _rms_norm_backward_op, _no_context,
+                               _refuse_second_order("rms_norm"), "rms_norm's backward")
+_RMSNormFuncFn = _function("_RMSNormFuncFn", _rms_norm_op, _setup_rms_norm, _rms_norm_op_bwd,
+                           "rms_norm")
+_AddRMSNormFuncFn = _function("_AddRMSNormFuncFn", _add_rms_norm_op, _setup_add_rms_norm,
+                              _add_rms_norm_op_bwd, "add_rms_norm")
+
+
+# Under torch.func transforms (tensors without storage) or torch.jit.trace (a tracer
+# that would record the kernels' results as constants) calls take the ops; bound
+# once, as these run on every eager call.
+_functorch_active = torch._C._are_functorch_transforms_active
+_jit_tracing = torch._C._is_tracing
+
+
+def _functorch() -> bool:
+    """Under ``torch.func`` transforms (outside a compiler, which handles them itself)."""
+    return not torch.compiler.is_compiling() and _functorch_active()
 
 
 def _records(x, a, b, c=None) -> bool:
@@ -304,10 +456,11 @@ def _records(x, a, b, c=None) -> bool:
 
 
 def _eager(x) -> bool:
-    """Plain tensors outside a compiler take the autograd.Functions (cheapest dispatch)."""
+    """Plain tensors outside a compiler, ``torch.func`` and ``torch.jit.trace`` take the
+    autograd.Functions (cheapest dispatch)."""
     return not torch.compiler.is_compiling() and (
         type(x) is torch.Tensor or type(x) is torch.nn.Parameter
-    )
+    ) and not _functorch_active() and not _jit_tracing()
 
 
 def _check_tensors(**arrays: Any) -> None:
@@ -376,8 +529,9 @@ def rms_norm(
         activation of ``x``'s size less per norm, and gradients equal to
         ``"input"``'s to ``y``'s precision (``polynorm._lean``).  Where
         ``weight + offset`` has a zero, ``x`` cannot be recovered: an eager call
-        checks (reading the weight) and keeps ``x``; under ``torch.compile`` it
-        cannot, and such columns give NaN gradients.
+        checks (reading the weight) and keeps ``x``; under ``torch.compile``,
+        ``torch.func`` and ``torch.jit.trace`` it cannot, and such columns give
+        NaN gradients.
     in_place : bool
         The backward writes ``dx`` into the memory of the incoming gradient
         ``dy`` (when it has ``x``'s dtype), saving one allocation of ``x``'s
@@ -389,7 +543,8 @@ def rms_norm(
         residual stream (a post-norm, ``h + norm(a)``, as in Gemma-2's
         ``post_*_layernorm``: Liger-Kernel#370), whose other branch would read
         ``dx``.  Under ``torch.compile`` it is ignored (``dx`` is a new tensor;
-        the compiler plans memory itself); on CUDA ``dx`` is computed into a
+        the compiler plans memory itself), as under ``torch.func``,
+        ``torch.jit.trace`` and ``create_graph=True``; on CUDA ``dx`` is computed into a
         new tensor and copied (the CUDA kernels do not write ``dx`` over ``dy``).
     {options}
 
@@ -397,6 +552,13 @@ def rms_norm(
     -------
     torch.Tensor
         ``y``, with ``x``'s shape and device and ``out_dtype`` (default ``x``'s).
+
+    Notes
+    -----
+    ``torch.jit.trace``, ``torch.func.vmap``, ``grad``, ``vjp`` and ``jacrev`` run the
+    custom op (see the module docstring).  Second derivatives (a second backward
+    through a ``create_graph=True`` gradient, ``gradgradcheck``, ``hessian``) and
+    forward-mode AD (``jvp``, ``jacfwd``) raise ``NotImplementedError``.
 
     Examples
     --------
@@ -422,9 +584,13 @@ def rms_norm(
     if in_place is not False:
         _check_in_place(in_place)
     if _eager(x):
-        if not _records(x, weight, bias):  # inference: no autograd node to build (~5 us)
+        # inference: no autograd node to build (~5 us); under forward-mode AD the
+        # Function, whose jvp says it is not supported (a missing tangent reads as zero)
+        if not _records(x, weight, bias) and _forward_ad._current_level < 0:
             return _api.forward(x, None, weight, bias, opts)
         return _apply_rms_norm(x, weight, bias, opts, save, in_place)
+    if _functorch():
+        return _RMSNormFuncFn.apply(x, weight, bias, *_op_args(opts), save)[0]
     return torch.ops.polynorm.rms_norm(x, weight, bias, *_op_args(opts), save)[0]
 
 
@@ -485,9 +651,12 @@ def add_rms_norm(
     if in_place is not False:
         _check_in_place(in_place)
     if _eager(x):
-        if not _records(x, residual, weight, bias):
+        if not _records(x, residual, weight, bias) and _forward_ad._current_level < 0:
             return _api.forward(x, residual, weight, bias, opts, fused=True)
         return _apply_add_rms_norm(x, residual, weight, bias, opts, save, in_place)
+    if _functorch():
+        y, h, _ = _AddRMSNormFuncFn.apply(x, residual, weight, bias, *_op_args(opts), save)
+        return y, h
     y, h, _ = torch.ops.polynorm.add_rms_norm(x, residual, weight, bias, *_op_args(opts), save)
     return y, h
 

@@ -2,6 +2,9 @@
 option values on every backend here.  Each call either matches the float64 oracle
 (tests/_oracle.py) within the output dtype's tolerance, or raises a TypeError/ValueError
 whose message names an argument; never another exception, and the inputs are unchanged.
+A second family wraps polynorm.torch in torch.func (vmap, grad, vjp, jacrev, vmap of grad)
+and torch.jit.trace: the bits of the same work done eagerly, or NotImplementedError where
+the transform needs a second derivative or forward-mode AD.
 
 Bounded for the default run (``FUZZ_EXAMPLES`` per backend, 40); set
 ``POLYNORM_FUZZ_EXAMPLES`` for a longer run.
@@ -243,6 +246,162 @@ def _compare(op, args, opts, res, h_dtype):
     assert_close(y, wy, looser(xin.dtype.name, out_name), "y")
     if opts.get("return_rstd"):
         assert_close(_np(res[-1]), wr, "float64" if h_dtype == "float64" else "float32", "rstd")
+
+
+# ------------------------------------------------------------------ torch transforms
+
+#: torch.func and torch.jit.trace around polynorm.torch; the last three must refuse
+TRANSFORMS = ("vmap", "vmap-weight", "grad", "vjp", "jacrev", "vmap-grad", "trace",
+              "create-graph", "jacfwd", "hessian")
+_REFUSALS = {"create-graph": "second derivatives are not supported",
+             "jacfwd": "forward-mode AD", "hessian": "forward-mode AD"}
+
+
+@st.composite
+def _transform_calls(draw, transform):
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 3), min_size=ndim, max_size=ndim)))
+    opts = {}
+    for name, values in (
+        ("eps", [1e-6, 0.5, -1.0]),
+        ("partial", [1.0, 0.5, 0.0]),
+        ("axis", [-1, 0, (0, -1), 3]),
+        ("offset", [0.0, 1.0]),
+        ("eps_mode", ["inside", "outside"]),
+        ("casting", ["fp32", "llama"]),
+        ("save", ["input", "output"]),
+    ):
+        if draw(st.booleans()):
+            opts[name] = draw(st.sampled_from(values))
+    return dict(transform=transform, add=draw(st.booleans()),
+                shape=shape, dtype=draw(st.sampled_from(["float32", "float64"])), opts=opts,
+                weight=draw(st.booleans()), bias=draw(st.booleans()),
+                in_dim=draw(st.integers(0, ndim)), seed=draw(st.integers(0, 2**16)))
+
+
+def _check_transform(transform, add, shape, dtype, opts, weight, bias, in_dim, seed):
+    """The transform of polynorm.torch equals the same work done eagerly (a loop over the
+    vmapped slices, torch.autograd, the untraced call), bit for bit; or both raise the same
+    TypeError/ValueError naming an argument; second derivatives and forward-mode AD raise
+    NotImplementedError, never a silent None, zero or constant."""
+    import torch
+
+    import polynorm.torch as pnt
+
+    gen = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+
+    def randn(*s):
+        return (torch.randn(*s, generator=gen, dtype=torch.float64) * 3).to(dt)
+
+    axis = opts.get("axis", -1)
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    ok = all(-len(shape) <= a < len(shape) for a in axes)
+    norm_shape = tuple(shape[a] for a in axes) if ok else shape[-1:]
+    x, r, x2 = randn(2, *shape), randn(*shape), randn(*shape)
+    w = 1 + 0.1 * randn(2, *norm_shape)  # never zero: save="output" recovers x through w
+    b = randn(*norm_shape) if bias else None
+    names = ["x", "w"] if weight else ["x"]
+
+    def f(x, w=None):
+        if add:
+            y, h = pnt.add_rms_norm(x, r, w, b, **opts)
+            return y + 2 * h
+        return pnt.rms_norm(x, w, b, **opts)
+
+    def autograd(inputs, cot):
+        leaves = [a.clone().requires_grad_() for a in inputs]
+        return list(torch.autograd.grad(f(*leaves), leaves, cot))
+
+    def same(got, want):
+        assert len(got) == len(want)
+        for g, v in zip(got, want, strict=True):
+            assert g.dtype == v.dtype and g.shape == v.shape, (g.shape, v.shape)
+            assert torch.equal(g, v) or (g.isnan() == v.isnan()).all() and torch.equal(
+                g.nan_to_num(), v.nan_to_num()), f"{transform}: {g} != {v}"
+
+    args = [x[0], w[0]][:len(names)]
+    try:
+        f(*args)
+    except (TypeError, ValueError) as exc:  # the transform must raise it too, by name
+        assert any(name in str(exc) for name in ARGNAMES + ("save",)), str(exc)
+        want_exc = type(exc)
+    else:
+        want_exc = None
+    cot = randn(*shape)
+
+    def run():
+        if transform == "vmap" or transform == "vmap-weight" and not weight:
+            xs = x.movedim(0, in_dim)
+            got = torch.func.vmap(f, (in_dim, None))(xs, w[0]) if weight else \
+                torch.func.vmap(f, in_dim)(xs)
+            same([got], [torch.stack([f(*([x[i], w[0]][:len(names)])) for i in range(2)])])
+        elif transform == "vmap-weight":
+            same([torch.func.vmap(f, (None, 0))(x[0], w)],
+                 [torch.stack([f(x[0], w[i]) for i in range(2)])])
+        elif transform == "grad":
+            got = torch.func.grad(lambda *a: (f(*a) * cot).sum(), tuple(range(len(args))))(*args)
+            same(list(got), autograd(args, cot))
+        elif transform == "vjp":
+            same(list(torch.func.vjp(f, *args)[1](cot)), autograd(args, cot))
+        elif transform == "jacrev":
+            jac = torch.func.jacrev(f)(*args)
+            for idx in np.ndindex(*shape):
+                onehot = torch.zeros(shape, dtype=dt)
+                onehot[idx] = 1
+                same([jac[idx]], autograd(args, onehot)[:1])
+        elif transform == "vmap-grad":
+            per = torch.func.vmap(torch.func.grad(lambda *a: (f(*a) * cot).sum(),
+                                                  tuple(range(len(args)))),
+                                  (0, None)[:len(args)])(x, *args[1:])
+            want = [autograd([x[i], *args[1:]], cot) for i in range(2)]
+            same(list(per), [torch.stack(g) for g in zip(*want, strict=True)])
+        elif transform == "trace":
+            with torch.no_grad():
+                traced = torch.jit.trace(f, tuple(args), check_trace=False)
+            same([traced(x2, *args[1:])], [f(x2, *args[1:])])
+        elif transform == "create-graph":
+            leaves = [a.clone().requires_grad_() for a in args]
+            g = torch.autograd.grad((f(*leaves) * cot).sum(), leaves, create_graph=True)
+            same([a.detach() for a in g], autograd(args, cot))
+            torch.autograd.grad(g[0].sum(), leaves, allow_unused=True)
+        elif transform == "jacfwd":
+            torch.func.jacfwd(f)(*args)
+        else:
+            torch.func.hessian(lambda *a: f(*a).sum())(*args)
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # jit.trace's deprecation and tracer warnings
+        if want_exc is not None:
+            with pytest.raises(want_exc):
+                run()
+        elif transform in _REFUSALS:
+            with pytest.raises(NotImplementedError, match=_REFUSALS[transform]):
+                run()
+        else:
+            run()
+
+
+def _torch_numba() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return pn.backends()["numba"][0]
+
+
+@pytest.mark.skipif(not _torch_numba(), reason="needs torch and the numba backend")
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_fuzz_torch_transforms(transform):
+    @settings(max_examples=max(5, FUZZ_EXAMPLES // 4), deadline=None, derandomize=True,
+              database=None, suppress_health_check=list(HealthCheck))
+    @given(_transform_calls(transform))
+    def run(call):
+        _check_transform(**call)
+
+    run()
 
 
 def _kinds():

@@ -402,6 +402,41 @@ def test_torch_eager_and_compile():
     np.testing.assert_array_equal(s.numpy(), want_s)
 
 
+
+def test_torch_vmap_equals_a_loop(monkeypatch):
+    """torch.vmap runs the op's vmap rule (one call over the tokens of all slices, or one
+    per slice for a batched scale), with the bits of a loop over the slices."""
+    torch = pytest.importorskip("torch")
+    import polynorm.torch as pt
+
+    x, w, _ = _data(n=6, d=64, seed=11)
+    xs = torch.from_numpy(x).reshape(2, 3, 64)
+    rs = torch.from_numpy(np.random.default_rng(3).standard_normal(xs.shape).astype(np.float32))
+    wt, scales = torch.from_numpy(w), torch.tensor([0.01, 0.02])
+    calls_ = (
+        (lambda a: pt.rms_norm_quant(a, wt, group_size=16, eps=EPS), (xs,), (0,)),
+        (lambda a, r: pt.rms_norm_quant(a, residual=r, dtype=torch.int8, scale=0.01), (xs, rs),
+         (0, 0)),
+        (lambda a, s: pt.rms_norm_quant(a, wt, scale=s), (xs, scales), (0, 0)),
+    )
+    for f, args, in_dims in calls_:
+        got = torch.vmap(f, in_dims)(*args)
+        per = [f(*(a[i] for a in args)) for i in range(2)]
+        for g, want in zip(got, zip(*per, strict=True), strict=True):
+            want = torch.stack(want)
+            assert g.dtype == want.dtype and g.shape == want.shape
+            assert torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g,
+                               want.view(torch.uint8) if want.element_size() == 1 else want)
+    from polynorm import _quant
+
+    calls = []  # a vmap over tokens is one kernel call (torch's fallback: one per slice)
+    quant = _quant.rms_norm_quant
+    monkeypatch.setattr(_quant, "rms_norm_quant",
+                        lambda *a, **k: calls.append(1) or quant(*a, **k))
+    for f, args, in_dims in calls_[:2]:
+        torch.vmap(f, in_dims)(*args)
+    assert len(calls) == 2
+
 def test_jax_jit():
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 import numpy as np
@@ -437,6 +438,188 @@ def test_eager_without_grad_records_nothing_and_matches():
         y3, _ = add_rms_norm(x, x, w)
     assert not y2.requires_grad and not y3.requires_grad
     assert torch.equal(y.detach(), y2)
+
+
+# ------------------------------------------------------------------ torch.jit.trace, torch.func
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_jit_trace_follows_its_input(grad):
+    """The trace records the custom op, not the first input's result as a constant."""
+    m = RMSNorm(6, bias=True, partial=0.5).double()
+    m.requires_grad_(grad)
+    x = _randn(4, 6, dtype=torch.float64)
+    with contextlib.nullcontext() if grad else torch.no_grad():
+        traced = torch.jit.trace(m, x)
+        traced_add = torch.jit.trace(add_rms_norm, (x, 2 * x, m.weight))
+    assert "polynorm::rms_norm" in str(traced.graph)
+    assert "polynorm::add_rms_norm" in str(traced_add.graph)
+    x2 = _randn(2, 6, dtype=torch.float64, seed=5, requires_grad=grad)  # another shape, too
+    y = traced(x2)
+    assert torch.equal(y, m(x2))
+    _same(traced_add(x2, x2.detach(), m.weight), add_rms_norm(x2, x2.detach(), m.weight))
+    if grad:  # the traced graph runs the op's autograd
+        gx, gw = torch.autograd.grad(y.square().sum(), (x2, m.weight))
+        want = torch.autograd.grad(m(x2).square().sum(), (x2, m.weight))
+        _same((gx, gw), want)
+
+
+def _loop(f, args, in_dims):
+    """``torch.vmap(f, in_dims)(*args)`` by hand: f per slice, stacked."""
+    n = next(a.shape[d] for a, d in zip(args, in_dims, strict=True) if d is not None)
+    outs = [f(*(a if d is None else a.select(d, i) for a, d in zip(args, in_dims, strict=True)))
+            for i in range(n)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.stack(o) for o in zip(*outs, strict=True))
+    return torch.stack(outs)
+
+
+#: options and the shape of one vmapped slice (positive axes: the rule shifts them)
+VMAP_CASES = {
+    "plain": (dict(), (4, 6)),
+    "all": (dict(bias=True, partial=0.75, offset=0.5, eps_mode="outside", eps=1e-2), (4, 6)),
+    "axis-first": (dict(axis=0), (4, 6)),
+    "axis-tuple": (dict(axis=(0, 2)), (2, 3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(VMAP_CASES))
+def test_vmap_equals_a_loop_over_slices(name, monkeypatch):
+    opts, shape = VMAP_CASES[name]
+    opts = dict(opts)
+    axis = opts.get("axis", -1)
+    norm_shape = tuple(shape[a] for a in ((axis,) if isinstance(axis, int) else axis))
+    b = _randn(*norm_shape, dtype=torch.float64, seed=2) if opts.pop("bias", False) else None
+    w = 1 + 0.3 * _randn(*norm_shape, dtype=torch.float64, seed=1)
+    ws = torch.stack([w, 2 * w, -w])
+    xs = _randn(3, *shape, dtype=torch.float64)
+    rs = _randn(3, *shape, dtype=torch.float64, seed=8)
+
+    def f(x, w):
+        return rms_norm(x, w, b, **opts)
+
+    def g(x, r):
+        return add_rms_norm(x, r, w, b, **opts)
+
+    x_last = xs.movedim(0, -1)  # the vmapped dim last
+    for fn, in_dims, args in ((f, (0, None), (xs, w)), (f, (-1, None), (x_last, w)),
+                              (f, (None, 0), (xs[0], ws)), (f, (0, 0), (xs, ws)),
+                              (g, (0, 0), (xs, rs)), (g, (None, 0), (xs[0], rs)),
+                              (g, (0, None), (xs, rs[0]))):
+        got = torch.func.vmap(fn, in_dims)(*args)
+        in_dims = tuple(None if d is None else d % args[i].ndim for i, d in enumerate(in_dims))
+        _same(got if isinstance(got, tuple) else [got],
+              _loop(fn, args, in_dims) if fn is g else [_loop(fn, args, in_dims)])
+    assert torch.func.vmap(f, (0, 0))(xs[:0], ws[:0]).shape == (0, *shape)  # no slices
+    # a vmap over tokens is one kernel call (torch's fallback would make one per slice)
+    calls = []
+    forward = _api.forward
+    monkeypatch.setattr(_api, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    torch.func.vmap(f, (0, None))(xs, w)
+    torch.func.vmap(g, (0, None))(xs, rs[0])
+    assert len(calls) == 2
+
+
+def _autograd(f, inputs, cot):
+    inputs = [a.detach().requires_grad_() for a in inputs]
+    return torch.autograd.grad(f(*inputs), inputs, cot)
+
+
+@pytest.mark.parametrize("name", ["plain", "all", "no-weight"])
+def test_func_grad_vjp_jacrev_equal_autograd(name):
+    x, w, b, opts = _args(OPTION_SETS[name], shape=(3, 6))
+    inputs = [a.detach() for a in (x, w, b) if a is not None]
+
+    def f(*args):
+        it = iter(args)
+        return rms_norm(next(it), next(it) if w is not None else None,
+                        next(it) if b is not None else None, **opts)
+
+    cot = _randn(3, 6, dtype=torch.float64, seed=4)
+    argnums = tuple(range(len(inputs)))
+    got = torch.func.grad(lambda *a: (f(*a) * cot).sum(), argnums)(*inputs)
+    _same(got, _autograd(f, inputs, cot))
+    _, vjp = torch.func.vjp(f, *inputs)
+    _same(vjp(cot), _autograd(f, inputs, cot))
+    jac = torch.func.jacrev(f, argnums)(*inputs)  # vmap over the backward
+    for i, j in np.ndindex(3, 6):
+        onehot = torch.zeros(3, 6, dtype=torch.float64)
+        onehot[i, j] = 1
+        _same([jk[i, j] for jk in jac], _autograd(f, inputs, onehot))
+    # per-sample gradients: vmap over grad, the weight shared
+    if w is not None:
+        per = torch.func.vmap(torch.func.grad(lambda ww, xx: f(xx, ww, *inputs[2:]).sum()),
+                              (None, 0))(inputs[1], inputs[0])
+        want = torch.stack([_autograd(lambda ww, xi=xi: f(xi, ww, *inputs[2:]), [inputs[1]],
+                                      torch.ones(6, dtype=torch.float64))[0]
+                            for xi in inputs[0]])
+        _same([per], [want])
+
+
+def test_func_grad_add_rms_norm_and_module():
+    x, w, _, _ = _args(OPTION_SETS["plain"], shape=(3, 6))
+    x, w = x.detach(), w.detach()
+    r = _randn(3, 6, dtype=torch.float64, seed=6)
+
+    def f(x, r, w):
+        y, h = add_rms_norm(x, r, w)
+        return (y * h).sum()
+
+    got = torch.func.grad(f, (0, 1, 2))(x, r, w)
+    _same(got, _autograd(lambda *a: f(*a), [x, r, w], torch.tensor(1.0, dtype=torch.float64)))
+    m = RMSNorm(6).double()
+    p = {"weight": w}
+    got = torch.func.grad(lambda p, x: torch.func.functional_call(m, p, (x,)).sum())(p, x)
+    with torch.no_grad():
+        m.weight.copy_(w)
+    m(x).sum().backward()
+    assert torch.equal(got["weight"], m.weight.grad)
+
+
+_SECOND = "second derivatives are not supported"
+
+
+@pytest.mark.parametrize("add", [False, True])
+def test_second_derivative_raises_not_implemented(add, path):
+    """No silent None or constant: the first derivative with create_graph=True is right,
+    and differentiating it again raises, also where allow_unused=True."""
+    x, w, b, opts = _args(OPTION_SETS["bias"], shape=(3, 6))
+    r = _randn(3, 6, dtype=torch.float64, seed=7)
+
+    def f(x, w, b):
+        return add_rms_norm(x, r, w, b)[0] if add else rms_norm(x, w, b)
+
+    first = torch.autograd.grad(f(x, w, b).square().sum(), (x, w, b))
+    g = torch.autograd.grad(f(x, w, b).square().sum(), (x, w, b), create_graph=True)
+    _same([a.detach() for a in g], first)
+    for inputs in ((x,), (w,), (x, w, b)):
+        with pytest.raises(NotImplementedError, match=_SECOND):
+            torch.autograd.grad(g[0].sum(), inputs, allow_unused=True)
+    with pytest.raises(NotImplementedError, match=_SECOND):
+        torch.autograd.gradgradcheck(f, (x, w, b))
+
+
+def test_second_derivative_and_forward_mode_under_torch_func():
+    x = _randn(6, dtype=torch.float64)
+
+    def f(x):
+        return rms_norm(x)
+
+    with pytest.raises(NotImplementedError, match=_SECOND):
+        torch.func.jacrev(torch.func.jacrev(f))(x)
+    with pytest.raises(NotImplementedError, match=_SECOND):
+        torch.func.grad(lambda x: torch.func.grad(lambda x: f(x).square().sum())(x).sum())(x)
+    for transform in (lambda: torch.func.jvp(f, (x,), (x,)), lambda: torch.func.jacfwd(f)(x),
+                      lambda: torch.func.hessian(lambda x: f(x).sum())(x)):
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            transform()
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level():  # eager, nothing requires grad: still no silent zero tangent
+        dual = fwad.make_dual(x, torch.ones_like(x))
+        for call in (lambda: rms_norm(dual), lambda: add_rms_norm(dual, x)):
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                call()
+        assert torch.equal(rms_norm(x), f(x.clone()))  # plain tensors there still run
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
