@@ -19,8 +19,8 @@ def _missing(module: str) -> bool:
 
 collect_ignore = [
     path
-    for module, path in (("jax", "polynorm/jax.py"), ("torch", "polynorm/torch.py"),
-                         ("transformers", "polynorm/_hf.py"))
+    for module, path in (("jax", "polynorm/jax/__init__.py"), ("torch", "polynorm/torch/__init__.py"),
+                         ("transformers", "polynorm/torch/hf.py"))
     if _missing(module)
 ]
 

@@ -152,12 +152,12 @@ def mca_cycles(body: list[str], cpu: str, iterations: int = 300) -> float | None
 def kernel_asm(dtypes: list[str]) -> dict[str, str]:
     """``{"fwd bfloat16": asm, "bwd bfloat16": asm, ...}``, compiled by small calls."""
     import polynorm as pn
-    from polynorm._dtypes import numpy_dtype
-    from polynorm.backends import _numba_backward as KB
-    from polynorm.backends import _numba_gated as G
-    from polynorm.backends import _numba_kernels as K
-    from polynorm.backends import _numba_quant as Q
     from polynorm.backends import numba as nb
+    from polynorm.backends.numba import backward_kernels as KB
+    from polynorm.backends.numba import gated as G
+    from polynorm.backends.numba import kernels as K
+    from polynorm.backends.numba import quant as Q
+    from polynorm.core.dtypes import numpy_dtype
 
     rng = np.random.default_rng(0)
     for dt in dtypes:

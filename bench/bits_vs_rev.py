@@ -6,7 +6,7 @@ and the element-by-element bodies), stash sizes, optional arrays and eps modes.
 bench/bwd_bits_vs_rev.py does the same for pn_bwd.  The kernels are compiled without
 FMA contraction (--fmad=false), so the emulator's rounding is the GPU's.
 
-    git show main:polynorm/_cuda/polynorm.cu > /tmp/old.cu
+    git show main:polynorm/backends/cuda/polynorm.cu > /tmp/old.cu
     python bench/bits_vs_rev.py /tmp/old.cu [--kinds bwd_big,bwd_small,fwd,gated_bwd]
 """
 
@@ -22,7 +22,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from emulator import compile_source  # noqa: E402
 
-from polynorm.backends import _cuda_launch as cl  # noqa: E402
+from polynorm.backends.cuda import launch as cl  # noqa: E402
 
 NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
 

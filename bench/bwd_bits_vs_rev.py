@@ -2,7 +2,7 @@
 pn_bwd<XT, DYT, WT, 1, HAS_W, HAS_G>: dx and the raw dweight / dbias partial rows, on the
 CPU emulator (tests/emulator; needs g++), for the launches the dispatcher makes.
 
-    git show main:polynorm/_cuda/polynorm.cu > /tmp/old.cu
+    git show main:polynorm/backends/cuda/polynorm.cu > /tmp/old.cu
     python bench/bwd_bits_vs_rev.py /tmp/old.cu
 """
 
@@ -17,7 +17,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from emulator import compile_source  # noqa: E402
 
-from polynorm.backends import _cuda_launch as cl  # noqa: E402
+from polynorm.backends.cuda import launch as cl  # noqa: E402
 
 NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float64": np.float64}
 TYPES = [("bfloat16", "bfloat16", "bfloat16"), ("float16", "float32", "float32"), ("float32",) * 3, ("float64",) * 3,

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown case(s): {', '.join(sorted(unknown))}")
     rows = measure(args.cases or list(CASES))
     if args.json:
-        from polynorm._bench.common import machine_info
+        from polynorm.bench.common import machine_info
 
         meta = {**machine_info(), "numba": _version("numba"), "numpy": _version("numpy")}
         with open(args.json, "w") as f:

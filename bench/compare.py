@@ -28,8 +28,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from polynorm._bench.common import paired_median  # noqa: E402
-from polynorm._dtypes import numpy_dtype  # noqa: E402
+from polynorm.bench.common import paired_median  # noqa: E402
+from polynorm.core.dtypes import numpy_dtype  # noqa: E402
 
 
 def import_rev(rev: str, where: Path):

@@ -1,6 +1,6 @@
 """Every float32 bit pattern through the Numba quantized forward's encoders, against the casts.
 
-The encoders of :mod:`polynorm.backends._numba_quant` (the 32-lane block
+The encoders of :mod:`polynorm.backends.numba.quant` (the 32-lane block
 and the scalar tail) write ``q = encode(y / s)``; with a static scale of 1
 that is ``encode(y)`` for every float32 ``y``.  This runs all 2**32 patterns
 (rows of 4096, which the block encoder covers; a second pass with rows of
@@ -34,7 +34,7 @@ def expected(v: np.ndarray, fp8: bool) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from polynorm.backends import _numba_quant as Q
+    from polynorm.backends.numba import quant as Q
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunk-log2", type=int, default=24)

@@ -1,4 +1,4 @@
-"""GPU benchmark (cupy backend vs copy, torch, torch.compile, Liger, QuACK): see polynorm/_bench/gpu.py.
+"""GPU benchmark (cupy backend vs copy, torch, torch.compile, Liger, QuACK): see polynorm/bench/gpu.py.
 
     python bench/gpu.py [--quick] [--dtypes bfloat16 ...] [--out PATH] [--dry-run]
 """
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from polynorm._bench.gpu import main  # noqa: E402
+from polynorm.bench.gpu import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

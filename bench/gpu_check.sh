@@ -13,7 +13,7 @@
 # Writes under $OUT if set (the device runner's output folder), else bench/results/:
 #   gpu_env.txt         what was found / installed (nvidia-smi, versions, backends)
 #   gpu_tests.txt       pytest -k "cupy and not emul": tests/test_cupy_gpu.py and the suite's cupy cases
-#   gpu-<date>.json     the benchmark records (polynorm._bench.gpu); its table in gpu_bench.txt
+#   gpu-<date>.json     the benchmark records (polynorm.bench.gpu); its table in gpu_bench.txt
 #   gpu_overhead.txt    a small call's host time against its kernels alone, and its profile
 #   gpu_model.txt       the launch model's prediction for every case (no GPU needed), to set
 #                       beside the measured table
@@ -146,7 +146,7 @@ fi
 
 # ---- the prediction, before the measurement (pure Python; register counts from
 # bench/results/sass-kernels.json)
-"$PY" -m polynorm._bench.model --all >"$RESULTS/gpu_model.txt" 2>&1
+"$PY" -m polynorm.bench.model --all >"$RESULTS/gpu_model.txt" 2>&1
 log "launch model exit status $? (gpu_model.txt)"
 
 # ---- benchmark

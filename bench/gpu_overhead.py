@@ -3,7 +3,7 @@
 For a small case, where the end-to-end call is bound by the host, prints:
 
 * the call's time per call (CUDA events around a batch) beside its kernels
-  replayed alone (:func:`polynorm.backends.cupy.recording`) and torch's own
+  replayed alone (:func:`polynorm.backends.cuda.recording`) and torch's own
   ``F.rms_norm``: the host overhead is the difference;
 * the host cost of the interop steps one call makes (DLPack both ways, the
   stream hand-over), each timed alone;
@@ -48,7 +48,7 @@ def profile_case(lib: str, dtype: str, op: str, n: int, d: int, calls: int) -> N
     import torch
 
     import polynorm as pn
-    from polynorm.backends import cupy as cb
+    from polynorm.backends import cuda as cb
 
     F = torch.nn.functional
     tdt = getattr(torch, dtype)

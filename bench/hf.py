@@ -180,7 +180,7 @@ def main(argv: list[str]) -> int:
     import torch
     import transformers
 
-    from polynorm._bench.common import machine_info
+    from polynorm.bench.common import machine_info
 
     info = machine_info()
     load_start = os.getloadavg()

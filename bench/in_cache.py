@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 import polynorm as pn
-from polynorm._bench.common import median_time
+from polynorm.bench.common import median_time
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
 

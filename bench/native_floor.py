@@ -1,7 +1,7 @@
 """What a minimal hand-written C kernel reaches on this CPU, beside polynorm and the roof.
 
 The 16-bit forward's target is a fraction of a copy of the same bytes
-(``polynorm._bench.roof``).  To tell what the algorithm costs on this machine
+(``polynorm.bench.roof``).  To tell what the algorithm costs on this machine
 from what the Numba kernels leave on the table, this script compiles (gcc,
 ``-O3 -march=native -fopenmp``) the simplest fast RMSNorm forward of 16-bit
 rows there is, with AVX-512 intrinsics, or AVX2 ones on CPUs without it: per
@@ -186,7 +186,7 @@ def measure(lib: ctypes.CDLL, dtype: str, n: int, d: int, min_time: float) -> di
     import ml_dtypes
 
     import polynorm as pn
-    from polynorm._bench.roof import paired_roof
+    from polynorm.bench.roof import paired_roof
 
     np_t = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
     rng = np.random.default_rng(0)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         from numba import get_num_threads
 
-        from polynorm._bench.common import machine_info
+        from polynorm.bench.common import machine_info
 
         meta = {**machine_info(), "numba_threads": get_num_threads(), "omp_threads": threads,
                 "command": "python bench/native_floor.py " + " ".join(argv or sys.argv[1:])}

@@ -1,4 +1,4 @@
-"""Machine-code report of the CUDA kernels (no GPU): see polynorm/_bench/sass.py.
+"""Machine-code report of the CUDA kernels (no GPU): see polynorm/bench/sass.py.
 
     python bench/sass_report.py [--arch sm_90] [--filter pn_fwd] [--out bench/results/sass-DATE.json]
 """
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from polynorm._bench.sass import main  # noqa: E402
+from polynorm.bench.sass import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

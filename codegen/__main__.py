@@ -1,4 +1,4 @@
-"""``python -m codegen`` writes polynorm/_cuda/*.cu; ``--check`` fails (exit 1) when stale."""
+"""``python -m codegen`` writes polynorm/backends/cuda/*.cu; ``--check`` fails (exit 1) when stale."""
 
 from __future__ import annotations
 

@@ -3,13 +3,13 @@
 Public names: :func:`rms_norm`, :func:`add_rms_norm`, :func:`rms_norm_backward`,
 :func:`rms_norm_gated`, :func:`rms_norm_gated_backward`, :func:`rms_norm_quant`, :func:`backends`,
 and :data:`output_pool` (the CPU backend's bounded pool of freed output buffers).
-The semantics are in :mod:`polynorm._options`.
+The semantics are in :mod:`polynorm.core.options`.
 """
 
-from ._api import add_rms_norm, backends, rms_norm, rms_norm_backward
-from ._gated import rms_norm_gated, rms_norm_gated_backward
-from ._pool import output_pool
-from ._quant import rms_norm_quant
+from polynorm.core.pool import output_pool
+from polynorm.ops.gated import rms_norm_gated, rms_norm_gated_backward
+from polynorm.ops.norm import add_rms_norm, backends, rms_norm, rms_norm_backward
+from polynorm.ops.quant import rms_norm_quant
 
 __version__ = "0.1.0"
 

@@ -3,7 +3,7 @@
 This is the ground truth the whole suite compares against.  It does **not**
 import polynorm: it re-derives ``k``, eps placement, the dtype rules and the
 backward from the spec text, in plain numpy, so that a mistake in
-``polynorm._options`` or ``polynorm._api`` cannot hide in both places.
+``polynorm.core.options`` or ``polynorm.ops.norm`` cannot hide in both places.
 
 * The math runs in ``np.longdouble`` (80-bit on x86-64: 64-bit significand,
   exponent range to 1e4932), so squares of float64 ``1e200`` and ``1e-200``

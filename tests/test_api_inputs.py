@@ -48,7 +48,7 @@ def test_dtype_names_are_cached_per_class_only_where_a_class_has_one_name():
     strings, raw bytes, structured) name each instance on its own."""
     import ml_dtypes
 
-    from polynorm._dtypes import dtype_name
+    from polynorm.core.dtypes import dtype_name
 
     cases = ["float32", ">f4", "float16", "float64", ml_dtypes.bfloat16, "int8",
              "M8[s]", "M8[ms]", "U3", "U5", "V2", "V10", [("a", "f4")]]

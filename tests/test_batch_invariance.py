@@ -180,7 +180,7 @@ def test_emulated_cuda_kernels_are_batch_invariant(dtype):
     """The cupy backend's kernels on the CPU emulator: each token of a padded-row batch has
     the bits of the same token alone (forward y/h/rstd, backward dx)."""
     emul = pytest.importorskip("test_emul_kernels")
-    from polynorm._options import Options, make_plan
+    from polynorm.core.options import Options, make_plan
 
     try:
         emul.module(dtype)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import polynorm as pn
-from polynorm._bench import cpu, roof
-from polynorm._dtypes import numpy_dtype
+from polynorm.bench import cpu, roof
+from polynorm.core.dtypes import numpy_dtype
 
 
 @pytest.mark.parametrize("kind", roof.KINDS)

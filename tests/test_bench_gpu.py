@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import polynorm as pn
-from polynorm._bench import gpu
-from polynorm._bench.common import median_time
+from polynorm.bench import gpu
+from polynorm.bench.common import median_time
 
 
 class _CpuLib(gpu._Lib):

@@ -1,4 +1,4 @@
-"""Where compiled kernels live (:mod:`polynorm._cache`) and ``polynorm warmup``."""
+"""Where compiled kernels live (:mod:`polynorm.core.cache`) and ``polynorm warmup``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from polynorm import _cache
+from polynorm.core import cache as _cache
 
 nb = pytest.importorskip("numba")
 
@@ -21,7 +21,7 @@ def test_cache_dir_follows_environment(monkeypatch, tmp_path):
 
 
 def test_numba_kernels_cache_outside_the_package():
-    from polynorm.backends import _numba_kernels as nbk
+    from polynorm.backends.numba import kernels as nbk
 
     if os.environ.get("NUMBA_CACHE_DIR"):
         pytest.skip("NUMBA_CACHE_DIR set: Numba's own rule applies")
@@ -33,7 +33,7 @@ def test_numba_kernels_cache_outside_the_package():
 def test_locator_answers_only_for_polynorm(monkeypatch):
     from numba.core import caching
 
-    from polynorm.backends import _numba_kernels as nbk
+    from polynorm.backends.numba import kernels as nbk
 
     impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl
     locator = impl._locator_classes[0]

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 import polynorm as pn
-from polynorm import _check, _dtypes
-from polynorm._bench import report
-from polynorm._bench.common import Record
 from polynorm.backends import reference
+from polynorm.bench import report
+from polynorm.bench.common import Record
+from polynorm.cli import check as _check
 from polynorm.cli import main
+from polynorm.core import dtypes as _dtypes
 
 registry = importlib.import_module("polynorm.backends")  # pn.backends is the function
 

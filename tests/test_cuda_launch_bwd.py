@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from polynorm.backends import _cuda_launch as cl
+from polynorm.backends.cuda import launch as cl
 
 FLAGS = [(hw, hg) for hw in (False, True) for hg in (False, True)]
 

@@ -4,7 +4,7 @@ The cluster (two worker processes) starts once for the module.  Every result
 is compared with the in-memory backend that the chunks run on (Numba when
 usable, else the reference) on the same numpy data, bit for bit: y, h, rstd,
 dx, and dweight/dbias too on Numba, whose row tree fixes the order of the
-sums over tokens whatever the chunks (polynorm/backends/_rowtree.py).
+sums over tokens whatever the chunks (polynorm/backends/rowtree.py).
 Without Numba, dweight/dbias agree to accumulation accuracy.
 """
 

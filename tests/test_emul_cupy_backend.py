@@ -1,4 +1,4 @@
-"""polynorm/backends/cupy.py itself, end to end on the CPU: a stand-in ``cupy``
+"""polynorm/backends/cuda.py itself, end to end on the CPU: a stand-in ``cupy``
 module whose arrays are numpy arrays and whose ``RawModule`` runs the
 generated kernels in the emulator (tests/emulator).
 
@@ -23,10 +23,11 @@ import pytest
 from _oracle import TOL, Tol, assert_close
 from emulator import compile_source
 
-from polynorm._options import Options, make_plan
-from polynorm.backends import _cuda_launch as cl
-from polynorm.backends import _nvrtc, reference
-from polynorm.backends import cupy as cupy_backend
+from polynorm.backends import cuda as cupy_backend
+from polynorm.backends import reference
+from polynorm.backends.cuda import launch as cl
+from polynorm.backends.cuda import nvrtc as _nvrtc
+from polynorm.core.options import Options, make_plan
 
 # ------------------------------------------------------------------ the stand-in cupy
 
@@ -47,7 +48,7 @@ class ndarray(np.ndarray):  # noqa: N801 - mimics cupy.ndarray
         return contextlib.nullcontext()
 
 
-ndarray.__module__ = "cupy"  # what polynorm._interop dispatches on
+ndarray.__module__ = "cupy"  # what polynorm.core.interop dispatches on
 
 
 def _fake(a: np.ndarray) -> ndarray:
@@ -101,7 +102,7 @@ class _Kernel:
 
 class _RawModule:
     """``RawModule(code=..., name_expressions=...)`` (CuPy compiles) or
-    ``RawModule(path=...)`` (a cubin from polynorm.backends._nvrtc, stubbed below)."""
+    ``RawModule(path=...)`` (a cubin from polynorm.backends.cuda.nvrtc, stubbed below)."""
 
     def __init__(self, code=None, options=(), name_expressions=(), path=None):
         if path is not None:
@@ -396,7 +397,7 @@ def test_emul_cupy_split_rows(fake_cupy, xd):
 def test_emul_cupy_bfloat16_needs_a_cupy_that_has_it(fake_cupy, monkeypatch):
     """cupy < 14 has no bfloat16 dtype: asking for bfloat16 results of cupy arrays
     (``out_dtype="bfloat16"``) is a TypeError before any kernel, not int16 bits."""
-    from polynorm._dtypes import namespace_dtype
+    from polynorm.core.dtypes import namespace_dtype
 
     xp = types.SimpleNamespace(__name__="array_api_compat.cupy")
     like = _fake(np.zeros(3, np.float32))

@@ -1,7 +1,7 @@
 """The fusion kernels (pn_gated_fwd, pn_gated_bwd, pn_quant_fwd), run on the CPU by the emulator.
 
-Launched as ``polynorm/backends/cupy.py`` launches them (launch rules from
-:mod:`polynorm.backends._cuda_launch`, arguments in the ABI order and scalar
+Launched as ``polynorm/backends/cuda.py`` launches them (launch rules from
+:mod:`polynorm.backends.cuda.launch`, arguments in the ABI order and scalar
 types, checked by the harness against the compiled signature), on numpy
 buffers; ``test_emul_fusion_backend_glue`` runs the backend's own functions on
 the stand-in cupy of test_emul_cupy_backend.py and checks they give these bits.
@@ -34,9 +34,9 @@ import pytest
 from _oracle import TOL, Tol, assert_close
 from test_emul_kernels import NP, _garbage, _rs, emul_forward, module
 
-from polynorm._options import Options, make_gated_plan, make_plan, make_quant_plan
-from polynorm.backends import _cuda_launch as cl
 from polynorm.backends import reference
+from polynorm.backends.cuda import launch as cl
+from polynorm.core.options import Options, make_gated_plan, make_plan, make_quant_plan
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 _RUN: dict = {"schedule": 0, "workers": None}
@@ -90,7 +90,7 @@ def emul_gated_forward(x, z, w, b, gplan):
 
 
 def emul_gated_backward(dy, x, z, w, b, rstd, gplan):
-    from polynorm.backends._numba_gated import tree_sum
+    from polynorm.backends.numba.gated import tree_sum
 
     plan = gplan.plan
     xd, zd, ct = _name(x), _name(z), plan.compute_dtype
@@ -405,7 +405,7 @@ def test_fusion_launches_cover_the_segments_and_do_not_depend_on_n():
             assert len(tprs) == 1, (x, d, gs, tprs)
 
 
-# ----------------------------------------------------------------------------- polynorm/backends/cupy.py
+# ----------------------------------------------------------------------------- polynorm/backends/cuda.py
 
 
 @pytest.fixture
@@ -413,8 +413,8 @@ def fake_cupy(monkeypatch):
     """test_emul_cupy_backend.py's stand-in cupy (numpy arrays, kernels in the emulator)."""
     import test_emul_cupy_backend as E
 
-    from polynorm.backends import _nvrtc
-    from polynorm.backends import cupy as cupy_backend
+    from polynorm.backends import cuda as cupy_backend
+    from polynorm.backends.cuda import nvrtc as _nvrtc
 
     monkeypatch.setitem(sys.modules, "cupy", E._make_fake_cupy(3, 227 * 1024))
     monkeypatch.setattr(_nvrtc, "available", lambda: (True, "stubbed"))
@@ -470,7 +470,7 @@ def test_emul_fusion_backend_glue(fake_cupy, dtype):
 
 def test_cupy_backend_offers_the_fusions():
     """The front end sends CUDA arrays to these kernels only if the module has the capabilities."""
-    from polynorm.backends import cupy as cupy_backend
+    from polynorm.backends import cuda as cupy_backend
 
     registry = sys.modules["polynorm.backends"]
 

@@ -1,11 +1,11 @@
-"""The generated CUDA kernels (polynorm/_cuda/polynorm.cu), run on the CPU by the emulator.
+"""The generated CUDA kernels (polynorm/backends/cuda/polynorm.cu), run on the CPU by the emulator.
 
 The exact source CuPy compiles is built with g++ and tests/emulator's prelude
 (one library per x dtype family, cached by content hash) and launched the way
 the cupy backend launches it: kernel, grid, block and dynamic shared memory
-from :mod:`polynorm.backends._cuda_launch`, the dtype decisions
+from :mod:`polynorm.backends.cuda.launch`, the dtype decisions
 (``forward_types`` / ``backward_types`` / ``colsum_out``) from there too, and
-the arguments packed as ``polynorm/backends/cupy.py`` packs them (the same
+the arguments packed as ``polynorm/backends/cuda.py`` packs them (the same
 numpy scalar types, in the ABI order of codegen/ABI.md; the harness checks
 each one against the compiled parameter type).  Results are compared with
 polynorm's reference backend at the per-dtype tolerances of tests/_oracle.py,
@@ -26,9 +26,9 @@ import pytest
 from _oracle import TOL, Tol, assert_close, looser
 from emulator import compile_source
 
-from polynorm._options import Options, compute_dtype, make_plan
-from polynorm.backends import _cuda_launch as cl
 from polynorm.backends import reference
+from polynorm.backends.cuda import launch as cl
+from polynorm.core.options import Options, compute_dtype, make_plan
 
 NP = {
     "float16": np.dtype(np.float16),
@@ -98,7 +98,7 @@ def _rs(a) -> np.int64:
 
 def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=cl.DEFAULT_SMEM, out=None,
                  small=True, split=True, num_sms=cl.DEFAULT_SMS):
-    """``polynorm.backends.cupy.forward`` with numpy buffers for device memory.
+    """``polynorm.backends.cuda.forward`` with numpy buffers for device memory.
 
     Returns ``(y, h, rstd, launch)``, or ``None`` where the backend has no
     kernel (llama casting with a weight dtype without one: it runs the
@@ -145,7 +145,7 @@ def _colsum(part, d: int, ct: str, want: str):
 
 def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=False,
                   max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS, flags=None, split=True, small=True):  # fmt: skip
-    """``polynorm.backends.cupy.backward`` with numpy buffers; returns (dx, dw, db, launch).
+    """``polynorm.backends.cuda.backward`` with numpy buffers; returns (dx, dw, db, launch).
 
     ``flags``: (HAS_W, HAS_G) of the pn_bwd instantiation, when not the arrays' own."""
     xd, wd, bd = _name(x), _name(weight), _name(bias)

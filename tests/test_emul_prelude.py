@@ -429,7 +429,7 @@ void conv(const float* f, const double* d, const unsigned short* u, int n, unsig
 def _cuda_include_dir() -> str | None:
     import os
 
-    from polynorm.backends import _cuda_launch as cl
+    from polynorm.backends.cuda import launch as cl
 
     cands = [*cl.include_dirs()]
     for env in ("CUDA_HOME", "CUDA_PATH"):

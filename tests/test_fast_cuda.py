@@ -1,4 +1,4 @@
-"""polynorm._fast_cuda: which calls the torch-CUDA fast path takes, and that it
+"""polynorm.ops.fast_cuda: which calls the torch-CUDA fast path takes, and that it
 hands the cupy backend what the general path would.
 
 Without a GPU: CPU tensors stand in for CUDA ones (the device test is patched)
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import polynorm as pn
-from polynorm import _fast_cuda
 from polynorm.backends import reference
+from polynorm.ops import fast_cuda as _fast_cuda
 
 torch = pytest.importorskip("torch")
 

@@ -167,7 +167,7 @@ def _check(kind, op, args, opts):
     out_spec = opts.pop("out", None)
     h_dtype = args["x"].dtype.name
     if op == "add" and h_dtype in FLOATS and args["residual"].dtype.name in FLOATS:
-        from polynorm._options import promote
+        from polynorm.core.options import promote
 
         h_dtype = promote(h_dtype, args["residual"].dtype.name)
     want_out = opts.get("out_dtype")
@@ -475,7 +475,7 @@ def _placed_call(p, x, r, w):
 def test_fuzz_jax_device_placement():
     jax = pytest.importorskip("jax")
     jax.config.update("jax_enable_x64", True)
-    from polynorm._interop import jax_committed
+    from polynorm.core.interop import jax_committed
     devices = jax.devices()
 
     @settings(max_examples=max(10, FUZZ_EXAMPLES // 2), deadline=None, derandomize=True,

@@ -191,7 +191,7 @@ def test_numba_matches_reference_16bit_and_axis():
 def _silu_inputs(n_rows):
     """float32 inputs for silu: the exp's cut-offs and their neighbours, zeros, infinities,
     NaN, subnormals, and random bit patterns; ``(n_rows, SILU_BLOCK)``."""
-    from polynorm.backends import _numba_gated as G
+    from polynorm.backends.numba import gated as G
 
     base = np.array([0.0, 1e-45, 1e-38, 1e-8, 0.5, 1.0, 10.0, 20.0, 30.0, 85.0, 86.0, 87.0,
                      88.0, 88.37, 88.72283935546875, 89.0, 100.0, 1e10, 3e38, np.inf, np.nan],
@@ -211,10 +211,10 @@ def test_numba_silu_block_is_the_scalar_silu(dtype):
     the product with x included, for every special value and random patterns."""
     from numba import njit
 
-    from polynorm._dtypes import numpy_dtype
-    from polynorm.backends import _numba_gated as G
-    from polynorm.backends._numba_codec import HW_HALF, load
     from polynorm.backends.numba import _kview
+    from polynorm.backends.numba import gated as G
+    from polynorm.backends.numba.codec import HW_HALF, load
+    from polynorm.core.dtypes import numpy_dtype
 
     if dtype == "float16" and not HW_HALF:
         pytest.skip("float16 blocks need the CPU's half conversions (else the scalar loop runs)")
@@ -246,10 +246,10 @@ def test_numba_dsilu_block_is_the_scalar_dsilu(dtype):
     the scalar loop's bits for every special value and random patterns."""
     from numba import njit
 
-    from polynorm._dtypes import numpy_dtype
-    from polynorm.backends import _numba_gated as G
-    from polynorm.backends._numba_codec import HW_HALF, load
     from polynorm.backends.numba import _kview
+    from polynorm.backends.numba import gated as G
+    from polynorm.backends.numba.codec import HW_HALF, load
+    from polynorm.core.dtypes import numpy_dtype
 
     if dtype == "float16" and not HW_HALF:
         pytest.skip("float16 blocks need the CPU's half conversions (else the scalar loop runs)")

@@ -26,8 +26,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import polynorm as pn  # noqa: E402
-from polynorm._hf import KNOWN_CLASSES  # noqa: E402
 from polynorm.torch import PatchedRMSNorm, patch, patched, unpatch  # noqa: E402
+from polynorm.torch.hf import KNOWN_CLASSES  # noqa: E402
 
 T = transformers
 VOCAB = 128

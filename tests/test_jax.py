@@ -12,8 +12,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.test_util import check_grads  # noqa: E402
 
 import polynorm as pn  # noqa: E402
-from polynorm import _api, _interop  # noqa: E402
+from polynorm.core import interop as _interop  # noqa: E402
 from polynorm.jax import add_rms_norm, rms_norm  # noqa: E402
+from polynorm.ops import norm as _api  # noqa: E402
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 BEST = "numba" if pn.backends()["numba"][0] else "array_api"
@@ -209,7 +210,7 @@ def test_jit_host_kernel_errors_reach_the_caller(monkeypatch):
 
 @pytest.mark.skipif(BEST != "numba", reason="needs numba")
 def test_jit_without_the_ffi_falls_back_to_pure_callback(monkeypatch):
-    from polynorm import _jax_ffi
+    from polynorm.jax import ffi as _jax_ffi
 
     monkeypatch.setattr(_jax_ffi, "available", lambda: False)
     x, w, b, opts = _args(OPTION_SETS["all"])

@@ -1,4 +1,4 @@
-"""Memory-lean training: ``save="output"`` keeps y instead of x (polynorm._lean)."""
+"""Memory-lean training: ``save="output"`` keeps y instead of x (polynorm.ops.lean)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 import polynorm as pn  # noqa: E402
 import polynorm.torch as pnt  # noqa: E402
-from polynorm._lean import recover_input  # noqa: E402
+from polynorm.ops.lean import recover_input  # noqa: E402
 
 # (shape, axis, with bias, options)
 CASES = {

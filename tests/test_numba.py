@@ -28,8 +28,8 @@ numba = pytest.importorskip("numba")
 if not pn.backends()["numba"][0]:  # pragma: no cover
     pytest.skip("numba backend unusable", allow_module_level=True)
 
-from polynorm.backends import _numba_codec as codec  # noqa: E402
 from polynorm.backends import numba as nb  # noqa: E402
+from polynorm.backends.numba import codec  # noqa: E402
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 HALF = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -283,7 +283,7 @@ def test_streaming_only_for_large_out(monkeypatch, rng):
 @pytest.mark.parametrize("avx512", [False, True])
 def test_16_bit_rows_stream_where_the_cpu_has_avx512(monkeypatch, avx512):
     """STREAM_16 unset: decided once, from the CPU's avx512f feature."""
-    from polynorm.backends import _numba_codec
+    from polynorm.backends.numba import codec as _numba_codec
 
     asked = []
     monkeypatch.setattr(nb, "STREAM_16", None)
@@ -560,7 +560,7 @@ def test_float32_rstd_beyond_float32_range(rng):
 def test_pipelined_row_sum_is_the_rows_own(bf, d, rng):
     """16-bit rows: the float64 sum of row i+1 accumulated during row i's output
     pass has the bits of row i+1's sum taken on its own (d off the lane sizes)."""
-    from polynorm.backends import _numba_kernels as K
+    from polynorm.backends.numba import kernels as K
 
     x = rng.standard_normal((3, d)) * np.array([[1.0], [1e3], [1e-3]])
     # the kernels' convention: bfloat16 bits as uint16, float16 bits as int16
@@ -662,7 +662,7 @@ def test_bf16_out_blocks_equal_the_scalar_span(rng):
     """The bfloat16 output blocks (``_bf16_out_block``, with and without the NaN
     guard) give the scalar output loop's bits: every edge class of the rounding as
     ``w + offset`` (x = 1, rstd = 1), random patterns, x's decode included."""
-    from polynorm.backends import _numba_kernels as K
+    from polynorm.backends.numba import kernels as K
 
     def pairs(w, oc):
         """w + oc for the whole blocks, per block its even columns, then its odd ones."""

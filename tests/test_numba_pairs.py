@@ -1,12 +1,12 @@
 """The bfloat16 backward's explicit-vector dx pass against the scalar loop it replaces.
 
-:func:`polynorm.backends._numba_pairs.dx_pairs` must give the bits of
+:func:`polynorm.backends.numba.pairs.dx_pairs` must give the bits of
 ``_numba_backward._dx_pass`` (LLVM's vectorization of the scalar loop) on
 the same row: dx, and the row-tree terms it leaves in the pool (in the
 pair layout), joined with waiting siblings or not, with ``k`` inside a
 16-column block.  Its rounding is checked against the codec on every
 bfloat16 top half with the low halves that decide ties and carries.
-:func:`~polynorm.backends._numba_pairs.dot_pairs` is checked against its
+:func:`~polynorm.backends.numba.pairs.dot_pairs` is checked against its
 documented summation order, written out in numpy.
 """
 
@@ -19,9 +19,9 @@ pytest.importorskip("numba")
 
 from numba import njit  # noqa: E402
 
-from polynorm.backends._numba_backward import _PAD, _dx_pass  # noqa: E402
-from polynorm.backends._numba_codec import encode_array  # noqa: E402
-from polynorm.backends._numba_pairs import (  # noqa: E402
+from polynorm.backends.numba.backward_kernels import _PAD, _dx_pass  # noqa: E402
+from polynorm.backends.numba.codec import encode_array  # noqa: E402
+from polynorm.backends.numba.pairs import (  # noqa: E402
     DOT_BLOCK,
     PAIR_BLOCK,
     dot_pairs,

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from polynorm.backends import _cuda_launch as cl
-from polynorm.backends import _nvrtc
+from polynorm.backends.cuda import launch as cl
+from polynorm.backends.cuda import nvrtc as _nvrtc
 
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
 
@@ -151,10 +151,10 @@ def test_sass_targets(compiled, arch, tmp_path):
     in flight, every pn_bwd variant keeps >= 6 16-byte loads in flight per thread: its row
     ring's cp.async copies (LDGSTS) of S - 1 rows ahead, one commit group per row, counted
     at the wait, and pn_bwd_small keeps its ITEMS x and dy loads in flight and runs no more
-    static FP64 instructions per row than pn_bwd (polynorm/_bench/sass.py)."""
+    static FP64 instructions per row than pn_bwd (polynorm/bench/sass.py)."""
     import subprocess
 
-    from polynorm._bench import sass
+    from polynorm.bench import sass
 
     exe = sass.find_cuobjdump()
     if exe is None:
@@ -213,10 +213,10 @@ def test_sass_targets(compiled, arch, tmp_path):
 
 
 def test_sass_inflight_counts():
-    """The in-flight counts of polynorm/_bench/sass.py on hand-written SASS: LDG.E.128
+    """The in-flight counts of polynorm/bench/sass.py on hand-written SASS: LDG.E.128
     pending until first use, and cp.async groups (LDGSTS / LDGDEPBAR) counted at the
     DEPBAR.LE SB0, N wait as N x the last group plus the LDG.E.128 pending there."""
-    from polynorm._bench import sass
+    from polynorm.bench import sass
 
     text = """
         Function : _Z4kernPf

@@ -1,4 +1,4 @@
-"""The keyword options: one :class:`~polynorm._options.Options`, written once, reaches every
+"""The keyword options: one :class:`~polynorm.core.options.Options`, written once, reaches every
 public function's signature, docstring and type (``**options: Unpack[NormOptions]``)."""
 
 import inspect
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import polynorm as pn
-from polynorm._options import (
+from polynorm.core.options import (
     OPTION_DOCS,
     NormOptions,
     Options,

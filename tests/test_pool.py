@@ -1,4 +1,4 @@
-"""The output pool (polynorm._pool): a result's memory is reused only once
+"""The output pool (polynorm.core.pool): a result's memory is reused only once
 nothing can reach it, the pool stays inside its bound, and the Numba
 backend's allocating calls draw from it."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import polynorm as pn
-from polynorm import _pool
-from polynorm._pool import MIN_BYTES, OutputPool
+from polynorm.core import pool as _pool
+from polynorm.core.pool import MIN_BYTES, OutputPool
 
 BIG = (64, 8192)  # 2 MiB of float32: pooled
 assert BIG[0] * BIG[1] * 4 >= MIN_BYTES

@@ -158,7 +158,7 @@ def test_numba_encoders_are_the_casts(width):
     rows of 64 go through the 32-lane block encoder only, rows of 71 put 7 of
     every 71 values through the scalar tail (bench/encoders_exhaustive.py runs
     all 2**32 float32 patterns)."""
-    from polynorm.backends import _numba_quant as Q
+    from polynorm.backends.numba import quant as Q
 
     v = _encoder_inputs()
     v = np.ascontiguousarray(v[: v.size // width * width].reshape(-1, width))
@@ -186,7 +186,7 @@ def test_numba_encoder_quotients_are_divisions(scale):
     quotients on every code, midpoint and their float32 neighbours (``y`` the float32
     nearest ``t * s`` and one ulp either side), random bit patterns and signed zeros:
     a kernel that multiplied by ``1 / s`` instead (as vLLM's static kernels do) fails it."""
-    from polynorm.backends import _numba_quant as Q
+    from polynorm.backends.numba import quant as Q
 
     s = np.float32(scale)
     t = _encoder_inputs()
@@ -427,7 +427,7 @@ def test_torch_vmap_equals_a_loop(monkeypatch):
             assert g.dtype == want.dtype and g.shape == want.shape
             assert torch.equal(g.view(torch.uint8) if g.element_size() == 1 else g,
                                want.view(torch.uint8) if want.element_size() == 1 else want)
-    from polynorm import _quant
+    from polynorm.ops import quant as _quant
 
     calls = []  # a vmap over tokens is one kernel call (torch's fallback: one per slice)
     quant = _quant.rms_norm_quant

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import polynorm as pn
-from polynorm._options import Options, make_plan
-from polynorm.backends import _rowtree
+from polynorm.backends import rowtree as _rowtree
+from polynorm.core.options import Options, make_plan
 
 nb = pytest.importorskip("polynorm.backends.numba")
 pytest.importorskip("numba")
@@ -102,7 +102,7 @@ def test_kernel_sums_dweight_over_the_defined_tree(dtype, wide):
     float32 products are the kernel's, so the tree predicts dweight's bits --
     for rows that group 16 leaves a node and for rows wide enough to fold
     their waiting siblings in the dx pass instead (``_GROUP_MAX_BYTES``)."""
-    from polynorm.backends import _numba_backward as K
+    from polynorm.backends.numba import backward_kernels as K
 
     limit = K._GROUP_MAX_BYTES_F16 if dtype == "float16" else K._GROUP_MAX_BYTES
     # terms of dweight and dbias: 2 d columns in a pool row of float32

@@ -12,8 +12,9 @@ torch = pytest.importorskip("torch")
 
 import polynorm as pn  # noqa: E402
 import polynorm.torch as pnt  # noqa: E402
-from polynorm import _api, _interop  # noqa: E402
-from polynorm._options import Options  # noqa: E402
+from polynorm.core import interop as _interop  # noqa: E402
+from polynorm.core.options import Options  # noqa: E402
+from polynorm.ops import norm as _api  # noqa: E402
 from polynorm.torch import RMSNorm, add_rms_norm, rms_norm  # noqa: E402
 
 TORCH_DTYPES = {

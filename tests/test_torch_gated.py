@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import polynorm as pn  # noqa: E402
 import polynorm.torch as pt  # noqa: E402
-from polynorm import _gated  # noqa: E402
+from polynorm.ops import gated as _gated  # noqa: E402
 
 
 def _inputs(dtype=torch.float32):

@@ -16,7 +16,7 @@ import importlib
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
-from .._options import GatedPlan, Plan, QuantPlan
+from polynorm.core.options import GatedPlan, Plan, QuantPlan
 
 
 @runtime_checkable
@@ -39,7 +39,7 @@ class Backend(Protocol):
     def backward(self, dy: Any, x: Any, weight: Any, bias: Any, rstd: Any, grad_residual: Any,
                  plan: Plan, out: Any = None) -> tuple[Any, Any, Any]:
         """``(dx, dweight, dbias)``, the sums over rows in the row tree's order
-        (:mod:`polynorm.backends._rowtree`).  ``out``: rows of ``x``'s dtype to write
+        (:mod:`polynorm.backends.rowtree`).  ``out``: rows of ``x``'s dtype to write
         ``dx`` into, possibly ``dy`` itself (checked by the front end); a backend may
         return a new ``dx`` instead, which the front end then copies into ``out``."""
         ...
@@ -96,7 +96,7 @@ class RowRangeBackward(Protocol):
 #: name -> module path.  Order matters only for listing.
 MODULES: dict[str, str] = {
     "numba": "polynorm.backends.numba",
-    "cupy": "polynorm.backends.cupy",
+    "cupy": "polynorm.backends.cuda",
     "dask": "polynorm.backends.dask",
     "array_api": "polynorm.backends.reference",
 }

@@ -14,7 +14,7 @@ One task per chunk computes all of a call's outputs at once (a tuple);
 them together (``dask.compute(y, h)``) runs the kernel once per chunk.
 
 The backward's ``dweight``/``dbias`` on host chunks run on Numba follow the
-row tree of :mod:`polynorm.backends._rowtree`: each chunk returns the tree
+row tree of :mod:`polynorm.backends.rowtree`: each chunk returns the tree
 nodes of its rows (it knows its global row offset), dask's tree reduction
 (fan-in :data:`SPLIT_EVERY`) merges adjacent chunks' nodes, and the root is
 rounded once.  The tree is fixed by the global row index, so the result has
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import numpy_dtype
-from .._options import Plan
+from polynorm.core.dtypes import numpy_dtype
+from polynorm.core.options import Plan
 
 name = "dask"
 
@@ -57,7 +57,7 @@ def accepts(x: Any) -> bool:
 def _inner(block: Any):
     """The in-memory backend for one chunk, chosen on the worker by the chunk's memory:
     the CuPy kernels for CUDA chunks, Numba for host chunks, else the reference."""
-    from . import get, usable
+    from polynorm.backends import get, usable
 
     for name_ in ("cupy", "numba"):
         if usable(name_):
@@ -139,8 +139,8 @@ def _backward_chunk(dy, x, weight, bias, rstd, grad_residual, *, plan: Plan):
 def _backward_chunk_tree(dy, x, weight, bias, rstd, grad_residual, row_ids, *, plan: Plan,
                          ntot: int):
     """dx of a host chunk and the row-tree state of its dweight/dbias terms."""
-    from . import numba as nb
-    from ._rowtree import empty_state
+    from polynorm.backends import numba as nb
+    from polynorm.backends.rowtree import empty_state
 
     if x.shape[0] == 0:
         width = x.shape[1] * ((weight is not None) + (bias is not None))
@@ -150,21 +150,21 @@ def _backward_chunk_tree(dy, x, weight, bias, rstd, grad_residual, row_ids, *, p
 
 
 def _merge_states(states, ntot: int, compute_dtype):
-    from ._rowtree import merge
+    from polynorm.backends.rowtree import merge
 
     return merge(list(states), ntot, compute_dtype)
 
 
 def _finish_tree(state, ntot: int, d: int, wdt, bdt):
-    from . import numba as nb
-    from ._rowtree import root
+    from polynorm.backends import numba as nb
+    from polynorm.backends.rowtree import root
 
     return nb.finish(root(state, ntot), d, wdt, bdt)
 
 
 def _uses_rowtree(x) -> bool:
     """Host chunks of known sizes, with Numba usable: the bit-exact row tree."""
-    from . import usable
+    from polynorm.backends import usable
 
     return (isinstance(x._meta, np.ndarray) and usable("numba")
             and not any(np.isnan(c) for c in x.chunks[0]))
@@ -296,7 +296,7 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
 def _gated_inner(block):
     mod = _inner(block)
     if not hasattr(mod, "gated_forward"):
-        from . import get
+        from polynorm.backends import get
 
         mod = get("array_api")
     return mod
@@ -385,7 +385,7 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
 def _quant_forward_chunk(x, residual, weight, bias, scale, *, qplan):
     mod = _gated_inner(x) if x.shape[0] else None
     if mod is None or not hasattr(mod, "quant_forward"):
-        from . import get
+        from polynorm.backends import get
 
         mod = get("array_api")
     return mod.quant_forward(x, residual, weight, bias, qplan, scale)
@@ -395,7 +395,7 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
     """Quantized forward on 2-D dask rows; lazy ``(q (n, d), scales, h or None)``."""
     import dask.array as da
 
-    from .reference import quant_dtype
+    from polynorm.backends.reference import quant_dtype
 
     x = _rows(x, da.asarray(x).chunks[0])
     rows = x.chunks[0]

@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._dtypes import namespace_dtype
-from .._options import Plan, promote
+from polynorm.core.dtypes import namespace_dtype
+from polynorm.core.options import Plan, promote
 
 name = "array_api"
 
@@ -155,13 +155,13 @@ def _forward(x, residual, weight, bias, plan: Plan):
 
 
 def _name(a) -> str:
-    from .._dtypes import dtype_name
+    from polynorm.core.dtypes import dtype_name
 
     return dtype_name(a.dtype)
 
 
 def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
-    """Hand-written backward on 2-D rows (formula in :mod:`polynorm._options`).
+    """Hand-written backward on 2-D rows (formula in :mod:`polynorm.core.options`).
 
     Returns
     -------
@@ -241,7 +241,7 @@ def _gated_rstd(xp, v, gplan):
 
 
 def gated_forward(x, z, weight, bias, gplan, out=None):
-    """Gated forward on 2-D rows (:class:`polynorm._options.GatedPlan`).
+    """Gated forward on 2-D rows (:class:`polynorm.core.options.GatedPlan`).
 
     Returns ``(y, rstd)``: ``y`` (n, d) of ``plan.out_dtype``, ``rstd``
     (n, groups) of the compute dtype.  ``out`` is ignored (the front end
@@ -353,7 +353,7 @@ def quant_dtype(xp, name: str, like):
 
 
 def quantize(xp, y, qplan, scale=None):
-    """``(q, scales)`` of float32 rows ``y`` (n, d) by :class:`polynorm._options.QuantPlan`.
+    """``(q, scales)`` of float32 rows ``y`` (n, d) by :class:`polynorm.core.options.QuantPlan`.
 
     ``scale``: the static scale as an array (one element) when the plan has
     no float; ``scales`` is (n, groups) float32 for dynamic scales, else the
@@ -374,7 +374,7 @@ def _quantize(xp, y, qplan, scale):
         v = y / s
         scales = s
     else:
-        from .._options import SCALE_FLOOR
+        from polynorm.core.options import SCALE_FLOOR
 
         yg = xp.reshape(y, (n, qplan.groups, qplan.group_size))
         amax = xp.max(xp.abs(yg), axis=2)

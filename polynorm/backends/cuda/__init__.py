@@ -1,0 +1,589 @@
+"""CuPy backend: the generated CUDA kernels of ``polynorm/_cuda`` on CUDA arrays.
+
+Takes cupy arrays and torch/jax arrays in CUDA memory, with no host round
+trip.  The row kernels (forward, fused add, backward) take torch tensors as
+they are -- data pointer and strides, results from torch's allocator -- since
+on small shapes a call's time is its host glue; jax arrays and the fusions go
+through DLPack (bfloat16 as an int16 view where cupy has no bfloat16).
+Kernels run on the caller's current stream: torch's current stream for torch
+tensors, cupy's current stream otherwise.
+
+Which kernel, grid, block and shared memory: :mod:`polynorm.backends.cuda.launch`.
+Each kernel instantiation is compiled on first use by NVRTC
+(:mod:`polynorm.backends.cuda.nvrtc`: IEEE float32 arithmetic, cubins cached on
+disk) and loaded with ``cupy.RawModule(path=...)``; without ``cuda-bindings``
+CuPy compiles it instead (``RawModule(code=..., name_expressions=...)``), which
+flushes float32 subnormals to zero.
+
+Dtype combinations without a kernel are first cast exactly (see
+``_cuda_launch``); ``casting="llama"`` with a weight dtype that has no kernel
+runs the array-API reference on the same device instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from typing import Any
+
+import numpy as np
+
+from polynorm.backends.cuda import launch as cl
+from polynorm.core import interop as _interop
+from polynorm.core.dtypes import dtype_name, namespace_dtype
+from polynorm.core.options import Plan, compute_dtype, promote
+
+name = "cupy"
+
+_NP_STORAGE = {"float16": np.float16, "bfloat16": np.int16, "float32": np.float32, "float64": np.float64,
+               "uint8": np.uint8}
+
+
+def available() -> tuple[bool, str]:
+    """Usable when cupy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return False, f"cupy is not installed ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError without a driver
+        return False, f"no usable CUDA driver/GPU ({type(exc).__name__}: {exc})"
+    if count < 1:
+        return False, "no CUDA GPU found"
+    return True, "ok"
+
+
+def accepts(x: Any) -> bool:
+    """CUDA arrays only: cupy, and torch/jax arrays in CUDA memory."""
+    return _interop.is_cuda_array(x)
+
+
+# ------------------------------------------------------------------ kernels
+
+_kernels: dict[tuple[int, str], Any] = {}
+_device_info: dict[int, tuple[int, int]] = {}
+
+
+def _kernel(launch: cl.Launch):
+    import cupy
+
+    dev = cupy.cuda.Device()
+    key = (dev.id, launch.name)
+    kern = _kernels.get(key)
+    if kern is None:
+        kern = _load(launch.name, f"sm_{dev.compute_capability}")
+        _kernels[key] = kern
+    if launch.shared > 48 * 1024 and kern.max_dynamic_shared_size_bytes < launch.shared:
+        kern.max_dynamic_shared_size_bytes = launch.shared
+    return kern
+
+
+#: (arch, name expression) -> how its kernel was built: "nvrtc-cubin", or
+#: "cupy-fallback ...: <why the cubin was not used>" (recorded by the GPU bench)
+compile_paths: dict[tuple[str, str], str] = {}
+
+
+def _load(name: str, arch: str):
+    """The kernel for one name expression: our NVRTC cubin (IEEE float32), else
+    CuPy's own compile (which flushes float32 subnormals to zero)."""
+    import cupy
+
+    from polynorm.backends.cuda import nvrtc as _nvrtc
+
+    ok, why = _nvrtc.available()
+    if ok:
+        try:
+            path, lowered = _nvrtc.cached_cubin(name, arch)
+            fn = cupy.RawModule(path=str(path)).get_function(lowered)
+            compile_paths[(arch, name)] = "nvrtc-cubin"
+            return fn
+        except Exception as exc:  # a device newer than this NVRTC, a driver older than its cubins:
+            why = f"{type(exc).__name__}: {exc}"  # let CuPy compile instead, and say so
+    compile_paths[(arch, name)] = f"cupy-fallback (-ftz=true): {why}"
+    if ok:  # NVRTC is installed but its cubin failed here: not silently
+        warnings.warn(f"polynorm: {name} for {arch} compiled by CuPy, whose -ftz=true flushes float32 "
+                      f"subnormals to zero, because the NVRTC cubin could not be used: {why}",
+                      RuntimeWarning, stacklevel=3)
+    options = (*cl.NVRTC_OPTIONS, *(f"-I{d}" for d in cl.include_dirs()))
+    try:
+        return cupy.RawModule(code=cl.source(), options=options, name_expressions=[name]).get_function(name)
+    except cupy.cuda.compiler.CompileException as exc:
+        hint = "" if cl.include_dirs() else (
+            " (cuda_fp16.h/cuda_bf16.h not found: pip install nvidia-cuda-runtime-cu12)")
+        raise RuntimeError(f"polynorm: compiling {name} failed{hint}: {exc}") from exc
+
+
+def _device() -> tuple[int, int]:
+    """(multiprocessor count, opt-in shared memory per block) of the current device."""
+    import cupy
+
+    dev = cupy.cuda.Device()
+    info = _device_info.get(dev.id)
+    if info is None:
+        attrs = dev.attributes
+        info = (int(attrs["MultiProcessorCount"]), int(attrs["MaxSharedMemoryPerBlockOptin"]))
+        _device_info[dev.id] = info
+    return info
+
+
+def _launch(launch: cl.Launch, args: tuple) -> None:
+    if _recorded is not None:
+        import cupy
+
+        _recorded.append((launch, args, cupy.cuda.get_current_stream()))
+    _kernel(launch)((launch.grid,), (launch.block,), args, shared_mem=launch.shared)
+
+
+#: while :func:`recording` runs: every launch (with its stream) and every buffer the
+#: backend allocated, which the launches' pointers refer to
+_recorded: list | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Record the kernels that the calls inside launch; yields a function that
+    launches exactly them again, with the same arguments and buffers.
+
+    For timing the kernels alone, without the host's work (planning, casts,
+    allocation, DLPack): ``pn.rms_norm`` of a small row costs more on the host
+    than on the GPU.  The caller keeps the inputs alive; the recorded buffers
+    (outputs and scratch) are kept by the replay function.  Not thread-safe.
+    """
+    global _recorded
+    launches: list = []
+    _recorded = launches
+    try:
+        def replay() -> None:
+            for launch, args, stream in launches:
+                if launch is None:
+                    continue
+                with stream:
+                    _kernel(launch)((launch.grid,), (launch.block,), args,
+                                    shared_mem=launch.shared)
+
+        replay.launches = launches  # type: ignore[attr-defined]
+        yield replay
+    finally:
+        _recorded = None
+
+
+#: (device, raw stream pointer) -> cupy's wrapper of that torch stream (made once: a
+#: wrapper costs ~1.5 us and, in cupy >= 14, a DeprecationWarning each time)
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def _torch_stream(torch: Any, dev: int) -> Any:
+    import cupy
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~0.3 us against ~5 us
+    ptr = raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
+    stream = _streams.get((dev, ptr))
+    if stream is None:
+        if len(_streams) > 64:  # streams come and go: keep the table small
+            _streams.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = _streams[(dev, ptr)] = cupy.cuda.ExternalStream(ptr, dev)
+    return stream
+
+
+@contextlib.contextmanager
+def _on_callers_stream(x: Any):
+    """The device of ``x`` and its library's current stream, for the whole call."""
+    import cupy
+
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+
+        dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        with cupy.cuda.Device(dev), _torch_stream(torch, dev):
+            yield
+        return
+    if mod == "cupy":
+        with x.device:
+            yield
+        return
+    dev = next(iter(x.devices())).id  # jax
+    with cupy.cuda.Device(dev):
+        yield
+
+
+# ------------------------------------------------------------------ array helpers
+
+
+def _name(a: Any) -> str | None:
+    return None if a is None else dtype_name(a.dtype)
+
+
+def _cast(a: Any, dtype: str) -> Any:
+    """``a`` cast to ``dtype`` in its own library (on its device)."""
+    if a is None or _name(a) == dtype:
+        return a
+    from array_api_compat import array_namespace
+
+    xp = array_namespace(a)
+    return xp.astype(a, namespace_dtype(xp, dtype, a))
+
+
+def _view(a: Any) -> Any:
+    """cupy view with contiguous last axis (copying only when it is not)."""
+    c = _interop.to_cupy(a)
+    if c is None:
+        return None
+    if c.ndim == 2 and c.shape[1] > 1 and c.strides[1] != c.itemsize:
+        import cupy
+
+        c = cupy.ascontiguousarray(c)
+    elif c.ndim == 1 and c.shape[0] > 1 and c.strides[0] != c.itemsize:
+        import cupy
+
+        c = cupy.ascontiguousarray(c)
+    return c
+
+
+def _is_torch(a: Any) -> bool:
+    return type(a).__module__.split(".", 1)[0] == "torch"
+
+
+def _dev(a: Any) -> Any:
+    """A buffer the kernels can take: a torch CUDA tensor as it is (its pointer and
+    strides are read directly, no DLPack: a call's host time is mostly such glue),
+    anything else as a cupy view (:func:`_view`); the last axis made contiguous."""
+    if a is None or not _is_torch(a):
+        return _view(a)
+    return a.contiguous() if a.shape[-1] > 1 and a.stride(-1) != 1 else a
+
+
+def _torch_ptr(t: Any) -> int:
+    return t.data_ptr()
+
+
+def _ptr(c: Any) -> np.uint64:
+    if c is None:
+        return np.uint64(0)
+    return np.uint64(_torch_ptr(c) if _is_torch(c) else c.data.ptr)
+
+
+def _rs(c: Any) -> np.int64:
+    """Row stride in elements (0 for absent arrays)."""
+    if c is None:
+        return np.int64(0)
+    return np.int64(c.stride(0) if _is_torch(c) else c.strides[0] // c.itemsize)
+
+
+def _col_stride(c: Any) -> int:
+    return c.stride(1) if _is_torch(c) else c.strides[1] // c.itemsize
+
+
+_TORCH_DTYPES: dict[str, Any] = {}
+
+
+def _empty(shape: tuple[int, ...], dtype: str, zero: bool = False, like: Any = None):
+    """A new device array; a torch tensor on ``like``'s device when ``like`` is one
+    (torch's allocator, on its current stream), else a cupy array."""
+    if like is not None and _is_torch(like):
+        import torch
+
+        if not _TORCH_DTYPES:
+            _TORCH_DTYPES.update({k: getattr(torch, k) for k in _NP_STORAGE})
+        a = (torch.zeros if zero else torch.empty)(shape, dtype=_TORCH_DTYPES[dtype], device=like.device)
+    else:
+        import cupy
+
+        a = (cupy.zeros if zero else cupy.empty)(shape, dtype=_NP_STORAGE[dtype])
+    if _recorded is not None:
+        _recorded.append((None, a, None))  # kept alive for the replay; not a launch
+    return a
+
+
+# ------------------------------------------------------------------ the contract
+
+
+def forward(x, residual, weight, bias, plan: Plan, out=None):
+    """Forward on 2-D rows (see :mod:`polynorm.backends.reference`)."""
+    types = cl.forward_types(_name(x), _name(residual), _name(weight), plan.out_dtype, plan.llama)
+    if types is None:  # llama casting with a weight dtype that has no kernel
+        from polynorm.backends import reference
+
+        return reference.forward(x, residual, weight, bias, plan, out)
+    ct = compute_dtype(types.h)
+    with _on_callers_stream(x):
+        xk = _cast(x, types.x)
+        rk = _cast(residual, types.res)
+        wk = _cast(weight, types.weight)
+        bk = _cast(bias, ct)
+        xc, resc, wc, bc = _dev(xk), _dev(rk), _dev(wk), _dev(bk)
+        n, d = xc.shape
+        yc = None
+        direct = out is not None and types.out == plan.out_dtype
+        if direct:
+            yc = out if _is_torch(out) else _interop.to_cupy(out)
+            if yc.shape[1] > 1 and _col_stride(yc) != 1:
+                yc, direct = None, False
+        if yc is None:
+            yc = _empty((n, d), types.out, like=x)
+        hc = _empty((n, d), types.h, like=x) if resc is not None else None
+        rstd = _empty((n,), ct, like=x)
+        num_sms, max_smem = _device()
+        launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out, max_smem=max_smem,
+                                   num_sms=num_sms)
+        head = (
+            _ptr(xc), _rs(xc), _ptr(resc), _rs(resc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
+            _ptr(yc), _rs(yc), _ptr(rstd),
+        )
+        tail = (
+            np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
+            np.int32(plan.llama),
+        )
+        _launch_rows(launch, head, tail, n, d, plan.k, sums=1, like=x)
+        if direct:
+            y = out
+        else:
+            y = _interop.from_cupy(yc, x, types.out)
+            y = _cast(y, plan.out_dtype)
+        h = _interop.from_cupy(hc, x, types.h)
+        return y, h, _interop.from_cupy(rstd, x)
+
+
+def _launch_rows(launch, head: tuple, tail: tuple, n: int, d: int, k: int, sums: int,
+                 like: Any = None) -> None:
+    """A row kernel's launch (``head``, the row scalars, ``tail``), or pn_*_split's two
+    launches around a float64 buffer of ``sums`` sums per (row, slice)."""
+    if launch.slices:
+        part = _empty((sums * n * launch.slices,), "float64", like=like)
+        args = (*head, _ptr(part), np.int64(n), np.int32(d), np.int32(k), np.int32(launch.slices), *tail)
+        _launch(launch, args)
+        _launch(dataclasses.replace(launch, name=launch.name2), args)
+    else:
+        _launch(launch, (*head, np.int64(n), np.int32(d), np.int32(k),
+                         np.int32(launch.stash if launch.big else launch.tpr), *tail))
+
+
+def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
+    """Backward on 2-D rows (see :mod:`polynorm.backends.reference`).
+
+    ``dx`` is always a new array (``out``, even ``dy`` itself, gets a copy from the
+    front end): the kernels are not written for ``dx`` aliasing ``dy``.
+    """
+    xd, wd, bd = _name(x), _name(weight), _name(bias)
+    types = cl.backward_types(xd, _name(dy), _name(grad_residual), wd)
+    ct = types.compute
+    with _on_callers_stream(x):
+        xc = _dev(x)
+        dyc = _dev(_cast(dy, types.dy))
+        gc = _dev(_cast(grad_residual, types.dy))
+        wc = _dev(_cast(weight, types.weight))
+        rstdc = _dev(_cast(rstd, ct))
+        n, d = xc.shape
+        dxc = _empty((n, d), xd, like=x)
+        num_sms, max_smem = _device()
+        want = weight is not None or bias is not None
+        launch = cl.backward_launch(n, d, xd, types.dy, types.weight, partials=want,
+                                    num_sms=num_sms, max_smem=max_smem,
+                                    has_w=weight is not None, has_g=grad_residual is not None)
+        shape = (launch.partial_rows, launch.ldp)
+        dwp = _empty(shape, ct, zero=launch.big, like=x) if weight is not None else None
+        dbp = _empty(shape, ct, zero=launch.big, like=x) if bias is not None else None
+        head = (
+            _ptr(dyc), _rs(dyc), _ptr(xc), _rs(xc), _ptr(wc), _ptr(rstdc), _ptr(gc), _rs(gc),
+            _ptr(dxc), _rs(dxc), _ptr(dwp), _ptr(dbp), np.int64(launch.ldp),
+        )
+        tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset))
+        _launch_rows(launch, head, tail, n, d, plan.k, sums=2, like=x)
+        dx = _interop.from_cupy(dxc, x, xd)
+        dweight = _colsum(dwp, d, ct, wd, x) if weight is not None else None
+        dbias = _colsum(dbp, d, ct, bd, x) if bias is not None else None
+        return dx, dweight, dbias
+
+
+def _colsum(part, d: int, ct: str, want: str, like: Any):
+    kout = cl.colsum_out(ct, want)
+    out = _empty((d,), kout, like=like)
+    launch = cl.colsum_launch(d, ct, kout)
+    _launch(launch, (_ptr(part), np.int64(part.shape[0]), np.int64(part.shape[1]), np.int32(d), _ptr(out)))
+    return _cast(_interop.from_cupy(out, like, kout), want)
+
+
+# ------------------------------------------------------------------ fusions (gated, quantized output)
+
+
+def _rows_for(a: Any, dtype: str) -> Any:
+    """``a`` cast exactly to the kernel's ``dtype`` (see ``_cuda_launch.kernel_dtype``), as a view."""
+    return _view(_cast(a, dtype))
+
+
+def _tree_sum(leaves: Any, cdt: str) -> Any:
+    """Sum of ``leaves`` (rows, d) over rows in the row tree's order
+    (:mod:`._rowtree`): adjacent pairs level by level, a lone last row carried
+    up, in the compute dtype below ``TREE_G`` and in float64 from it up -- the
+    adds of ``_numba_gated.tree_sum``, one elementwise kernel per level."""
+    from polynorm.backends.rowtree import TREE_G
+
+    cur = leaves
+    level = 1
+    while cur.shape[0] > 1:
+        m = cur.shape[0]
+        if level == TREE_G and cdt != "float64":
+            cur = cur.astype(np.float64)
+        pairs = cur[0:m - 1:2] + cur[1:m:2]
+        if m % 2:
+            nxt = _empty((m // 2 + 1, cur.shape[1]), "float64" if cur.dtype == np.float64 else cdt)
+            nxt[: m // 2] = pairs
+            nxt[m // 2] = cur[m - 1]
+            cur = nxt
+        else:
+            cur = pairs
+        level += 1
+    return cur[0].astype(np.float64)
+
+
+def gated_forward(x, z, weight, bias, gplan, out=None):
+    """Gated forward on 2-D rows (see :func:`.reference.gated_forward`): pn_gated_fwd.
+
+    ``casting="llama"`` runs the reference on the device (its roundings are not
+    in the kernel).  z and the output move in x's dtype or the compute dtype
+    (exact casts otherwise); weight and bias in the compute dtype.
+    """
+    plan = gplan.plan
+    if plan.llama:
+        from polynorm.backends import reference
+
+        return reference.gated_forward(x, z, weight, bias, gplan, out)
+    xd = _name(x)
+    ct = plan.compute_dtype
+    kz = cl.kernel_dtype(xd, _name(z))
+    ko = cl.kernel_dtype(xd, plan.out_dtype)
+    with _on_callers_stream(x):
+        xc, zc = _view(x), _rows_for(z, kz)
+        wc, bc = _rows_for(weight, ct), _rows_for(bias, ct)
+        n, d = xc.shape
+        yc = _empty((n, d), ko)
+        rstd = _empty((n, gplan.groups), ct)
+        launch = cl.gated_forward_launch(n, d, gplan.group_size, xd, kz, ko)
+        args = (
+            _ptr(xc), _rs(xc), _ptr(zc), _rs(zc), _ptr(wc), _ptr(bc), _ptr(yc), _rs(yc), _ptr(rstd),
+            np.int64(n), np.int32(d), np.int32(gplan.group_size), np.int32(gplan.k),
+            np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
+            np.float64(plan.offset), np.int32(gplan.norm_before_gate),
+        )
+        _launch(launch, args)
+        y = _cast(_interop.from_cupy(yc, x, ko), plan.out_dtype)
+        return y, _interop.from_cupy(rstd, x)
+
+
+def gated_backward(dy, x, z, weight, bias, rstd, gplan):
+    """Gated backward on 2-D rows: pn_gated_bwd writes dx, dz and per-row dweight /
+    dbias leaves, summed over rows in the row tree's order (:func:`_tree_sum`)."""
+    plan = gplan.plan
+    xd, zd = _name(x), _name(z)
+    ct = plan.compute_dtype
+    kz = cl.kernel_dtype(xd, zd)
+    kdy = cl.kernel_dtype(xd, _name(dy))
+    with _on_callers_stream(x):
+        import cupy
+
+        # the kernel takes C-contiguous rows (one offset for all its arrays: fewer registers)
+        xc, zc, dyc, rstdc = (None if a is None else cupy.ascontiguousarray(_view(a))
+                              for a in (x, _cast(z, kz), _cast(dy, kdy),
+                                        None if rstd is None else _cast(rstd, ct)))
+        wc, bc = _rows_for(weight, ct), _rows_for(bias, ct)
+        n, d = xc.shape
+        dxc = _empty((n, d), xd)
+        dzc = _empty((n, d), kz)
+        lw = _empty((n, d), ct) if weight is not None else None
+        lb = _empty((n, d), ct) if bias is not None else None
+        launch = cl.gated_backward_launch(n, d, gplan.group_size, xd, kz, kdy)
+        args = (
+            _ptr(dyc), _ptr(xc), _ptr(zc), _ptr(wc), _ptr(bc), _ptr(rstdc),
+            _ptr(dxc), _ptr(dzc), _ptr(lw), _ptr(lb),
+            np.int64(n), np.int32(d), np.int32(gplan.group_size), np.int32(gplan.k),
+            np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
+            np.float64(plan.offset), np.int32(gplan.norm_before_gate),
+        )
+        _launch(launch, args)
+        dx = _interop.from_cupy(dxc, x, xd)
+        dz = _cast(_interop.from_cupy(dzc, x, kz), zd)
+        dw = db = None
+        if weight is not None:
+            dw = _cast(_interop.from_cupy(_tree_sum(lw, ct), x), _name(weight))
+        if bias is not None:
+            db = _cast(_interop.from_cupy(_tree_sum(lb, ct), x), _name(bias))
+        return dx, dz, dw, db
+
+
+def _wrap_q(q: Any, like: Any, qdtype: str) -> Any:
+    """``q`` (uint8 bits, cupy) as the caller's array of the quantized format."""
+    mod = type(like).__module__.split(".")[0]
+    if qdtype == "int8":
+        q = q.view(np.int8)
+        return q if mod == "cupy" else _interop.from_cupy(q, like)
+    if mod == "torch":
+        import torch
+
+        return torch.from_dlpack(q).view(torch.float8_e4m3fn)
+    if mod in ("jax", "jaxlib"):
+        import jax
+        import jax.numpy as jnp
+
+        return jax.lax.bitcast_convert_type(jnp.from_dlpack(q), jnp.float8_e4m3fn)
+    raise TypeError(f"dtype={qdtype!r}: {mod} arrays have no {qdtype} dtype")
+
+
+def quant_forward(x, residual, weight, bias, qplan, scale=None):
+    """Quantized forward on 2-D rows (see :func:`.reference.quant_forward`): pn_quant_fwd.
+
+    x and residual move in their promoted dtype when they differ (exact);
+    weight and bias in the compute dtype.  ``casting="llama"`` runs
+    :func:`forward` into float32 rows and quantizes them with the reference's
+    array code on the device.
+    """
+    plan = qplan.plan
+    if plan.llama:
+        from polynorm.backends import reference
+
+        y, h, _ = forward(x, residual, weight, bias, plan)
+        from array_api_compat import array_namespace
+
+        q, scales = reference.quantize(array_namespace(y), y, qplan, scale)
+        return q, scales, h
+    xd = _name(x)
+    hd = xd if residual is None else promote(xd, _name(residual))
+    ct = plan.compute_dtype
+    with _on_callers_stream(x):
+        xc, resc = _rows_for(x, hd), _rows_for(residual, hd)
+        wc, bc = _rows_for(weight, ct), _rows_for(bias, ct)
+        n, d = xc.shape
+        hc = _empty((n, d), hd) if resc is not None else None
+        q = _empty((n, d), "uint8")
+        if qplan.static:
+            sdev = _empty((1,), "float32")
+            if scale is None:
+                sdev[0] = np.float32(qplan.scale)
+            else:
+                sdev[...] = _view(_cast(_interop_reshape(scale), "float32"))
+            sc = None
+        else:
+            sdev = None
+            sc = _empty((n, qplan.groups), "float32")
+        launch = cl.quant_launch(n, d, hd, qplan.qdtype == "float8_e4m3fn")
+        args = (
+            _ptr(xc), _rs(xc), _ptr(resc), _rs(resc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
+            _ptr(q), _rs(q), _ptr(sc), _ptr(sdev),
+            np.int64(n), np.int32(d), np.int32(plan.k), np.int32(qplan.group_size),
+            np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
+            np.float64(plan.offset),
+        )
+        _launch(launch, args)
+        scales = _interop.from_cupy(sdev.reshape(()) if qplan.static else sc, x)
+        return (_wrap_q(q, x, qplan.qdtype), scales,
+                _interop.from_cupy(hc, x, hd) if hc is not None else None)
+
+
+def _interop_reshape(scale: Any) -> Any:
+    """A one-element scale array of any CUDA library as a (1,) array of its library."""
+    from array_api_compat import array_namespace
+
+    return array_namespace(scale).reshape(scale, (1,))

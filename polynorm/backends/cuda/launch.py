@@ -1,0 +1,740 @@
+"""Which generated CUDA kernel to launch, and how: pure Python, no cupy.
+
+Shared by the cupy backend, the NVRTC compile test and the CPU emulator
+harness (tests/emulator), so that all three exercise the same choices.  The
+kernels and their arguments are described in ``codegen/ABI.md``.
+
+Dtype rules (all exact with respect to :mod:`polynorm.backends.reference`):
+
+* The kernels are specialised for the dtype combinations in
+  :data:`FWD_TYPES` / :data:`BWD_TYPES` / :data:`COLSUM_TYPES`.
+* Residual: a ``(x, residual)`` pair without a kernel is cast to
+  ``h = promote(x, residual)`` first (exact: ``h`` holds both).
+* Weight: in ``fp32`` casting (and in the backward) the weight only enters as
+  ``astype(weight, compute)``, so an unlisted weight dtype is cast to the
+  compute dtype; ``llama`` casting with an unlisted weight dtype has no kernel
+  (``None``: the backend runs the reference on the device instead).
+* Bias always enters in the compute dtype: it is passed cast to it.
+* Output: an unlisted out dtype is written in the compute dtype, then cast
+  (one rounding either way).
+
+>>> fl = forward_launch(4096, 4096, "bfloat16", weight="float32")
+>>> fl.name, fl.block, fl.tpr
+('pn_fwd<__nv_bfloat16, __nv_bfloat16, float, __nv_bfloat16, 2>', 256, 256)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from polynorm.core.options import FLOAT_DTYPES, compute_dtype, promote
+
+CTYPE = {
+    "float16": "__half",
+    "bfloat16": "__nv_bfloat16",
+    "float32": "float",
+    "float64": "double",
+}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+#: elements per 16-byte chunk, by x dtype
+VEC = {t: 16 // ITEMSIZE[t] for t in FLOAT_DTYPES}
+
+FWD_ITEMS = (1, 2, 4)  # register chunks per thread, pn_fwd (the union over dtypes)
+#: pn_fwd's chunks per thread by x dtype: at most 16 float32 values of a row
+#: per thread (float64: 4), which keeps pn_fwd within 64 registers (two
+#: 512-thread blocks per SM, 50% occupancy) without spilling; longer rows go
+#: to pn_fwd_big
+FWD_ITEMS_BY_X = {"float16": (1, 2), "bfloat16": (1, 2), "float32": (1, 2, 4), "float64": (1, 2)}
+#: pn_bwd's chunks per lane.  The body sums every row over the ITEMS=1 tree
+#: for any ITEMS, but ITEMS=2 spills within the 64 registers
+BWD_ITEMS = (1,)
+REG_THREADS = 512  # __launch_bounds__ of pn_fwd / pn_bwd
+#: rows up to this long go to pn_fwd_small (several rows per warp)
+SMALL_D = 256
+#: pn_fwd_small's chunks (pn_fwd threads it stands for) per lane: 4 spill
+#: within its 64 registers (16-bit x; float32 on sm_80; float64 rows of 128
+#: chunks, d > 128, which stay with pn_fwd)
+SMALL_ITEMS = 2
+SMALL_THREADS = 256  # __launch_bounds__ of pn_fwd_small and pn_bwd_small
+BIG_THREADS = 1024  # __launch_bounds__ of the *_big kernels
+COLSUM_THREADS = 256  # __launch_bounds__ of pn_colsum
+ROW_BLOCK = 256  # target threads per block when several rows share one
+#: resident backward threads per SM: more hides latency, fewer means fewer
+#: dweight/dbias partial rows to write and reduce
+BWD_THREADS_PER_SM = 1024
+DEFAULT_SMS = 132  # H100/H200 SXM; the backend passes the real count
+DEFAULT_SMEM = 227 * 1024  # opt-in shared memory per block, sm_90
+#: static shared memory of the *_big kernels (red[32] doubles) plus slack: the
+#: opt-in limit covers static + dynamic
+STATIC_SMEM = 1024
+#: the row slices of the *_big kernels (common.cu.j2 pn_slice_span): at least
+#: this many passes of the block over the row per slice, at most this many slices
+SLICE_MIN_PASSES = 2
+SLICE_MAX = 32
+
+
+def _options(h: str) -> tuple[str, ...]:
+    """Weight / output dtypes with a kernel for normalized dtype ``h``."""
+    c = compute_dtype(h)
+    return (h,) if c == h else (h, c)
+
+
+#: (x, residual, weight, out) dtypes of pn_fwd / pn_fwd_big.  The plain
+#: forward uses residual == x with a null residual pointer.
+FWD_TYPES: tuple[tuple[str, str, str, str], ...] = tuple(
+    [(t, t, w, o) for t in FLOAT_DTYPES for w in _options(t) for o in _options(t)]
+    + [(t, "float32", "float32", "float32") for t in ("bfloat16", "float16")]
+)
+#: (x, dy, weight) dtypes of pn_bwd / pn_bwd_big (grad_residual has dy's dtype)
+BWD_TYPES: tuple[tuple[str, str, str], ...] = tuple(
+    (t, g, w) for t in FLOAT_DTYPES for g in _options(t) for w in _options(t)
+)
+#: (compute, out) dtypes of pn_colsum
+COLSUM_TYPES: tuple[tuple[str, str], ...] = (
+    ("float32", "float16"), ("float32", "bfloat16"), ("float32", "float32"),
+    ("float64", "float32"), ("float64", "float64"),
+)
+
+
+def _ct(*names: str) -> str:
+    return ", ".join(CTYPE[n] for n in names)
+
+
+def fwd_name(x: str, res: str, w: str, out: str, items: int | None) -> str:
+    if items is None:
+        return f"pn_fwd_big<{_ct(x, res, w, out)}>"
+    return f"pn_fwd<{_ct(x, res, w, out)}, {items}>"
+
+
+def fwd_split_name(x: str, res: str, w: str, out: str, phase: int) -> str:
+    return f"pn_fwd_split<{_ct(x, res, w, out)}, {phase}>"
+
+
+def fwd_small_name(x: str, res: str, w: str, out: str, items: int, wide: bool) -> str:
+    return f"pn_fwd_small<{_ct(x, res, w, out)}, {items}, {'true' if wide else 'false'}>"
+
+
+def small_shapes(x: str) -> list[tuple[int, bool]]:
+    """The (ITEMS, WIDE) instantiations of pn_fwd_small some d <= SMALL_D needs for x dtype ``x``."""
+    shapes = (small_shape(d, x) for d in range(1, SMALL_D + 1))
+    return sorted({s[1:] for s in shapes if s is not None})
+
+
+def _pn_fwd_tpr(d: int, vec: int) -> int:
+    """pn_fwd's threads per row at ITEMS 1 (what the dispatcher picks for d <= SMALL_D)."""
+    return max(vec, _pow2ceil(d // vec))
+
+
+@lru_cache(maxsize=4096)
+def small_shape(d: int, x: str) -> tuple[int, int, bool] | None:
+    """(lanes per row, ITEMS, WIDE) of pn_fwd_small, or None where pn_fwd keeps the row.
+
+    The lanes stand for pn_fwd's threads (see forward.cu.j2), ITEMS each; a row
+    of more than 32 such threads takes one warp, one item per 32 of them.
+
+    >>> small_shape(128, "bfloat16"), small_shape(128, "float32"), small_shape(256, "float32")
+    ((8, 2, False), (16, 2, False), (32, 2, True))
+    >>> small_shape(256, "float64") is None
+    True
+    """
+    return None if d > SMALL_D else _small_lanes(_pn_fwd_tpr(d, VEC[x]), SMALL_ITEMS)
+
+
+def _small_lanes(t: int, items: int) -> tuple[int, int, bool] | None:
+    """(lanes per row, ITEMS, WIDE) standing for ``t`` threads of the one-row kernel:
+    ``items`` each within a warp, or one warp with one item per 32 threads."""
+    if t > 32 * items:
+        return None
+    if t > 32:
+        return 32, t // 32, True
+    return max(1, t // items), items, False
+
+
+def _tf(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def bwd_name(x: str, dy: str, w: str, items: int | None, has_w: bool = True, has_g: bool = False) -> str:
+    if items is None:
+        return f"pn_bwd_big<{_ct(x, dy, w)}>"
+    return f"pn_bwd<{_ct(x, dy, w)}, {items}, {_tf(has_w)}, {_tf(has_g)}>"
+
+
+def bwd_small_name(x: str, dy: str, w: str, items: int, lpr: int, has_w: bool = True,
+                   has_g: bool = False) -> str:
+    return f"pn_bwd_small<{_ct(x, dy, w)}, {items}, {_tf(has_w)}, {_tf(has_g)}, {lpr}>"
+
+
+#: pn_bwd_small's chunks (pn_bwd threads it stands for) per lane: 4 holds too
+#: many of a row's chunks (x, dy and the weight factor) for its 64 registers
+SMALL_BWD_ITEMS = 2
+
+
+def _pn_bwd_tpr(d: int, vec: int) -> int:
+    """pn_bwd's threads per row (ITEMS 1) for d <= SMALL_D."""
+    return max(2 * vec, _pow2ceil(d // vec))
+
+
+@lru_cache(maxsize=4096)
+def small_bwd_shape(d: int, x: str) -> tuple[int, int, bool] | None:
+    """(lanes per row, ITEMS, WIDE) of pn_bwd_small, or None where pn_bwd keeps the row.
+
+    The lanes stand for pn_bwd's threads, ITEMS each; a row of more than 32
+    such threads takes one warp, one item per 32 of them (float32 d > 128,
+    float64 d > 64).  float64 rows of 128 pn_bwd threads (d > 129) stay with pn_bwd.
+
+    >>> small_bwd_shape(128, "bfloat16"), small_bwd_shape(128, "float32"), small_bwd_shape(256, "float32")
+    ((8, 2, False), (16, 2, False), (32, 2, True))
+    >>> small_bwd_shape(3, "float64"), small_bwd_shape(256, "float64") is None
+    ((2, 2, False), True)
+    """
+    return None if d > SMALL_D else _small_lanes(_pn_bwd_tpr(d, VEC[x]), SMALL_BWD_ITEMS)
+
+
+def takes_small_bwd(d: int, x: str, dy: str) -> bool:
+    """Whether pn_bwd_small takes rows of ``d`` (kernel dtypes x, dy): where it has a shape
+    and dy's chunks are as wide as x's (float32 dy with 16-bit x, twice the registers per
+    chunk, spills within its 64 registers: those rows stay with pn_bwd, the same dx bits).
+
+    >>> takes_small_bwd(128, "bfloat16", "bfloat16"), takes_small_bwd(128, "bfloat16", "float32")
+    (True, False)
+    """
+    return ITEMSIZE[dy] == ITEMSIZE[x] and small_bwd_shape(d, x) is not None
+
+
+def small_bwd_shapes(x: str) -> list[tuple[int, int]]:
+    """The (ITEMS, lanes per row) instantiations of pn_bwd_small some d <= SMALL_D needs for x dtype ``x``."""
+    shapes = (small_bwd_shape(d, x) for d in range(1, SMALL_D + 1))
+    return sorted({(s[1], s[0]) for s in shapes if s is not None})
+
+
+def bwd_split_name(x: str, dy: str, w: str, phase: int) -> str:
+    return f"pn_bwd_split<{_ct(x, dy, w)}, {phase}>"
+
+
+def colsum_name(ct: str, out: str) -> str:
+    return f"pn_colsum<{_ct(ct, out)}>"
+
+
+def specialisations() -> list[str]:
+    """Every kernel name expression the dispatcher can request.
+
+    >>> names = specialisations()
+    >>> len(names) == len(set(names)), "pn_colsum<float, __nv_bfloat16>" in names
+    (True, True)
+    """
+    names = []
+    for t in FWD_TYPES:
+        names += [fwd_name(*t, items) for items in (*FWD_ITEMS_BY_X[t[0]], None)]
+        names += [fwd_small_name(*t, items, wide) for items, wide in small_shapes(t[0])]
+        if compute_dtype(promote(t[0], t[1])) == "float32":
+            names += [fwd_split_name(*t, phase) for phase in (1, 2)]
+    for t in BWD_TYPES:
+        for hw in (False, True):
+            for hg in (False, True):
+                names += [bwd_name(*t, items, hw, hg) for items in BWD_ITEMS]
+                if ITEMSIZE[t[1]] == ITEMSIZE[t[0]]:  # see takes_small_bwd
+                    names += [bwd_small_name(*t, items, lpr, hw, hg) for items, lpr in small_bwd_shapes(t[0])]
+        names.append(bwd_name(*t, None))
+        if compute_dtype(t[0]) == "float32":
+            names += [bwd_split_name(*t, phase) for phase in (1, 2)]
+    names += [colsum_name(*t) for t in COLSUM_TYPES]
+    names += [gated_fwd_name(*t) for t in GATED_FWD_TYPES]
+    names += [gated_bwd_name(*t) for t in GATED_BWD_TYPES]
+    names += [quant_name(t, fp8) for t in FLOAT_DTYPES for fp8 in (True, False)]
+    return names
+
+
+# ------------------------------------------------------------------ dtype decisions
+
+
+@dataclass(frozen=True)
+class FwdTypes:
+    """Kernel dtypes for one forward call; ``cast_*`` say what to convert first."""
+
+    x: str  # kernel x dtype (cast x to it when different)
+    res: str  # kernel residual dtype (== x when there is no residual)
+    weight: str  # kernel weight dtype (== h when there is no weight)
+    out: str  # dtype the kernel writes y in (cast to the requested one after)
+    h: str  # normalized dtype = promote(x, residual)
+
+
+@lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small
+def forward_types(x: str, res: str | None, weight: str | None, out: str, llama: bool) -> FwdTypes | None:
+    """Kernel dtypes for a forward, or ``None`` when no kernel computes it exactly.
+
+    >>> forward_types("bfloat16", None, "float32", "bfloat16", False)
+    FwdTypes(x='bfloat16', res='bfloat16', weight='float32', out='bfloat16', h='bfloat16')
+    >>> forward_types("float32", "bfloat16", None, "float32", False).x
+    'float32'
+    >>> forward_types("bfloat16", None, "float16", "bfloat16", True) is None
+    True
+    """
+    h = x if res is None else promote(x, res)
+    kx, kr = x, (x if res is None else res)
+    if (kx, kr) not in {(t[0], t[1]) for t in FWD_TYPES}:
+        kx = kr = h
+    opts = _options(h)
+    if weight is None or weight in opts:
+        kw = h if weight is None else weight
+    elif not llama:
+        kw = compute_dtype(h)
+    else:
+        return None
+    ko = out if out in opts else compute_dtype(h)
+    return FwdTypes(x=kx, res=kr, weight=kw, out=ko, h=h)
+
+
+@dataclass(frozen=True)
+class BwdTypes:
+    x: str
+    dy: str  # dtype of dy and grad_residual in the kernel
+    weight: str  # kernel weight dtype (== x when there is no weight)
+    compute: str
+
+
+@lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small
+def backward_types(x: str, dy: str, grad_residual: str | None, weight: str | None) -> BwdTypes:
+    """Kernel dtypes for a backward (every combination has one, after casts).
+
+    >>> backward_types("bfloat16", "bfloat16", None, "float32")
+    BwdTypes(x='bfloat16', dy='bfloat16', weight='float32', compute='float32')
+    >>> backward_types("bfloat16", "float16", None, None).dy
+    'float32'
+    """
+    c = compute_dtype(x)
+    kdy = x if dy == x and grad_residual in (None, x) else c
+    if weight is None:
+        kw = x
+    else:
+        kw = weight if weight in _options(x) else c
+    return BwdTypes(x=x, dy=kdy, weight=kw, compute=c)
+
+
+def colsum_out(compute: str, out: str) -> str:
+    """The dtype pn_colsum writes for a requested ``out`` (cast after if different)."""
+    return out if (compute, out) in COLSUM_TYPES else compute
+
+
+# ------------------------------------------------------------------ launch shapes
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: name expression, grid, block, dynamic shared bytes and
+    the launch-dependent scalar arguments (``tpr`` or ``stash``; ``ldp`` and
+    ``partial_rows`` for the backward's partial-sum buffers)."""
+
+    name: str
+    grid: int
+    block: int
+    shared: int
+    tpr: int
+    big: bool
+    stash: int = 0
+    partial_rows: int = 0
+    ldp: int = 0
+    #: split-row launch (pn_fwd_split): ``name`` is phase 1, ``name2`` phase 2, both on
+    #: ``grid = n * slices`` blocks, with an ``n * slices`` float64 partial buffer
+    slices: int = 0
+    name2: str = ""
+
+
+def _pow2ceil(v: int) -> int:
+    return 1 if v <= 1 else 1 << (v - 1).bit_length()
+
+
+def _reg_shape(d: int, vec: int, items_choices: tuple[int, ...], min_tpr: int = 0) -> tuple[int, int] | None:
+    """(items, tpr) for the register kernels, or None when the row is too long."""
+    chunks = d // vec
+    for items in items_choices:
+        tpr = max(vec, min_tpr, _pow2ceil(math.ceil(chunks / items)))
+        limit = ROW_BLOCK if items == items_choices[0] and len(items_choices) > 1 else REG_THREADS
+        if tpr <= limit:
+            return items, tpr
+    return None
+
+
+def big_block(d: int, x: str) -> int:
+    """The block (threads per row) of pn_fwd_big / pn_bwd_big for rows of ``d``."""
+    chunks = d // VEC[x]
+    return BIG_THREADS if chunks >= BIG_THREADS else max(32, _pow2ceil(chunks))
+
+
+def slice_span(d: int, x: str) -> int:
+    """Chunks per row slice of the *_big kernels' statistic (mirror of ``pn_slice_span``).
+
+    >>> slice_span(262144, "bfloat16"), slice_span(8192, "bfloat16")
+    (2048, 2048)
+    >>> slice_span(1 << 24, "bfloat16") // big_block(1 << 24, "bfloat16")  # 2048 passes, 32 slices
+    64
+    """
+    tpr = big_block(d, x)
+    passes = -(-(d // VEC[x]) // tpr)
+    return max(SLICE_MIN_PASSES, -(-passes // SLICE_MAX)) * tpr
+
+
+def slice_count(d: int, x: str) -> int:
+    """Slices of a row of ``d`` (1 when one slice holds the whole row).
+
+    >>> slice_count(262144, "bfloat16"), slice_count(65536, "bfloat16"), slice_count(16389, "bfloat16")
+    (16, 4, 1)
+    """
+    body, span = d // VEC[x], slice_span(d, x)
+    return -(-body // span) if body > span else 1
+
+
+def takes_split(n: int, d: int, x: str, h: str, num_sms: int = DEFAULT_SMS) -> bool:
+    """Whether a big forward row goes to pn_fwd_split instead of pn_fwd_big.
+
+    pn_fwd_big runs one 1024-thread block per row and one such block per SM
+    (64 registers), so fewer rows than SMs leave SMs idle; the split launch
+    gives each (row, slice) a block.  Float compute only, and only rows of at
+    least two slices.
+
+    >>> takes_split(8, 262144, "bfloat16", "bfloat16"), takes_split(4096, 65536, "bfloat16", "bfloat16")
+    (True, False)
+    >>> takes_split(8, 262144, "float64", "float64"), takes_split(8, 16389, "bfloat16", "bfloat16")
+    (False, False)
+    """
+    return compute_dtype(h) == "float32" and n < num_sms and slice_count(d, x) >= 2
+
+
+def _row_block(n: int, tpr: int) -> int:
+    rpb = max(1, min(ROW_BLOCK // tpr, _pow2ceil(n)))
+    block = tpr * rpb
+    while block < 32:  # whole warps: the shuffles use a full mask
+        block *= 2
+    return block
+
+
+@lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small
+def forward_launch(
+    n: int,
+    d: int,
+    x: str,
+    res: str | None = None,
+    weight: str | None = None,
+    out: str | None = None,
+    *,
+    max_smem: int = DEFAULT_SMEM,
+    force_big: bool = False,
+    small: bool = True,
+    num_sms: int = DEFAULT_SMS,
+    split: bool = True,
+) -> Launch:
+    """Launch of pn_fwd_small / pn_fwd / pn_fwd_big for ``n`` rows of ``d`` (kernel dtypes given).
+
+    ``res``/``weight``/``out`` default to ``x`` (as the kernels need a type
+    even when the array is absent).  Rows of ``d <= SMALL_D`` go to
+    pn_fwd_small (the same bits as pn_fwd, which ``small=False`` requests).
+    Big rows go to pn_fwd_split where :func:`takes_split` says so (the same
+    bits as pn_fwd_big, which ``split=False`` requests).
+
+    >>> forward_launch(8, 3, "float32").block, forward_launch(8, 3, "float32", small=False).tpr
+    (32, 4)
+    >>> fl = forward_launch(1 << 21, 128, "bfloat16")
+    >>> fl.name.split("<")[0], fl.block, fl.tpr, fl.grid
+    ('pn_fwd_small', 256, 8, 65536)
+    >>> forward_launch(2, 262144, "bfloat16", split=False).big
+    True
+    >>> fl = forward_launch(2, 262144, "bfloat16")
+    >>> fl.name, fl.grid, fl.block, fl.slices
+    ('pn_fwd_split<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1>', 32, 1024, 16)
+    """
+    res = res or x
+    weight = weight or promote(x, res)
+    out = out or promote(x, res)
+    vec = VEC[x]
+    sshape = small_shape(d, x) if small and not force_big else None
+    if sshape is not None:
+        lpr, items, wide = sshape
+        rpb = max(1, min(SMALL_THREADS // lpr, _pow2ceil(n)))
+        block = max(32, lpr * rpb)  # whole warps: the shuffles use a full mask
+        rows = block // lpr
+        return Launch(fwd_small_name(x, res, weight, out, items, wide), grid=math.ceil(n / rows),
+                      block=block, shared=0, tpr=lpr, big=False)
+    shape = None if force_big else _reg_shape(d, vec, FWD_ITEMS_BY_X[x])
+    if shape is not None:
+        items, tpr = shape
+        block = _row_block(n, tpr)
+        rows = block // tpr
+        return Launch(fwd_name(x, res, weight, out, items), grid=math.ceil(n / rows),
+                      block=block, shared=0, tpr=tpr, big=False)
+    h = promote(x, res)
+    block = big_block(d, x)
+    if split and takes_split(n, d, x, h, num_sms):
+        s = slice_count(d, x)
+        return Launch(fwd_split_name(x, res, weight, out, 1), grid=n * s, block=block, shared=0,
+                      tpr=block, big=False, slices=s, name2=fwd_split_name(x, res, weight, out, 2))
+    chunks = d // vec
+    per_chunk = vec * ITEMSIZE[h]
+    stash = max(0, min(chunks, (max_smem - STATIC_SMEM) // per_chunk))
+    return Launch(fwd_name(x, res, weight, out, None), grid=n, block=block,
+                  shared=stash * per_chunk, tpr=block, big=True, stash=stash)
+
+
+@lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small
+def backward_launch(
+    n: int,
+    d: int,
+    x: str,
+    dy: str | None = None,
+    weight: str | None = None,
+    *,
+    partials: bool = True,
+    num_sms: int = DEFAULT_SMS,
+    max_smem: int = DEFAULT_SMEM,
+    force_big: bool = False,
+    has_w: bool = True,
+    has_g: bool = False,
+    split: bool = True,
+    small: bool = True,
+) -> Launch:
+    """Launch of pn_bwd_small / pn_bwd / pn_bwd_big (persistent grid) / pn_bwd_split for ``n`` rows of ``d``.
+
+    ``partials``: whether dweight or dbias partial sums are wanted (the
+    caller allocates ``partial_rows x ldp`` buffers of the compute dtype,
+    zero-filled for the big kernel).  ``has_w`` / ``has_g``: whether a weight /
+    grad_residual is passed (compile-time parameters of pn_bwd).  Big rows go to pn_bwd_split where
+    :func:`takes_split` says so (``split=False``: pn_bwd_big, the same bits):
+    its partial rows are one per row, written once (no zero fill), and it
+    needs a ``2 * n * slices`` float64 buffer.  Rows of ``d <= SMALL_D`` go to
+    pn_bwd_small where :func:`small_bwd_shape` has a shape (``dx`` with
+    pn_bwd's bits, which ``small=False`` requests; dweight / dbias rounded
+    over its own partial rows).
+
+    >>> bl = backward_launch(8, 262144, "bfloat16")
+    >>> bl.name2, bl.grid, bl.partial_rows, bl.slices
+    ('pn_bwd_split<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2>', 128, 8, 16)
+
+    >>> bl = backward_launch(4096, 4096, "bfloat16", num_sms=132)
+    >>> bl.name, bl.grid, bl.partial_rows, bl.ldp
+    ('pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, true, false>', 264, 264, 4096)
+    >>> backward_launch(8, 128, "float32", has_w=False, has_g=True, small=False).name
+    'pn_bwd<float, float, float, 1, false, true>'
+    >>> bl = backward_launch(1 << 21, 128, "bfloat16", num_sms=132)
+    >>> bl.name, bl.block, bl.tpr, bl.grid, bl.shared
+    ('pn_bwd_small<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2, true, false, 8>', 256, 8, 528, 32768)
+    """
+    dy = dy or x
+    weight = weight or x
+    vec = VEC[x]
+    ldp = math.ceil(d / vec) * vec
+    sshape = small_bwd_shape(d, x) if small and not force_big and takes_small_bwd(d, x, dy) else None
+    if sshape is not None:
+        lpr, items, wide = sshape
+        rpb = max(1, min(SMALL_THREADS // lpr, _pow2ceil(n)))
+        block = max(32, lpr * rpb)  # whole warps: the shuffles use a full mask
+        rows = block // lpr
+        grid = max(1, min(math.ceil(n / rows), num_sms * max(1, BWD_THREADS_PER_SM // block)))
+        shared = 2 * rows * ldp * ITEMSIZE[compute_dtype(x)] if partials else 0
+        return Launch(bwd_small_name(x, dy, weight, items, lpr, has_w, has_g), grid=grid, block=block,
+                      shared=shared, tpr=lpr, big=False, partial_rows=grid if partials else 0, ldp=ldp)
+    # pn_bwd gives each thread at most one head or tail element: tpr >= 2 * VEC
+    shape = None if force_big else _reg_shape(d, vec, BWD_ITEMS, min_tpr=2 * vec)
+    if shape is not None:
+        _, tpr = shape
+        block = _row_block(n, tpr)
+        rows = block // tpr
+        grid = max(1, min(math.ceil(n / rows), num_sms * max(1, BWD_THREADS_PER_SM // block)))
+        shared = bwd_shared(n, x, dy, partials, grid, block, tpr, ldp)
+        return Launch(bwd_name(x, dy, weight, 1, has_w, has_g), grid=grid, block=block, shared=shared,
+                      tpr=tpr, big=False, partial_rows=grid if partials else 0, ldp=ldp)
+    if split and takes_split(n, d, x, x, num_sms):
+        s = slice_count(d, x)
+        block = big_block(d, x)
+        return Launch(bwd_split_name(x, dy, weight, 1), grid=n * s, block=block, shared=0, tpr=block,
+                      big=False, partial_rows=n if partials else 0, ldp=ldp, slices=s,
+                      name2=bwd_split_name(x, dy, weight, 2))
+    chunks = d // vec
+    per_chunk = vec * (ITEMSIZE[x] + ITEMSIZE[dy])
+    # the dy stash starts at the next 16-byte boundary after the x stash
+    stash = max(0, min(chunks, (max_smem - STATIC_SMEM - 16) // per_chunk))
+    shared = -(-stash * vec * ITEMSIZE[x] // 16) * 16 + stash * vec * ITEMSIZE[dy]
+    block = big_block(d, x)
+    grid = max(1, min(n, num_sms))
+    return Launch(bwd_name(x, dy, weight, None), grid=grid, block=block, shared=shared,
+                  tpr=block, big=True, stash=stash, partial_rows=grid if partials else 0, ldp=ldp)
+
+
+def bwd_ring(x: str, dy: str, has_g: bool) -> tuple[int, int]:
+    """(stages S, 16-byte pieces per lane and row) of pn_bwd's row ring (mirror of
+    ``pn_bwd_ring`` in codegen/templates/backward.cu.j2).
+
+    A row's pieces are x's chunk, dy's (one or two pieces) and grad_residual's
+    when it is one piece; ``S * pieces * 16`` bytes per thread keep two
+    512-thread (four 256-thread) blocks per SM on sm_80.
+
+    >>> bwd_ring("bfloat16", "bfloat16", False), bwd_ring("bfloat16", "bfloat16", True)
+    ((4, 2), (3, 3))
+    >>> bwd_ring("bfloat16", "float32", True), bwd_ring("float64", "float64", True)
+    ((3, 3), (3, 3))
+    """
+    dyn = ITEMSIZE[dy] * VEC[x] // 16
+    units = 1 + dyn + (dyn if has_g and dyn == 1 else 0)
+    return (4 if units == 2 else 3), units
+
+
+def bwd_shared(n: int, x: str, dy: str, partials: bool, grid: int, block: int, tpr: int, ldp: int) -> int:
+    """Dynamic shared memory of a pn_bwd launch (codegen/ABI.md): the tail elements'
+    partial sums and the row ring (as many stages as a block's lanes have rows, at
+    most S; sized for the larger of the rings with and without grad_residual, so the
+    launch is the same for every HAS_W / HAS_G), or the dweight / dbias accumulator
+    rows where they are larger (they alias both once the rows are done).
+
+    >>> bwd_shared(4096, "bfloat16", "bfloat16", True, 264, 512, 512, 4096)
+    73792
+    >>> bwd_shared(1, "bfloat16", "bfloat16", True, 1, 32, 16, 128)
+    2048
+    """
+    rows = block // tpr
+    ct = ITEMSIZE[compute_dtype(x)]
+    iters = -(-n // (grid * rows))
+    per_row = max(min(s, iters) * u for s, u in (bwd_ring(x, dy, False), bwd_ring(x, dy, True)))
+    ring = -(-2 * rows * VEC[x] * ct // 16) * 16 + per_row * 16 * block
+    return max(ring, 2 * rows * ldp * ct if partials else 0)
+
+
+@lru_cache(maxsize=4096)  # called per kernel launch: keep the Python overhead small
+def colsum_launch(d: int, compute: str, out: str) -> Launch:
+    """Launch of pn_colsum (``out`` as returned by :func:`colsum_out`)."""
+    return Launch(colsum_name(compute, out), grid=math.ceil(d / 32), block=COLSUM_THREADS, shared=0,
+                  tpr=0, big=False)
+
+
+# ------------------------------------------------------------------ source and compiler options
+
+#: the generated translation unit (see codegen/)
+SOURCE_PATH = Path(__file__).resolve().parent / "polynorm.cu"
+#: NVRTC options every compile uses (plus -I include_dirs() and the arch).  No FMA
+#: contraction (``--fmad=false``): ptxas would fuse a product into an add in some
+#: kernels and not in others (pn_bwd_big and pn_bwd_split, which n chooses between),
+#: so a token's bits would depend on the launch; without it the GPU rounds every
+#: operation as the source (and the CPU emulator) writes it.
+NVRTC_OPTIONS = ("-std=c++17", "--fmad=false")
+
+
+def source() -> str:
+    """The generated CUDA source, exactly as compiled."""
+    return SOURCE_PATH.read_text()
+
+
+def include_dirs() -> list[str]:
+    """The first directory holding cuda_fp16.h and cuda_bf16.h, as a list (empty if none).
+
+    Looked for in the NVIDIA wheels (``nvidia-cuda-runtime``: ``nvidia/cu13/include``
+    for CUDA 13, ``nvidia/cuda_runtime/include`` for CUDA 12), then in
+    ``$CUDA_PATH``, ``$CUDA_HOME`` and ``/usr/local/cuda``.
+    """
+    import importlib.util
+    import os
+
+    candidates: list[Path] = []
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        spec = None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        for sub in ("cu13", "cuda_runtime", "cu12", "cuda_nvrtc"):
+            candidates.append(Path(loc) / sub / "include")
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            candidates.append(Path(os.environ[env]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    for inc in candidates:
+        if (inc / "cuda_fp16.h").exists() and (inc / "cuda_bf16.h").exists():
+            return [str(inc)]
+    return []
+
+
+# ------------------------------------------------------------------ fusions (gated, quant)
+# One kernel per dtype combination for every d: a "segment" (a group of the
+# gated norm, a row of the quantized one) is handled by `tpr` threads that
+# loop over its chunks; tpr depends only on the segment's length and x's
+# dtype (pn_fwd's choice for a row of that length, or FUSE_THREADS beyond),
+# never on n, so a token's bits do not depend on the other tokens.
+
+#: (x, z, out) dtypes of pn_gated_fwd: z and out in x's dtype or the compute dtype
+GATED_FWD_TYPES: tuple[tuple[str, str, str], ...] = tuple(
+    (t, zt, o) for t in FLOAT_DTYPES for zt in _options(t) for o in _options(t))
+#: (x, z, dy) dtypes of pn_gated_bwd
+GATED_BWD_TYPES: tuple[tuple[str, str, str], ...] = tuple(
+    (t, zt, g) for t in FLOAT_DTYPES for zt in _options(t) for g in _options(t))
+#: __launch_bounds__ of the fusion kernels, and the most threads of one segment
+FUSE_THREADS = 1024
+
+
+def gated_fwd_name(x: str, z: str, out: str) -> str:
+    return f"pn_gated_fwd<{_ct(x, z, out)}>"
+
+
+def gated_bwd_name(x: str, z: str, dy: str) -> str:
+    return f"pn_gated_bwd<{_ct(x, z, dy)}>"
+
+
+def quant_name(x: str, fp8: bool) -> str:
+    return f"pn_quant_fwd<{_ct(x)}, {'true' if fp8 else 'false'}>"
+
+
+def kernel_dtype(x: str, other: str | None) -> str:
+    """The dtype a fusion kernel takes an operand in: ``x``'s when it has it, else
+    the compute dtype (an exact cast either way: it holds every value of ``other``).
+
+    >>> kernel_dtype("bfloat16", "float16"), kernel_dtype("bfloat16", "bfloat16")
+    ('float32', 'bfloat16')
+    """
+    return x if other in (None, x) else compute_dtype(x)
+
+
+def segment_tpr(length: int, x: str) -> int:
+    """Threads of one segment of ``length`` columns: pn_fwd's tpr for a row of that
+    length where pn_fwd holds it (the same float runs and tree: the same sums),
+    else :data:`FUSE_THREADS`.
+
+    >>> segment_tpr(4096, "bfloat16"), segment_tpr(64, "float32"), segment_tpr(1 << 20, "float32")
+    (256, 16, 1024)
+    """
+    shape = _reg_shape(length, VEC[x], FWD_ITEMS_BY_X[x])
+    return FUSE_THREADS if shape is None else shape[1]
+
+
+def _segment_launch(name: str, segments: int, length: int, x: str) -> Launch:
+    tpr = segment_tpr(length, x)
+    block = _row_block(segments, tpr)
+    return Launch(name, grid=max(1, math.ceil(segments / (block // tpr))), block=block, shared=0,
+                  tpr=tpr, big=False)
+
+
+@lru_cache(maxsize=4096)
+def gated_forward_launch(n: int, d: int, group_size: int, x: str, z: str | None = None,
+                         out: str | None = None) -> Launch:
+    """Launch of pn_gated_fwd: one segment per (row, group), kernel dtypes given.
+
+    >>> gl = gated_forward_launch(8, 4096, 1024, "bfloat16")
+    >>> gl.name, gl.tpr, gl.block, gl.grid
+    ('pn_gated_fwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>', 128, 256, 16)
+    """
+    return _segment_launch(gated_fwd_name(x, z or x, out or x), n * (d // group_size),
+                           group_size, x)
+
+
+@lru_cache(maxsize=4096)
+def gated_backward_launch(n: int, d: int, group_size: int, x: str, z: str | None = None,
+                          dy: str | None = None) -> Launch:
+    """Launch of pn_gated_bwd (the segments of :func:`gated_forward_launch`)."""
+    return _segment_launch(gated_bwd_name(x, z or x, dy or x), n * (d // group_size),
+                           group_size, x)
+
+
+@lru_cache(maxsize=4096)
+def quant_launch(n: int, d: int, x: str, fp8: bool = True) -> Launch:
+    """Launch of pn_quant_fwd: one segment per row.
+
+    >>> quant_launch(3, 4096, "float32").tpr == forward_launch(3, 4096, "float32").tpr
+    True
+    """
+    return _segment_launch(quant_name(x, fp8), n, d, x)

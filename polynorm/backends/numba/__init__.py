@@ -1,0 +1,804 @@
+"""Numba CPU backend: parallel kernels over tokens for host arrays.
+
+Takes anything :mod:`polynorm.core.interop` can view as a numpy array without a
+copy (numpy; torch/jax CPU tensors through DLPack) and returns results in
+the caller's array type.  float16 and bfloat16 data are handed to the
+kernels as integer views (``int16`` and ``uint16``: the view's type is the
+format, a compile-time constant) and converted in registers
+(:mod:`polynorm.backends.numba.codec`).
+
+Layouts: any row stride is taken as is (padded, negative, zero).  Rows
+whose elements are not adjacent (a strided last axis, e.g. Fortran order)
+are copied first: the row reductions (sum of squares, the backward's dot)
+take one row at a time as a contiguous ``(1, d)`` array
+(:func:`._numba_refs.row_of`) and are compiled once for all layouts, so
+a token's bits do not depend on the strides or memory order it comes in
+(SPEC's batch invariance).  LLVM vectorizes a reduction over a C-contiguous
+array and one over a strided array in different orders.
+
+Small work runs in a serial kernel: a parallel launch costs more than it
+saves below :data:`SERIAL_MAX_ELEMENTS` elements (measured with
+``python bench/cpu.py --threshold``).  Parallel launches are serialised by a lock,
+because Numba's ``workqueue`` threading layer must not be entered from two
+threads at once; the serial kernels release the GIL and need no lock.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from polynorm.core import interop as _interop
+from polynorm.core.dtypes import numpy_dtype
+from polynorm.core.options import Plan
+from polynorm.core.pool import output_pool
+
+name = "numba"
+
+#: Below this many elements (tokens x d) one thread does the work
+#: (``python bench/cpu.py --threshold`` times both sides).  A parallel launch
+#: costs a few microseconds when a core is idle and far more on a loaded
+#: machine, so the crossover is taken high.
+SERIAL_MAX_ELEMENTS = 1 << 16
+
+#: A forward output (``out=`` or its own) of at least this many bytes is written with streaming
+#: (non-temporal) stores, which skip reading each line before writing it
+#: (see :mod:`._numba_stream`; rows of unit column stride;
+#: ``python bench/cpu.py --stream`` times both by size).  Streamed lines leave
+#: the cache, and whoever reads a y that would have fit in L3 next pays for
+#: it, so only arrays of about half a typical L3 or more stream.
+STREAM_MIN_BYTES = 16 << 20
+#: 16-bit rows stream (two passes per row, instead of the pipelined
+#: forward's one) only from this many bytes on: shorter rows are faster
+#: pipelined and stored (the stage's flush per row costs more than the reads
+#: it saves).
+STREAM_MIN_ROW_BYTES_16 = 8192
+#: Whether 16-bit rows stream at all; None: decided at the first forward, from
+#: the CPU (:func:`_streams_16`).
+STREAM_16: bool | None = None
+#: Elements per stage (the L1 buffer streamed rows pass through); whole lines
+#: for every dtype.
+_STAGE = 256
+
+#: Row blocks of the backward (the parallel tasks) per thread, and a cap on
+#: the float64 partials they leave (elements).  Speed only: the sums' order
+#: is the row tree's (polynorm/backends/rowtree.py), whatever the blocks.
+#: Fewer, longer blocks leave a smaller node array to sum.
+_BWD_BLOCKS_PER_THREAD = 8
+_BWD_SCRATCH = 1 << 22
+
+_launch_lock = threading.Lock()
+_kernels = None  # the compiled-kernel modules, imported on first use
+_bwd_kernels = None
+
+
+def available() -> tuple[bool, str]:
+    try:
+        import numba  # noqa: F401
+    except ImportError as exc:
+        return False, f"numba is not installed ({exc})"
+    return True, "ok"
+
+
+def accepts(x: Any) -> bool:
+    return _interop.is_host_array(x)
+
+
+def _k():
+    global _kernels
+    if _kernels is None:
+        from polynorm.backends.numba import kernels as _numba_kernels
+
+        _kernels = _numba_kernels
+    return _kernels
+
+
+def _kb():
+    global _bwd_kernels
+    if _bwd_kernels is None:
+        from polynorm.backends.numba import backward_kernels as _numba_backward
+
+        _bwd_kernels = _numba_backward
+    return _bwd_kernels
+
+
+_BF16_BITS = np.dtype(np.uint16)
+_F16_BITS = np.dtype(np.int16)
+_F64 = np.dtype(np.float64)
+
+
+def _empty_for(caller):
+    """Allocation for results that go back to ``caller``'s library: the output
+    pool (:mod:`polynorm.core.pool`) for numpy, aligned memory for jax."""
+    if type(caller) is np.ndarray:
+        return output_pool.empty
+
+    def empty(shape, dtype):
+        return _interop.host_empty(shape, dtype, caller)
+
+    return empty
+
+
+class _Alias:
+    """A writable numpy view of a read-only array's memory (see :func:`_kview`)."""
+
+    def __init__(self, a: np.ndarray):
+        iface = dict(a.__array_interface__)
+        iface["data"] = (iface["data"][0], False)
+        self.__array_interface__ = iface
+        self._owner = a  # keeps the memory alive as long as the view
+
+
+def _writable_alias(a: np.ndarray) -> np.ndarray:
+    return np.asarray(_Alias(a))
+
+
+def _kview(a: np.ndarray) -> np.ndarray:
+    """What the kernels take: the bits of the 16-bit floats, else ``a`` itself.
+
+    bfloat16 as ``uint16``, float16 as ``int16``: the view's type carries the
+    format into the kernels (see ``_numba_codec.load``).  A read-only
+    array (a jax array's buffer, ``np.broadcast_to``) is passed as a writable
+    alias of the same memory: Numba types read-only arrays apart and would
+    compile every kernel again for them, and the kernels never write their
+    inputs.
+    """
+    if a.dtype.itemsize == 2:
+        a = a.view(_BF16_BITS if _bf(a) else _F16_BITS)
+    return a if a.flags.writeable else _writable_alias(a)
+
+
+def _bf(a: np.ndarray) -> bool:
+    # among the four float dtypes only ml_dtypes' bfloat16 is not of kind "f"
+    return a.dtype.kind == "V"
+
+
+def _streams_16() -> bool:
+    """:data:`STREAM_16`, or where unset: whether the CPU has AVX-512.
+
+    Streamed 16-bit rows take two passes over each row where the pipelined
+    forward takes one: that paid off on a CPU with AVX-512 and lost at every
+    size on one with AVX2 only (``python bench/cpu.py --stream --dtypes
+    bfloat16 float16`` times both; bench/results/stream-*.txt).
+    """
+    global STREAM_16
+    if STREAM_16 is None:
+        from polynorm.backends.numba.codec import host_has
+
+        STREAM_16 = host_has("avx512f")
+    return STREAM_16
+
+
+def _streamable(a: np.ndarray) -> bool:
+    """Whether rows of 2-D ``a`` may be written with streaming stores: large enough
+    to leave the caches, unit column stride, and every row on a multiple of the
+    element size (the kernels' line arithmetic, ``line_gap``, counts whole elements:
+    a row off that grid would take the aligned streaming stores at a misaligned
+    address, and fault)."""
+    return (a.nbytes >= STREAM_MIN_BYTES and a.ndim == 2 and a.strides[1] == a.itemsize
+            and a.ctypes.data % a.itemsize == 0 and a.strides[0] % a.itemsize == 0)
+
+
+def _streams(y: np.ndarray, x: np.ndarray) -> bool:
+    """Whether the forward output ``y`` (``out=`` or its own; of input ``x``) is written with
+    streaming stores."""
+    return _streamable(y) and (
+        x.itemsize > 2 or (x.shape[1] * 2 >= STREAM_MIN_ROW_BYTES_16 and _streams_16()))
+
+
+def _streams_dx(dx: np.ndarray) -> bool:
+    """Whether the backward writes ``dx`` with streaming stores (rows with a weight,
+    in whole 64-byte lines: the kernel checks the rest).
+
+    float32 and float64 only: on an AVX2 CPU float32 took 0.76-0.82x the time
+    through the stage, while 16-bit dx passes, bound in the core, gained
+    nothing dependable (float16 0.92-1.07x by shape, bfloat16 1.09x)
+    (``python bench/compare.py --rev REV --ops bwd``, 16384 x 4096 / 4096 x 16384).
+    """
+    return dx.itemsize >= 4 and _streamable(dx)
+
+
+def _stage(yk: np.ndarray, stream: bool) -> np.ndarray | None:
+    """The buffer that streamed rows of ``yk`` pass through (None: not streamed)."""
+    return np.empty((1, _STAGE), yk.dtype) if stream else None
+
+
+def _parallel(n: int, d: int) -> bool:
+    # by size only: the thread count must never change which code runs
+    # (and the serial and parallel drivers give the same bits)
+    return n >= 2 and n * d >= SERIAL_MAX_ELEMENTS and not _forked_after_omp
+
+
+# Fork safety.  Numba picks its threading layer at the first parallel launch:
+# tbb where libtbb is installed, else GNU OpenMP ("omp"), else its own
+# workqueue.  A process forked after an OpenMP parallel region is killed by
+# libgomp the moment it enters one ("fork() called from a process already
+# using GNU OpenMP"), e.g. multiprocessing's fork start method and torch
+# DataLoader workers.  So a child forked after this process ran a parallel
+# kernel on the omp layer runs the serial kernels (the same bits: the drivers
+# do not change a row's code); the parent keeps the omp layer, whose launch
+# is the cheapest of the three, and nothing changes for processes that do
+# not fork.  The launch lock is made anew in the child (a fork while another
+# thread held it would leave it locked forever).
+_omp_used = False
+_forked_after_omp = False
+
+
+def _note_layer() -> None:
+    """After a parallel launch: remember whether it ran on GNU OpenMP."""
+    global _omp_used
+    if not _omp_used:
+        import numba
+
+        try:
+            _omp_used = numba.threading_layer() == "omp"
+        except ValueError:  # no parallel launch yet
+            pass
+
+
+def _launch_parallel(kernel, *args):
+    """Run a parallel kernel (one launch at a time), then note its threading layer."""
+    with _launch_lock:
+        result = kernel(*args)
+    if not _omp_used:
+        _note_layer()
+    return result
+
+
+def _run_rows(parallel_kernel, rows_kernel, n: int, d: int, args: tuple) -> None:
+    """All ``n`` rows: ``parallel_kernel(*args)`` where :func:`_parallel`, else
+    ``rows_kernel(0, n, *args)`` (the same bits either way)."""
+    if _parallel(n, d):
+        _launch_parallel(parallel_kernel, *args)
+    else:
+        rows_kernel(0, n, *args)
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_omp, _launch_lock
+    _launch_lock = threading.Lock()
+    if _omp_used:
+        _forked_after_omp = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _param_vector(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarray:
+    """Weight/bias as the kernels take them: contiguous, in the compute dtype.
+
+    This is the reference's own ``astype(weight, compute dtype)``; with
+    ``exact`` (llama weights, whose own rounding matters) a weight wider than
+    the compute dtype is kept as float64 instead.  A ``(d,)`` copy at most
+    (a strided one is copied too: one compiled layout); a read-only one is
+    aliased as :func:`_kview` does.
+    """
+    target = _F64 if exact and a.dtype.itemsize > cdt.itemsize else cdt
+    if a.dtype != target or not a.flags.c_contiguous:
+        return np.ascontiguousarray(a, target)
+    return a if a.flags.writeable else _writable_alias(a)
+
+
+@functools.lru_cache(maxsize=32)
+def _ones(d: int, cdt: np.dtype) -> np.ndarray:
+    """The weight of a call without one: ones, with no offset.
+
+    ``v * (1 + 0)`` is ``v`` bit for bit (-0.0, Inf and NaN included), so a
+    call without a weight runs the kernel compiled for calls with one: half
+    the specialisations (compile time), at a load from L1 and a multiply per
+    element for weightless calls.  An absent bias stays ``None``: a stand-in
+    would cost the common weight-only call an add per element and a larger
+    first compile.  Shared and never written (the kernels only read w);
+    writable, as the callers' weights are (:func:`_param_vector`), so the
+    kernels' types match.
+    """
+    return np.ones(d, cdt)
+
+
+@functools.lru_cache(maxsize=4)
+def _no_rstd(cdt: np.dtype) -> np.ndarray:
+    """The backward's ``rstd`` when none is given (``HAS_RSTD`` unset): never read,
+    of the type a given one has (the compute dtype, contiguous), so that calls
+    with and without one run the same compiled kernel."""
+    return np.zeros(1, cdt)
+
+
+def _affine(weight, bias, cdt: np.dtype, d: int, offset: float, exact: bool = False) -> tuple:
+    """``(w, b, offset)`` as the forward kernels take them: weight/bias in the
+    compute dtype (:func:`_param_vector`), :func:`_ones` for an absent weight
+    (then with offset 0), ``None`` for an absent bias."""
+    to_numpy = _interop.to_numpy
+    if weight is None:
+        w, offset = _ones(d, cdt), 0.0
+    else:
+        w = _param_vector(to_numpy(weight), cdt, exact)
+    b = None if bias is None else _param_vector(to_numpy(bias), cdt)
+    return w, b, offset
+
+
+def _info(plan: Plan) -> tuple:
+    """``(flags, y dtype, h dtype, compute dtype)`` for a plan, derived once (``plan.memo``)."""
+    info = plan.memo.get("numba")
+    if info is None:
+        kernels = _k()
+        flags = (kernels.EPS_INSIDE if plan.eps_inside else 0) | (kernels.LLAMA if plan.llama else 0)
+        info = (flags, numpy_dtype(plan.out_dtype), numpy_dtype(plan.norm_dtype),
+                numpy_dtype(plan.compute_dtype))
+        plan.memo["numba"] = info
+    return info
+
+
+def _llama_codes(plan: Plan, weight: np.ndarray | None) -> int:
+    """Rounding formats of llama casting: xhat to x's dtype, g to weight's, product to both's.
+
+    Without a weight (a stand-in of ones, :func:`_affine`) both are x's format:
+    1 rounds to 1, and ``xhat * 1`` rounded again to x's format is xhat.
+    """
+    from polynorm.backends.numba.codec import FORMAT_CODE as code
+    from polynorm.core.options import promote
+
+    kernels = _k()
+    xname = plan.norm_dtype
+    wname = xname if weight is None else "bfloat16" if _bf(weight) else weight.dtype.name
+    return ((code[xname] << kernels.XCODE_SHIFT) | (code[wname] << kernels.WCODE_SHIFT)
+            | (code[promote(xname, wname)] << kernels.PCODE_SHIFT))
+
+
+def forward(x, residual, weight, bias, plan: Plan, out=None):
+    """Forward on 2-D rows; see :mod:`polynorm.backends.reference` for the contract.
+
+    ``out`` (an ``(n, d)`` array of ``plan.out_dtype``, possibly ``x``
+    itself) receives ``y`` in place; then no token-sized array is allocated
+    besides ``h`` for the fused add.
+    """
+    kernels = _kernels or _k()
+    caller = x
+    to_numpy = _interop.to_numpy
+    x = to_numpy(x)
+    if residual is None and x.shape[1] > 1 and x.strides[1] != x.itemsize:
+        x = np.ascontiguousarray(x)  # _unit_columns: the row reductions take adjacent elements
+    n, d = x.shape
+    flags, y_dt, h_dt, cdt = _info(plan)
+    empty = _empty_for(caller)
+    y = empty((n, d), y_dt) if out is None else to_numpy(out)
+    rstd = empty(n, cdt)
+    xk = _kview(x)
+    yk = _kview(y)
+    h = r = hk = None
+    if residual is not None:
+        h = empty((n, d), h_dt)
+        r = _kview(to_numpy(residual))
+        hk = _kview(h)
+    w, b, offset = _affine(weight, bias, cdt, d, plan.offset, exact=plan.llama)
+    if plan.llama:
+        flags |= _llama_codes(plan, None if weight is None else to_numpy(weight))
+    stream = residual is None and not plan.llama and _streams(y, x)
+    args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, offset, _stage(yk, stream))
+    if plan.llama:
+        _run_rows(kernels.forward_llama_parallel, kernels.forward_llama_rows, n, d, args)
+    else:
+        drivers = kernels.forward_kernels(residual is not None, xk.dtype.itemsize == 2, stream)
+        _run_rows(*drivers, n, d, args)
+    from_numpy = _interop.from_numpy
+    return (out if out is not None else from_numpy(y, caller),
+            None if h is None else from_numpy(h, caller), from_numpy(rstd, caller))
+
+
+def forward_small(x: np.ndarray, weight, bias, plan: Plan):
+    """:func:`forward` of a small plain numpy ``(n, d)`` array (serial size, no
+    residual, no ``out``, not llama) into new arrays: ``(y, rstd)``.
+
+    The same kernel and arguments as :func:`forward`, less its Python: this
+    is most of a (1, 4096) call's time (the front end's numpy fast path).
+    """
+    kernels = _kernels or _k()
+    flags, y_dt, _, cdt = _info(plan)
+    n, d = x.shape
+    if d > 1 and x.strides[1] != x.itemsize:
+        x = np.ascontiguousarray(x)  # as _unit_columns
+    y = np.empty((n, d), y_dt)
+    rstd = np.empty(n, cdt)
+    w, b, offset = _affine(weight, bias, cdt, d, plan.offset)
+    # _kview's own test, here without the call for the float32/float64 arrays
+    xk = x if x.dtype.itemsize != 2 and x.flags.writeable else _kview(x)
+    yk = y if y_dt.itemsize != 2 else _kview(y)
+    rows = kernels.forward_bits_rows if xk.dtype.itemsize == 2 else kernels.forward_rows
+    rows(0, n, xk, None, w, b, yk, None, rstd, flags, plan.k, plan.eps, offset, None)
+    return y, rstd
+
+
+def _threads() -> int:
+    import numba
+
+    return numba.get_num_threads()
+
+
+def _block_level(n: int, width: int, threads: int = 1) -> int:
+    """log2 of the rows per backward block.
+
+    About :data:`_BWD_BLOCKS_PER_THREAD` blocks per thread, at least
+    ``2**TREE_G`` rows each, and at most :data:`_BWD_SCRATCH` float64
+    partials in all.  The block size is
+    a matter of speed only: the row tree (:mod:`._rowtree`) fixes the sums'
+    order whatever the blocks are.
+    """
+    from polynorm.backends.rowtree import TREE_G
+
+    per_block = max(n // (_BWD_BLOCKS_PER_THREAD * threads), n * width // _BWD_SCRATCH, 1)
+    return max(TREE_G, (per_block - 1).bit_length())
+
+
+def _unit_columns(a: np.ndarray) -> np.ndarray:
+    """``a`` if its rows' elements are adjacent (any row stride), else a contiguous copy."""
+    if a.shape[1] > 1 and a.strides[1] != a.itemsize:
+        return np.ascontiguousarray(a)
+    return a
+
+
+def _out_rows(out) -> np.ndarray | None:
+    """A numpy view of ``out`` (rows of ``x``'s dtype, checked by the front end)
+    if its rows' elements are adjacent, else None (the kernels write such rows)."""
+    if out is None:
+        return None
+    a = _interop.to_numpy(out)
+    return a if a.shape[1] <= 1 or a.strides[1] == a.itemsize else None
+
+
+def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan, dx=None):
+    """Kernel arguments for the backward: ``(caller, xn, dx, wn, bn, width, flags, args)``.
+
+    ``dx``: a numpy array to write into (:func:`_out_rows`), else a new one.  It
+    may be ``dy`` itself: every kernel reads an element of ``dy`` before it
+    writes that element of ``dx``, and no kernel reads it after.
+    """
+    kernels = _kernels or _k()
+    caller = x
+    to_numpy = _interop.to_numpy
+    # the dot's float32 partials are summed in the order LLVM vectorizes
+    # them in, another for strided elements: such rows are made contiguous,
+    # so that a row's bits do not depend on its layout (any row stride is fine)
+    xn = _unit_columns(to_numpy(x))
+    dyn = _unit_columns(to_numpy(dy))
+    n, d = xn.shape
+    info = _info(plan)
+    cdt = info[3]
+    # casting does not change the backward: no llama bit
+    flags = info[0] & ~kernels.LLAMA
+    dyk = _kview(dyn)
+    # absent weight, bias, grad_residual are None: the kernels compile without their terms
+    w = wn = bn = gr = None
+    if weight is not None:
+        wn = to_numpy(weight)
+        w = _param_vector(wn, cdt)
+    if bias is not None:
+        bn = to_numpy(bias)
+        flags |= kernels.HAS_B
+    if rstd is None:
+        # a placeholder of the given rstd's type: one compiled kernel either way
+        rs = _no_rstd(cdt)
+    else:
+        flags |= kernels.HAS_RSTD
+        rs = _kview(np.ascontiguousarray(to_numpy(rstd)))
+    if grad_residual is not None:
+        gr = _kview(to_numpy(grad_residual))
+    if dx is None:
+        empty = _empty_for(caller)
+        dx = empty((n, d), xn.dtype)
+    if _streams_dx(dx):
+        flags |= kernels.STREAM_DX
+    width = d * ((wn is not None) + (bn is not None))
+    args = (dyk, _kview(xn), w, rs, gr, _kview(dx), flags, plan.k, plan.eps, plan.offset)
+    return caller, xn, dx, wn, bn, width, args
+
+
+def _pools(m: int, width: int, cdt: np.dtype, per_thread: bool = False):
+    """Scratch pools of the backward kernel: one pair, or one per Numba thread."""
+    import numba
+
+    bwd_kernels = _bwd_kernels or _kb()
+    spc, s64 = bwd_kernels.pool_shapes(m, width)
+    lead = (numba.config.NUMBA_NUM_THREADS,) if per_thread else ()
+    return np.empty(lead + spc, cdt), np.empty(lead + s64, np.float64)
+
+
+def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
+    """Hand-written backward on 2-D rows (formula in :mod:`polynorm.core.options`).
+
+    ``dweight``/``dbias`` are summed over the row tree of :mod:`._rowtree`:
+    aligned blocks of ``2**m`` rows in parallel (one tree node each), then the
+    block nodes pairwise.  The bits depend neither on the thread count nor
+    on the blocks, and equal those of any split of the rows into ranges
+    (:func:`backward_range`, used by the dask backend).
+    """
+    bwd_kernels = _bwd_kernels or _kb()
+    dx_out = _out_rows(out)
+    caller, xn, dx, wn, bn, width, args = _backward_prepare(
+        dy, x, weight, bias, rstd, grad_residual, plan, dx_out)
+    n, d = xn.shape
+    m = _block_level(n, width, _threads())
+    nb = ((n - 1) >> m) + 1
+    lvl = np.empty(nb, np.int64)
+    idx = np.empty(nb, np.int64)
+    vals = np.empty((nb, width), np.float64)
+    par = _parallel(n, d)
+    cdt = _info(plan)[3]
+    if par and nb > 1:
+        _launch_parallel(bwd_kernels.backward_blocks_parallel, 0, nb, m, 0, n, n, *args, lvl, idx,
+                         vals, *_pools(m, width, cdt, True))
+    else:
+        bwd_kernels.backward_range(0, n, 0, n, m, *args, lvl, idx, vals, 0, *_pools(m, width, cdt))
+    dw = db = None
+    if width:
+        if par and width >= 4096 and nb > 1:
+            _launch_parallel(bwd_kernels.tree_parallel, vals, nb)
+        else:
+            bwd_kernels.tree_cols(0, width, vals, nb)
+        empty = _empty_for(caller)
+        dw, db = finish(vals[0], d, None if wn is None else wn.dtype,
+                        None if bn is None else bn.dtype, empty)
+    from_numpy = _interop.from_numpy
+    return (out if dx_out is not None else from_numpy(dx, caller),
+            None if dw is None else from_numpy(dw, caller),
+            None if db is None else from_numpy(db, caller))
+
+
+def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: int, ntot: int):
+    """The backward of rows ``row0 .. row0 + n - 1`` of ``ntot`` rows in all.
+
+    Returns ``(dx, state)``: ``dx`` as :func:`backward` gives it, and the
+    row-tree state (:mod:`._rowtree`) of this range's ``[dweight | dbias]``
+    terms, which :func:`polynorm.backends.rowtree.merge` joins with the
+    other ranges' and :func:`finish` rounds: the same bits as one
+    :func:`backward` call on all rows.
+    """
+    from polynorm.backends.rowtree import TREE_G, empty_state, merge
+
+    if weight is None and bias is None:  # nothing to sum
+        return backward(dy, x, None, None, rstd, grad_residual, plan)[0], empty_state(0)
+    bwd_kernels = _bwd_kernels or _kb()
+    caller, xn, dx, wn, bn, width, args = _backward_prepare(
+        dy, x, weight, bias, rstd, grad_residual, plan)
+    n, d = xn.shape
+    m = _block_level(n, width, _threads())
+    mask = (1 << m) - 1
+    lo, hi = row0, row0 + n
+    # blocks wholly inside [lo, hi) (the last block ends at ntot), and the partial ends
+    ib0 = (lo + mask) >> m
+    ib1 = max(ib0, (hi >> m) if hi < ntot else ((hi + mask) >> m))
+    head = (lo, min(hi, ib0 << m))
+    tail = (max(ib1 << m, head[1]), hi)
+    cap = 2 * (max(m, TREE_G) + 2) + 2
+    cdt = _info(plan)[3]
+    pools = _pools(m, width, cdt)
+    states = []
+    for a, b in (head, tail):
+        if b > a:
+            lv = np.empty(cap, np.int64)
+            ix = np.empty(cap, np.int64)
+            va = np.empty((cap, width), np.float64)
+            cnt = bwd_kernels.backward_range(a, b, row0, ntot, m, *args, lv, ix, va, 0, *pools)
+            states.append((lv[:cnt], ix[:cnt], va[:cnt]))
+    nb = ib1 - ib0
+    if nb:
+        lv = np.empty(nb, np.int64)
+        ix = np.empty(nb, np.int64)
+        va = np.empty((nb, width), np.float64)
+        if _parallel(n, d) and nb > 1:
+            _launch_parallel(bwd_kernels.backward_blocks_parallel, ib0, nb, m, row0, n, ntot, *args,
+                             lv, ix, va, *_pools(m, width, cdt, True))
+        else:
+            for t in range(nb):
+                b = ib0 + t
+                bwd_kernels.backward_range(b << m, min(hi, (b + 1) << m), row0, ntot, m, *args,
+                                  lv, ix, va, t, *pools)
+        states.append((lv, ix, va))
+    state = merge(states, ntot, cdt)
+    return _interop.from_numpy(dx, caller), state
+
+
+def finish(total: np.ndarray, d: int, weight_dtype, bias_dtype, empty=np.empty):
+    """``(dweight, dbias)`` from the row tree's root ``[dweight | dbias]`` (float64),
+    each rounded once (by the Numba codec: no double rounding) to the given
+    numpy dtype; None for an absent one."""
+    bwd_kernels = _bwd_kernels or _kb()
+    out = []
+    col = 0
+    for dt in (weight_dtype, bias_dtype):
+        if dt is None:
+            out.append(None)
+            continue
+        a = empty(d, dt)
+        bwd_kernels.round_into(total[col:col + d], _kview(a))
+        out.append(a)
+        col += d
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- gated RMSNorm
+
+
+#: The gated forward prefetches the next row's x and z during a row's silu pass.
+GATED_PREFETCH = True
+
+
+def _gated_in(a) -> np.ndarray:
+    """x or z as the gated forward takes it: C-contiguous rows, 16-bit floats as bits."""
+    return _kview(np.ascontiguousarray(_interop.to_numpy(a)))
+
+
+def gated_forward(x, z, weight, bias, gplan, out=None):
+    """Gated forward on 2-D rows; the contract is :func:`.reference.gated_forward`.
+
+    ``casting="llama"`` runs the reference (its three roundings are not in
+    these kernels).  ``out`` of unit-stride C rows is written in place.
+    """
+    plan = gplan.plan
+    if plan.llama:
+        from polynorm.backends import reference
+
+        return reference.gated_forward(x, z, weight, bias, gplan, out)
+    from polynorm.backends.numba import gated as G
+
+    kernels = _kernels or _k()
+    caller = x
+    flags, y_dt, _, cdt = _info(plan)
+    flags &= kernels.EPS_INSIDE
+    if gplan.norm_before_gate:
+        flags |= G.NBG
+    if GATED_PREFETCH:
+        flags |= G.PREFETCH
+    xk, zk = _gated_in(x), _gated_in(z)
+    n, d = xk.shape
+    empty = _empty_for(caller)
+    o = None if out is None else _interop.to_numpy(out)
+    direct = o is not None and o.flags.c_contiguous and o.dtype == y_dt
+    y = o if direct else empty((n, d), y_dt)
+    rstd = empty((n, gplan.groups), cdt)
+    w, b, offset = _affine(weight, bias, cdt, d, plan.offset)
+    u = np.empty((1, d), cdt)  # the gated row buffer (per task in the parallel driver)
+    args = (xk, zk, w, b, _kview(y), rstd, u, flags, gplan.group_size, gplan.k, plan.eps,
+            offset)
+    _run_rows(G.forward_parallel, G.forward_rows, n, d, args)
+    from_numpy = _interop.from_numpy
+    if o is not None:
+        if not direct:
+            o[...] = y
+        return out, from_numpy(rstd, caller)
+    return from_numpy(y, caller), from_numpy(rstd, caller)
+
+
+def gated_backward(dy, x, z, weight, bias, rstd, gplan):
+    """Gated backward on 2-D rows; ``dweight``/``dbias`` in the row tree's order."""
+    from polynorm.backends.numba import gated as G
+
+    kernels = _kernels or _k()
+    plan = gplan.plan
+    caller = x
+    cdt = numpy_dtype(plan.compute_dtype)
+    xn, zn = _interop.to_numpy(x), _interop.to_numpy(z)
+    xk, zk, dyk = _gated_in(xn), _gated_in(zn), _gated_in(dy)
+    n, d = xk.shape
+    empty = _empty_for(caller)
+    dx = empty((n, d), xn.dtype)
+    dz = empty((n, d), zn.dtype)
+    lw = np.empty((n, d), cdt)  # written also without weight (then dropped): one kernel variant
+    lb = np.empty((n, d) if bias is not None else (1, 1), cdt)
+    flags = kernels.EPS_INSIDE if plan.eps_inside else 0
+    if gplan.norm_before_gate:
+        flags |= G.NBG
+    if weight is not None:
+        flags |= kernels.HAS_W
+    if bias is not None:
+        flags |= kernels.HAS_B
+    # absent weight/bias as ones/zeros: they change no value, and one loop serves all cases
+    w = np.ones(d, cdt) if weight is None else _param_vector(_interop.to_numpy(weight), cdt)
+    b = np.zeros(d, cdt) if bias is None else _param_vector(_interop.to_numpy(bias), cdt)
+    if rstd is None:
+        r = np.empty((1, 1), cdt)
+    else:
+        flags |= kernels.HAS_RSTD
+        r = _kview(np.ascontiguousarray(_interop.to_numpy(rstd), dtype=cdt))
+    buf = np.empty((4, d), cdt)
+    # offset scales only a weight: ones stand in for an absent one, with no offset
+    args = (dyk, xk, zk, w, b, r, _kview(dx), _kview(dz), lw, lb, buf, flags, gplan.group_size,
+            gplan.k, plan.eps, plan.offset if weight is not None else 0.0)
+    _run_rows(G.backward_parallel, G.backward_rows, n, d, args)
+    from_numpy = _interop.from_numpy
+    dw = db = None
+    if weight is not None:
+        dw = from_numpy(G.tree_sum(lw).astype(_interop.to_numpy(weight).dtype), caller)
+    if bias is not None:
+        db = from_numpy(G.tree_sum(lb).astype(_interop.to_numpy(bias).dtype), caller)
+    return from_numpy(dx, caller), from_numpy(dz, caller), dw, db
+
+
+# --------------------------------------------------------------------------- quantized output
+
+
+def _wrap_q(q: np.ndarray, caller, qdtype: str):
+    """``q`` (uint8 bits) as the caller's array of the quantized format."""
+    if qdtype == "int8":
+        return _interop.from_numpy(q.view(np.int8), caller)
+    if type(caller) is np.ndarray:
+        import ml_dtypes
+
+        return q.view(ml_dtypes.float8_e4m3fn)
+    lib = type(caller).__module__.split(".")[0]
+    if lib == "torch":
+        import torch
+
+        return torch.from_numpy(q).view(torch.float8_e4m3fn)
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.bitcast_convert_type(_interop.from_numpy(q, caller), jnp.float8_e4m3fn)
+
+
+_NO_H: dict[np.dtype, np.ndarray] = {}
+
+
+def _stand_in_h(dt: np.dtype) -> np.ndarray:
+    a = _NO_H.get(dt)
+    if a is None:
+        a = _NO_H[dt] = np.empty((1, 1), dt)
+    return a
+
+
+def quant_forward(x, residual, weight, bias, qplan, scale=None):
+    """Quantized forward on 2-D rows; the contract is :func:`.reference.quant_forward`.
+
+    One kernel pass per token (:mod:`._numba_quant`); ``casting="llama"``
+    runs :func:`forward` into float32 rows first and quantizes those.
+    """
+    from polynorm.backends.numba import quant as Q
+
+    kernels = _kernels or _k()
+    plan = qplan.plan
+    caller = x
+    n, d = x.shape
+    empty = _empty_for(caller)
+    if qplan.static:
+        s = qplan.scale if scale is None else float(np.asarray(_interop.to_numpy(scale)
+                                                              ).reshape(()))
+        s32 = np.float32(s)
+    else:
+        s32 = np.float32(1.0)
+    q = empty((n, d), np.uint8)
+    sc = np.empty((n, qplan.groups), np.float32) if not qplan.static else np.empty((1, 1),
+                                                                                   np.float32)
+    qargs = (s32, qplan.group_size, np.float32(qplan.qmax), qplan.qdtype == "float8_e4m3fn",
+             qplan.static)
+    h = None
+    if plan.llama:
+        y, h, _ = forward(x, residual, weight, bias, plan)
+        yn = np.ascontiguousarray(_interop.to_numpy(y))
+        Q.quantize_y_rows(0, n, yn, q, sc, *qargs)
+    else:
+        xn = _interop.to_numpy(x)
+        if xn.shape[1] > 1 and xn.strides[1] != xn.itemsize:
+            xn = np.ascontiguousarray(xn)
+        flags, _, h_dt, cdt = _info(plan)
+        xk = _kview(xn)
+        rk, hk = xk, _stand_in_h(xk.dtype)  # h must be writable (a jax x is not)
+        if residual is not None:
+            rn = _interop.to_numpy(residual)
+            if rn.shape[1] > 1 and rn.strides[1] != rn.itemsize:
+                rn = np.ascontiguousarray(rn)
+            h = empty((n, d), h_dt)
+            flags |= kernels.HAS_R
+            rk, hk = _kview(rn), _kview(h)
+        w, b, offset = _affine(weight, bias, cdt, d, plan.offset)
+        args = (xk, rk, w, b, hk, q, sc, np.empty(d, np.float32), np.empty(1, cdt), flags,
+                plan.k, plan.eps, offset, *qargs)
+        _run_rows(Q.quant_parallel, Q.quant_rows, n, d, args)
+        h = None if h is None else _interop.from_numpy(h, caller)
+    if qplan.static:
+        scales = _interop.from_numpy(np.asarray(s32, np.float32).reshape(()), caller)
+    else:
+        scales = _interop.from_numpy(sc, caller)
+    return _wrap_q(q, caller, qplan.qdtype), scales, h

@@ -1,0 +1,607 @@
+"""The semantics of polynorm, decided once.
+
+Every backend receives a :class:`Plan` and the arrays already in canonical
+form (2-D ``(tokens, d)`` rows, 1-D ``(d,)`` weight/bias, 1-D ``(tokens,)``
+rstd).  Nothing below a backend re-derives ``k``, eps placement, casting or
+the dtypes: they are all here.
+
+The operation, for one row ``v`` of length ``d`` (see ``shared/SPEC.md``)::
+
+    k     = floor(d * partial)                       # 1 <= k <= d
+    ms    = sum(v[:k]**2) / k
+    rstd  = 1 / sqrt(ms + eps)        (eps_mode="inside")
+    rstd  = 1 / (sqrt(ms) + eps)      (eps_mode="outside")
+    xhat  = v * rstd
+    y     = xhat * (weight + offset) + bias
+
+Casting
+    ``"fp32"`` (default): every step runs in the compute dtype (float64 for
+    float64 input, float32 otherwise) and rounds once, at the end, to the
+    output dtype.  ``"llama"``: Hugging Face Llama's order -- ``xhat`` is
+    rounded to the input dtype, ``weight + offset`` is formed in the weight
+    dtype and the product is rounded to ``promote(input dtype, weight dtype)``
+    (torch's ``self.weight * hidden_states.to(input_dtype)``: float32 weights
+    with bfloat16 input give a float32 product); bias is added in the compute
+    dtype and the result is rounded to the output dtype.  With
+    ``out_dtype=promote(...)`` this is HF's ``LlamaRMSNorm`` exactly.
+
+The backward, with ``g = weight + offset`` (1 when no weight),
+``c = sum_j(g*dy*xhat)_j`` over all ``d`` columns and ``m_i = [i < k]``::
+
+    dx      = rstd * (g*dy - m * xhat * c * alpha / k) (+ grad_residual)
+    alpha   = 1                      (eps inside)
+    alpha   = (s + eps) / s          (eps outside, s = sqrt(ms); term is 0 when s == 0)
+    dweight = sum over tokens of dy * xhat
+    dbias   = sum over tokens of dy
+
+This is the spec's ``x * rstd**3 / k`` form rewritten with ``xhat`` so that
+nothing overflows or underflows for large or tiny inputs (``rstd**3`` of a
+row of 1e25 is 1e-75, below float32's range).  The casting mode does not
+change the backward: it is the derivative of the exact (unrounded) function.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ForwardRef, Literal, NamedTuple, TypeAlias, TypedDict, TypeVar
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+EPS_MODES = ("inside", "outside")
+CASTINGS = ("fp32", "llama")
+
+#: Result of a float dtype combination, by the usual promotion lattice
+#: (float16 + bfloat16 -> float32, as torch and jax do).
+_RANK = {"float16": 1, "bfloat16": 1, "float32": 2, "float64": 3}
+
+
+def promote(a: str, b: str) -> str:
+    """Float dtype name that holds both ``a`` and ``b`` exactly.
+
+    >>> promote("bfloat16", "float32")
+    'float32'
+    >>> promote("float16", "bfloat16")
+    'float32'
+    """
+    if a == b:
+        return a
+    ra, rb = _RANK[a], _RANK[b]
+    if ra == rb:  # float16 with bfloat16: neither holds the other
+        return "float32"
+    return a if ra > rb else b
+
+
+class Options(NamedTuple):
+    """The keyword options of a call, as the caller gave them; built once per call.
+
+    Every public function packs its keywords into one ``Options`` and passes
+    it down: the front end resolves it into a :class:`Plan`
+    (:func:`make_plan`), the torch custom ops carry its fields as their
+    schema arguments (:data:`OPTION_TYPES`), and jax takes it, hashable, as a
+    static argument.  A new option is one field here (with its type in
+    ``_SharedOptions``, its schema type in :data:`OPTION_TYPES` and its text in
+    :data:`OPTION_DOCS`), its resolution in :func:`make_plan` and the kernels
+    that read the Plan; the public signatures take it through ``**options``.
+
+    >>> Options(eps=1e-5).eps_mode
+    'inside'
+    """
+
+    eps: Any = 1e-6
+    axis: Any = -1
+    partial: Any = 1.0
+    offset: Any = 0.0
+    eps_mode: Any = "inside"
+    casting: Any = "fp32"
+    out_dtype: Any = None
+    backend: Any = "auto"
+
+
+#: Each option's type in torch's custom-op schema language (``polynorm.torch``).
+OPTION_TYPES: dict[str, str] = {
+    "eps": "float", "axis": "int[]", "partial": "float", "offset": "float",
+    "eps_mode": "str", "casting": "str", "out_dtype": "str?", "backend": "str",
+}
+assert tuple(OPTION_TYPES) == Options._fields
+
+#: ``new_options(Options, (eps, axis, ...))``: an :class:`Options` from its fields in
+#: order, without the NamedTuple's Python ``__new__`` (a third of a microsecond, which
+#: is a tenth of a small call's whole cost).
+new_options = tuple.__new__
+
+#: a dtype name (``"bfloat16"``) or a dtype object of any array library
+DTypeLike: TypeAlias = Any
+EpsMode: TypeAlias = Literal["inside", "outside"]
+Casting: TypeAlias = Literal["fp32", "llama"]
+
+
+class _SharedOptions(TypedDict, total=False):
+    axis: int | tuple[int, ...]
+    partial: float
+    offset: float
+    eps_mode: EpsMode
+    casting: Casting
+    out_dtype: DTypeLike | None
+    backend: str
+
+
+class NormOptions(_SharedOptions, total=False):
+    """The keyword options of the array-API functions (``**options``), as typed keywords.
+
+    A public function takes them as ``**options: Unpack[NormOptions]``, packs them
+    with :func:`pack_options` and documents them through :func:`takes_options`, so a
+    new option is written here (a field of :class:`Options`, its type in this dict,
+    its schema type in :data:`OPTION_TYPES`, its text in :data:`OPTION_DOCS`) and in
+    the semantics (:func:`make_plan`) and kernels that read it, and in no signature.
+    """
+
+    eps: float
+
+
+class TorchOptions(_SharedOptions, total=False):
+    """:class:`NormOptions` for :mod:`polynorm.torch`, whose ``eps=None`` means torch's default."""
+
+    eps: float | None
+
+
+#: Each option's entry in the Parameters section of a docstring (numpydoc), by field.
+OPTION_DOCS: dict[str, str] = {
+    "eps": "eps : float, default 1e-6\n    ``>= 0`` and finite.",
+    "axis": "axis : int or tuple of int, default -1\n"
+            "    The normalized axes (sorted; the slice is taken in C order).",
+    "partial": "partial : float, default 1.0\n"
+               "    pRMSNorm: in ``(0, 1]``; the statistic uses the first ``k = floor(d * partial)``\n"
+               "    elements of a slice, and ``k`` must be at least 1.",
+    "offset": "offset : float, default 0.0\n"
+              "    Added to ``weight`` (``offset=1.0`` is Gemma's ``1 + w``); not used without a weight.",
+    "eps_mode": "eps_mode : {\"inside\", \"outside\"}, default \"inside\"\n"
+                "    ``1 / sqrt(ms + eps)`` or ``1 / (sqrt(ms) + eps)``.",
+    "casting": "casting : {\"fp32\", \"llama\"}, default \"fp32\"\n"
+               "    ``\"llama\"`` rounds the normalized value to ``x``'s dtype before the weight\n"
+               "    multiply, as Hugging Face Llama does.",
+    "out_dtype": "out_dtype : dtype or str, optional\n"
+                 "    The result's dtype; defaults to the normalized input's.",
+    "backend": "backend : {\"auto\", \"numba\", \"cupy\", \"dask\", \"array_api\"}, default \"auto\"\n"
+               "    The backend to run on; ``\"auto\"`` picks the fastest that takes the arrays.",
+}
+
+_DEFAULT_OPTIONS = Options()
+_DEFAULTS = _DEFAULT_OPTIONS._asdict()
+
+
+def pack_options(func: str, options: Mapping[str, Any], **fixed: Any) -> Options:
+    """The :class:`Options` of a call from its ``**options`` keywords.
+
+    ``fixed``: fields the function sets itself (``out_dtype="float32"`` for the
+    quantized output's y); a caller's keyword for one of them is a ``TypeError``,
+    as is an unknown keyword (Python's own message for a bad keyword).
+
+    >>> pack_options("rms_norm", {"eps": 1e-5}).eps
+    1e-05
+    >>> pack_options("rms_norm", {"epsilon": 1e-5})
+    Traceback (most recent call last):
+    ...
+    TypeError: rms_norm() got an unexpected keyword argument 'epsilon'
+    """
+    if not options and not fixed:
+        return _DEFAULT_OPTIONS
+    # the defaults' order is the fields' order; an override keeps its key's place
+    merged = {**_DEFAULTS, **options}
+    if len(merged) != len(_DEFAULTS) or fixed:
+        bad = [n for n in options if n not in _DEFAULTS or n in fixed]
+        if bad:
+            raise TypeError(f"{func}() got an unexpected keyword argument {bad[0]!r}")
+        merged.update(fixed)
+    return new_options(Options, merged.values())
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _annotation(a: Any) -> Any:
+    return a.__forward_arg__ if isinstance(a, ForwardRef) else a
+_MARKER = re.compile(r"^( *)\{options\}\n", re.MULTILINE)
+
+
+def takes_options(*, exclude: tuple[str, ...] = (), docs: Mapping[str, str] | None = None,
+                  defaults: Mapping[str, Any] | None = None) -> Callable[[F], F]:
+    """Decorator of a public function with ``**options``: its signature and docstring.
+
+    The runtime signature (``help()``, IDEs, Sphinx) lists every option of
+    :class:`Options` but ``exclude`` as a keyword-only parameter with its default
+    (``defaults`` overrides some), in place of ``**options``; the docstring line
+    ``{options}`` becomes their Parameters entries (:data:`OPTION_DOCS`, ``docs``
+    overriding some).
+    """
+
+    def decorate(func: F) -> F:
+        sig = inspect.signature(func)
+        params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        names = [n for n in Options._fields if n not in exclude]
+        given = {**_SharedOptions.__annotations__, **NormOptions.__annotations__}
+        dflt = {**_DEFAULT_OPTIONS._asdict(), **(defaults or {})}
+        params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=dflt[n],
+                                     annotation=_annotation(given[n])) for n in names]
+        func.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        if func.__doc__:
+            text = {**OPTION_DOCS, **(docs or {})}
+
+            def entries(m: re.Match) -> str:
+                pad = m.group(1)
+                return "".join(pad + line + "\n" for n in names for line in text[n].split("\n"))
+
+            func.__doc__, count = _MARKER.subn(entries, func.__doc__)
+            assert count == 1, f"{func.__name__}: the docstring needs one {{options}} line"
+        return func
+
+    return decorate
+
+
+def compute_dtype(x_dtype: str) -> str:
+    """The dtype the math runs in: float64 for float64 input, else float32."""
+    return "float64" if x_dtype == "float64" else "float32"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything a kernel needs to know about one call, resolved and validated.
+
+    Attributes
+    ----------
+    d : int
+        Elements per normalized row.
+    k : int
+        Elements entering the statistic (pRMSNorm), ``1 <= k <= d``.
+    eps : float
+        Added inside or outside the square root, per ``eps_inside``.
+    eps_inside : bool
+        ``True`` for ``1/sqrt(ms + eps)``, ``False`` for ``1/(sqrt(ms) + eps)``.
+    offset : float
+        Added to the weight (Gemma's ``1 + w`` is ``offset=1.0``).
+    llama : bool
+        ``casting == "llama"``.
+    norm_dtype : str
+        dtype of the normalized input (``h`` for the fused add).
+    compute_dtype : str
+        ``"float32"`` or ``"float64"``; also the dtype of ``rstd``.
+    out_dtype : str
+        dtype of ``y``.
+    memo : dict
+        Per-plan values a backend derives once (its flag words, dtype
+        objects); not part of the plan's identity.
+    """
+
+    d: int
+    k: int
+    eps: float
+    eps_inside: bool
+    offset: float
+    llama: bool
+    norm_dtype: str
+    compute_dtype: str
+    out_dtype: str
+    memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @property
+    def rstd_dtype(self) -> str:
+        return self.compute_dtype
+
+
+def _check_real(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # numpy scalars are fine: they convert through float()
+        try:
+            import numbers
+
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError
+            return float(value)
+        except TypeError:
+            raise TypeError(
+                f"{name} must be a real number, got {value!r} of type {type(value).__name__}"
+            ) from None
+    return float(value)
+
+
+_PLANS: dict[tuple, Plan] = {}
+_EXACT = (float, int)  # the scalar types a cached plan may be looked up by, unchecked
+
+
+def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
+    """Validate the options and resolve them into a :class:`Plan`; cached.
+
+    A repeated call with the same options costs one dict lookup, which keeps
+    the per-call overhead of the front end small.  Options of exact Python
+    types (``float``/``int``/``str``) are looked up as they are; anything
+    else is checked and converted first, so that a numpy scalar counts by its
+    value and a non-number (``True``, an unhashable 0-d array) is a
+    ``TypeError`` naming the argument, not a cache hit or the cache's own
+    "unhashable type" error.  ``opts.axis`` and ``opts.backend`` are the
+    front end's business and not read here.
+
+    >>> p = make_plan(10, "bfloat16", Options(partial=0.3))
+    >>> (p.k, p.compute_dtype, p.out_dtype)
+    (3, 'float32', 'bfloat16')
+    """
+    eps, _, partial, offset, eps_mode, casting, out_dtype, _ = opts
+    exact = (eps.__class__ in _EXACT and partial.__class__ in _EXACT
+             and offset.__class__ in _EXACT and eps_mode.__class__ is str
+             and casting.__class__ is str and (out_dtype is None or out_dtype.__class__ is str))
+    if exact:
+        key = (d, norm_dtype, eps, partial, offset, eps_mode, casting, out_dtype)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan
+    from polynorm.core.dtypes import parse_dtype
+
+    out_name = parse_dtype("out_dtype", out_dtype)
+    if not isinstance(eps_mode, str):
+        raise TypeError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
+    if not isinstance(casting, str):
+        raise TypeError(f"casting must be one of {CASTINGS}, got {casting!r}")
+    plan = _resolve(d, norm_dtype, eps=_check_real("eps", eps),
+                    partial=_check_real("partial", partial),
+                    offset=_check_real("offset", offset), eps_mode=eps_mode, casting=casting,
+                    out_dtype=out_name)
+    if exact:
+        if len(_PLANS) >= 1024:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _resolve(
+    d: int,
+    norm_dtype: str,
+    *,
+    eps: float,
+    partial: float,
+    offset: float,
+    eps_mode: str,
+    casting: str,
+    out_dtype: str | None,
+) -> Plan:
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if not (0.0 < partial <= 1.0):
+        raise ValueError(f"partial must be in (0, 1], got {partial!r}")
+    if not math.isfinite(offset):
+        raise ValueError(f"offset must be finite, got {offset!r}")
+    if eps_mode not in EPS_MODES:
+        raise ValueError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
+    if casting not in CASTINGS:
+        raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}")
+    if d < 1:
+        raise ValueError(
+            f"axis: the normalized axes have size {d}; they must hold at least one element"
+        )
+    k = int(d * partial)  # floor, as the pRMSNorm paper's code does
+    if k < 1:
+        raise ValueError(
+            f"partial={partial!r} gives k = floor({d} * {partial!r}) = 0 elements; "
+            f"partial must be at least 1/d = {1 / d!r}"
+        )
+    if out_dtype is None:
+        out_dtype = norm_dtype
+    elif out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
+    return Plan(
+        d=d,
+        k=k,
+        eps=eps,
+        eps_inside=eps_mode == "inside",
+        offset=offset,
+        llama=casting == "llama",
+        norm_dtype=norm_dtype,
+        compute_dtype=compute_dtype(norm_dtype),
+        out_dtype=out_dtype,
+    )
+
+
+# --------------------------------------------------------------------------- gated RMSNorm
+
+
+def _group_size(group_size: Any, d: int) -> int:
+    """A ``group_size`` checked: an int that divides ``d``."""
+    if isinstance(group_size, bool) or not hasattr(group_size, "__index__"):
+        raise TypeError(f"group_size must be an int or None, got {group_size!r}")
+    gs = int(group_size.__index__())
+    if gs < 1 or d % gs:
+        raise ValueError(f"group_size={gs} must be >= 1 and divide the normalized size d={d}")
+    return gs
+
+
+class _Grouped:
+    """A plan whose statistic or scale is taken per group of ``group_size`` elements."""
+
+    __slots__ = ()
+    plan: Plan
+    group_size: int
+
+    @property
+    def groups(self) -> int:
+        return self.plan.d // self.group_size
+
+
+@dataclass(frozen=True, slots=True)
+class GatedPlan(_Grouped):
+    """A :class:`Plan` plus the gate's options, for :func:`polynorm.rms_norm_gated`.
+
+    The operation, per token, with ``silu(z) = z / (1 + exp(-z))`` computed in
+    the compute dtype from ``z`` converted to it, and the statistic taken per
+    group of ``group_size`` contiguous elements of the normalized slice (one
+    group of ``d`` without ``group_size``)::
+
+        norm_before_gate=False (Mamba-2's default):
+            u    = x * silu(z)                         # compute dtype, not rounded
+            rstd = 1 / sqrt(mean_group(u[:k]**2) + eps)
+            y    = u * rstd * (weight + offset) + bias
+        norm_before_gate=True (Qwen3-Next, Mamba's rmsnorm_fn default):
+            rstd = 1 / sqrt(mean_group(x[:k]**2) + eps)
+            y    = (x * rstd * (weight + offset) + bias) * silu(z)
+
+    ``eps_mode="outside"`` places eps as in :class:`Plan`.  ``k`` is
+    ``plan.k`` with one group; with several groups every element enters its
+    group's statistic (``partial`` must be 1, see :func:`make_gated_plan`).
+
+    Casting ``"fp32"`` is Mamba's ``layernorm_gated`` (x, z and weight in
+    float32, one rounding at the end).  ``"llama"`` is Hugging Face's
+    ``Qwen3NextRMSNormGated``: the normalized value is rounded to ``x``'s
+    dtype, multiplied by ``weight + offset`` in ``weight``'s dtype (rounded to
+    their promoted dtype), then (``norm_before_gate=True``) multiplied by
+    ``silu(z)`` in the compute dtype; the gate product ``u`` of
+    ``norm_before_gate=False`` is never rounded.
+
+    The backward, with ``g = weight + offset``, ``s = silu(z)`` and
+    ``s' = sigmoid(z) * (1 + z * (1 - sigmoid(z)))``: for
+    ``norm_before_gate=False`` it is :class:`Plan`'s backward of the norm of
+    ``u`` per group (``du``), then ``dx = du * s``, ``dz = du * x * s'``,
+    ``dweight = sum dy * uhat``, ``dbias = sum dy``; for ``True`` it is the
+    norm's backward of ``x`` with ``dy * s`` in place of ``dy``, and
+    ``dz = dy * (xhat * g + bias) * s'``, ``dweight = sum dy * s * xhat``,
+    ``dbias = sum dy * s``.
+    """
+
+    plan: Plan
+    group_size: int
+    norm_before_gate: bool
+
+    @property
+    def k(self) -> int:
+        """Elements of each group entering its statistic."""
+        return self.plan.k if self.groups == 1 else self.group_size
+
+
+def make_gated_plan(plan: Plan, *, group_size: Any, norm_before_gate: Any) -> GatedPlan:
+    """Validate the gate's options against a resolved :class:`Plan`.
+
+    ``group_size`` must divide ``d``; ``partial < 1`` is allowed only with one
+    group (pRMSNorm's leading ``k`` has no per-group meaning in Mamba, vLLM or
+    FLA, so polynorm does not invent one).
+
+    >>> p = make_plan(8, "float32", Options())
+    >>> make_gated_plan(p, group_size=4, norm_before_gate=False).groups
+    2
+    """
+    if not isinstance(norm_before_gate, (bool, int)) or norm_before_gate not in (0, 1):
+        raise TypeError(f"norm_before_gate must be True or False, got {norm_before_gate!r}")
+    d = plan.d
+    if group_size is None:
+        gs = d
+    else:
+        gs = _group_size(group_size, d)
+    if gs != d and plan.k != d:
+        raise ValueError(
+            f"partial={plan.k / d!r} (k={plan.k}) cannot be combined with group_size={gs} "
+            f"< d={d}: use partial=1.0 with groups")
+    return GatedPlan(plan=plan, group_size=gs, norm_before_gate=bool(norm_before_gate))
+
+
+# --------------------------------------------------------------------------- quantized output
+
+#: The formats :func:`polynorm.rms_norm_quant` writes, with the largest
+#: magnitude a scale maps to (``qmax``) and the saturation bounds.
+QUANT_DTYPES = ("float8_e4m3fn", "int8")
+_QRANGE = {"float8_e4m3fn": (448.0, -448.0, 448.0), "int8": (127.0, -128.0, 127.0)}
+#: The smallest positive normal float32: a dynamic scale below it is replaced by 1.
+SCALE_FLOOR = 2.0**-126
+
+
+@dataclass(frozen=True, slots=True)
+class QuantPlan(_Grouped):
+    """A :class:`Plan` (``out_dtype`` float32) plus the quantization's options.
+
+    Per token, with ``y`` the float32 result of the plan (exactly
+    :func:`polynorm.rms_norm` with ``out_dtype="float32"``)::
+
+        static (scale given):   s = float32(scale)                  one for the tensor
+        dynamic, per token:     s = amax(|y|) / qmax                one per token
+        dynamic, per group:     s = amax(|y[g*G:(g+1)*G]|) / qmax   one per group of G
+        dynamic s < 2**-126:    s = 1     (an all-zero token or group; NaN stays NaN)
+        q = encode(clip(y / s, lo, hi))
+
+    ``/`` is float32 division (correctly rounded), ``amax`` propagates NaN,
+    ``clip`` keeps NaN, and ``encode`` rounds to nearest even: to
+    float8_e4m3fn (``qmax = 448``, ``[lo, hi] = [-448, 448]``; NaN stays
+    NaN, its sign kept) or to int8 (``qmax = 127``, ``[lo, hi] = [-128, 127]``;
+    NaN becomes 0).
+    """
+
+    plan: Plan
+    qdtype: str
+    static: bool
+    scale: float | None  # the static scale as a float32 value, None for an array scale
+    group_size: int
+
+    @property
+    def qmax(self) -> float:
+        return _QRANGE[self.qdtype][0]
+
+    @property
+    def lo(self) -> float:
+        return _QRANGE[self.qdtype][1]
+
+    @property
+    def hi(self) -> float:
+        return _QRANGE[self.qdtype][2]
+
+
+def parse_quant_dtype(dtype: Any) -> str:
+    """``"float8_e4m3fn"`` or ``"int8"`` from a name or any library's dtype object.
+
+    >>> import numpy as np
+    >>> parse_quant_dtype(np.int8), parse_quant_dtype("float8_e4m3fn")
+    ('int8', 'float8_e4m3fn')
+    """
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            import numpy as np
+
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(getattr(dtype, "name", dtype))
+        name = name.rsplit(".", 1)[-1].lower()
+    if name not in QUANT_DTYPES:
+        raise TypeError(f"dtype must be one of {QUANT_DTYPES}, got {dtype!r}")
+    return name
+
+
+def make_quant_plan(plan: Plan, *, qdtype: str, scale: Any, scale_is_array: bool,
+                    group_size: Any) -> QuantPlan:
+    """Validate the quantization's options against a resolved :class:`Plan`.
+
+    ``scale`` (a real number, when not an array) must be positive and finite
+    as a float32; ``group_size`` (dynamic scales only) must divide ``d``.
+
+    >>> p = make_plan(8, "float32", Options(out_dtype="float32"))
+    >>> make_quant_plan(p, qdtype="int8", scale=None, scale_is_array=False, group_size=4).groups
+    2
+    """
+    d = plan.d
+    static = scale is not None or scale_is_array
+    value = None
+    if scale is not None:
+        value = _check_real("scale", scale)
+        import numpy as np
+
+        with np.errstate(over="ignore", under="ignore"):
+            v32 = float(np.float32(value))
+        if not (math.isfinite(v32) and v32 > 0):
+            raise ValueError(
+                f"scale must be a positive finite float32 value, got {scale!r}"
+                + (f" (float32: {v32!r})" if v32 != value else ""))
+        value = v32
+    if group_size is None:
+        gs = d
+    else:
+        if static:
+            raise ValueError(
+                "group_size is for dynamic scales: pass scale=None with group_size, "
+                f"or group_size=None with a static scale (got group_size={group_size!r})")
+        gs = _group_size(group_size, d)
+    return QuantPlan(plan=plan, qdtype=qdtype, static=static, scale=value, group_size=gs)

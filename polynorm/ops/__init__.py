@@ -1,0 +1,1 @@
+"""polynorm.ops."""

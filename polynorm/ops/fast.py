@@ -1,0 +1,192 @@
+"""The front end's fast path: numpy arrays and torch CPU tensors, straight to Numba.
+
+Plain numpy arrays (and torch CPU tensors, as zero-copy numpy views),
+``axis=-1`` and ``backend="auto"`` skip the array-API namespace machinery
+(~10 us of a (1, 4096) call) and go to the Numba backend with the cached
+:class:`~polynorm.core.options.Plan`.  Only the valid, simple case is handled
+here: anything unusual -- another axis, a non-float dtype, a wrong shape, bad
+options, zero tokens -- returns ``None`` and the general path of
+:mod:`polynorm.ops.norm` runs, so that every check and every error message stays
+the general path's own.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from polynorm import backends as _backends
+from polynorm.core import interop as _interop
+from polynorm.core.memory import check_out_memory, partly_written, plain_out_ok
+from polynorm.core.options import Options, Plan, make_plan, promote
+
+__all__ = ["numba_module", "forward", "backward"]
+
+_NAMES: dict[Any, str] = {}  # numpy dtype -> float dtype name
+_MODULE: list = []  # the numba backend module once it has loaded
+
+
+def _names() -> dict[Any, str]:
+    # bfloat16 only once ml_dtypes is imported (by the caller: an array of it
+    # cannot exist before); its import is slow, and a float32 call needs none
+    if not _NAMES:
+        for name in ("float16", "float32", "float64"):
+            _NAMES[np.dtype(name)] = name
+    ml_dtypes = sys.modules.get("ml_dtypes")
+    if ml_dtypes is not None:
+        _NAMES[np.dtype(ml_dtypes.bfloat16)] = "bfloat16"
+    return _NAMES
+
+
+def numba_module(opts: Options):
+    """The numba backend module if a call with ``opts`` may take the fast path, else None."""
+    backend, axis = opts.backend, opts.axis
+    if backend.__class__ is not str or backend != "auto" or axis.__class__ is not int or axis != -1:
+        return None
+    if _MODULE:
+        return _MODULE[0]
+    if not _backends.usable("numba"):
+        return None
+    _MODULE.append(_backends.get("numba"))
+    return _MODULE[0]
+
+
+def _plan(d: int, dtype: str, opts: Options) -> Plan | None:
+    try:
+        return make_plan(d, dtype, opts)
+    except (TypeError, ValueError):
+        return None  # the general path raises it, in its own order
+
+
+def _all_numpy_or_none(a, b, c, e) -> bool:
+    # spelled out: a generator over the arguments costs ~0.3 us of a (1, 4096) call
+    nd = np.ndarray
+    return ((a is None or type(a) is nd) and (b is None or type(b) is nd)
+            and (c is None or type(c) is nd) and (e is None or type(e) is nd))
+
+
+def _vector_ok(a, d: int, names: dict) -> bool:
+    """weight/bias the fast path can take: absent, or shape (d,) with a float dtype."""
+    return a is None or (a.ndim == 1 and a.shape[0] == d and a.dtype in names)
+
+
+def _rows(x, weight, bias, a, b) -> tuple | None:
+    """``(names, dtype name, d, n, two_d)`` of a numpy ``x`` of ``n`` tokens of
+    ``d`` that the fast path takes, with weight/bias fit for it and the other
+    arrays ``a``, ``b`` numpy or absent; else None."""
+    if x.ndim == 0 or not _all_numpy_or_none(weight, bias, a, b):
+        return None
+    names = _NAMES if len(_NAMES) == 4 else _names()
+    shape = x.shape
+    d = shape[-1]
+    dtype = names.get(x.dtype)
+    if dtype is None or d == 0:
+        return None
+    if not (_vector_ok(weight, d, names) and _vector_ok(bias, d, names)):
+        return None
+    two_d = len(shape) == 2
+    n = shape[0] if two_d else x.size // d
+    if n == 0:
+        return None
+    return names, dtype, d, n, two_d
+
+
+def forward(mod, x, residual, weight, bias, out, return_rstd: bool, opts: Options, fused: bool):
+    """``rms_norm``/``add_rms_norm`` on numpy arrays, or None for the general path."""
+    if type(x) is not np.ndarray:
+        # torch CPU tensors: the same path on zero-copy numpy views (polynorm.core.interop)
+        if type(x).__module__ != "torch" or x.ndim == 0:
+            return None
+        views = _interop.torch_host_views((x, residual, weight, bias, out))
+        if views is None:
+            return None
+        if out is not None:
+            # in place: the same view object, which the overlap check knows at once
+            if out is x:
+                views[4] = views[0]
+            elif out is residual:
+                views[4] = views[1]
+        r = forward(mod, *views, return_rstd, opts, fused)
+        if r is None:
+            return None
+        r = [_interop.torch_from_host(a) for a in ((r,) if type(r) is np.ndarray else r)]
+        if out is not None:
+            r[0] = out
+        return r[0] if len(r) == 1 else tuple(r)
+    head = _rows(x, weight, bias, residual, out)
+    if head is None:
+        return None
+    names, dtype, d, n, two_d = head
+    shape = x.shape
+    if residual is not None:
+        rdt = names.get(residual.dtype)
+        if rdt is None or residual.shape != shape:
+            return None
+        dtype = promote(dtype, rdt)
+    plan = _plan(d, dtype, opts)
+    if plan is None:
+        return None
+    if out is not None and (
+        not two_d or out.shape != shape or names.get(out.dtype) != plan.out_dtype
+    ):
+        return None
+    if out is not None and not plain_out_ok(out, x, residual, weight, bias):
+        check_out_memory(out, (x, residual, weight, bias), ("x", "residual", "weight", "bias"))
+    if (two_d and residual is None and out is None and n * d < mod.SERIAL_MAX_ELEMENTS
+            and not plan.llama):
+        y, rstd = mod.forward_small(x, weight, bias, plan)
+        return (y, rstd) if return_rstd else y
+    if two_d:
+        try:
+            y, h, rstd = mod.forward(x, residual, weight, bias, plan, out)
+        except Exception as exc:
+            if out is None:
+                raise
+            raise partly_written(exc) from exc
+    else:
+        r2 = None if residual is None else residual.reshape(n, d)
+        y, h, rstd = mod.forward(x.reshape(n, d), r2, weight, bias, plan, None)
+        y = y.reshape(shape)
+        h = None if h is None else h.reshape(shape)
+        rstd = rstd.reshape(shape[:-1])
+    if out is not None:
+        y = out
+    if fused:
+        return (y, h, rstd) if return_rstd else (y, h)
+    return (y, rstd) if return_rstd else y
+
+
+def backward(mod, dy, x, weight, bias, rstd, grad_residual, opts: Options):
+    """``rms_norm_backward`` on numpy arrays, or None for the general path."""
+    if type(x) is not np.ndarray and type(x).__module__ == "torch" and x.ndim != 0:
+        views = _interop.torch_host_views((dy, x, weight, bias, rstd, grad_residual))
+        if views is None:
+            return None
+        r = backward(mod, *views, opts)
+        return None if r is None else tuple(_interop.torch_from_host(a) for a in r)
+    if type(x) is not np.ndarray or type(dy) is not np.ndarray:
+        return None
+    head = _rows(x, weight, bias, rstd, grad_residual)
+    if head is None:
+        return None
+    names, dtype, d, n, two_d = head
+    shape = x.shape
+    if dy.shape != shape or dy.dtype not in names:
+        return None
+    if grad_residual is not None and (
+        grad_residual.shape != shape or grad_residual.dtype not in names
+    ):
+        return None
+    plan = _plan(d, dtype, opts)
+    if plan is None:
+        return None
+    if rstd is not None and (rstd.shape != shape[:-1] or names.get(rstd.dtype) != plan.rstd_dtype):
+        return None
+    if two_d:
+        return mod.backward(dy, x, weight, bias, rstd, grad_residual, plan)
+    gr = None if grad_residual is None else grad_residual.reshape(n, d)
+    r1 = None if rstd is None else rstd.reshape(n)
+    dx, dw, db = mod.backward(dy.reshape(n, d), x.reshape(n, d), weight, bias, r1, gr, plan)
+    return dx.reshape(shape), dw, db

@@ -1,0 +1,701 @@
+"""The public functions: validate every argument, resolve a Plan, dispatch.
+
+Nothing here computes: arrays are checked, brought into canonical 2-D form
+``(tokens, d)`` and handed to one backend module (see
+:mod:`polynorm.backends`).  Every error is raised here, before a kernel runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import array_api_compat as aac
+import numpy as _np
+
+from polynorm import backends as _backends
+from polynorm.core.dtypes import float_dtype_name, namespace_dtype
+from polynorm.core.interop import jax_committed
+from polynorm.core.memory import check_out_memory, host_view, partly_written
+from polynorm.core.options import (
+    NormOptions,
+    Options,
+    Plan,
+    make_plan,
+    pack_options,
+    promote,
+    takes_options,
+)
+from polynorm.ops import fast as _fast
+from polynorm.ops import fast_cuda as _fast_cuda
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["rms_norm", "add_rms_norm", "rms_norm_backward", "backends"]
+
+#: any array of a supported library (numpy, cupy, torch, jax, dask, array-api-strict, ...)
+Array: TypeAlias = Any
+
+#: auto-dispatch tries these, in order, before the reference.
+_AUTO_ORDER = ("dask", "cupy", "numba")
+
+
+def backends() -> dict[str, tuple[bool, str]]:
+    """Which backends exist here and whether each can run.
+
+    Returns
+    -------
+    dict
+        ``{name: (usable, reason)}``; ``reason`` is ``"ok"`` for a usable
+        backend and says what is missing otherwise.
+
+    Examples
+    --------
+    >>> import polynorm as pn
+    >>> usable, reason = pn.backends()["array_api"]
+    >>> usable
+    True
+    """
+    return _backends.report()
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _namespace(arrays: dict[str, Any]):
+    """One namespace for all given arrays, or a TypeError naming the culprits."""
+    present = {k: v for k, v in arrays.items() if v is not None}
+    for argname, a in present.items():
+        if not aac.is_array_api_obj(a):
+            raise TypeError(f"{argname} must be an array, got {type(a).__name__}")
+        if isinstance(a, _np.ma.MaskedArray):
+            # a mask has no meaning for a norm (the statistic would count masked entries
+            # as values); the fast path takes exact np.ndarray only, so all come here
+            raise TypeError(
+                f"{argname} must not be a masked array (numpy.ma): polynorm gives masks no "
+                "meaning; pass a plain numpy array (for example a.filled(0))"
+            )
+    try:
+        xp = aac.array_namespace(*present.values())
+    except TypeError:
+        kinds = ", ".join(f"{k}: {type(v).__module__}.{type(v).__name__}" for k, v in present.items())
+        raise TypeError(f"arrays from different libraries cannot be mixed ({kinds})") from None
+    first: tuple[str, Any] | None = None  # the first array with a placement, and it
+    for argname, a in present.items():
+        where = _placement(a)
+        if where is None:
+            continue
+        if first is None:
+            first = (argname, where)
+        elif where != first[1]:
+            raise ValueError(
+                f"{first[0]} is on device {aac.device(present[first[0]])} but {argname} "
+                f"is on device {aac.device(a)}; move them to one device"
+            )
+    return xp
+
+
+def _placement(a: Any) -> Any:
+    """Where ``a`` lives, for the check that a call's arrays live in one place; None
+    where that is jax's to decide.
+
+    A concrete jax array counts by the set of devices it is on: a sharded ``x`` and
+    a weight replicated over the same devices go together, as in jnp.  An
+    uncommitted jax array in host memory counts as nowhere: jnp moves it to the
+    committed arrays' device, and the Numba kernels read host memory of every CPU
+    device alike (a gradient jax makes for a result on ``cpu:1`` starts
+    uncommitted on ``cpu:0``).  A traced one has no device yet (a concrete weight
+    closed over by ``jit(grad(f))`` meets a traced ``x``).
+    """
+    if aac.is_jax_array(a):
+        import jax
+
+        if isinstance(a, jax.core.Tracer):
+            return None
+        try:
+            devices = a.devices()
+        except Exception:  # a deleted array: its use raises jax's own error later
+            return aac.device(a)
+        if not jax_committed(a) and all(d.platform == "cpu" for d in devices):
+            return None
+        return frozenset(devices)
+    return aac.device(a)
+
+
+def result_device(x: Any) -> Any:
+    """``device=`` for results made here rather than by a kernel: ``x``'s, or None
+    for an uncommitted jax ``x``, whose results jnp leaves uncommitted (``device=``
+    would commit them, and a committed result cannot meet arrays on another device)."""
+    if aac.is_jax_array(x) and not jax_committed(x):
+        return None
+    return aac.device(x)
+
+
+def _chunk_library_params(x: Any, weight: Any, bias: Any) -> tuple[Any, Any]:
+    """A dask ``x`` takes ``weight``/``bias`` as arrays of its chunks' library (numpy
+    with numpy chunks, cupy with cupy chunks), as dask's own operations do: those
+    become one-chunk dask arrays here, so that everything after sees one library."""
+    if not aac.is_dask_array(x):
+        return weight, bias
+    meta_type = type(getattr(x, "_meta", None))
+
+    def lift(a):
+        if a is None or aac.is_dask_array(a) or type(a) is not meta_type:
+            return a  # other libraries: the namespace check names them
+        import dask.array as da
+
+        return da.from_array(a, chunks=a.shape)
+
+    return lift(weight), lift(bias)
+
+
+def _normalize_axis(axis: Any, ndim: int) -> tuple[int, ...]:
+    items = axis if isinstance(axis, tuple) else (axis,)
+    if not items:
+        raise ValueError("axis must name at least one axis, got ()")
+    out = []
+    for a in items:
+        if isinstance(a, bool) or not isinstance(a, int):
+            try:
+                if isinstance(a, bool):  # True.__index__() is 1: not an axis
+                    raise AttributeError
+                a = int(a.__index__())
+            except AttributeError:
+                raise TypeError(
+                    f"axis must be an int or a tuple of ints, got {axis!r}"
+                ) from None
+        if not -ndim <= a < ndim:
+            raise ValueError(
+                f"axis {a} is out of range for x with {ndim} dimensions "
+                f"(allowed: {-ndim} .. {ndim - 1})"
+            )
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"axis must not repeat an axis, got {axis!r}")
+    return tuple(sorted(out))
+
+
+def _check_shape(argname: str, a: Any, shape: tuple[int, ...], what: str) -> None:
+    if a is not None and tuple(a.shape) != shape:
+        raise ValueError(f"{argname} must have shape {shape} ({what}), got {tuple(a.shape)}")
+
+
+def _choose_backend(backend: str, x: Any):
+    if backend == "auto":
+        for name in _AUTO_ORDER:
+            if _backends.usable(name):
+                mod = _backends.get(name)
+                if mod.accepts(x):
+                    return mod
+        return _backends.get("array_api")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {backend!r}")
+    mod = _backends.get(backend)  # raises for unknown / unusable
+    if not mod.accepts(x):
+        raise TypeError(
+            f"backend {backend!r} cannot take arrays of type "
+            f"{type(x).__module__}.{type(x).__name__} on device {aac.device(x)}"
+        )
+    return mod
+
+
+_offers: dict[tuple[Any, type], bool] = {}
+
+
+def _capable_backend(backend: str, x: Any, capability: type, what: str):
+    """The backend for ``x`` if it offers ``capability`` (a Protocol of
+    :mod:`polynorm.backends`); ``backend="auto"`` falls back to the reference."""
+    mod = _choose_backend(backend, x)
+    key = (mod, capability)
+    offers = _offers.get(key)
+    if offers is None:  # a Protocol isinstance check costs ~20 us: once per module
+        offers = _offers[key] = isinstance(mod, capability)
+    if offers:
+        return mod
+    if backend == "auto":
+        return _backends.get("array_api")
+    raise ValueError(f"backend {backend!r} has no {what} kernels; use backend='auto' or 'array_api'")
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass
+class _Layout:
+    """How the caller's arrays map to canonical ``(n, d)`` rows and back."""
+
+    xp: Any
+    shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    perm: tuple[int, ...] | None  # None when the normalized axes are already trailing
+    n: int
+    d: int
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return tuple(s for i, s in enumerate(self.shape) if i not in self.axes)
+
+    @property
+    def norm_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape[a] for a in self.axes)
+
+    def rows(self, a: Any) -> Any:
+        """``a`` (shape of x) as ``(n, d)``; a view when the layout allows."""
+        if a is None:
+            return None
+        xp = self.xp
+        if self.perm is not None:
+            a = xp.permute_dims(a, self.perm)
+        return xp.reshape(a, (self.n, self.d))
+
+    def unrows(self, a2: Any) -> Any:
+        xp = self.xp
+        if self.perm is None:
+            return xp.reshape(a2, self.shape)
+        permuted = tuple(self.shape[p] for p in self.perm)
+        inverse = tuple(self.perm.index(i) for i in range(len(self.perm)))
+        return xp.permute_dims(xp.reshape(a2, permuted), inverse)
+
+    def flat(self, a: Any) -> Any:
+        """weight/bias (shape over the normalized axes) as ``(d,)``."""
+        if a is None or a.ndim == 1:
+            return a
+        return self.xp.reshape(a, (self.d,))
+
+    def unflat(self, a: Any) -> Any:
+        if a is None or len(self.axes) == 1:
+            return a
+        return self.xp.reshape(a, self.norm_shape)
+
+
+def _layout(xp: Any, x: Any, axis: Any) -> _Layout:
+    shape = tuple(x.shape)
+    if any(s is None or (isinstance(s, float) and math.isnan(s)) for s in shape):
+        raise ValueError(f"x must have a known shape, got {shape}")
+    axes = _normalize_axis(axis, len(shape))
+    nd = len(shape)
+    trailing = axes == tuple(range(nd - len(axes), nd))
+    perm = None
+    if not trailing:
+        perm = tuple(i for i in range(nd) if i not in axes) + axes
+    d = math.prod(shape[a] for a in axes)
+    n = math.prod(s for i, s in enumerate(shape) if i not in axes)
+    return _Layout(xp=xp, shape=shape, axes=axes, perm=perm, n=n, d=d)
+
+
+def _view_rows(lay: _Layout, out: Any) -> Any:
+    """A 2-D view of ``out`` the backend can write into, or None if only a copy would do."""
+    if lay.perm is not None:
+        return None
+    if hasattr(out, "view") and hasattr(out, "__array_interface__") or aac.is_cupy_array(out):
+        v = out.view()
+        try:
+            v.shape = (lay.n, lay.d)  # numpy/cupy raise instead of copying
+        except AttributeError:
+            return None
+        return v
+    if aac.is_torch_array(out):
+        try:
+            return out.view(lay.n, lay.d)
+        except RuntimeError:
+            return None
+    return None
+
+
+_FORWARD_INPUTS = ("x", "residual", "weight", "bias")
+
+
+def _check_out(out: Any, x: Any, dtype: str, inputs: tuple = (),
+               names: tuple = _FORWARD_INPUTS, in_place: tuple = ("x", "residual"),
+               what: str = "the output dtype") -> None:
+    """``out``'s type, shape and dtype (``dtype``, ``what`` it is); for host memory
+    also its byte order, writability and overlap with the ``inputs`` (called
+    ``names``; ``out`` may be exactly one of those named in ``in_place``)."""
+    if out is None:
+        return
+    if type(out) is not type(x):
+        raise TypeError(f"out must be of the same type as x ({type(x).__name__}), got {type(out).__name__}")
+    if aac.is_jax_array(out):
+        raise TypeError("out= is not supported for jax arrays, which are immutable")
+    _check_shape("out", out, tuple(x.shape), "the shape of x")
+    got = float_dtype_name("out", out)
+    if got != dtype:
+        raise TypeError(f"out must have dtype {dtype} ({what}), got {got}")
+    ov = host_view(out)
+    if ov is not None:
+        check_out_memory(ov, tuple(host_view(a) for a in inputs), names[:len(inputs)], in_place)
+
+
+def _native(a: Any) -> Any:
+    """``a`` in native byte order: a converted copy of an array whose numpy
+    dtype is byte-swapped (``'>f4'`` on a little-endian machine), else ``a``.
+
+    The kernels read memory in the machine's order; a swapped input would be
+    read wrongly (16-bit) or not compile (float32/float64).
+    """
+    dt = getattr(a, "dtype", None)
+    if not isinstance(dt, _np.dtype) or dt.isnative:
+        return a
+    return a.astype(dt.newbyteorder("="))
+
+
+# --------------------------------------------------------------------------- front end
+
+
+@dataclass
+class _Call:
+    lay: _Layout
+    plan: Plan
+    backend: Any
+
+
+def _prepare(*, x: Any, weight: Any, bias: Any, arrays: dict[str, Any], opts: Options) -> _Call:
+    """Check the arrays against each other, lay them out as rows, resolve the Plan, and
+    choose the backend (``opts.backend``)."""
+    xp = _namespace({"x": x, **arrays, "weight": weight, "bias": bias})
+    x_dtype = float_dtype_name("x", x)
+    for argname, a in {"weight": weight, "bias": bias, **arrays}.items():
+        if a is not None and argname != "rstd":
+            float_dtype_name(argname, a)
+    norm_dtype = x_dtype
+    if arrays.get("residual") is not None:
+        # h = x + residual lives in the promoted dtype; y = rms_norm(h)
+        norm_dtype = promote(x_dtype, float_dtype_name("residual", arrays["residual"]))
+    lay = _layout(xp, x, opts.axis)
+    _check_shape("weight", weight, lay.norm_shape, "x's shape over the normalized axes")
+    _check_shape("bias", bias, lay.norm_shape, "x's shape over the normalized axes")
+    for argname in ("residual", "dy", "grad_residual"):
+        _check_shape(argname, arrays.get(argname), lay.shape, "the shape of x")
+    plan = make_plan(lay.d, norm_dtype, opts)
+    if plan.out_dtype != norm_dtype:
+        # e.g. out_dtype="bfloat16" for array-api-strict, which has none: say so now
+        try:
+            namespace_dtype(xp, plan.out_dtype, x)
+        except TypeError as exc:
+            raise TypeError(f"out_dtype={opts.out_dtype!r} is not available here: {exc}") from None
+    mod = _choose_backend(opts.backend, x)
+    return _Call(lay=lay, plan=plan, backend=mod)
+
+
+def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: bool = False,
+            fused: bool = False):
+    """:func:`rms_norm` (``fused=False``) or :func:`add_rms_norm` with the options packed.
+
+    The entry of :mod:`polynorm.torch` and :mod:`polynorm.jax` too: the fast path
+    when it takes the call, else the general path.
+    """
+    mod = _fast.numba_module(opts)
+    if mod is not None:
+        r = _fast.forward(mod, x, residual, weight, bias, out, return_rstd, opts, fused)
+        if r is not None:
+            return r
+    if type(x).__module__ == "torch":
+        r = _fast_cuda.forward(x, residual, weight, bias, out, return_rstd, opts, fused)
+        if r is not None:
+            return r
+    x, residual, weight, bias = _native(x), _native(residual), _native(weight), _native(bias)
+    weight, bias = _chunk_library_params(x, weight, bias)
+    call = _prepare(x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out},
+                    opts=opts)
+    lay, plan = call.lay, call.plan
+    _check_out(out, x, plan.out_dtype, (x, residual, weight, bias))
+    out2 = _view_rows(lay, out) if out is not None else None
+    if lay.n == 0:
+        y2, h2, rstd = _empty_forward(lay, x, residual, plan)
+    else:
+        try:
+            with _no_autograd(x):
+                y2, h2, rstd = call.backend.forward(
+                    lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias), plan, out2
+                )
+        except Exception as exc:
+            if out2 is None:  # out is written below, after the kernel: untouched
+                raise
+            raise partly_written(exc) from exc
+    if out is not None and out2 is not None and y2 is out2:
+        y = out
+    else:
+        y = lay.unrows(y2)
+        if out is not None:
+            out[...] = y
+            y = out
+    result = [y]
+    if fused:
+        result.append(lay.unrows(h2))
+    if return_rstd:
+        result.append(lay.xp.reshape(rstd, lay.batch_shape))
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def _no_autograd(x):
+    """torch records no history for the functional API (polynorm.torch is for training)."""
+    if aac.is_torch_array(x):
+        import torch
+
+        return torch.no_grad()
+    return contextlib.nullcontext()
+
+
+def _empty_forward(lay: _Layout, x, residual, plan: Plan):
+    from polynorm.core.dtypes import namespace_dtype
+
+    xp = lay.xp
+    dev = result_device(x)
+    y = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.out_dtype, x), device=dev)
+    h = None
+    if residual is not None:
+        h = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.norm_dtype, x), device=dev)
+    rstd = xp.empty((0,), dtype=namespace_dtype(xp, plan.compute_dtype, x), device=dev)
+    return y, h, rstd
+
+
+@takes_options()
+def rms_norm(
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    return_rstd: bool = False,
+    out: Array | None = None,
+    **options: Unpack[NormOptions],
+) -> Array | tuple[Array, Array]:
+    """Root-mean-square normalization (RMSNorm, and pRMSNorm with ``partial < 1``).
+
+    For every slice ``v`` of ``x`` over ``axis``::
+
+        k    = floor(d * partial)
+        rstd = 1 / sqrt(mean(v[:k]**2) + eps)       # eps_mode="inside"
+        rstd = 1 / (sqrt(mean(v[:k]**2)) + eps)     # eps_mode="outside"
+        y    = v * rstd * (weight + offset) + bias
+
+    No mean is subtracted.  The math runs in float32 (float64 for float64
+    input) and rounds once to the output dtype.
+
+    Parameters
+    ----------
+    x : array
+        Any float array (float16, bfloat16, float32, float64) of any array
+        library; the result has the same type and device.  This function does
+        not record autograd history: for training with torch or jax use
+        :mod:`polynorm.torch` / :mod:`polynorm.jax`.
+    weight, bias : array, optional
+        Shape of ``x`` over the normalized axes; may have another float dtype
+        than ``x``.  Without ``weight`` there is no scale and ``offset`` is
+        not used.
+    return_rstd : bool
+        Also return ``rstd`` (shape of ``x`` without the normalized axes,
+        float32, float64 for float64 input), for :func:`rms_norm_backward`.
+    out : array, optional
+        Preallocated result (same type, shape and dtype as ``y``; may be ``x``:
+        the same memory, shape and strides).  Writable, in native byte order
+        (else ``TypeError``), sharing no memory with any input in another way
+        and with no two elements at one address (else ``ValueError``).
+        Inputs in non-native byte order are converted (a copy).
+    {options}
+
+    Returns
+    -------
+    y or (y, rstd)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import polynorm as pn
+    >>> x = np.array([[3.0, 4.0], [1.0, -1.0]], dtype=np.float32)
+    >>> pn.rms_norm(x, eps=0.0)
+    array([[ 0.84852815,  1.1313709 ],
+           [ 1.        , -1.        ]], dtype=float32)
+    """
+    opts = pack_options("rms_norm", options)
+    return forward(x, None, weight, bias, opts, out=out, return_rstd=return_rstd)
+
+
+@takes_options()
+def add_rms_norm(
+    x: Array,
+    residual: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    return_rstd: bool = False,
+    out: Array | None = None,
+    **options: Unpack[NormOptions],
+) -> tuple[Array, Array] | tuple[Array, Array, Array]:
+    """Fused residual add and RMSNorm: ``h = x + residual``, ``y = rms_norm(h)``.
+
+    ``h`` has the promoted dtype of ``x`` and ``residual`` (bfloat16 + float32
+    gives a float32 residual stream) and ``y`` is exactly ``rms_norm(h, ...)``
+    for the ``h`` returned.
+
+    Parameters
+    ----------
+    x, residual : array
+        Same shape, same array library and device; float dtypes (they may
+        differ: ``h`` takes the promoted one).
+    weight, bias : array, optional
+        As in :func:`rms_norm`.
+    return_rstd : bool
+        Also return ``rstd`` (for :func:`rms_norm_backward` with ``x=h``).
+    out : array, optional
+        Preallocated ``y`` (same type, shape and dtype as ``y``); may be ``x``
+        or ``residual`` itself.
+    {options}
+
+    Returns
+    -------
+    (y, h) or (y, h, rstd)
+        ``h = x + residual`` rounded to its dtype, ``y = rms_norm(h)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import polynorm as pn
+    >>> x = np.array([[1.0, 2.0]], dtype=np.float32)
+    >>> y, h = pn.add_rms_norm(x, np.array([[2.0, 2.0]], dtype=np.float32), eps=0.0)
+    >>> h
+    array([[3., 4.]], dtype=float32)
+    >>> y
+    array([[0.84852815, 1.1313709 ]], dtype=float32)
+    """
+    if residual is None:
+        raise TypeError("residual must be an array, got None")
+    opts = pack_options("add_rms_norm", options)
+    return forward(x, residual, weight, bias, opts, out=out, return_rstd=return_rstd, fused=True)
+
+
+@takes_options()
+def rms_norm_backward(
+    dy: Array,
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    rstd: Array | None = None,
+    grad_residual: Array | None = None,
+    return_rstd: bool = False,
+    out: Array | None = None,
+    **options: Unpack[NormOptions],
+) -> tuple[Array, Array | None, Array | None]:
+    """Hand-written backward of :func:`rms_norm` (no autograd).
+
+    With ``g = weight + offset``, ``xhat = x * rstd`` and
+    ``c = sum(g * dy * xhat)`` per slice::
+
+        dx      = rstd * (g*dy - [i < k] * xhat * c / k)        (eps inside)
+        dweight = sum over tokens of dy * xhat
+        dbias   = sum over tokens of dy
+
+    For ``eps_mode="outside"`` the second term of ``dx`` is multiplied by
+    ``(s + eps) / s`` with ``s = sqrt(mean(x[:k]**2))``.  The reductions are
+    in a fixed order: the same input gives the same bits on every run.
+
+    Parameters
+    ----------
+    dy : array
+        Gradient of the loss with respect to ``y``; shape of ``x``.
+    x : array
+        The forward's input (``h`` for :func:`add_rms_norm`).
+    weight, bias : array, optional
+        As in the forward; ``dweight``/``dbias`` are ``None`` without them.
+    rstd : array, optional
+        The forward's ``rstd`` (``return_rstd=True``); saves recomputing it.
+        Must have the shape of ``x`` without the normalized axes and dtype
+        float32 (float64 for float64 ``x``).
+    grad_residual : array, optional
+        Added into ``dx``: the gradient reaching ``h`` through the residual
+        stream, for the backward of :func:`add_rms_norm` (whose ``dx`` is the
+        gradient of both ``x`` and ``residual``).
+    return_rstd : bool
+        Accepted for a signature uniform with the forward's; must be False.
+    out : array, optional
+        Where to write ``dx``: the type and shape of ``x``, ``x``'s dtype.  It
+        may be exactly ``dy`` or ``grad_residual`` (the same memory, shape and
+        strides), which saves an allocation of ``x``'s size (Liger's
+        ``in_place``); ``dy`` then holds ``dx`` afterwards, so only pass it
+        where nothing else reads ``dy`` later.  Otherwise it must not overlap
+        an input.  The Numba backend writes into it; the others copy into it.
+    {options}
+
+    The options are the forward's.  ``casting`` does not change the backward
+    (the derivative of the unrounded function); ``out_dtype`` is accepted for a
+    uniform signature and must be left at its default.
+
+    Returns
+    -------
+    (dx, dweight, dbias)
+        ``dx`` has ``x``'s dtype; ``dweight``/``dbias`` have the dtypes of
+        ``weight``/``bias``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import polynorm as pn
+    >>> x = np.array([[3.0, 4.0]])
+    >>> dx, dw, db = pn.rms_norm_backward(np.ones_like(x), x, np.ones(2), eps=0.0)
+    >>> dx
+    array([[ 0.04525483, -0.03394113]])
+    >>> dw
+    array([0.84852814, 1.13137085])
+    """
+    opts = pack_options("rms_norm_backward", options)
+    if return_rstd or opts.out_dtype is not None:
+        bad = "return_rstd" if return_rstd else "out_dtype"
+        raise ValueError(f"{bad} is not used by rms_norm_backward; leave it at its default")
+    return backward(dy, x, weight, bias, rstd, grad_residual, opts, out)
+
+
+def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
+    """:func:`rms_norm_backward` with the options packed (``opts.out_dtype`` is None)."""
+    mod = _fast.numba_module(opts) if out is None else None
+    if mod is not None:
+        r = _fast.backward(mod, dy, x, weight, bias, rstd, grad_residual, opts)
+        if r is not None:
+            return r
+    if out is None and type(x).__module__ == "torch":
+        r = _fast_cuda.backward(dy, x, weight, bias, rstd, grad_residual, opts)
+        if r is not None:
+            return r
+    dy, x, weight, bias, rstd, grad_residual = (
+        _native(a) for a in (dy, x, weight, bias, rstd, grad_residual))
+    weight, bias = _chunk_library_params(x, weight, bias)
+    call = _prepare(x=x, weight=weight, bias=bias,
+                    arrays={"dy": dy, "rstd": rstd, "grad_residual": grad_residual}, opts=opts)
+    lay, plan = call.lay, call.plan
+    rstd1 = None
+    if rstd is not None:
+        _check_shape("rstd", rstd, lay.batch_shape, "x's shape without the normalized axes")
+        got = float_dtype_name("rstd", rstd)
+        if got != plan.rstd_dtype:
+            raise TypeError(f"rstd must have dtype {plan.rstd_dtype}, got {got}")
+        rstd1 = lay.xp.reshape(rstd, (lay.n,))
+    _check_out(out, x, float_dtype_name("x", x), (dy, grad_residual, x, weight, bias, rstd),
+               ("dy", "grad_residual", "x", "weight", "bias", "rstd"), ("dy", "grad_residual"),
+               "x's dtype, that of dx")
+    out2 = _view_rows(lay, out) if out is not None else None
+    if lay.n == 0:
+        xp = lay.xp
+        dev = result_device(x)
+        dx = xp.empty(lay.shape, dtype=x.dtype, device=dev) if out is None else out
+        dw = None if weight is None else xp.zeros(weight.shape, dtype=weight.dtype, device=dev)
+        db = None if bias is None else xp.zeros(bias.shape, dtype=bias.dtype, device=dev)
+        return dx, dw, db
+    try:
+        with _no_autograd(x):
+            dx2, dw, db = call.backend.backward(
+                lay.rows(dy), lay.rows(x), lay.flat(weight), lay.flat(bias), rstd1,
+                lay.rows(grad_residual), plan, out2,
+            )
+    except Exception as exc:
+        if out2 is None:
+            raise
+        raise partly_written(exc) from exc
+    if out is None:
+        dx = lay.unrows(dx2)
+    else:
+        if out2 is None or dx2 is not out2:
+            out[...] = lay.unrows(dx2)
+        dx = out
+    return dx, lay.unflat(dw), lay.unflat(db)

@@ -1,0 +1,258 @@
+"""Quantized-output RMSNorm's front end: :func:`rms_norm_quant`.
+
+Validation and layout reuse :mod:`polynorm.ops.norm`'s helpers; the semantics
+are :class:`polynorm.core.options.QuantPlan` around the :class:`~polynorm.core.options.Plan`
+of ``rms_norm(..., out_dtype="float32")``.  A backend takes part when its
+module has ``quant_forward`` (2-D rows, 1-D weight/bias; returns
+``(q, scales, h)``); ``backend="auto"`` falls back to the array-API
+reference for a backend without it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import array_api_compat as aac
+import numpy as np
+
+from polynorm.core.dtypes import float_dtype_name
+from polynorm.core.options import (
+    DTypeLike,
+    NormOptions,
+    Options,
+    make_quant_plan,
+    pack_options,
+    parse_quant_dtype,
+    promote,
+    takes_options,
+)
+from polynorm.ops import fast as _fastpath
+from polynorm.ops import norm as _api
+from polynorm.ops.norm import Array
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["rms_norm_quant"]
+
+
+def _quant_backend(backend: Any, x: Any):
+    return _api._capable_backend(backend, x, _api._backends.QuantKernels, "quantized-output")
+
+
+def _scale_arg(scale: Any) -> tuple[Any, Any]:
+    """``(number or None, array or None)`` from the ``scale`` argument."""
+    if scale is None:
+        return None, None
+    if aac.is_array_api_obj(scale) and not isinstance(scale, (int, float)):
+        if getattr(scale, "ndim", None) == 0 and type(scale).__module__ == "numpy":
+            return scale, None  # a numpy scalar array: its value
+        return None, scale
+    return scale, None
+
+
+def _fast(x, weight, bias, residual, qdtype, scale, group_size, opts: Options):
+    """The call on plain numpy arrays (``axis=-1``, ``backend="auto"``, a float or no
+    scale) straight to the Numba backend, or None: then the generic path takes it,
+    with every check and error message its own."""
+    mod = _fastpath.numba_module(opts)
+    if mod is None or type(x) is not np.ndarray or x.ndim == 0:
+        return None
+    if not _fastpath._all_numpy_or_none(weight, bias, residual, None):
+        return None
+    if not (scale is None or scale.__class__ in (float, int)):
+        return None
+    if not (group_size is None or group_size.__class__ is int):
+        return None
+    names = _fastpath._names()
+    xname = names.get(x.dtype)
+    d = x.shape[-1]
+    if xname is None or d == 0 or x.size == 0:
+        return None
+    if not (_fastpath._vector_ok(weight, d, names) and _fastpath._vector_ok(bias, d, names)):
+        return None
+    norm = xname
+    if residual is not None:
+        rname = names.get(residual.dtype)
+        if rname is None or residual.shape != x.shape:
+            return None
+        norm = promote(xname, rname)
+    plan = _fastpath._plan(d, norm, opts)
+    if plan is None:
+        return None
+    try:
+        qplan = make_quant_plan(plan, qdtype=qdtype, scale=scale, scale_is_array=False,
+                                group_size=group_size)
+    except (TypeError, ValueError):
+        return None
+    n = x.size // d
+    q2, s2, h2 = mod.quant_forward(x.reshape(n, d), None if residual is None
+                                   else residual.reshape(n, d), weight, bias, qplan, None)
+    batch = x.shape[:-1]
+    q = q2.reshape(x.shape)
+    if qplan.static:
+        scales = s2.reshape(())
+    elif group_size is None:
+        scales = s2.reshape(batch)
+    else:
+        scales = s2.reshape(batch + (qplan.groups,))
+    return (q, scales) if residual is None else (q, scales, h2.reshape(x.shape))
+
+
+@takes_options(exclude=("out_dtype",))
+def rms_norm_quant(
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    residual: Array | None = None,
+    dtype: DTypeLike = "float8_e4m3fn",
+    scale: float | Array | None = None,
+    group_size: int | None = None,
+    **options: Unpack[NormOptions],
+) -> tuple[Array, Array] | tuple[Array, Array, Array]:
+    """RMSNorm with quantized output (float8 e4m3 or int8), for serving.
+
+    ``y`` is exactly ``rms_norm(x, weight, bias, out_dtype="float32", ...)``
+    (``add_rms_norm``'s ``y`` with ``residual``), never materialized; what
+    is written is ``q`` and its scales::
+
+        static   (scale given):      s = float32(scale)               one for the tensor
+        per token (scale=None):       s = max(|y|) / qmax              one per token
+        per group (group_size=G):     s = max(|y[gG:(g+1)G]|) / qmax   one per group
+        q = round_to_nearest_even(clip(y / s, lo, hi))
+
+    with ``y / s`` a float32 division, then rounded once to the format:
+
+    ===============  =====  ============  ==========================
+    dtype            qmax   [lo, hi]      NaN in ``y / s``
+    ===============  =====  ============  ==========================
+    float8_e4m3fn    448    [-448, 448]   NaN (e4m3fn has no inf)
+    int8             127    [-128, 127]   0
+    ===============  =====  ============  ==========================
+
+    Saturation: a quotient beyond the range gives the format's bound (the
+    clip comes first: ``ml_dtypes``' own cast turns 1000 into NaN, torch's
+    into 448; both agree after the clip).  A dynamic scale is
+    ``max(|y|) / qmax`` rounded to float32; where that is below ``2**-126``
+    (an all-zero token or group, or one whose values are all below
+    ``qmax * 2**-126``) the scale is 1 and ``q`` is 0 there.  ``max``
+    propagates NaN: a token (group) with a NaN has scale NaN and ``q`` NaN
+    (int8: 0).  ``y = q * s`` dequantizes.
+
+    vLLM's conventions, for comparison: its static kernels
+    (``rms_norm_static_fp8_quant``, ``fused_add_rms_norm_static_fp8_quant``)
+    multiply by the reciprocal ``1 / scale`` instead of dividing (one
+    rounding more: a quotient may differ by an ulp before the final
+    rounding); its dynamic per-token kernels (``rms_norm_dynamic_per_token_quant``)
+    divide, as here, but floor the fp8 scale at ``1 / (448 * 512)`` (here:
+    a scale below ``2**-126`` becomes 1) and accept an upper bound
+    ``scale_ub``; int8 saturates to ``[-128, 127]`` as here.
+
+    The options are :func:`polynorm.rms_norm`'s but ``out_dtype`` (``y`` is
+    float32).  ``backend="auto"`` runs the Numba kernel for host memory, the
+    CUDA kernel (``pn_quant_fwd``) for CUDA arrays and the array-API
+    reference otherwise.
+
+    Parameters
+    ----------
+    x : array
+        Float array of any library.  For numpy the result ``q`` is an
+        ``ml_dtypes.float8_e4m3fn`` / ``int8`` array; torch gives
+        ``torch.float8_e4m3fn`` / ``torch.int8``, jax ``jnp.float8_e4m3fn``
+        / ``jnp.int8``.  A library without the format (array-api-strict has
+        no float8) is a ``TypeError``.
+    weight, bias : array, optional
+        As in :func:`polynorm.rms_norm`.
+    residual : array, optional
+        Fused add first: ``h = x + residual`` (promoted dtype, as
+        :func:`polynorm.add_rms_norm` returns it, bit for bit) is normalized
+        and also returned, at full precision.
+    dtype : {"float8_e4m3fn", "int8"} or a dtype object
+        The format of ``q``.
+    scale : float or array, optional
+        A static per-tensor scale (> 0 and finite as a float32), or a
+        one-element float array of ``x``'s library (shape ``()`` or ``(1,)``;
+        its value is not checked).  ``None`` computes dynamic scales.
+    group_size : int, optional
+        Dynamic scales per group of ``group_size`` contiguous elements of the
+        normalized slice (64 or 128 for DeepSeek-style block fp8; any divisor
+        of ``d``); ``None`` is one scale per token.  Not with ``scale``.
+    {options}
+
+    Returns
+    -------
+    (q, scales) or (q, scales, h)
+        ``q`` has ``x``'s shape.  ``scales`` is float32: the shape of ``x``
+        without the normalized axes (per token), plus a trailing axis of
+        ``d // group_size`` (per group), or shape ``()`` (static).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import polynorm as pn
+    >>> x = np.array([[3.0, 4.0], [1.0, -1.0]], dtype=np.float32)
+    >>> q, s = pn.rms_norm_quant(x, dtype="int8", eps=0.0)
+    >>> q
+    array([[  95,  127],
+           [ 127, -127]], dtype=int8)
+    >>> s
+    array([0.00890843, 0.00787402], dtype=float32)
+    """
+    qdtype = parse_quant_dtype(dtype)
+    opts = pack_options("rms_norm_quant", options, out_dtype="float32")
+    fast = _fast(x, weight, bias, residual, qdtype, scale, group_size, opts)
+    if fast is not None:
+        return fast
+    scale_num, scale_arr = _scale_arg(scale)
+    x, residual, weight, bias, scale_arr = (
+        _api._native(a) for a in (x, residual, weight, bias, scale_arr))
+    weight, bias = _api._chunk_library_params(x, weight, bias)
+    if residual is not None and aac.is_dask_array(x) and not aac.is_dask_array(residual):
+        raise TypeError(f"residual must be a dask array like x, got {type(residual).__name__}")
+    if scale_arr is not None and aac.is_dask_array(x) and not aac.is_dask_array(scale_arr):
+        scale_arr = _api._chunk_library_params(x, scale_arr, None)[0]
+    arrays = {"residual": residual}
+    if scale_arr is not None:
+        arrays["scale"] = scale_arr
+    call = _api._prepare(x=x, weight=weight, bias=bias, arrays=arrays,
+                         opts=opts._replace(backend="array_api"))
+    lay = call.lay
+    if scale_arr is not None:
+        float_dtype_name("scale", scale_arr)
+        if tuple(scale_arr.shape) not in ((), (1,)):
+            raise ValueError(
+                f"scale must be a number or an array of one element (shape () or (1,)), "
+                f"got shape {tuple(scale_arr.shape)}")
+    qplan = make_quant_plan(call.plan, qdtype=qdtype, scale=scale_num,
+                            scale_is_array=scale_arr is not None, group_size=group_size)
+    xp = lay.xp
+    from polynorm.backends.reference import quant_dtype
+
+    try:
+        quant_dtype(xp, qdtype, x)
+    except (TypeError, AttributeError):
+        raise TypeError(f"dtype={qdtype!r} is not available for {type(x).__module__} arrays") \
+            from None
+    mod = _quant_backend(opts.backend, x)
+    if lay.n == 0:
+        from polynorm.backends import reference
+
+        with _api._no_autograd(x):
+            q2, s2, h2 = reference.quant_forward(
+                lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias), qplan,
+                scale_arr)
+    else:
+        with _api._no_autograd(x):
+            q2, s2, h2 = mod.quant_forward(lay.rows(x), lay.rows(residual), lay.flat(weight),
+                                           lay.flat(bias), qplan, scale_arr)
+    q = lay.unrows(q2)
+    if qplan.static:
+        scales = xp.reshape(s2, ())
+    elif group_size is None:
+        scales = xp.reshape(s2, lay.batch_shape)
+    else:
+        scales = xp.reshape(s2, lay.batch_shape + (qplan.groups,))
+    if residual is None:
+        return q, scales
+    return q, scales, lay.unrows(h2)

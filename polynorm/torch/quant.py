@@ -1,0 +1,148 @@
+"""RMSNorm with quantized output for torch (re-exported by :mod:`polynorm.torch`).
+
+One custom op, ``torch.ops.polynorm.rms_norm_quant``, with a fake
+implementation, so that ``torch.compile(fullgraph=True)`` keeps it in its
+graph; eager calls and compiled ones run the same kernel (the same bits).
+Inference only: the op has no autograd formula (``q`` is not differentiable).
+``torch.vmap`` and ``torch.jit.trace`` run the op (it has a vmap rule).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from polynorm.core.options import NormOptions, Options, pack_options, takes_options
+from polynorm.ops import quant as _quant
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+from polynorm.torch import (
+    _OPTS,
+    _fake_checks,
+    _from_op,
+    _front,
+    _op_args,
+    _vmap_loop,
+    _vmapped_opts,
+)
+
+__all__ = ["rms_norm_quant"]
+
+_QDTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.int8: "int8"}
+
+
+def _qdtype(dtype: Any) -> torch.dtype:
+    from polynorm.core.options import parse_quant_dtype
+
+    if isinstance(dtype, torch.dtype) and dtype in _QDTYPES:
+        return dtype
+    name = parse_quant_dtype(dtype)
+    return torch.float8_e4m3fn if name == "float8_e4m3fn" else torch.int8
+
+
+@torch.library.custom_op(
+    "polynorm::rms_norm_quant", mutates_args=(),
+    schema=f"(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, Tensor? scale, "
+    f"float? scale_value, ScalarType dtype, int? group_size, {_OPTS}) "
+    "-> (Tensor, Tensor, Tensor)",
+)
+def _quant_op(x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
+    o = _from_op(opts)
+    out = _quant.rms_norm_quant(
+        x, weight, bias, residual=residual, dtype=_QDTYPES[dtype],
+        scale=scale if scale is not None else scale_value, group_size=group_size,
+        eps=o.eps, axis=o.axis, partial=o.partial, offset=o.offset, eps_mode=o.eps_mode,
+        casting=o.casting, backend=o.backend,
+    )
+    h = out[2].contiguous() if residual is not None else x.new_empty(0)
+    return out[0].contiguous(), out[1].contiguous(), h
+
+
+@_quant_op.register_fake
+def _(x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
+    from polynorm.core.options import promote
+    from polynorm.ops.norm import _normalize_axis
+
+    _, _, batch = _fake_checks(x, x.dtype, opts)
+    if scale is not None or scale_value is not None:
+        s_shape: list = []
+    elif group_size is None:
+        s_shape = batch
+    else:
+        d = math.prod(x.shape[a] for a in _normalize_axis(tuple(Options(*opts).axis), x.ndim))
+        s_shape = [*batch, d // group_size]
+    if residual is None:
+        h = x.new_empty(0)
+    else:
+        from polynorm.torch import _DTYPE_NAMES, _TORCH_DTYPES
+
+        hdt = _TORCH_DTYPES[promote(_DTYPE_NAMES[x.dtype], _DTYPE_NAMES[residual.dtype])]
+        h = x.new_empty(x.shape, dtype=hdt)
+    return (x.new_empty(x.shape, dtype=dtype), x.new_empty(s_shape, dtype=torch.float32), h)
+
+
+@_quant_op.register_vmap
+def _(info, in_dims, x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
+    xd, wd, bd, rd, sd = in_dims[:5]
+    if wd is not None or bd is not None or sd is not None:
+        return _vmap_loop(_quant_op, info, in_dims, x, weight, bias, residual, scale,
+                          scale_value, dtype, group_size, *opts)
+    n = info.batch_size
+    out = _quant_op(_front(x, xd, n), weight, bias, _front(residual, rd, n), scale, scale_value,
+                    dtype, group_size, *_vmapped_opts(opts, x.ndim - (xd is not None)))
+    static = scale is not None or scale_value is not None  # one scale, not one per token
+    return out, (0, None if static else 0, None if residual is None else 0)
+
+
+@takes_options(exclude=("out_dtype",))
+def rms_norm_quant(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    dtype: Any = torch.float8_e4m3fn,
+    scale: float | torch.Tensor | None = None,
+    group_size: int | None = None,
+    **options: Unpack[NormOptions],
+) -> tuple[torch.Tensor, ...]:
+    """:func:`polynorm.rms_norm_quant` as a torch custom op (``torch.compile``-able).
+
+    Parameters
+    ----------
+    x, weight, bias, residual : torch.Tensor
+        As in :func:`polynorm.rms_norm_quant`.
+    dtype : torch.float8_e4m3fn or torch.int8 (or their names)
+    scale : float or torch.Tensor, optional
+        A static scale: a float (a constant of a compiled graph) or a
+        one-element float tensor (an input of it).
+    group_size
+        As in :func:`polynorm.rms_norm_quant`.
+    {options}
+
+    Returns
+    -------
+    (q, scales) or (q, scales, h)
+
+    Examples
+    --------
+    >>> import torch
+    >>> import polynorm.torch as pt
+    >>> f = torch.compile(lambda x: pt.rms_norm_quant(x, group_size=4), fullgraph=True)
+    >>> q, s = f(torch.randn(3, 8))
+    >>> q.dtype, tuple(s.shape)
+    (torch.float8_e4m3fn, (3, 2))
+    """
+    st = scale if isinstance(scale, torch.Tensor) else None
+    sv = None if scale is None or st is not None else scale
+    if sv is not None and not isinstance(sv, float):
+        from polynorm.core.options import _check_real
+
+        sv = _check_real("scale", sv)
+    opts = pack_options("rms_norm_quant", options, out_dtype=None)
+    q, s, h = torch.ops.polynorm.rms_norm_quant(
+        x, weight, bias, residual, st, sv, _qdtype(dtype), group_size, *_op_args(opts))
+    return (q, s) if residual is None else (q, s, h)
