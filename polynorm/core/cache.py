@@ -51,7 +51,7 @@ def _kernel_stamp() -> tuple:
     stamp = []
     for p in files:
         st = p.stat()
-        stamp.append((p.name, st.st_mtime, st.st_size))
+        stamp.append((p.relative_to(_PACKAGE).as_posix(), st.st_mtime, st.st_size))
     return tuple(stamp)
 
 
