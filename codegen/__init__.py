@@ -36,7 +36,8 @@ def _env():
 def render() -> dict[str, str]:
     """Every generated file's text, by file name."""
     from polynorm.backends.cuda import launch as cl
-    from polynorm.core.options import FLOAT_DTYPES, compute_dtype, promote
+    from polynorm.core.dtypes import FLOAT_DTYPES
+    from polynorm.core.options import compute_dtype, promote
 
     env = _env()
     context = {

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from polynorm.core.options import FLOAT_DTYPES
+from polynorm.core.dtypes import FLOAT_DTYPES
 
 
 def _backend_names() -> tuple[str, ...]:

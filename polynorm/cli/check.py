@@ -26,8 +26,7 @@ from typing import Any
 import numpy as np
 
 import polynorm as pn
-from polynorm.core.dtypes import numpy_dtype
-from polynorm.core.options import FLOAT_DTYPES
+from polynorm.core.dtypes import FLOAT_DTYPES, numpy_dtype
 
 #: Allowed error, relative to max |expected|, per dtype.  Low precision:
 #: 8 unit roundoffs (one final rounding, plus the llama mode's extra

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from polynorm.core.options import FLOAT_DTYPES
+from polynorm.core.dtypes import FLOAT_DTYPES
 
 __all__ = ["warmup"]
 

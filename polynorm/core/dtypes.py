@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from polynorm.core.options import FLOAT_DTYPES
+#: the floating dtypes polynorm computes on, by name (the order tables and CLI choices use)
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 _NUMPY_DTYPES: dict[str, np.dtype] = {}
 _NAMES: dict[type, str] = {}

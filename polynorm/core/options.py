@@ -49,7 +49,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ForwardRef, Literal, NamedTuple, TypeAlias, TypedDict, TypeVar
 
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+from polynorm.core.dtypes import FLOAT_DTYPES, parse_dtype
+
 EPS_MODES = ("inside", "outside")
 CASTINGS = ("fp32", "llama")
 
@@ -335,8 +336,6 @@ def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
         plan = _PLANS.get(key)
         if plan is not None:
             return plan
-    from polynorm.core.dtypes import parse_dtype
-
     out_name = parse_dtype("out_dtype", out_dtype)
     if not isinstance(eps_mode, str):
         raise TypeError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from polynorm.core.options import FLOAT_DTYPES, compute_dtype, promote
+from polynorm.core.dtypes import FLOAT_DTYPES
+from polynorm.core.options import compute_dtype, promote
 
 CTYPE = {
     "float16": "__half",

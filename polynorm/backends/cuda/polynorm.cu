@@ -7,7 +7,7 @@
 #include <cuda_bf16.h>
 
 // ---------------------------------------------------------------- dtype tables
-// Rendered from polynorm.core.options (FLOAT_DTYPES, promote, compute_dtype), so the
+// Rendered from polynorm.core (dtypes.FLOAT_DTYPES, options.promote, compute_dtype), so the
 // C++ promotion and compute-type rules cannot drift from the Python ones.
 
 template <typename A, typename B> struct pn_promote;
