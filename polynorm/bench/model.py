@@ -1,6 +1,6 @@
 """Launch model of the CUDA kernels: the bandwidth each GPU bench case can reach, before a GPU.
 
-For every case of :func:`polynorm.bench.gpu.cases` (or the headline ones) and each device
+For every case of :func:`polynorm.bench.gpu_cases.cases` (or the headline ones) and each device
 of :data:`DEVICES`, the launch the cupy backend makes (:mod:`polynorm.backends.cuda.launch`)
 is combined with the kernel's machine-code figures (registers and 16-byte loads in flight
 per thread -- LDG.E.128, or cp.async copies where the kernel stages rows in shared memory --
@@ -33,6 +33,7 @@ from pathlib import Path
 
 from polynorm.backends.cuda import launch as cl
 from polynorm.bench import sass
+from polynorm.bench.gpu_cases import cases, op_bytes
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,6 @@ def _occupancy(dev: Device, regs: int, block: int, dyn: int, static: int) -> tup
 
 def predict(op: str, dtype: str, n: int, d: int, dev: Device, kernels: dict) -> dict:
     """The model's figures for one case on one device (see the module docstring)."""
-    from polynorm.bench.gpu import op_bytes
 
     item = cl.ITEMSIZE[dtype]
     smem_cap = min(dev.smem_block, cl.DEFAULT_SMEM)
@@ -134,7 +134,6 @@ def _predict_split(op: str, dtype: str, n: int, d: int, dev: Device, kernels: di
     bytes in flight.  Phase 1 reads the row (and writes h), phase 2 reads it again (counted
     as DRAM traffic although it is mostly an L2 hit) and writes the outputs and, in the
     backward, one dweight + dbias partial row per row."""
-    from polynorm.bench.gpu import op_bytes
 
     a = n * d * cl.ITEMSIZE[dtype]
     useful = op_bytes(op, dtype, n, d)
@@ -195,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sass", type=Path, default=DEFAULT_SASS, help="sass_report JSON (register counts)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args(argv)
-    from polynorm.bench.gpu import cases
 
     # the model covers the plain kernels' launches; the fusion cases are measured only
     modelled = [c for c in cases() if c[0] in ("fwd", "add", "bwd")]
