@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import polynorm as pn
-from polynorm.bench import gpu
+from polynorm.bench import gpu, gpu_cases
 from polynorm.bench.common import median_time
 
 
@@ -56,7 +56,7 @@ def cpu_suite(monkeypatch):
     # (compiling the suite's variants was most of these tests' CPU)
     for name in ("rms_norm", "add_rms_norm", "rms_norm_gated", "rms_norm_quant", "rms_norm_backward"):
         monkeypatch.setattr(pn, name, functools.partial(getattr(pn, name), backend="array_api"))
-    small = [(op, dt, 16, 96) for dt in ("float16", "float32") for op in gpu.OPS] + [("fwd", "float32", 1 << 20, 1 << 20)]
+    small = [(op, dt, 16, 96) for dt in ("float16", "float32") for op in gpu_cases.OPS] + [("fwd", "float32", 1 << 20, 1 << 20)]
     monkeypatch.setattr(gpu, "cases", lambda quick=False, dtypes=None: [c for c in small if dtypes is None or c[1] in dtypes])
 
 
@@ -64,9 +64,9 @@ def test_bench_gpu_records(cpu_suite):
     skipped: list[str] = []
     seen = []
     recs = gpu.run(progress=lambda i, n, label: seen.append((i, n)), skipped=skipped)
-    assert [(r.op, r.dtype) for r in recs] == [(op, dt) for dt in ("float16", "float32") for op in gpu.OPS]
+    assert [(r.op, r.dtype) for r in recs] == [(op, dt) for dt in ("float16", "float32") for op in gpu_cases.OPS]
     for r in recs:
-        assert r.suite == "gpu" and r.bytes == gpu.op_bytes(r.op, r.dtype, r.tokens, r.d)
+        assert r.suite == "gpu" and r.bytes == gpu_cases.op_bytes(r.op, r.dtype, r.tokens, r.d)
         assert r.seconds > 0 and r.gbps > 0 and r.ratios["copy"] > 0
         # numpy arrays: no cupy launch to replay, no kernel-only time
         assert r.extra["launches"] == [] and "copy_kernel" not in r.ratios
@@ -85,6 +85,6 @@ def test_bench_gpu_main_writes_json(cpu_suite, monkeypatch, tmp_path):
 
 def test_bench_gpu_dry_run(capsys):
     assert gpu.main(["--dry-run"]) == 0
-    assert f"{len(gpu.cases())} cases" in capsys.readouterr().out
+    assert f"{len(gpu_cases.cases())} cases" in capsys.readouterr().out
     # the per-head QK-norm shape and few rows of a huge d are measured too
-    assert {(n, d) for _, _, n, d in gpu.cases()} >= {(1 << 21, 128), (8, 262144)}
+    assert {(n, d) for _, _, n, d in gpu_cases.cases()} >= {(1 << 21, 128), (8, 262144)}
