@@ -11,11 +11,16 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import polynorm as pn  # noqa: E402
-import polynorm.torch as pnt  # noqa: E402
 from polynorm.core import interop as _interop  # noqa: E402
 from polynorm.core.options import Options  # noqa: E402
 from polynorm.ops import norm as _api  # noqa: E402
-from polynorm.torch import RMSNorm, add_rms_norm, rms_norm  # noqa: E402
+from polynorm.torch import (  # noqa: E402
+    RMSNorm,
+    _custom_ops,  # noqa: E402
+    add_rms_norm,
+    rms_norm,
+)
+from polynorm.torch import norm as torch_norm  # noqa: E402
 
 TORCH_DTYPES = {
     "float16": torch.float16,
@@ -169,7 +174,7 @@ def _args(opts, shape=(3, 4, 6), seed=0):
 def path(request, monkeypatch):
     """eager: the autograd.Functions; op: the custom ops torch.compile uses, forced in eager."""
     if request.param == "op":
-        monkeypatch.setattr(pnt, "_eager", lambda x: False)
+        monkeypatch.setattr(torch_norm, "_eager", lambda x: False)
     return request.param
 
 
@@ -411,7 +416,7 @@ def test_opcheck_forward_ops(name):
     x = x.detach().float().requires_grad_()
     w = None if w is None else w.detach().float().requires_grad_()
     b = None if b is None else b.detach().float().requires_grad_()
-    o = pnt._op_args(Options(**opts))
+    o = _custom_ops._op_args(Options(**opts))
     for save in ("input", "output"):
         torch.library.opcheck(torch.ops.polynorm.rms_norm.default, (x, w, b, *o, save))
     r = _randn(*x.shape, seed=9, dtype=torch.bfloat16)
@@ -423,7 +428,7 @@ def test_opcheck_backward_op():
     x, w, b, opts = _args(OPTION_SETS["all"])
     x, w, b = (a.detach() for a in (x, w, b))
     dy = _randn(*x.shape, seed=5, dtype=torch.float64)
-    o = pnt._op_args(Options(**opts))
+    o = _custom_ops._op_args(Options(**opts))
     for rstd, gr in ((None, None), (pn.rms_norm(x, w, b, return_rstd=True, **opts)[1], dy)):
         torch.library.opcheck(torch.ops.polynorm.rms_norm_backward.default,
                               (dy, x, w, b, rstd, gr, *o))

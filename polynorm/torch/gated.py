@@ -17,17 +17,17 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from polynorm.core.options import NormOptions, Options, pack_options, takes_options
 from polynorm.ops import gated as _gated
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-from polynorm.torch import (
+from polynorm.torch._custom_ops import (
     _NOPTS,
     _OPTS,
     _fake_checks,
-    _forward_ad,
     _from_op,
     _front,
     _function,

@@ -161,7 +161,8 @@ class PatchedRMSNorm(torch.nn.Module):
         return dict(out_dtype=None if out == xd else out)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        from polynorm.torch import rms_norm, rms_norm_gated
+        from polynorm.torch.gated import rms_norm_gated
+        from polynorm.torch.norm import rms_norm
 
         opts = self._options(x)
         gated = self.kind == "gated"

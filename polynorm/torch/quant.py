@@ -19,7 +19,7 @@ from polynorm.ops import quant as _quant
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-from polynorm.torch import (
+from polynorm.torch._custom_ops import (
     _OPTS,
     _fake_checks,
     _from_op,
@@ -77,7 +77,7 @@ def _(x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
     if residual is None:
         h = x.new_empty(0)
     else:
-        from polynorm.torch import _DTYPE_NAMES, _TORCH_DTYPES
+        from polynorm.torch._custom_ops import _DTYPE_NAMES, _TORCH_DTYPES
 
         hdt = _TORCH_DTYPES[promote(_DTYPE_NAMES[x.dtype], _DTYPE_NAMES[residual.dtype])]
         h = x.new_empty(x.shape, dtype=hdt)
