@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from polynorm.core.options import NormOptions, Options, pack_options, takes_options
+from polynorm.jax.norm import _static
 from polynorm.ops import gated as _gated
 
 if TYPE_CHECKING:
@@ -86,7 +87,6 @@ def rms_norm_gated(x, z, weight=None, bias=None, *, group_size: int | None = Non
     >>> dz.shape, float(dz[0, 0])     # silu'(0) = 1/2, xhat = 1
     ((2, 4), 0.5)
     """
-    from polynorm.jax import _static
 
     opts = pack_options("rms_norm_gated", options)
     return _gated_fn((group_size, bool(norm_before_gate), _static(opts)), x, z, weight, bias)

@@ -1,0 +1,295 @@
+"""RMSNorm and the fused residual add for jax, with polynorm's backward as a ``custom_vjp``.
+
+See :mod:`polynorm.jax` for what runs where (eager arrays, ``jit``, devices).
+"""
+
+from __future__ import annotations
+
+from functools import partial as _partial
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from polynorm.core.options import NormOptions, Options, pack_options, takes_options
+from polynorm.jax import ffi as _jax_ffi
+from polynorm.ops import lean as _lean
+from polynorm.ops import norm as _api
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["rms_norm", "add_rms_norm"]
+
+
+def _static(opts: Options) -> Options:
+    """``opts`` hashable (an axis list as a tuple): custom_vjp's non-differentiable
+    arguments are static."""
+    axis = opts.axis
+    return opts._replace(axis=tuple(axis)) if isinstance(axis, list) else opts
+
+
+# ------------------------------------------------------------------ where the work runs
+# Concrete arrays go to polynorm's front end as they are (CPU: the Numba kernels on
+# zero-copy views).  Traced arrays (jit, grad of jit, vmap, scan...) have no data yet.
+# With backend="auto" they take the pure array-API reference, which XLA compiles and
+# fuses like any jnp code.  With backend="numba" they reach the Numba kernels through an
+# XLA FFI host call (polynorm.jax.ffi): the eager bits, but ~20 us more per call and
+# no faster than XLA at 16384 x 4096 (both pay for XLA's fresh output buffer), so the
+# kernels under jit are an opt-in, not the default (numbers in the module docstring).
+
+
+def _traced(arrays) -> bool:
+    return any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def _via_host(static, arrays) -> bool:
+    """Whether traced ``arrays`` go to the Numba kernels through a host callback."""
+    return static.backend == "numba" and _traced(arrays) and _api._backends.usable(
+        "numba")
+
+
+def _host(fn):
+    """``fn`` on numpy views of the callback's (CPU, concrete) arrays: the front end's fast path."""
+
+    def call(*arrays):
+        return fn(*(None if a is None else np.asarray(a) for a in arrays))
+
+    return call
+
+
+def _host_kernel(fn, present: tuple[bool, ...], writes_y: bool):
+    """``fn`` as an FFI host function: XLA's buffers in, results written into XLA's buffers."""
+
+    def run(args, rets):
+        it = iter(args)
+        arrays = [next(it) if p else None for p in present]
+        res = fn(*arrays, out=rets[0]) if writes_y else fn(*arrays)
+        for r, dst in zip(jax.tree.leaves(res), rets, strict=True):
+            if r is not dst:  # y is written in place (out=); the rest is copied in
+                np.copyto(dst, r)
+
+    return run
+
+
+def _dispatch(fn, *arrays):
+    """``fn(*arrays)``: directly, or for ``backend="numba"`` under tracing on the host kernels.
+
+    ``fn`` is polynorm's front end with the options bound; on tracers it traces the
+    reference, which gives the host call its result shapes and dtypes (and raises the
+    front end's errors at trace time).  The host call is an XLA FFI custom call
+    (:mod:`polynorm.jax.ffi`: XLA's buffers, no copies but of the results the front
+    end cannot write in place), or ``jax.pure_callback`` where jax cannot take it.
+    """
+    if not _via_host(fn.keywords["static"], arrays):
+        return fn(*arrays)
+    static = fn.keywords["static"]
+    ref = _partial(fn.func, **dict(fn.keywords, static=_with_backend(static)))
+    shapes = jax.eval_shape(ref, *arrays)
+    # on numpy arrays "auto" is the Numba backend, through the front end's fast path
+    fn = _partial(fn.func, **dict(fn.keywords, static=_with_backend(static, "auto")))
+    if not _jax_ffi.available():
+        # sequential: under vmap one call per batch element (a batched weight/bias or the
+        # per-element dweight of the backward needs a call of its own; the kernels take
+        # one weight per call)
+        return jax.pure_callback(_host(fn), shapes, *arrays, vmap_method="sequential")
+    leaves, tree = jax.tree.flatten(shapes)
+    present = tuple(a is not None for a in arrays)
+    writes_y = fn.func is _forward
+    index = _jax_ffi.function_index((fn.func, tuple(fn.keywords.items()), present),
+                                    _host_kernel(fn, present, writes_y))
+    outs = _jax_ffi.call(index, [a for a in arrays if a is not None], leaves)
+    return jax.tree.unflatten(tree, outs)
+
+
+def _with_backend(static: Options, backend="array_api") -> Options:
+    return static._replace(backend=backend)
+
+
+def _forward(x, residual, weight, bias, *, static, out=None):
+    return _api.forward(x, residual, weight, bias, static, out=out, return_rstd=True,
+                        fused=residual is not None)
+
+
+def _backward(dy, x, weight, bias, rstd, grad_residual, *, static):
+    return _api.backward(dy, x, weight, bias, rstd, grad_residual,
+                         static._replace(out_dtype=None))
+
+
+# ------------------------------------------------------------------ rms_norm
+
+
+def _keeps_output(save: str, weight, static: Options, rstd) -> bool:
+    """Whether the forward keeps ``y`` for the backward (``save="output"``, polynorm.ops.lean).
+
+    The same answer in the forward and the backward: a concrete weight is read for
+    zeros of ``weight + offset`` (then ``x`` is kept); a traced one cannot be, and
+    ``y`` is kept (such columns give NaN gradients, as documented at :func:`rms_norm`).
+    """
+    if save != "output":
+        return False
+    return (isinstance(weight, jax.core.Tracer)
+            or _lean.recoverable(weight, static.offset, rstd.dtype))
+
+
+def _kept_input(kept, weight, bias, rstd, static: Options, lean: bool):
+    if not lean:
+        return kept
+    axes = _api._normalize_axis(static.axis, kept.ndim)
+    return _lean.recover_input(kept, weight, bias, rstd, axes, static.offset)
+
+
+@_partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _rms_norm(static, keep, x, weight, bias):
+    return _rms_norm_fwd(static, keep, x, weight, bias)[0]
+
+
+def _rms_norm_fwd(static, keep, x, weight, bias):
+    y, rstd = _dispatch(_partial(_forward, static=static), x, None, weight, bias)
+    return y, (y if _keeps_output(keep[0], weight, static, rstd) else x, weight, bias, rstd)
+
+
+def _rms_norm_bwd(static, keep, res, dy):
+    kept, weight, bias, rstd = res
+    lean = _keeps_output(keep[0], weight, static, rstd)
+    x = _kept_input(kept, weight, bias, rstd, static, lean)
+    # cotangents may arrive as numpy arrays (jax.test_util does that)
+    dx, dw, db = _dispatch(_partial(_backward, static=static), jnp.asarray(dy), x, weight, bias,
+                           rstd, None)
+    return dx.astype(keep[1]), dw, db
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+@takes_options()
+def rms_norm(
+    x: jax.Array,
+    weight: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    save: str = "input",
+    **options: Unpack[NormOptions],
+) -> jax.Array:
+    """Differentiable :func:`polynorm.rms_norm` for jax arrays.
+
+    Same arguments and result as :func:`polynorm.rms_norm` (without ``out``
+    and ``return_rstd``); the vjp is polynorm's hand-written backward.
+
+    Parameters
+    ----------
+    x : jax.Array
+        Float array (float16, bfloat16, float32, float64).
+    weight, bias : jax.Array, optional
+        Shape of ``x`` over the normalized axes.
+    save : {"input", "output"}
+        What the vjp keeps as its residual: ``x``, or ``y`` (which the next
+        layer keeps anyway: one activation of ``x``'s size less), from which
+        the backward recovers ``x`` (``polynorm.ops.lean``; gradients equal to
+        ``y``'s precision).  A concrete weight with a zero in ``weight +
+        offset`` keeps ``x``; a traced one (``jit``, ``grad`` over the
+        parameters) cannot be checked, and such columns give NaN gradients.
+    {options}
+
+    The options are static (not traced).
+
+    Returns
+    -------
+    jax.Array
+        ``y``, with ``x``'s shape and ``out_dtype`` (default ``x``'s).
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> from polynorm.jax import rms_norm
+    >>> x = jnp.array([[3.0, 4.0]], dtype=jnp.float32)
+    >>> rms_norm(x, eps=0.0)
+    Array([[0.84852815, 1.1313709 ]], dtype=float32)
+    >>> jax.grad(lambda x: rms_norm(x, eps=0.0).sum())(x)
+    Array([[ 0.04525483, -0.03394116]], dtype=float32)
+    """
+    opts = pack_options("rms_norm", options)
+    _lean.check_save(save)
+    if not _traced((x, weight, bias)):
+        # concrete arrays: no transformation is differentiating this call, and the
+        # custom_vjp machinery would cost ~200 us in eager mode
+        return _api.forward(x, None, weight, bias, opts)
+    return _rms_norm(_static(opts), (save, jnp.dtype(x.dtype)), x, weight,
+                     bias)
+
+
+# ------------------------------------------------------------------ add_rms_norm
+
+
+@_partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _add_rms_norm(static, save, in_dtypes, x, residual, weight, bias):
+    return _add_fwd(static, save, in_dtypes, x, residual, weight, bias)[0]
+
+
+def _add_fwd(static, save, in_dtypes, x, residual, weight, bias):
+    y, h, rstd = _dispatch(_partial(_forward, static=static), x, residual, weight, bias)
+    return (y, h), (y if _keeps_output(save, weight, static, rstd) else h, weight, bias, rstd)
+
+
+def _add_bwd(static, save, in_dtypes, res, cts):
+    kept, weight, bias, rstd = res
+    h = _kept_input(kept, weight, bias, rstd, static, _keeps_output(save, weight, static, rstd))
+    x_dtype, r_dtype = in_dtypes
+    dy, dh = (None if c is None else jnp.asarray(c) for c in cts)
+    # the gradient reaching h through the residual stream is fused into dx
+    dxh, dw, db = _dispatch(_partial(_backward, static=static), dy, h, weight, bias, rstd, dh)
+    return dxh.astype(x_dtype), dxh.astype(r_dtype), dw, db
+
+
+_add_rms_norm.defvjp(_add_fwd, _add_bwd)
+
+
+@takes_options()
+def add_rms_norm(
+    x: jax.Array,
+    residual: jax.Array,
+    weight: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    save: str = "input",
+    **options: Unpack[NormOptions],
+) -> tuple[jax.Array, jax.Array]:
+    """Differentiable :func:`polynorm.add_rms_norm`: returns ``(y, h)``, both differentiable.
+
+    Parameters
+    ----------
+    x, residual : jax.Array
+        Same shape; ``h`` has their promoted dtype.
+    weight, bias : jax.Array, optional
+    save : {"input", "output"}
+        As in :func:`rms_norm`: ``"output"`` keeps ``y`` instead of ``h``.
+    {options}
+
+    Returns
+    -------
+    (y, h) : tuple of jax.Array
+        The cotangents of ``x`` and ``residual`` come back in their own dtypes.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> from polynorm.jax import add_rms_norm
+    >>> x = jnp.array([[1.0, 2.0]], dtype=jnp.float32)
+    >>> r = jnp.array([[2.0, 2.0]], dtype=jnp.float32)
+    >>> y, h = add_rms_norm(x, r, eps=0.0)
+    >>> h
+    Array([[3., 4.]], dtype=float32)
+    >>> g = jax.grad(lambda x: sum(a.sum() for a in add_rms_norm(x, r, eps=0.0)))(x)
+    >>> [round(float(v), 4) for v in g.ravel()]
+    [1.0453, 0.9661]
+    """
+    if residual is None:
+        raise TypeError("residual must be an array, got None")
+    opts = pack_options("add_rms_norm", options)
+    _lean.check_save(save)
+    if not _traced((x, residual, weight, bias)):
+        return _api.forward(x, residual, weight, bias, opts, fused=True)
+    in_dtypes = (x.dtype, residual.dtype)  # each input's gradient comes back in its dtype
+    return _add_rms_norm(_static(opts), save, in_dtypes, x, residual, weight,
+                         bias)
