@@ -556,7 +556,8 @@ def rms_norm_backward(
     rstd : array, optional
         The forward's ``rstd`` (``return_rstd=True``); saves recomputing it.
         Must have the shape of ``x`` without the normalized axes and dtype
-        float32 (float64 for float64 ``x``).
+        float32 (float64 for float64 ``x``).  A dask ``x`` takes it, like
+        ``weight``, also as an array of its chunks' library.
     grad_residual : array, optional
         Added into ``dx``: the gradient reaching ``h`` through the residual
         stream, for the backward of :func:`add_rms_norm` (whose ``dx`` is the
@@ -613,7 +614,10 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
             return r
     dy, x, weight, bias, rstd, grad_residual = (
         _native(a) for a in (dy, x, weight, bias, rstd, grad_residual))
+    # rstd, like weight: a dask x's forward run in memory (or saved) gives it in the
+    # chunks' library
     weight, bias = _chunk_library_params(x, weight, bias)
+    rstd = _chunk_library_params(x, rstd, None)[0]
     call = _prepare(x=x, weight=weight, bias=bias,
                     arrays={"dy": dy, "rstd": rstd, "grad_residual": grad_residual}, opts=opts)
     lay, plan = call.lay, call.plan

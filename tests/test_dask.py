@@ -218,6 +218,29 @@ def test_numpy_weight_and_bias_with_a_dask_x():
         pn.rms_norm(dx, pytest.importorskip("array_api_strict").asarray(w[0]))
 
 
+def test_numpy_rstd_with_a_dask_x():
+    """The backward's rstd of the chunks' library is lifted as weight is."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 2, 4)).astype(np.float32)
+    dy = rng.standard_normal((6, 2, 4)).astype(np.float32)
+    w = rng.standard_normal(4).astype(np.float32)
+    xd, dyd = da.from_array(x, chunks=(4, 1, 4)), da.from_array(dy, chunks=(3, 2, 4))
+    _, rstd = pn.rms_norm(x, w, return_rstd=True, eps=1e-5)
+    want = pn.rms_norm_backward(dy, x, w, rstd=rstd, eps=1e-5)
+    got = pn.rms_norm_backward(dyd, xd, w, rstd=rstd, eps=1e-5)
+    assert all(isinstance(g, da.Array) for g in got[:2])
+    for g, v in zip(dask.compute(*got[:2], scheduler="sync"), want[:2], strict=True):
+        _same_bits(g, v)
+    # the recomputed-rstd call would give other bits: the given one is used
+    got = pn.rms_norm_backward(dyd, xd, w, rstd=rstd * 2, eps=1e-5)
+    want = pn.rms_norm_backward(dy, x, w, rstd=rstd * 2, eps=1e-5)
+    _same_bits(got[0].compute(scheduler="sync"), want[0])
+    with pytest.raises(ValueError, match="rstd"):
+        pn.rms_norm_backward(dyd, xd, w, rstd=rstd[:5])
+    with pytest.raises(TypeError, match="rstd"):
+        pn.rms_norm_backward(dyd, xd, w, rstd=rstd.astype(np.float64))
+
+
 def test_graphs_never_respec_a_key_of_the_callers():
     """Every key the caller's arrays already have keeps its spec in polynorm's graphs
     (a second spec under one key makes distributed warn and can deadlock it)."""
