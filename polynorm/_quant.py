@@ -258,9 +258,9 @@ def rms_norm_quant(
     if qplan.static:
         scales = xp.reshape(s2, ())
     elif group_size is None:
-        scales = xp.reshape(s2, lay.batch_shape)
+        scales = lay.unbatch(s2)
     else:
-        scales = xp.reshape(s2, lay.batch_shape + (qplan.groups,))
+        scales = lay.unbatch(s2, (qplan.groups,))
     if residual is None:
         return q, scales
     return q, scales, lay.unrows(h2)
