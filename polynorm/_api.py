@@ -536,7 +536,7 @@ def rms_norm(
 
     For every slice ``v`` of ``x`` over ``axis``::
 
-        k    = floor(d * partial)
+        k    = floor(d * partial)                   # or k = partial_size
         rstd = 1 / sqrt(mean(v[:k]**2) + eps)       # eps_mode="inside"
         rstd = 1 / (sqrt(mean(v[:k]**2)) + eps)     # eps_mode="outside"
         y    = v * rstd * (weight + offset) + bias
