@@ -20,6 +20,7 @@ Tolerances for comparing a backend's result with the oracle are in
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import NamedTuple
 
 import ml_dtypes
@@ -160,13 +161,21 @@ def batch_shape(shape: tuple[int, ...], axis) -> tuple[int, ...]:
 # ------------------------------------------------------------------------ the operation
 
 
-def k_of(d: int, partial: float) -> int:
-    """``k = floor(d * partial)`` exactly as the spec writes it (a float product).
+def k_of(d: int, partial: float, partial_size: int | None = None) -> int:
+    """``k``: ``partial_size`` when given, else ``floor(d * partial)`` of the exact
+    value of ``partial`` -- except for a ``partial`` that is the double nearest to
+    ``(k + 1) / d``, which means ``k + 1``.
 
-    So ``d = 100, partial = 0.29`` gives ``floor(28.999999999999996) = 28``, as
-    the pRMSNorm paper's own ``int(d * p)`` does; a user wanting 29 passes 0.29 + tiny.
+    So ``d = 100, partial = 0.29`` gives 29, although ``100 * 0.29`` is
+    ``28.999999999999996`` in floating point (the pRMSNorm paper's ``int(d * p)``
+    gives 28), and one ulp below 0.29 gives 28.
     """
-    return math.floor(d * partial)
+    if partial_size is not None:
+        return partial_size
+    k = math.floor(Fraction(partial) * d)
+    if k < d and float(Fraction(k + 1, d)) == partial:  # float(Fraction): correctly rounded
+        return k + 1
+    return k
 
 
 def _stats(v: np.ndarray, k: int, eps: float, eps_mode: str):
@@ -202,6 +211,7 @@ def forward(
     eps: float = 1e-6,
     axis=-1,
     partial: float = 1.0,
+    partial_size: int | None = None,
     offset: float = 0.0,
     eps_mode: str = "inside",
     casting: str = "fp32",
@@ -220,7 +230,7 @@ def forward(
     shape = x.shape
     v = to_rows(x, axis).astype(LD)
     d = v.shape[1]
-    k = k_of(d, partial)
+    k = k_of(d, partial, partial_size)
     assert 1 <= k <= d, (d, partial)
     _, rstd = _stats(v, k, eps, eps_mode)
     xhat = v * rstd[:, None]
@@ -252,6 +262,7 @@ def backward(
     eps: float = 1e-6,
     axis=-1,
     partial: float = 1.0,
+    partial_size: int | None = None,
     offset: float = 0.0,
     eps_mode: str = "inside",
     grad_residual: np.ndarray | None = None,
@@ -276,7 +287,7 @@ def backward(
     v = to_rows(x, axis).astype(LD)
     gy = to_rows(dy, axis).astype(LD)
     d = v.shape[1]
-    k = k_of(d, partial)
+    k = k_of(d, partial, partial_size)
     ms, rstd = _stats(v, k, eps, eps_mode)
     g = LD(1) if weight is None else weight.reshape(-1).astype(LD) + LD(offset)
     S = np.sum(g * gy * v, axis=1)

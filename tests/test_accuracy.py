@@ -70,6 +70,29 @@ def test_forward_matches_oracle(case, dtype, opt, rng):
     assert_close(rstd, want_rstd, COMPUTE[dtype], f"rstd ({dtype}, {opt})")
 
 
+def test_partial_size_and_partial_k_over_d_select_k(case, rng):
+    """``partial_size=k`` and ``partial=k/d`` both take the statistic over the first k
+    elements, also where ``d * (k/d)`` rounds below k (d = 22: k = 15 only)."""
+    d = 22
+    x = _rand(rng, (5, d), "float32", 3.0)
+    w = _rand(rng, (d,), "float32")
+    dy = _rand(rng, (5, d), "float32")
+    assert [k for k in range(1, d + 1) if int(d * (k / d)) != k] == [15]
+    for k in (1, 14, 15, 16, 22):
+        y, rstd = _fwd(case, x, w, partial_size=k, eps=1e-5)
+        want_y, want_rstd = oracle.forward(x, w, partial_size=k, eps=1e-5)
+        assert_close(y, want_y, "float32", f"y (partial_size={k})")
+        assert_close(rstd, want_rstd, "float32", f"rstd (partial_size={k})")
+        yp, rstdp = _fwd(case, x, w, partial=k / d, eps=1e-5)
+        np.testing.assert_array_equal(yp, y)
+        np.testing.assert_array_equal(rstdp, rstd)
+        dx, dw, _ = pn.rms_norm_backward(case.asarray(dy), case.asarray(x), case.asarray(w),
+                                         partial_size=k, eps=1e-5, backend=case.backend)
+        want_dx, want_dw, _ = oracle.backward(dy, x, w, partial_size=k, eps=1e-5)
+        assert_close(case.to_numpy(dx), want_dx, "float32", f"dx (partial_size={k})")
+        assert_close(case.to_numpy(dw), want_dw, "float32", f"dweight (partial_size={k})")
+
+
 @pytest.mark.parametrize(
     "xdt, rdt", [("float32", "float32"), ("bfloat16", "float32"), ("float16", "float16"),
                  ("float16", "bfloat16"), ("float64", "float64")], ids=lambda p: p

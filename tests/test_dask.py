@@ -218,12 +218,117 @@ def test_numpy_weight_and_bias_with_a_dask_x():
         pn.rms_norm(dx, pytest.importorskip("array_api_strict").asarray(w[0]))
 
 
+def test_numpy_rstd_with_a_dask_x():
+    """The backward's rstd of the chunks' library is lifted as weight is."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 2, 4)).astype(np.float32)
+    dy = rng.standard_normal((6, 2, 4)).astype(np.float32)
+    w = rng.standard_normal(4).astype(np.float32)
+    xd, dyd = da.from_array(x, chunks=(4, 1, 4)), da.from_array(dy, chunks=(3, 2, 4))
+    _, rstd = pn.rms_norm(x, w, return_rstd=True, eps=1e-5)
+    want = pn.rms_norm_backward(dy, x, w, rstd=rstd, eps=1e-5)
+    got = pn.rms_norm_backward(dyd, xd, w, rstd=rstd, eps=1e-5)
+    assert all(isinstance(g, da.Array) for g in got[:2])
+    for g, v in zip(dask.compute(*got[:2], scheduler="sync"), want[:2], strict=True):
+        _same_bits(g, v)
+    # the recomputed-rstd call would give other bits: the given one is used
+    got = pn.rms_norm_backward(dyd, xd, w, rstd=rstd * 2, eps=1e-5)
+    want = pn.rms_norm_backward(dy, x, w, rstd=rstd * 2, eps=1e-5)
+    _same_bits(got[0].compute(scheduler="sync"), want[0])
+    with pytest.raises(ValueError, match="rstd"):
+        pn.rms_norm_backward(dyd, xd, w, rstd=rstd[:5])
+    with pytest.raises(TypeError, match="rstd"):
+        pn.rms_norm_backward(dyd, xd, w, rstd=rstd.astype(np.float64))
+
+
+def _masked(a, mask, chunks):
+    """``a``'s rows where ``mask`` holds, as a dask array of unknown chunk sizes."""
+    return da.from_array(a, chunks=chunks)[mask]
+
+
+def test_unknown_chunk_sizes(client):
+    """After boolean indexing dask knows neither the rows nor the chunk sizes: every
+    row is normalized on its own, so each block is, with the in-memory bits (dweight's
+    too: the chunks' row numbers are counted when they are computed)."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((30, 3, 16)).astype(np.float32)
+    r, dy, z = (rng.standard_normal(x.shape).astype(np.float32) for _ in range(3))
+    w, b = rng.standard_normal(16).astype(np.float32), rng.standard_normal(16).astype(np.float32)
+    keep = x[:, 0, 0] > -0.3
+    mask = da.from_array(keep, chunks=3)
+    xu, ru, dyu, zu = (_masked(a, mask, (3, 2, 8)) for a in (x, r, dy, z))
+    xm, rm, dym, zm = x[keep], r[keep], dy[keep], z[keep]
+    # more chunks than the fan-in: dweight's states merge over two levels
+    assert np.isnan(xu.shape[0]) and len(xu.chunks[0]) == 10 > dask_backend.SPLIT_EVERY
+    graphs, wants = [], []
+    for axis, ww, bb in ((-1, w, b), ((1, 2), np.tile(w, (3, 1)), None), (1, w[:3], None)):
+        with dask.config.set(scheduler=_no_compute):
+            y, h, rstd = pn.add_rms_norm(xu, ru, ww, bb, axis=axis, return_rstd=True)
+            dx, dw, db = pn.rms_norm_backward(dyu, h, ww, bb, axis=axis, rstd=rstd,
+                                              grad_residual=dyu)
+            dx2, dw2, _ = pn.rms_norm_backward(dyu, xu, ww, axis=axis)  # rstd recomputed
+        graphs += [y, h, rstd, dx, dw, dx2, dw2]
+        ym, hm, rstdm = pn.add_rms_norm(xm, rm, ww, bb, axis=axis, return_rstd=True)
+        dxm, dwm, _ = pn.rms_norm_backward(dym, hm, ww, bb, axis=axis, rstd=rstdm,
+                                           grad_residual=dym)
+        dx2m, dw2m, _ = pn.rms_norm_backward(dym, xm, ww, axis=axis)
+        wants += [ym, hm, rstdm, dxm, dwm, dx2m, dw2m]
+    graphs += [*pn.rms_norm_gated(xu, zu, w, group_size=8, return_rstd=True),
+               *pn.rms_norm_quant(xu, w, residual=ru, dtype="int8")]
+    wants += [*pn.rms_norm_gated(xm, zm, w, group_size=8, return_rstd=True),
+              *pn.rms_norm_quant(xm, w, residual=rm, dtype="int8")]
+    for got, want in zip(client.compute(graphs, sync=True), wants, strict=True):
+        _same_bits(got, want)
+    # a token chunk whose rows are all masked out, and every row masked out
+    none = da.from_array(np.zeros(30, bool), chunks=7)
+    dx, dw, db = pn.rms_norm_backward(_masked(dy, none, (7, 3, 16)), _masked(x, none, (7, 3, 16)),
+                                      w, b)
+    dx, dw, db = dask.compute(dx, dw, db, scheduler="sync")
+    assert dx.shape == (0, 3, 16)
+    _same_bits(dw, np.zeros(16, np.float32))
+    _same_bits(db, np.zeros(16, np.float32))
+
+
+def test_unknown_chunk_sizes_errors():
+    x = np.random.default_rng(9).standard_normal((12, 4, 8)).astype(np.float32)
+    xd = da.from_array(x, chunks=(5, 2, 8))
+    keep = xd[:, 0, 0] > 0
+    xu = xd[keep]
+    _, rstd = pn.rms_norm(xu, return_rstd=True)
+    with pytest.raises(ValueError, match="normalized axes"):
+        pn.rms_norm(xu, axis=0)
+    for chunks in ((5, 2, 8), (5, 4, 8)):  # unknown, not the first token axis
+        xc = da.from_array(x, chunks=chunks)
+        with pytest.raises(ValueError, match=r"axis 1 unknown"):
+            pn.rms_norm(xc[:, xc[0, :, 0] > 0])
+    with pytest.raises(ValueError, match="residual must be chunked as x"):
+        pn.add_rms_norm(xu, da.from_array(x, chunks=(3, 4, 8))[keep.rechunk(3)])
+    with pytest.raises(ValueError, match="residual must have shape"):
+        pn.add_rms_norm(xu, xd)
+    with pytest.raises(ValueError, match="rstd must be chunked as x"):
+        pn.rms_norm_backward(xu, xu, rstd=rstd.compute())  # numpy: lifted in one chunk
+    with pytest.raises(ValueError, match="out="):
+        pn.rms_norm(xu, out=xu * 0)
+    # blocks as many as x's but other sizes: caught by the chunk task, naming the array
+    y, h = pn.add_rms_norm(xu, xd[xd[:, 0, 0] < 0])
+    with pytest.raises(ValueError, match="residual has"):
+        dask.compute(y, h, scheduler="sync")
+    # ... unless it is moved first
+    xc = da.moveaxis(da.from_array(x, chunks=(5, 2, 8))[:, xd[0, :, 0] > 0], 1, 0)
+    want = pn.rms_norm(np.moveaxis(x[:, x[0, :, 0] > 0], 1, 0))
+    _same_bits(pn.rms_norm(xc).compute(scheduler="sync"), want)
+
+
 def test_graphs_never_respec_a_key_of_the_callers():
     """Every key the caller's arrays already have keeps its spec in polynorm's graphs
     (a second spec under one key makes distributed warn and can deadlock it)."""
-    for dt, chunks, weighted in ((np.float16, (16, 32), True), (np.float32, (16, 16), True),
-                                 (np.float32, (16, 32), False)):
+    for dt, chunks, weighted, masked in ((np.float16, (16, 32), True, False),
+                                         (np.float32, (16, 16), True, False),
+                                         (np.float32, (16, 32), False, False),
+                                         (np.float32, (16, 16), True, True)):
         x = da.random.default_rng(1).standard_normal((64, 32), chunks=chunks).astype(dt)
+        if masked:  # unknown chunk sizes: the row tree counts the rows in the graph
+            x = x[x[:, 0] > 0]
         w = da.ones(32, dtype=dt, chunks=32) if weighted else None
         y, rstd = pn.rms_norm(x, w, return_rstd=True)
         dy = (y * 2).astype(dt)

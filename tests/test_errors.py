@@ -146,6 +146,26 @@ def test_partial_gives_k_zero(case):
         pn.rms_norm_backward(_x(case), _x(case), partial=0.2, backend=case.backend)
 
 
+@pytest.mark.parametrize("size", [0, -1, 5], ids=repr)
+def test_partial_size_out_of_range(case, size):
+    """d = 4: partial_size must be in [1, 4]."""
+    with _raises(ValueError, "partial_size", "[1, 4]", f"got {size}"):
+        pn.rms_norm(_x(case), partial_size=size, backend=case.backend)
+    with _raises(ValueError, "partial_size", "[1, 4]"):
+        pn.rms_norm_backward(_x(case), _x(case), partial_size=size, backend=case.backend)
+
+
+@pytest.mark.parametrize("size", [2.0, True, "2", np.array([2])], ids=repr)
+def test_partial_size_not_an_int(case, size):
+    with _raises(TypeError, "partial_size", "int"):
+        pn.rms_norm(_x(case), partial_size=size, backend=case.backend)
+
+
+def test_partial_and_partial_size_together(case):
+    with _raises(ValueError, "partial=0.5", "partial_size=2", "one of them"):
+        pn.rms_norm(_x(case), partial=0.5, partial_size=2, backend=case.backend)
+
+
 @pytest.mark.parametrize("offset", [float("nan"), float("inf")], ids=repr)
 def test_offset_not_finite(case, offset):
     with _raises(ValueError, "offset", repr(offset), "finite"):

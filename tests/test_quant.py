@@ -346,6 +346,8 @@ def test_options_and_zero_tokens():
     (dict(scale="1"), TypeError, "scale"),
     (dict(scale=np.ones(2, np.float32)), ValueError, "scale"),
     (dict(scale=np.ones(1, np.int32)), TypeError, "scale"),
+    (dict(scale=np.array(-1.0)), ValueError, "scale"),
+    (dict(scale=np.array(True)), TypeError, "scale"),
     (dict(group_size=3), ValueError, "group_size=3"),
     (dict(group_size=0), ValueError, "group_size"),
     (dict(group_size=2.0), TypeError, "group_size"),
@@ -358,6 +360,21 @@ def test_errors(kw, exc, match):
     x, _, _ = _data(n=4, d=8)
     with pytest.raises(exc, match=match):
         pn.rms_norm_quant(x, **kw)
+
+
+def test_numpy_scalar_scales():
+    """A numpy 0-d array is a static scale like the float it holds (as numpy scalars,
+    one-element arrays and 0-d torch/jax arrays are), on the fast and general paths."""
+    x, w, _ = _data(n=4, d=8)
+    y32 = pn.rms_norm(x, w, eps=EPS, out_dtype="float32")
+    want_q, want_s = oracle_quantize(y32, "float8_e4m3fn", scale=0.25)
+    for sc in (np.array(0.25), np.array(0.25, np.float32), np.array(0.25, ml_dtypes.bfloat16),
+               np.float16(0.25), np.ones(1, np.float32) * 0.25):
+        for extra in ({}, dict(axis=(-1,))):  # the fast path, then the general one
+            q, s = pn.rms_norm_quant(x, w, scale=sc, eps=EPS, **extra)
+            assert_q_equal(q, want_q, f"scale={sc!r} {extra}")
+            assert s.shape == () and s.dtype == np.float32
+            assert_scales_equal(s, want_s)
 
 
 def test_array_api_strict_has_no_float8():

@@ -23,6 +23,12 @@ are chunked.  Other chunks (CuPy, or no Numba) send float64 per-chunk partial
 sums through the same fan-in; those agree with the in-memory result to
 accumulation accuracy only.
 
+Rows of unknown chunk sizes (``nan``, after boolean indexing) work the same
+way, block by block: their blocks are paired with those of the other
+token-shaped arrays by position (each chunk task checks that the rows agree),
+and the row tree learns each chunk's first row and the total from a task that
+counts the rows of every chunk.
+
 ``out=`` is not supported in place: dask arrays are immutable graphs; the
 front end assigns the lazy result into ``out``.
 """
@@ -74,6 +80,27 @@ def _meta(like, ndim: int, dtype):
     return meta_from_array(like, ndim=ndim, dtype=dtype)
 
 
+def _unknown(size) -> bool:
+    return isinstance(size, float) and np.isnan(size)
+
+
+def _same_chunks(a: tuple, b: tuple) -> bool:
+    """Equal chunks, an unknown size (``nan``, which is not equal to itself) matching
+    an unknown one."""
+    return len(a) == len(b) and all(
+        len(p) == len(q) and all(u == v or (_unknown(u) and _unknown(v)) for u, v in zip(p, q, strict=True))
+        for p, q in zip(a, b, strict=True))
+
+
+def _rechunk(a, want):
+    if _same_chunks(a.chunks, want):
+        return a
+    if any(_unknown(c) for cs in (*a.chunks, *want) for c in cs):
+        # the front end pairs arrays of unknown chunk sizes with x's chunks; this is a guard
+        raise ValueError(f"cannot rechunk an array of unknown chunk sizes {a.chunks} to {want}")
+    return a.rechunk(want)
+
+
 def _rows(a, chunks0):
     """2-D ``a`` with the row chunks ``chunks0`` and one chunk over ``d``."""
     if a is None:
@@ -81,8 +108,9 @@ def _rows(a, chunks0):
     import dask.array as da
 
     a = da.asarray(a)
-    want = (chunks0, (a.shape[1],))
-    return a if a.chunks == want else a.rechunk(want)
+    if len(a.chunks[1]) > 1:
+        a = a.rechunk({1: -1})
+    return _rechunk(a, (chunks0, (a.shape[1],)))
 
 
 def _dask_vector(a, chunks=None):
@@ -94,7 +122,19 @@ def _dask_vector(a, chunks=None):
     a = da.asarray(a)
     want = chunks or (a.shape[0],)
     want = want if isinstance(want[0], tuple) else (want,)
-    return a if a.chunks == want else a.rechunk(want)
+    return _rechunk(a, want)
+
+
+def _check_rows(x, **arrays) -> None:
+    """Each row-chunk of the token-shaped arrays has x's rows.  Dask pairs blocks of
+    unknown sizes without knowing whether they agree (two boolean indexes of the same
+    chunks); a kernel handed a shorter one would read past its end."""
+    n = x.shape[0]
+    for argname, a in arrays.items():
+        if a is not None and a.shape[0] != n:
+            raise ValueError(
+                f"{argname} has {a.shape[0]} rows in a chunk where x has {n}: arrays of "
+                "unknown chunk sizes must have x's sizes (e.g. the same boolean index)")
 
 
 def _args(pairs):
@@ -117,6 +157,7 @@ def _pick_partial(t, i):
 
 
 def _forward_chunk(x, residual, weight, bias, *, plan: Plan):
+    _check_rows(x, residual=residual)
     if x.shape[0] == 0:  # backends never see zero tokens
         # empties of the chunk's own array type
         h = None if residual is None else x.astype(numpy_dtype(plan.norm_dtype))
@@ -126,6 +167,7 @@ def _forward_chunk(x, residual, weight, bias, *, plan: Plan):
 
 
 def _backward_chunk(dy, x, weight, bias, rstd, grad_residual, *, plan: Plan):
+    _check_rows(x, dy=dy, rstd=rstd, grad_residual=grad_residual)
     if x.shape[0] == 0:
         zeros = x.astype(np.float64).sum(axis=0)  # (d,) zeros of the chunk's array type
         return (x.copy(), None if weight is None else zeros,
@@ -136,41 +178,70 @@ def _backward_chunk(dy, x, weight, bias, rstd, grad_residual, *, plan: Plan):
     return _inner(x).backward(dy, x, w64, b64, rstd, grad_residual, plan)
 
 
-def _backward_chunk_tree(dy, x, weight, bias, rstd, grad_residual, row_ids, *, plan: Plan,
-                         ntot: int):
-    """dx of a host chunk and the row-tree state of its dweight/dbias terms."""
+def _backward_chunk_tree(dy, x, weight, bias, rstd, grad_residual, row0, ntot, *,
+                         plan: Plan):
+    """dx of a host chunk and the row-tree state of its dweight/dbias terms.  ``row0``:
+    the chunk's row numbers (known sizes) or a one-element array of its first row's
+    (unknown sizes); ``ntot``: the rows in all, an int or a one-element array."""
     from polynorm.backends import numba as nb
     from polynorm.backends.rowtree import empty_state
 
+    _check_rows(x, dy=dy, rstd=rstd, grad_residual=grad_residual)
     if x.shape[0] == 0:
         width = x.shape[1] * ((weight is not None) + (bias is not None))
         return x.copy(), empty_state(width)
-    return nb.backward_range(dy, x, weight, bias, rstd, grad_residual, plan, int(row_ids[0]),
-                             ntot)
+    return nb.backward_range(dy, x, weight, bias, rstd, grad_residual, plan, int(row0[0]),
+                             _count(ntot))
 
 
-def _merge_states(states, ntot: int, compute_dtype):
+def _count(ntot) -> int:
+    return ntot if isinstance(ntot, int) else int(np.asarray(ntot).reshape(-1)[0])
+
+
+def _merge_states(states, ntot, compute_dtype):
     from polynorm.backends.rowtree import merge
 
-    return merge(list(states), ntot, compute_dtype)
+    return merge(list(states), _count(ntot), compute_dtype)
 
 
-def _finish_tree(state, ntot: int, d: int, wdt, bdt):
+def _finish_tree(state, ntot, d: int, wdt, bdt):
     from polynorm.backends import numba as nb
     from polynorm.backends.rowtree import root
 
+    ntot = _count(ntot)
+    if ntot == 0:  # every chunk empty (known only now with unknown chunk sizes)
+        width = d * ((wdt is not None) + (bdt is not None))
+        return nb.finish(np.zeros(width), d, wdt, bdt)
     return nb.finish(root(state, ntot), d, wdt, bdt)
 
 
+def _block_rows(x):
+    return np.array([x.shape[0]], np.int64)
+
+
+def _unknown_row_numbers(x):
+    """For row chunks of unknown sizes: each chunk's first row number and the number of
+    rows in all, as dask arrays of one element per chunk (known only when computed),
+    and the latter as one 0-d array."""
+    import dask.array as da
+
+    nb = len(x.chunks[0])
+    sizes = da.map_blocks(_block_rows, x, drop_axis=1, chunks=((1,) * nb,), dtype=np.int64,
+                          meta=np.empty((0,), np.int64))
+    total = sizes.sum()
+    row0 = da.cumsum(sizes) - sizes
+    ntot = da.broadcast_to(total, (nb,), chunks=((1,) * nb,))
+    return row0, ntot, total
+
+
 def _uses_rowtree(x) -> bool:
-    """Host chunks of known sizes, with Numba usable: the bit-exact row tree."""
+    """Host chunks with Numba usable: the bit-exact row tree."""
     from polynorm.backends import usable
 
-    return (isinstance(x._meta, np.ndarray) and usable("numba")
-            and not any(np.isnan(c) for c in x.chunks[0]))
+    return isinstance(x._meta, np.ndarray) and usable("numba")
 
 
-def _tree_reduce(parts, ntot: int, d: int, wdt, bdt, cdt):
+def _tree_reduce(parts, ntot, d: int, wdt, bdt, cdt):
     """``(dweight, dbias)`` as dask arrays: the chunks' row-tree states merged
     ``SPLIT_EVERY`` adjacent ones at a time, then rounded."""
     import dask
@@ -180,6 +251,8 @@ def _tree_reduce(parts, ntot: int, d: int, wdt, bdt, cdt):
     # (fused) specs, and distributed warns about, and can deadlock on, a key with two specs
     level = [dask.delayed(_pick)(blk, 1)
              for blk in parts.to_delayed(optimize_graph=False).ravel()]
+    if not isinstance(ntot, int):  # a 0-d dask array: counted when the chunks are
+        ntot = ntot.to_delayed(optimize_graph=False).ravel()[0]
     while len(level) > 1:
         level = [dask.delayed(_merge_states)(level[i:i + SPLIT_EVERY], ntot, cdt)
                  for i in range(0, len(level), SPLIT_EVERY)]
@@ -246,14 +319,24 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     weight, bias = _dask_vector(weight), _dask_vector(bias)
     d = x.shape[1]
     if _uses_rowtree(x):
-        ntot = x.shape[0]
-        # each chunk learns its global row offset from its slice of the row numbers
-        row0 = da.arange(ntot, chunks=(rows,), dtype=np.int64)
+        if any(_unknown(c) for c in rows):
+            # the row numbers are known only when the chunks are: one task counts each
+            # chunk's rows, and the chunks take their offsets block by block (no
+            # alignment of chunks: the arrays have one block per row chunk each)
+            row0, ntot_arr, ntot = _unknown_row_numbers(x)
+            counts = [(ntot_arr, "i")]
+            align = False
+        else:
+            ntot = x.shape[0]
+            # each chunk learns its global row offset from its slice of the row numbers
+            row0 = da.arange(ntot, chunks=(rows,), dtype=np.int64)
+            counts = [(ntot, None)]
+            align = True
         parts = da.blockwise(
             _backward_chunk_tree, "i",
             *_args([(dy, "ij"), (x, "ij"), (weight, "j"), (bias, "j"), (rstd, "i"),
-                    (grad_residual, "ij"), (row0, "i")]),
-            plan=plan, ntot=ntot,
+                    (grad_residual, "ij"), (row0, "i")]), *counts[0],
+            plan=plan, align_arrays=align,
             dtype=object, meta=np.empty((0,), object), concatenate=True,
         )
         dx = da.map_blocks(_pick, parts, 0, new_axis=1, chunks=(rows, (d,)), dtype=x.dtype,
@@ -303,6 +386,7 @@ def _gated_inner(block):
 
 
 def _gated_forward_chunk(x, z, weight, bias, *, gplan):
+    _check_rows(x, z=z)
     if x.shape[0] == 0:
         p = gplan.plan
         return (x.astype(numpy_dtype(p.out_dtype)),
@@ -311,6 +395,7 @@ def _gated_forward_chunk(x, z, weight, bias, *, gplan):
 
 
 def _gated_backward_chunk(dy, x, z, weight, bias, rstd, *, gplan):
+    _check_rows(x, dy=dy, z=z, rstd=rstd)
     if x.shape[0] == 0:
         def zero(a):
             return None if a is None else (a * 0).astype(a.dtype)
@@ -383,6 +468,7 @@ def gated_backward(dy, x, z, weight, bias, rstd, gplan):
 
 
 def _quant_forward_chunk(x, residual, weight, bias, scale, *, qplan):
+    _check_rows(x, residual=residual)
     mod = _gated_inner(x) if x.shape[0] else None
     if mod is None or not hasattr(mod, "quant_forward"):
         from polynorm.backends import get

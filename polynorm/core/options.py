@@ -7,7 +7,7 @@ the dtypes: they are all here.
 
 The operation, for one row ``v`` of length ``d`` (see ``shared/SPEC.md``)::
 
-    k     = floor(d * partial)                       # 1 <= k <= d
+    k     = floor(d * partial)                       # 1 <= k <= d; or k = partial_size
     ms    = sum(v[:k]**2) / k
     rstd  = 1 / sqrt(ms + eps)        (eps_mode="inside")
     rstd  = 1 / (sqrt(ms) + eps)      (eps_mode="outside")
@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, ForwardRef, Literal, NamedTuple, TypeAlias, TypedDict, TypeVar
 
 from polynorm.core.dtypes import FLOAT_DTYPES, parse_dtype
@@ -94,6 +96,7 @@ class Options(NamedTuple):
     eps: Any = 1e-6
     axis: Any = -1
     partial: Any = 1.0
+    partial_size: Any = None
     offset: Any = 0.0
     eps_mode: Any = "inside"
     casting: Any = "fp32"
@@ -103,7 +106,7 @@ class Options(NamedTuple):
 
 #: Each option's type in torch's custom-op schema language (``polynorm.torch``).
 OPTION_TYPES: dict[str, str] = {
-    "eps": "float", "axis": "int[]", "partial": "float", "offset": "float",
+    "eps": "float", "axis": "int[]", "partial": "float", "partial_size": "int?", "offset": "float",
     "eps_mode": "str", "casting": "str", "out_dtype": "str?", "backend": "str",
 }
 assert tuple(OPTION_TYPES) == Options._fields
@@ -122,6 +125,7 @@ Casting: TypeAlias = Literal["fp32", "llama"]
 class _SharedOptions(TypedDict, total=False):
     axis: int | tuple[int, ...]
     partial: float
+    partial_size: int | None
     offset: float
     eps_mode: EpsMode
     casting: Casting
@@ -155,7 +159,12 @@ OPTION_DOCS: dict[str, str] = {
             "    The normalized axes (sorted; the slice is taken in C order).",
     "partial": "partial : float, default 1.0\n"
                "    pRMSNorm: in ``(0, 1]``; the statistic uses the first ``k = floor(d * partial)``\n"
-               "    elements of a slice, and ``k`` must be at least 1.",
+               "    elements of a slice, and ``k`` must be at least 1.  A ``partial`` that is the\n"
+               "    float nearest to ``k / d`` gives that ``k`` (``d * (15 / 22)`` is just below 15\n"
+               "    in floating point: ``partial=15/22`` with ``d=22`` still gives ``k = 15``).",
+    "partial_size": "partial_size : int, optional\n"
+                    "    pRMSNorm by count (vLLM's ``variance_size``): ``k = partial_size``, in\n"
+                    "    ``[1, d]``.  Not with ``partial`` (leave it at 1.0).",
     "offset": "offset : float, default 0.0\n"
               "    Added to ``weight`` (``offset=1.0`` is Gemma's ``1 + w``); not used without a weight.",
     "eps_mode": "eps_mode : {\"inside\", \"outside\"}, default \"inside\"\n"
@@ -326,13 +335,16 @@ def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
     >>> p = make_plan(10, "bfloat16", Options(partial=0.3))
     >>> (p.k, p.compute_dtype, p.out_dtype)
     (3, 'float32', 'bfloat16')
+    >>> make_plan(22, "float32", Options(partial=15 / 22)).k   # 22 * (15/22) < 15 in floats
+    15
     """
-    eps, _, partial, offset, eps_mode, casting, out_dtype, _ = opts
+    eps, _, partial, partial_size, offset, eps_mode, casting, out_dtype, _ = opts
     exact = (eps.__class__ in _EXACT and partial.__class__ in _EXACT
+             and (partial_size is None or partial_size.__class__ is int)
              and offset.__class__ in _EXACT and eps_mode.__class__ is str
              and casting.__class__ is str and (out_dtype is None or out_dtype.__class__ is str))
     if exact:
-        key = (d, norm_dtype, eps, partial, offset, eps_mode, casting, out_dtype)
+        key = (d, norm_dtype, eps, partial, partial_size, offset, eps_mode, casting, out_dtype)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan
@@ -343,6 +355,7 @@ def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
         raise TypeError(f"casting must be one of {CASTINGS}, got {casting!r}")
     plan = _resolve(d, norm_dtype, eps=_check_real("eps", eps),
                     partial=_check_real("partial", partial),
+                    partial_size=_check_size(partial_size),
                     offset=_check_real("offset", offset), eps_mode=eps_mode, casting=casting,
                     out_dtype=out_name)
     if exact:
@@ -352,12 +365,41 @@ def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
     return plan
 
 
+def _check_size(value: Any) -> int | None:
+    """``partial_size``: None or an int (numpy's too; not a bool or a float)."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"partial_size must be an int or None, got {value!r}") from None
+
+
+def partial_k(d: int, partial: float) -> int:
+    """``floor(d * partial)``, except that a ``partial`` which is the float nearest to
+    ``c / d`` gives ``c``: ``partial = k / d`` written as a float must select ``k``,
+    and ``d * fl(k / d)`` may fall just below ``k`` (``22 * (15 / 22)`` is
+    ``14.999999999999998``).  Any other ``partial`` takes the exact floor of its value
+    times ``d``.
+
+    >>> partial_k(22, 15 / 22), partial_k(10, 0.35), partial_k(8, 0.1)
+    (15, 3, 0)
+    """
+    c = round(d * partial)
+    if 0 < c <= d and c / d == partial:  # Python's int / int is correctly rounded
+        return c
+    return math.floor(Fraction(partial) * d)
+
+
 def _resolve(
     d: int,
     norm_dtype: str,
     *,
     eps: float,
     partial: float,
+    partial_size: int | None = None,
     offset: float,
     eps_mode: str,
     casting: str,
@@ -377,7 +419,18 @@ def _resolve(
         raise ValueError(
             f"axis: the normalized axes have size {d}; they must hold at least one element"
         )
-    k = int(d * partial)  # floor, as the pRMSNorm paper's code does
+    if partial_size is not None:
+        if partial != 1.0:
+            raise ValueError(
+                f"partial={partial!r} and partial_size={partial_size!r} both say how many "
+                "elements enter the statistic: pass one of them")
+        if not 1 <= partial_size <= d:
+            raise ValueError(
+                f"partial_size must be in [1, d] = [1, {d}] (d: the normalized size), "
+                f"got {partial_size!r}")
+        k = partial_size
+    else:
+        k = partial_k(d, partial)  # floor, as the pRMSNorm paper's code does
     if k < 1:
         raise ValueError(
             f"partial={partial!r} gives k = floor({d} * {partial!r}) = 0 elements; "

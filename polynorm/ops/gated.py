@@ -162,7 +162,7 @@ def gated_forward(x, z, weight, bias, opts: Options, *, group_size, norm_before_
             out[...] = y
             y = out
     if return_rstd:
-        return y, xp.reshape(rstd, _rstd_shape(lay, gplan, group_size))
+        return y, lay.unbatch(rstd, () if group_size is None else (gplan.groups,))
     return y
 
 
@@ -252,7 +252,7 @@ def gated_backward(dy, x, z, weight, bias, rstd, opts: Options, *, group_size,
         got = float_dtype_name("rstd", rstd)
         if got != gplan.plan.rstd_dtype:
             raise TypeError(f"rstd must have dtype {gplan.plan.rstd_dtype}, got {got}")
-        rstd2 = xp.reshape(rstd, (lay.n, gplan.groups))
+        rstd2 = lay.batch_rows(rstd, (gplan.groups,))
     if lay.n == 0:
         dev = _api.result_device(x)
         dx = xp.empty(lay.shape, dtype=x.dtype, device=dev)

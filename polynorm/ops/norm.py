@@ -178,8 +178,19 @@ def _normalize_axis(axis: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+def _unknown(size: Any) -> bool:
+    """A size dask does not know before computing (``nan``, after boolean indexing)."""
+    return size is None or (isinstance(size, float) and math.isnan(size))
+
+
+def _same_sizes(a: tuple, b: tuple) -> bool:
+    """Equal shapes or chunks, an unknown size matching an unknown one (``nan != nan``)."""
+    return len(a) == len(b) and all(
+        p == q or (_unknown(p) and _unknown(q)) for p, q in zip(a, b, strict=True))
+
+
 def _check_shape(argname: str, a: Any, shape: tuple[int, ...], what: str) -> None:
-    if a is not None and tuple(a.shape) != shape:
+    if a is not None and tuple(a.shape) != shape and not _same_sizes(tuple(a.shape), shape):
         raise ValueError(f"{argname} must have shape {shape} ({what}), got {tuple(a.shape)}")
 
 
@@ -233,6 +244,9 @@ class _Layout:
     perm: tuple[int, ...] | None  # None when the normalized axes are already trailing
     n: int
     d: int
+    #: a dask x of unknown chunk sizes (n is nan): the chunks of its first batch
+    #: axis; dask cannot reshape such an array, so its blocks are reshaped one by one
+    lead: tuple | None = None
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
@@ -249,15 +263,38 @@ class _Layout:
         xp = self.xp
         if self.perm is not None:
             a = xp.permute_dims(a, self.perm)
+        if self.lead is not None:
+            return _block_reshape(a, (self.d,), self._row_chunks)
         return xp.reshape(a, (self.n, self.d))
 
     def unrows(self, a2: Any) -> Any:
         xp = self.xp
+        permuted = self.shape if self.perm is None else tuple(self.shape[p] for p in self.perm)
+        if self.lead is not None:
+            a = _block_reshape(a2, permuted[1:], self.lead)
+        else:
+            a = xp.reshape(a2, permuted)
         if self.perm is None:
-            return xp.reshape(a2, self.shape)
-        permuted = tuple(self.shape[p] for p in self.perm)
+            return a
         inverse = tuple(self.perm.index(i) for i in range(len(self.perm)))
-        return xp.permute_dims(xp.reshape(a2, permuted), inverse)
+        return xp.permute_dims(a, inverse)
+
+    def unbatch(self, a: Any, tail: tuple[int, ...] = ()) -> Any:
+        """Per-token ``a`` of shape ``(n, *tail)`` as ``batch_shape + tail``."""
+        if self.lead is not None:
+            return _block_reshape(a, self.batch_shape[1:] + tail, self.lead)
+        return self.xp.reshape(a, self.batch_shape + tail)
+
+    def batch_rows(self, a: Any, tail: tuple[int, ...] = ()) -> Any:
+        """Per-token ``a`` (``batch_shape``, then any axes of ``tail``'s size) as ``(n, *tail)``."""
+        if self.lead is not None:
+            return _block_reshape(a, tail, self._row_chunks)
+        return self.xp.reshape(a, (self.n, *tail))
+
+    @property
+    def _row_chunks(self) -> tuple:
+        rest = math.prod(self.batch_shape[1:])
+        return tuple(c * rest for c in self.lead)
 
     def flat(self, a: Any) -> Any:
         """weight/bias (shape over the normalized axes) as ``(d,)``."""
@@ -273,7 +310,8 @@ class _Layout:
 
 def _layout(xp: Any, x: Any, axis: Any) -> _Layout:
     shape = tuple(x.shape)
-    if any(s is None or (isinstance(s, float) and math.isnan(s)) for s in shape):
+    unknown = [i for i, s in enumerate(shape) if _unknown(s)]
+    if unknown and not aac.is_dask_array(x):
         raise ValueError(f"x must have a known shape, got {shape}")
     axes = _normalize_axis(axis, len(shape))
     nd = len(shape)
@@ -283,7 +321,79 @@ def _layout(xp: Any, x: Any, axis: Any) -> _Layout:
         perm = tuple(i for i in range(nd) if i not in axes) + axes
     d = math.prod(shape[a] for a in axes)
     n = math.prod(s for i, s in enumerate(shape) if i not in axes)
-    return _Layout(xp=xp, shape=shape, axes=axes, perm=perm, n=n, d=d)
+    lead = None
+    if unknown:
+        lead = _unknown_layout(x, shape, axes, unknown)
+        n = math.nan
+    return _Layout(xp=xp, shape=shape, axes=axes, perm=perm, n=n, d=d, lead=lead)
+
+
+def _unknown_layout(x: Any, shape: tuple, axes: tuple[int, ...], unknown: list[int]) -> tuple:
+    """The chunks of the first batch axis of a dask ``x`` with unknown sizes (rows are
+    independent, so each block is normalized on its own), or the ``ValueError`` of a
+    layout that has to know them."""
+    hint = "call x.compute_chunk_sizes() first"
+    bad = [i for i in unknown if i in axes]
+    if bad:
+        raise ValueError(
+            f"x must have known sizes along the normalized axes {axes}, got shape {shape} "
+            f"(axis {bad[0]} unknown); {hint}")
+    batch = [i for i in range(len(shape)) if i not in axes]
+    for i in batch[1:]:
+        # a block's shape is rebuilt from its rows and the other axes' sizes, so only
+        # the first token axis may be unknown
+        if i in unknown:
+            raise ValueError(
+                f"x may have an unknown size only along its first token axis ({batch[0]}), "
+                f"got shape {shape} (axis {i} unknown); {hint}, or move axis {i} first")
+        if shape[i] == 0:
+            raise ValueError(
+                f"x has unknown chunk sizes and a zero-size axis {i} (shape {shape}); {hint}")
+    return tuple(x.chunks[batch[0]])
+
+
+def _reshape_block(b: Any, rest: tuple[int, ...]) -> Any:
+    return b.reshape((-1, *rest))
+
+
+def _block_reshape(a: Any, rest: tuple[int, ...], lead: tuple) -> Any:
+    """Dask ``a`` reshaped block by block to ``(-1, *rest)``, its first axis chunked
+    ``lead``: the reshape of an array of unknown chunk sizes, which dask has not.
+    The blocks follow the first axis only (the other axes are rechunked whole)."""
+    from dask.array.utils import meta_from_array
+
+    whole = {i: -1 for i in range(1, a.ndim) if len(a.chunks[i]) > 1}
+    if whole:
+        a = a.rechunk(whole)  # known sizes: _unknown_layout refused others
+    if a.ndim == 1 + len(rest) and tuple(a.shape[1:]) == tuple(rest):
+        return a
+    ndim = 1 + len(rest)
+    extra: dict[str, Any] = {}
+    if ndim < a.ndim:
+        extra["drop_axis"] = tuple(range(ndim, a.ndim))
+    elif ndim > a.ndim:
+        extra["new_axis"] = tuple(range(a.ndim, ndim))
+    return a.map_blocks(_reshape_block, tuple(rest), chunks=(lead, *((s,) for s in rest)),
+                        dtype=a.dtype, meta=meta_from_array(a, ndim=ndim), **extra)
+
+
+def _check_unknown_chunks(lay: _Layout, x: Any, arrays: dict[str, Any]) -> None:
+    """With unknown chunk sizes, the token-shaped arrays (and rstd) must be chunked as x
+    along its first batch axis and its axes of unknown size: their blocks are paired
+    with x's one by one (the chunk tasks also compare each pair's rows)."""
+    batch = [i for i in range(len(lay.shape)) if i not in lay.axes]
+    for argname, a in arrays.items():
+        if a is None or not aac.is_dask_array(a):
+            continue
+        axes_of = batch if argname == "rstd" else range(len(lay.shape))
+        for j, i in enumerate(axes_of):
+            if j >= a.ndim or i not in batch or not (i == batch[0] or _unknown(lay.shape[i])):
+                continue
+            if not _same_sizes(tuple(a.chunks[j]), tuple(x.chunks[i])):
+                raise ValueError(
+                    f"{argname} must be chunked as x along axis {i} when x's chunk sizes are "
+                    f"unknown (x: {x.chunks[i]}, {argname}: {a.chunks[j]} on its axis {j}); "
+                    "index both with the same mask, or call compute_chunk_sizes() on both")
 
 
 def _view_rows(lay: _Layout, out: Any) -> Any:
@@ -320,6 +430,10 @@ def _check_out(out: Any, x: Any, dtype: str, inputs: tuple = (),
         raise TypeError(f"out must be of the same type as x ({type(x).__name__}), got {type(out).__name__}")
     if aac.is_jax_array(out):
         raise TypeError("out= is not supported for jax arrays, which are immutable")
+    if aac.is_dask_array(out) and any(_unknown(s) for s in out.shape):
+        raise ValueError(
+            f"out= is not supported for dask arrays of unknown chunk sizes (out: shape "
+            f"{tuple(out.shape)}), which dask cannot assign into; use the returned array")
     _check_shape("out", out, tuple(x.shape), "the shape of x")
     got = float_dtype_name("out", out)
     if got != dtype:
@@ -369,6 +483,9 @@ def _prepare(*, x: Any, weight: Any, bias: Any, arrays: dict[str, Any], opts: Op
     _check_shape("bias", bias, lay.norm_shape, "x's shape over the normalized axes")
     for argname in ("residual", "dy", "grad_residual"):
         _check_shape(argname, arrays.get(argname), lay.shape, "the shape of x")
+    if lay.lead is not None:
+        _check_unknown_chunks(lay, x, {k: v for k, v in arrays.items()
+                                       if k not in ("scale", "out")})
     plan = make_plan(lay.d, norm_dtype, opts)
     if plan.out_dtype != norm_dtype:
         # e.g. out_dtype="bfloat16" for array-api-strict, which has none: say so now
@@ -426,7 +543,7 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     if fused:
         result.append(lay.unrows(h2))
     if return_rstd:
-        result.append(lay.xp.reshape(rstd, lay.batch_shape))
+        result.append(lay.unbatch(rstd))
     return result[0] if len(result) == 1 else tuple(result)
 
 
@@ -466,7 +583,7 @@ def rms_norm(
 
     For every slice ``v`` of ``x`` over ``axis``::
 
-        k    = floor(d * partial)
+        k    = floor(d * partial)                   # or k = partial_size
         rstd = 1 / sqrt(mean(v[:k]**2) + eps)       # eps_mode="inside"
         rstd = 1 / (sqrt(mean(v[:k]**2)) + eps)     # eps_mode="outside"
         y    = v * rstd * (weight + offset) + bias
@@ -480,7 +597,10 @@ def rms_norm(
         Any float array (float16, bfloat16, float32, float64) of any array
         library; the result has the same type and device.  This function does
         not record autograd history: for training with torch or jax use
-        :mod:`polynorm.torch` / :mod:`polynorm.jax`.
+        :mod:`polynorm.torch` / :mod:`polynorm.jax`.  A dask ``x`` may have
+        unknown chunk sizes along its first token axis (after boolean
+        indexing, ``x[x[:, 0] > 0]``): each block is normalized on its own;
+        unknown sizes along other axes are a ``ValueError``.
     weight, bias : array, optional
         Shape of ``x`` over the normalized axes; may have another float dtype
         than ``x``.  Without ``weight`` there is no scale and ``offset`` is
@@ -534,7 +654,9 @@ def add_rms_norm(
     ----------
     x, residual : array
         Same shape, same array library and device; float dtypes (they may
-        differ: ``h`` takes the promoted one).
+        differ: ``h`` takes the promoted one).  Dask arrays of unknown chunk
+        sizes (as in :func:`rms_norm`) must have the same chunks, e.g. the
+        same boolean index.
     weight, bias : array, optional
         As in :func:`rms_norm`.
     return_rstd : bool
@@ -597,13 +719,19 @@ def rms_norm_backward(
     dy : array
         Gradient of the loss with respect to ``y``; shape of ``x``.
     x : array
-        The forward's input (``h`` for :func:`add_rms_norm`).
+        The forward's input (``h`` for :func:`add_rms_norm`).  A dask ``x``
+        may have unknown chunk sizes as in :func:`rms_norm`; ``dy``,
+        ``grad_residual`` and ``rstd`` then have its chunks along the token
+        axes, and ``dweight`` has the in-memory bits all the same (the
+        chunks' rows are counted when they are computed).  ``out`` is not
+        supported for such arrays.
     weight, bias : array, optional
         As in the forward; ``dweight``/``dbias`` are ``None`` without them.
     rstd : array, optional
         The forward's ``rstd`` (``return_rstd=True``); saves recomputing it.
         Must have the shape of ``x`` without the normalized axes and dtype
-        float32 (float64 for float64 ``x``).
+        float32 (float64 for float64 ``x``).  A dask ``x`` takes it, like
+        ``weight``, also as an array of its chunks' library.
     grad_residual : array, optional
         Added into ``dx``: the gradient reaching ``h`` through the residual
         stream, for the backward of :func:`add_rms_norm` (whose ``dx`` is the
@@ -660,7 +788,10 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
             return r
     dy, x, weight, bias, rstd, grad_residual = (
         _native(a) for a in (dy, x, weight, bias, rstd, grad_residual))
+    # rstd, like weight: a dask x's forward run in memory (or saved) gives it in the
+    # chunks' library
     weight, bias = _chunk_library_params(x, weight, bias)
+    rstd = _chunk_library_params(x, rstd, None)[0]
     call = _prepare(x=x, weight=weight, bias=bias,
                     arrays={"dy": dy, "rstd": rstd, "grad_residual": grad_residual}, opts=opts)
     lay, plan = call.lay, call.plan
@@ -670,7 +801,7 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
         got = float_dtype_name("rstd", rstd)
         if got != plan.rstd_dtype:
             raise TypeError(f"rstd must have dtype {plan.rstd_dtype}, got {got}")
-        rstd1 = lay.xp.reshape(rstd, (lay.n,))
+        rstd1 = lay.batch_rows(rstd)
     _check_out(out, x, float_dtype_name("x", x), (dy, grad_residual, x, weight, bias, rstd),
                ("dy", "grad_residual", "x", "weight", "bias", "rstd"), ("dy", "grad_residual"),
                "x's dtype, that of dx")

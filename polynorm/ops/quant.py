@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import array_api_compat as aac
 import numpy as np
 
-from polynorm.core.dtypes import float_dtype_name
+from polynorm.core.dtypes import FLOAT_DTYPES, dtype_name, float_dtype_name
 from polynorm.core.options import (
     DTypeLike,
     NormOptions,
@@ -46,7 +46,13 @@ def _scale_arg(scale: Any) -> tuple[Any, Any]:
         return None, None
     if aac.is_array_api_obj(scale) and not isinstance(scale, (int, float)):
         if getattr(scale, "ndim", None) == 0 and type(scale).__module__ == "numpy":
-            return scale, None  # a numpy scalar array: its value
+            # a numpy scalar or 0-d array is a host value, checked like a float; a
+            # float one (ml_dtypes' bfloat16 among them, which is no numbers.Real)
+            # converts exactly, anything else keeps its type for _check_real's error
+            value = scale[()]
+            if dtype_name(scale.dtype) in FLOAT_DTYPES:
+                return float(value), None
+            return value, None
         return None, scale
     return scale, None
 
@@ -171,7 +177,8 @@ def rms_norm_quant(
     dtype : {"float8_e4m3fn", "int8"} or a dtype object
         The format of ``q``.
     scale : float or array, optional
-        A static per-tensor scale (> 0 and finite as a float32), or a
+        A static per-tensor scale (> 0 and finite as a float32; a numpy
+        scalar or 0-d numpy array counts as the number it holds), or a
         one-element float array of ``x``'s library (shape ``()`` or ``(1,)``;
         its value is not checked).  ``None`` computes dynamic scales.
     group_size : int, optional
@@ -201,10 +208,11 @@ def rms_norm_quant(
     """
     qdtype = parse_quant_dtype(dtype)
     opts = pack_options("rms_norm_quant", options, out_dtype="float32")
-    fast = _fast(x, weight, bias, residual, qdtype, scale, group_size, opts)
+    scale_num, scale_arr = _scale_arg(scale)
+    fast = _fast(x, weight, bias, residual, qdtype,
+                 scale_num if scale_arr is None else scale_arr, group_size, opts)
     if fast is not None:
         return fast
-    scale_num, scale_arr = _scale_arg(scale)
     x, residual, weight, bias, scale_arr = (
         _api._native(a) for a in (x, residual, weight, bias, scale_arr))
     weight, bias = _api._chunk_library_params(x, weight, bias)
@@ -250,9 +258,9 @@ def rms_norm_quant(
     if qplan.static:
         scales = xp.reshape(s2, ())
     elif group_size is None:
-        scales = xp.reshape(s2, lay.batch_shape)
+        scales = lay.unbatch(s2)
     else:
-        scales = xp.reshape(s2, lay.batch_shape + (qplan.groups,))
+        scales = lay.unbatch(s2, (qplan.groups,))
     if residual is None:
         return q, scales
     return q, scales, lay.unrows(h2)

@@ -50,12 +50,12 @@ def _qdtype(dtype: Any) -> torch.dtype:
     "-> (Tensor, Tensor, Tensor)",
 )
 def _quant_op(x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
-    o = _from_op(opts)
+    # every option by its field, so that a new one is not dropped here
+    o = _from_op(opts)._asdict()
+    del o["out_dtype"]
     out = _quant.rms_norm_quant(
         x, weight, bias, residual=residual, dtype=_QDTYPES[dtype],
-        scale=scale if scale is not None else scale_value, group_size=group_size,
-        eps=o.eps, axis=o.axis, partial=o.partial, offset=o.offset, eps_mode=o.eps_mode,
-        casting=o.casting, backend=o.backend,
+        scale=scale if scale is not None else scale_value, group_size=group_size, **o,
     )
     h = out[2].contiguous() if residual is not None else x.new_empty(0)
     return out[0].contiguous(), out[1].contiguous(), h
