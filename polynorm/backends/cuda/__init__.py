@@ -1,4 +1,4 @@
-"""CuPy backend: the generated CUDA kernels of ``polynorm/_cuda`` on CUDA arrays.
+"""CuPy backend: the generated CUDA kernels of ``polynorm/backends/cuda`` on CUDA arrays.
 
 Takes cupy arrays and torch/jax arrays in CUDA memory, with no host round
 trip.  The row kernels (forward, fused add, backward) take torch tensors as
