@@ -432,7 +432,8 @@ def rms_norm(
     inside or outside), so ``y = v * 0 * (weight + offset) + bias``: NaN at
     the Inf, ``bias`` (or 0) elsewhere (``[1, 2, inf, 3] -> [0, 0, nan, 0]``);
     an Inf beyond ``k`` is not in the statistic and makes only its own
-    element +-Inf; a NaN among the first ``k`` makes the slice NaN.
+    element +-Inf; a NaN among the first ``k`` makes the slice NaN.  A
+    ``-0.0`` weight keeps its sign (``y = v * rstd * -0.0``, as in torch).
 
     Parameters
     ----------

@@ -273,7 +273,9 @@ class Plan:
     eps_inside : bool
         ``True`` for ``1/sqrt(ms + eps)``, ``False`` for ``1/(sqrt(ms) + eps)``.
     offset : float
-        Added to the weight (Gemma's ``1 + w`` is ``offset=1.0``).
+        Added to the weight (Gemma's ``1 + w`` is ``offset=1.0``).  A zero
+        offset is stored as ``-0.0``: ``w + (-0.0)`` is ``w`` for every ``w``,
+        ``-0.0`` included, where ``-0.0 + 0.0`` would be ``+0.0``.
     llama : bool
         ``casting == "llama"``.
     norm_dtype : str
@@ -406,7 +408,9 @@ def _resolve(
         k=k,
         eps=eps,
         eps_inside=eps_mode == "inside",
-        offset=offset,
+        # 0.0 kept as -0.0, the additive identity: w + -0.0 is w bit for bit, so a
+        # -0.0 weight keeps its sign (torch's bits) with no branch in any kernel
+        offset=offset if offset != 0.0 else -0.0,
         llama=casting == "llama",
         norm_dtype=norm_dtype,
         compute_dtype=compute_dtype(norm_dtype),

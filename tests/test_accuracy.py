@@ -322,6 +322,34 @@ def test_inf_token_follows_specs_formula(case, dtype, opts, rng):
     assert np.isfinite(db.astype(np.float64)).all()
 
 
+@pytest.mark.parametrize("casting", ["fp32", "llama"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_signed_zero_weight_keeps_its_sign(case, dtype, casting, rng):
+    """A -0.0 in the weight gives y = x * rstd * -0.0, a zero with the sign of -x, as torch's
+    F.rms_norm (and Hugging Face's ``weight * x``) give: ``weight + offset`` with offset 0
+    must not turn -0.0 into +0.0.  With offset=1.0 the factor is 1 - 0 and the sign is x's."""
+    case.skip_unless_dtype(dtype)
+    d = 8
+    x = _rand(rng, (3, d), dtype)
+    x[:, ::2] = np.abs(x[:, ::2])
+    x[:, 1::2] = -np.abs(x[:, 1::2])
+    w = _rand(rng, (d,), dtype)
+    w[:4] = -0.0
+    w[4:6] = 0.0
+    y, _ = _fwd(case, x, w, casting=casting)
+    zeros = y[:, :6].astype(np.float64)
+    assert (zeros == 0).all()
+    xs, ws = np.signbit(x[:, :6].astype(np.float64)), np.signbit(w[:6].astype(np.float64))
+    np.testing.assert_array_equal(np.signbit(zeros), xs ^ ws)
+    if casting == "fp32":
+        torch = pytest.importorskip("torch")
+        t = torch.nn.functional.rms_norm(torch.from_numpy(x.astype(np.float32)), (d,),
+                                         torch.from_numpy(w.astype(np.float32)), eps=1e-6)
+        np.testing.assert_array_equal(np.signbit(zeros), np.signbit(t.numpy()[:, :6]))
+    y1, _ = _fwd(case, x, w, casting=casting, offset=1.0)
+    np.testing.assert_array_equal(np.signbit(y1[:, :6].astype(np.float64)), xs)
+
+
 @pytest.mark.parametrize("eps_mode", ["inside", "outside"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_zero_slice_stays_zero(case, dtype, eps_mode, rng):

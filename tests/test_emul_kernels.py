@@ -361,6 +361,26 @@ def test_emul_inf_rows_follow_specs_formula(dtype):
             assert launch.name.startswith("pn_fwd_small"), launch.name
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_emul_signed_zero_weight_keeps_its_sign(dtype):
+    """A -0.0 weight: y = x * rstd * -0.0 has the sign of -x (torch's bits) in every
+    forward form and both castings -- the Plan's zero offset is -0.0, which adds nothing."""
+    rng = np.random.default_rng(_seed("signed zero", dtype))
+    for d, how in ((40, {}), (40, {"small": False}), (1000, {"force_big": True})):
+        x = _data(rng, 3, d, dtype)
+        w = _data(rng, 1, d, dtype)[0]
+        w[::3] = -0.0
+        w[1::3] = 0.0
+        for casting in ("fp32", "llama"):
+            y, _, _, launch = emul_forward(x, None, w, None, _plan(d, dtype, casting=casting), **how)
+            z = y[:, : (d // 3) * 3].astype(np.float64)[:, ::3]
+            assert (z == 0).all()
+            np.testing.assert_array_equal(np.signbit(z), ~np.signbit(x[:, : (d // 3) * 3:3].astype(np.float64)),
+                                          err_msg=f"{launch.name} {casting}")
+            z1 = y.astype(np.float64)[:, 1::3]
+            np.testing.assert_array_equal(np.signbit(z1), np.signbit(x[:, 1::3].astype(np.float64)))
+
+
 def test_emul_forward_no_overflow():
     """float32 rows of 1e25 (x**2 overflows float32) and bfloat16 rows of 1e30."""
     rng = np.random.default_rng(7)
