@@ -275,6 +275,104 @@ def test_nan_inf_stay_in_their_token(case, dtype, rng):
         np.testing.assert_array_equal(dx[[0, 2, 5]], dx_clean[[0, 2, 5]])
 
 
+@pytest.mark.parametrize("opts", [{}, {"eps_mode": "outside"}, {"eps": 0.0}, {"partial": 0.5}],
+                         ids=["inside", "outside", "eps0", "partial"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_inf_token_follows_specs_formula(case, dtype, opts, rng):
+    """An Inf among a token's first k elements: ms = Inf, rstd = 1/sqrt(Inf + eps) = 0
+    (1/(Inf + eps) outside), so y = x * 0 * w + b: NaN at the Inf, b elsewhere, as torch's
+    F.rms_norm gives ([1, 2, inf, 3] -> [0, 0, nan, 0]); not a NaN token.  An Inf beyond k
+    is not in the statistic (that element's y is +-Inf, the rest as without it); a NaN
+    makes its token NaN.  Backward with rstd = 0 (SPEC's dx; the masked term is xhat * 0):
+    dx is NaN on the first k elements (0 * Inf in the sum), beyond k it is 0 * g * dy plus
+    grad_residual (NaN at an Inf there); dweight is NaN in the Inf's column only."""
+    case.skip_unless_dtype(dtype)
+    d = 8
+    k = 4 if opts.get("partial") else d
+    x = _rand(rng, (5, d), dtype)
+    x[0, 2] = np.inf
+    x[1, 0], x[1, 5] = -np.inf, np.inf  # two Infs; the second beyond k with partial
+    x[2, 6] = -np.inf  # beyond k with partial
+    x[3, 1], x[3, 3] = np.nan, np.inf
+    w, b = _rand(rng, (d,), dtype), _rand(rng, (d,), dtype)
+    y, rstd = _fwd(case, x, w, b, **opts)
+    clean = x.copy()
+    clean[2, 6] = 1.0
+    y_clean, rstd_clean = _fwd(case, clean, w, b, **opts)
+    y64, b64 = y.astype(np.float64), b.astype(np.float64)
+    assert rstd[0] == 0 and rstd[1] == 0 and np.isnan(rstd[3]), rstd
+    for t, infs in ((0, [2]), (1, [0, 5])):
+        assert np.isnan(y64[t, infs]).all(), (t, y64[t])
+        np.testing.assert_array_equal(np.delete(y64[t], infs), np.delete(b64, infs), err_msg=f"token {t}")
+    assert np.isnan(y64[3]).all()
+    if k == d:
+        assert rstd[2] == 0 and np.isnan(y64[2, 6])
+    else:  # the -Inf is outside the statistic: only its own element is hit
+        assert rstd[2] == rstd_clean[2] and y64[2, 6] == -np.inf * np.sign(w[6].astype(np.float64))
+        np.testing.assert_array_equal(np.delete(y[2], 6), np.delete(y_clean[2], 6))
+    np.testing.assert_array_equal(y[4], y_clean[4])
+    if not opts or opts == {"eps": 0.0}:
+        torch = pytest.importorskip("torch")
+        t = torch.nn.functional.rms_norm(torch.from_numpy(x.astype(np.float64)), (d,),
+                                         torch.from_numpy(w.astype(np.float64)),
+                                         eps=opts.get("eps", 1e-6)) + torch.from_numpy(b64)
+        assert_close(y, t.numpy(), dtype, f"y against torch {opts}")
+    # fused add: the Inf comes through h (x + residual), same rule
+    r = _rand(rng, (5, d), dtype)
+    ya, ha, ra = (case.to_numpy(a) for a in pn.add_rms_norm(
+        case.asarray(x), case.asarray(r), case.asarray(w), case.asarray(b), return_rstd=True,
+        backend=case.backend, **opts))
+    assert ra[0] == 0 and np.isnan(ya.astype(np.float64)[0, 2])
+    np.testing.assert_array_equal(np.delete(ya[0], 2).astype(np.float64), np.delete(b64, 2))
+    # backward on the tokens without the NaN one (which would make all of dweight NaN)
+    rows = [0, 1, 2, 4]
+    xb, dy, g = x[rows], _rand(rng, (4, d), dtype), _rand(rng, (4, d), dtype)
+    dx, dw, db = (case.to_numpy(a) for a in pn.rms_norm_backward(
+        case.asarray(dy), case.asarray(xb), case.asarray(w), case.asarray(b),
+        grad_residual=case.asarray(g), backend=case.backend, **opts))
+    dx64 = dx.astype(np.float64)
+    for t, infs in ((0, [2]), (1, [0, 5])):
+        assert np.isnan(dx64[t, :k]).all(), (t, dx64[t])
+        tail = [j for j in range(k, d) if j not in infs]
+        np.testing.assert_array_equal(dx64[t, tail], g[t, tail].astype(np.float64), err_msg=f"dx {t}")
+        assert np.isnan(dx64[t, [j for j in infs if j >= k]]).all()
+    assert np.isnan(dx64[2, :k]).all() == (k == d) and np.isnan(dx64[2, 6])
+    assert np.isfinite(dx64[3]).all()
+    bad = {2, 0, 5} | ({6} if k == d else set())
+    assert set(np.flatnonzero(np.isnan(dw.astype(np.float64)))) == bad, dw
+    if k < d:
+        assert np.isinf(dw.astype(np.float64)[6])  # dy * (-Inf * rstd) with rstd finite
+    assert np.isfinite(db.astype(np.float64)).all()
+
+
+@pytest.mark.parametrize("casting", ["fp32", "llama"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_signed_zero_weight_keeps_its_sign(case, dtype, casting, rng):
+    """A -0.0 in the weight gives y = x * rstd * -0.0, a zero with the sign of -x, as torch's
+    F.rms_norm (and Hugging Face's ``weight * x``) give: ``weight + offset`` with offset 0
+    must not turn -0.0 into +0.0.  With offset=1.0 the factor is 1 - 0 and the sign is x's."""
+    case.skip_unless_dtype(dtype)
+    d = 8
+    x = _rand(rng, (3, d), dtype)
+    x[:, ::2] = np.abs(x[:, ::2])
+    x[:, 1::2] = -np.abs(x[:, 1::2])
+    w = _rand(rng, (d,), dtype)
+    w[:4] = -0.0
+    w[4:6] = 0.0
+    y, _ = _fwd(case, x, w, casting=casting)
+    zeros = y[:, :6].astype(np.float64)
+    assert (zeros == 0).all()
+    xs, ws = np.signbit(x[:, :6].astype(np.float64)), np.signbit(w[:6].astype(np.float64))
+    np.testing.assert_array_equal(np.signbit(zeros), xs ^ ws)
+    if casting == "fp32":
+        torch = pytest.importorskip("torch")
+        t = torch.nn.functional.rms_norm(torch.from_numpy(x.astype(np.float32)), (d,),
+                                         torch.from_numpy(w.astype(np.float32)), eps=1e-6)
+        np.testing.assert_array_equal(np.signbit(zeros), np.signbit(t.numpy()[:, :6]))
+    y1, _ = _fwd(case, x, w, casting=casting, offset=1.0)
+    np.testing.assert_array_equal(np.signbit(y1[:, :6].astype(np.float64)), xs)
+
+
 @pytest.mark.parametrize("eps_mode", ["inside", "outside"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_all_zero_slice_stays_zero(case, dtype, eps_mode, rng):

@@ -105,6 +105,65 @@ def test_zero_token_with_eps_zero_torch_module():
     assert torch.isnan(xa.grad[1]).all() and not torch.isnan(xa.grad[[0, 2, 3, 4, 5]]).any()
 
 
+# --------------------------------------------------------------------------- Inf token
+
+
+def test_inf_token_torch_module_matches_torch():
+    """An Inf among a token's elements: rstd = 0 and y = x * 0 * w (NaN at the Inf only),
+    as torch.nn.RMSNorm gives, through polynorm.torch's custom ops and autograd; x.grad
+    is NaN on that token (SPEC's dx with rstd 0: 0 * Inf in the sum), weight.grad NaN in
+    the Inf's column only, as in torch's autograd."""
+    torch = pytest.importorskip("torch")
+    from polynorm.torch import RMSNorm
+
+    x = torch.randn(4, 16)
+    x[1, 3] = float("inf")
+    x[2, 0], x[2, 9] = -float("inf"), float("inf")
+    ours, theirs = RMSNorm(16, eps=1e-6), torch.nn.RMSNorm(16, eps=1e-6)
+    for m in (ours, theirs):
+        with torch.no_grad():
+            m.weight.copy_(torch.linspace(0.5, 1.5, 16))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa), theirs(xb)
+    g = torch.randn(4, 16)
+    ya.backward(g)
+    yb.backward(g)
+    for a, b in ((ya, yb), (xa.grad, xb.grad), (ours.weight.grad, theirs.weight.grad)):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(ya[1, 3]) and (ya[1, [0, 1, 2, 4]] == 0).all()
+    assert torch.isnan(xa.grad[[1, 2]]).all() and not torch.isnan(xa.grad[[0, 3]]).any()
+    assert set(torch.nonzero(torch.isnan(ours.weight.grad)).flatten().tolist()) == {0, 3, 9}
+
+
+def test_inf_token_jax_front():
+    """The same rule through polynorm.jax: eager (the kernels), under jit (the reference
+    lowered by jax), and its custom_vjp (the hand-written backward)."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from polynorm.jax import rms_norm
+
+    x = np.random.default_rng(3).standard_normal((3, 8)).astype(np.float32)
+    x[1, 2] = np.inf
+    w = np.linspace(0.5, 1.5, 8).astype(np.float32)
+    xj, wj = jnp.asarray(x), jnp.asarray(w)
+    want_y, want_r = pn.rms_norm(x, w, return_rstd=True, backend="array_api")
+    assert want_r[1] == 0
+    for y in (rms_norm(xj, wj), jax.jit(rms_norm)(xj, wj)):
+        y = np.asarray(y)
+        assert np.isnan(y[1, 2]) and (np.delete(y[1], 2) == 0).all()
+        np.testing.assert_allclose(y, want_y, rtol=2e-6, atol=2e-6)
+    dy = np.ones_like(x)
+    _, vjp = jax.vjp(rms_norm, xj, wj)
+    dx, dw = (np.asarray(a) for a in vjp(jnp.asarray(dy)))
+    dxn, dwn, _ = pn.rms_norm_backward(dy, x, w)
+    np.testing.assert_array_equal(np.isnan(dx), np.isnan(dxn))
+    assert np.isnan(dx[1]).all() and np.isfinite(dx[[0, 2]]).all()
+    np.testing.assert_array_equal(np.flatnonzero(np.isnan(dw)), [2])
+    np.testing.assert_allclose(dw, dwn, rtol=1e-6, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- byte order
 
 

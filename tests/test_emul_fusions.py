@@ -338,6 +338,53 @@ def test_emul_gated_backward(dtype):
                     np.testing.assert_array_equal(_bits(a), _bits(e), err_msg=f"rstd given {tag}")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_emul_fusions_inf_rows_follow_specs_formula(dtype):
+    """An Inf in a group's statistic makes that group's rms Inf and rstd 0, the plain
+    norm's rule (SPEC's formula): pn_gated_fwd / pn_gated_bwd agree with the reference
+    and Numba (NaN positions and values), and pn_quant_fwd's q and scales are the
+    reference's quantization of pn_fwd's y (a NaN scale for the Inf's token or group)."""
+    from polynorm.backends import numba as nb
+
+    rng = np.random.default_rng(len(dtype) + 7)
+    d = 96
+    x = _data(rng, (4, d), dtype)
+    x[0, 5] = np.inf
+    x[1, 50], x[1, 90] = -np.inf, np.inf  # group 1 and 2 of three; beyond k with partial
+    x[2, 3] = np.nan
+    z = _data(rng, (4, d), dtype, 2.0)
+    w, b = _data(rng, d, dtype), _data(rng, d, dtype)
+    dy = _data(rng, (4, d), dtype)
+    for groups, nbg, opt in ((None, False, {}), (3, True, {}),
+                             (None, True, {"partial": 0.5, "eps_mode": "outside"})):
+        gp = _gplan(d, dtype, None if groups is None else d // groups, nbg, **opt)
+        tag = f"groups={groups} nbg={nbg} {opt}"
+        y, r = emul_gated_forward(x, z, w, b, gp)
+        assert r[0, 0] == 0 and np.isnan(r[2, 0]), tag
+        if groups == 3:
+            assert r[1, 1] == 0 and r[1, 2] == 0 and np.isfinite(r[1, 0]), tag
+        rtol = Tol(2e-6, 0.0) if gp.plan.compute_dtype == "float32" else Tol(1e-13, 0.0)
+        for name, (ey, er) in (("reference", reference.gated_forward(x, z, w, b, gp)),
+                               ("numba", nb.gated_forward(x, z, w, b, gp))):
+            assert_close(y, ey, _tol(dtype), f"y vs {name} {tag}")
+            assert_close(r, er, rtol, f"rstd vs {name} {tag}")
+        got = emul_gated_backward(dy, x, z, w, b, None, gp)
+        want = reference.gated_backward(dy, x, z, w, b, None, gp)
+        for what, a, e in zip(("dx", "dz", "dweight", "dbias"), got, want, strict=True):
+            assert_close(a, e, _tol(dtype, 16), f"{what} {tag}")
+    for qdtype, mode in (("float8_e4m3fn", "token"), ("int8", "group"), ("float8_e4m3fn", "static")):
+        qp = _qplan(d, dtype, qdtype, 0.02 if mode == "static" else None,
+                    d // 3 if mode == "group" else None)
+        q, sc, _ = emul_quant_forward(x, None, w, b, qp)
+        yf, _, _, _ = emul_forward(x, None, w, b, qp.plan)
+        rq, rs = reference.quantize(np, np.asarray(yf, np.float32), qp)
+        np.testing.assert_array_equal(_qbits(q), _qbits(rq), err_msg=f"q {qdtype} {mode}")
+        np.testing.assert_array_equal(_bits(np.asarray(sc, np.float32)), _bits(np.asarray(rs, np.float32)),
+                                      err_msg=f"scales {qdtype} {mode}")
+        if mode != "static":
+            assert np.isnan(np.asarray(sc)[0, 0]) and np.isfinite(np.asarray(sc)[3]).all()
+
+
 # ----------------------------------------------------------------------------- batch invariance
 
 

@@ -316,10 +316,69 @@ def test_emul_forward_nan_and_zero_rows_stay_local(dtype):
         x[2, :] = 0
         x[4, 5] = np.inf
         w = _data(rng, 1, d, dtype)[0]
-        y, _, _, _ = emul_forward(x, None, w, None, _plan(d, dtype), force_big=force_big)
-        assert np.isnan(y[1].astype(np.float32)).all() and np.isnan(y[4].astype(np.float32)).all()
+        y, _, rstd, _ = emul_forward(x, None, w, None, _plan(d, dtype), force_big=force_big)
+        assert np.isnan(y[1].astype(np.float32)).all()
+        # an Inf: rstd = 1/sqrt(Inf) = 0, y = x * 0 * w, NaN at the Inf only (SPEC, torch)
+        y4 = y[4].astype(np.float32)
+        assert rstd[4] == 0 and np.isnan(y4[5]) and (np.delete(y4, 5) == 0).all()
         assert (y[2].astype(np.float32) == 0).all()
         assert np.isfinite(y[[0, 3, 5]].astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_emul_inf_rows_follow_specs_formula(dtype):
+    """An Inf among a row's first k elements makes ms = Inf, so rstd = 0 and
+    y = x * 0 * w + b: NaN at the Inf, b elsewhere (SPEC's formula; torch gives it), in
+    every forward form (pn_fwd_small, pn_fwd, pn_fwd_big, pn_fwd_split; float64 through
+    the scaled sum, where Inf / Inf was NaN).  A NaN still makes its row NaN, an Inf
+    beyond k leaves rstd finite.  y, rstd and the backward (dx NaN over the first k,
+    beyond k the term xhat * 0: NaN at an Inf there too) match the reference."""
+    rng = np.random.default_rng(_seed("inf rows", dtype))
+    forms = [(40, {}), (40, {"small": False}), (1000, {"force_big": True})]
+    if dtype != "float64":
+        forms.append((_split_d(dtype), {}))
+    for d, how in forms:
+        x = _data(rng, 5, d, dtype)
+        x[1, 3] = np.inf
+        x[1, d - 2] = np.inf  # beyond k for partial=0.5
+        x[2, 0], x[2, 5] = -np.inf, np.inf
+        x[3, d - 1] = -np.inf  # beyond k for partial=0.5 only
+        x[4, 2], x[4, 7] = np.nan, np.inf
+        w, b = _data(rng, 1, d, dtype)[0], _data(rng, 1, d, dtype)[0]
+        dy = _data(rng, 5, d, dtype)
+        for opts in ({}, {"partial": 0.5, "eps_mode": "outside", "eps": 0.0}):
+            plan = _plan(d, dtype, **opts)
+            tag = f"d={d} {how} {opts}"
+            launch = _check_forward(x, None, w, b, plan, **how)
+            y, _, rstd, _ = emul_forward(x, None, w, b, plan, **how)
+            assert rstd[1] == 0 and rstd[2] == 0 and np.isnan(rstd[4]), tag
+            assert (rstd[3] == 0) == (opts == {}), tag
+            np.testing.assert_array_equal(np.delete(y[1], [3, d - 2]), np.delete(b, [3, d - 2]), err_msg=tag)
+            assert np.isnan(y[4].astype(np.float64)).all(), tag
+            _check_backward(dy, x, w, b, None, None, plan, **how)
+            _check_backward(dy, x, w, b, rstd, None, plan, **how)
+        if how.get("small", True) and d == 40:
+            assert launch.name.startswith("pn_fwd_small"), launch.name
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_emul_signed_zero_weight_keeps_its_sign(dtype):
+    """A -0.0 weight: y = x * rstd * -0.0 has the sign of -x (torch's bits) in every
+    forward form and both castings -- the Plan's zero offset is -0.0, which adds nothing."""
+    rng = np.random.default_rng(_seed("signed zero", dtype))
+    for d, how in ((40, {}), (40, {"small": False}), (1000, {"force_big": True})):
+        x = _data(rng, 3, d, dtype)
+        w = _data(rng, 1, d, dtype)[0]
+        w[::3] = -0.0
+        w[1::3] = 0.0
+        for casting in ("fp32", "llama"):
+            y, _, _, launch = emul_forward(x, None, w, None, _plan(d, dtype, casting=casting), **how)
+            z = y[:, : (d // 3) * 3].astype(np.float64)[:, ::3]
+            assert (z == 0).all()
+            np.testing.assert_array_equal(np.signbit(z), ~np.signbit(x[:, : (d // 3) * 3:3].astype(np.float64)),
+                                          err_msg=f"{launch.name} {casting}")
+            z1 = y.astype(np.float64)[:, 1::3]
+            np.testing.assert_array_equal(np.signbit(z1), np.signbit(x[:, 1::3].astype(np.float64)))
 
 
 def test_emul_forward_no_overflow():
@@ -1029,7 +1088,8 @@ def test_emul_split_extreme_values():
         for a, r in zip(got[:3:2], big[:3:2], strict=True):
             np.testing.assert_array_equal(_bits(a), _bits(r), err_msg=f"{dtype} scale={scale}")
         y = got[0].astype(np.float64)
-        assert np.isnan(y[1]).all() and np.isnan(y[2]).all() and np.isfinite(y[[0, 3]]).all()
+        assert np.isnan(y[1]).all() and np.isfinite(y[[0, 3]]).all()
+        assert got[2][2] == 0 and np.isnan(y[2, d - 3]) and (np.delete(y[2], d - 3) == 0).all()
 
 
 SPLIT_BWD_OPTS = ("plain", "no_weight", "bias", "partial", "eps_outside", "rstd_given", "grad_residual",

@@ -8,6 +8,11 @@ the transform needs a second derivative or forward-mode AD.
 
 Bounded for the default run (``FUZZ_EXAMPLES`` per backend, 40); set
 ``POLYNORM_FUZZ_EXAMPLES`` for a longer run.
+
+A second family (``test_fuzz_non_finite_rows``) puts Inf, -Inf and NaN at random places
+of ``x`` (or of the residual) and compares with SPEC's formula evaluated in float64
+IEEE arithmetic, written out below (:func:`_ieee_forward`, :func:`_ieee_backward`): the
+NaN and Inf positions must be the same, the finite values within tolerance.
 """
 
 from __future__ import annotations
@@ -502,5 +507,122 @@ def test_fuzz_jax_device_placement():
             assert jax_committed(g) == jax_committed(xj), p
             assert g.dtype == e.dtype and g.shape == e.shape
             assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(e).view(np.uint8)), p
+
+
+# --------------------------------------------------------------------------- non-finite rows
+
+
+def _ieee_forward(v, w, b, k, eps, inside, offset):
+    """``(y, rstd)`` of SPEC's formula on float64 rows ``v``, every step IEEE: an Inf in
+    the first k elements makes ms = Inf and rstd = 0 (y = v * 0: NaN at the Inf), a NaN
+    makes the row NaN, an Inf beyond k only its own element."""
+    ms = np.sum(v[:, :k] * v[:, :k], axis=1) / k
+    rstd = 1 / np.sqrt(ms + eps) if inside else 1 / (np.sqrt(ms) + eps)
+    y = v * rstd[:, None]
+    if w is not None:
+        y = y * (w + offset)
+    if b is not None:
+        y = y + b
+    return y, rstd
+
+
+def _ieee_backward(dy, v, w, gr, k, eps, inside, offset):
+    """``(dx, dweight, dbias-less)`` of SPEC's backward in the documented ``xhat`` form:
+    ``dx = rstd * (g*dy - [j<k] * xhat * coef)`` with ``[j<k]`` applied to ``coef`` (the term
+    beyond k is ``xhat * 0``: NaN where xhat is not finite), ``coef = c/k`` (times
+    ``(rms + eps)/rms`` outside), ``c = sum_j g*dy*xhat``."""
+    ms = np.sum(v[:, :k] * v[:, :k], axis=1) / k
+    rms = np.sqrt(ms)
+    rstd = 1 / np.sqrt(ms + eps) if inside else 1 / (rms + eps)
+    xhat = v * rstd[:, None]
+    gdy = dy if w is None else dy * (w + offset)
+    coef = np.sum(gdy * xhat, axis=1) / k
+    if not inside:
+        coef = np.where(rms == 0, 0.0, coef * ((rms + eps) / np.where(rms == 0, 1.0, rms)))
+    mask = np.arange(v.shape[1]) < k
+    dx = rstd[:, None] * (gdy - xhat * np.where(mask[None, :], coef[:, None], 0.0))
+    if gr is not None:
+        dx = dx + gr
+    dweight = None if w is None else np.sum(dy * xhat, axis=0)
+    return dx, dweight
+
+
+_POISON = (np.inf, -np.inf, np.nan)
+
+
+@st.composite
+def _non_finite_calls(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    op = draw(st.sampled_from(["fwd", "add", "bwd"]))
+    dtype = draw(st.sampled_from(list(FLOATS)))
+    n, d = draw(st.integers(1, 4)), draw(st.integers(1, 12))
+    dt = FLOATS[dtype]
+    x = (rng.standard_normal((n, d)) * 3).astype(dt)
+    res = (rng.standard_normal((n, d)) * 3).astype(dt) if op == "add" else None
+    target = res if op == "add" and draw(st.booleans()) else x
+    for _ in range(draw(st.integers(1, 3))):
+        i, j = draw(st.integers(0, n - 1)), draw(st.integers(0, d - 1))
+        target[i, j] = draw(st.sampled_from(_POISON))
+    opts = dict(eps=draw(st.sampled_from([1e-6, 0.0, 0.5])),
+                partial=draw(st.sampled_from([1.0, 0.5])) if d >= 2 else 1.0,
+                eps_mode=draw(st.sampled_from(["inside", "outside"])),
+                offset=draw(st.sampled_from([0.0, 1.0])))
+    w = (rng.standard_normal(d) * 3).astype(dt) if draw(st.booleans()) else None
+    b = (rng.standard_normal(d) * 3).astype(dt) if draw(st.booleans()) else None
+    dy = (rng.standard_normal((n, d)) * 3).astype(dt) if op == "bwd" else None
+    gr = (rng.standard_normal((n, d)) * 3).astype(dt) if op == "bwd" and draw(st.booleans()) \
+        else None
+    return op, dict(x=x, residual=res, weight=w, bias=b, dy=dy, grad_residual=gr), opts
+
+
+def _check_non_finite(kind, op, a, opts):
+    backend = {"numpy": "auto", "reference": "array_api", "dask": "auto", "torch": "auto"}[kind]
+    c = {name: _make(kind, v) for name, v in a.items()}
+    x, dtype = a["x"], a["x"].dtype.name
+    d = x.shape[1]
+    k = int(d * opts["partial"])
+    f64 = {name: _f64(v) for name, v in a.items()}
+    spec = dict(k=k, eps=opts["eps"], inside=opts["eps_mode"] == "inside", offset=opts["offset"])
+    with np.errstate(all="ignore"):
+        if op == "bwd":
+            dx, dw, _ = (_np(r) for r in pn.rms_norm_backward(
+                c["dy"], c["x"], c["weight"], c["bias"], grad_residual=c["grad_residual"],
+                backend=backend, **opts))
+            want_dx, want_dw = _ieee_backward(f64["dy"], f64["x"], f64["weight"],
+                                              f64["grad_residual"], **spec)
+            # dx is a difference of two terms of size |g*dy| * rstd: its error is relative to them
+            g = 1.0 if a["weight"] is None else np.abs(f64["weight"] + opts["offset"])
+            terms = np.abs(f64["dy"]) * g * _ieee_forward(f64["x"], None, None, **spec)[1][:, None]
+            terms = terms[np.isfinite(terms)]
+            scale = float(terms.max()) if terms.size and terms.max() > 0 else None
+            assert_close(dx, want_dx, TOL[dtype], "dx", scale=scale)
+            if want_dw is not None:
+                assert_close(dw, want_dw, TOL[dtype], "dweight")
+            return
+        if op == "add":
+            y, h, rstd = (_np(r) for r in pn.add_rms_norm(
+                c["x"], c["residual"], c["weight"], c["bias"], return_rstd=True,
+                backend=backend, **opts))
+            assert_close(h, f64["x"] + f64["residual"], dtype, "h")
+            v = h.astype(np.float64)  # y is the norm of the h returned
+        else:
+            y, rstd = (_np(r) for r in pn.rms_norm(c["x"], c["weight"], c["bias"],
+                                                   return_rstd=True, backend=backend, **opts))
+            v = f64["x"]
+        want_y, want_rstd = _ieee_forward(v, f64["weight"], f64["bias"], **spec)
+    assert_close(y, want_y, dtype, "y")
+    assert_close(rstd, want_rstd, "float64" if dtype == "float64" else "float32", "rstd")
+
+
+@pytest.mark.parametrize("kind", _kinds())
+def test_fuzz_non_finite_rows(kind):
+    """Rows with Inf/-Inf/NaN at random places (x, or the residual of the fused add),
+    every option that changes the statistic: SPEC's formula in float64 IEEE arithmetic."""
+    @settings(max_examples=max(FUZZ_EXAMPLES // 2, 1), deadline=None, derandomize=True,
+              database=None, suppress_health_check=list(HealthCheck))
+    @given(_non_finite_calls())
+    def run(call):
+        op, args, opts = call
+        _check_non_finite(kind, op, args, opts)
 
     run()

@@ -56,13 +56,20 @@ def _c_rows(a):
 
 
 def _rms(xp, v, plan: Plan):
-    """``sqrt(mean(v[:, :k]**2))`` per row, scaled so that nothing overflows."""
+    """``sqrt(mean(v[:, :k]**2))`` per row, scaled so that nothing overflows.
+
+    The one place of the non-finite rule (SPEC's formula, as torch): an Inf
+    among the first ``k`` elements makes the mean of squares Inf, so the rms is
+    Inf (and rstd 0), not the NaN of ``Inf / Inf`` that scaling by it gives; a
+    NaN there makes it NaN (the max propagates NaN, so ``m`` is Inf only in a
+    row without one).
+    """
     vk = _c_rows(v if plan.k == plan.d else v[:, : plan.k])
     m = xp.max(xp.abs(vk), axis=1) if plan.k > 0 else None
     m_safe = xp.where(m == 0, xp.ones_like(m), m)
     scaled = vk / m_safe[:, None]
     ss = xp.sum(scaled * scaled, axis=1) / plan.k
-    return m * xp.sqrt(ss)
+    return xp.where(m == math.inf, m, m * xp.sqrt(ss))
 
 
 def _rstd_from_rms(xp, rms, plan: Plan):

@@ -38,6 +38,19 @@ This is the spec's ``x * rstd**3 / k`` form rewritten with ``xhat`` so that
 nothing overflows or underflows for large or tiny inputs (``rstd**3`` of a
 row of 1e25 is 1e-75, below float32's range).  The casting mode does not
 change the backward: it is the derivative of the exact (unrounded) function.
+
+Non-finite rows
+    The formula in IEEE arithmetic, as torch gives it, on every backend (each
+    has one place for it: ``reference._rms``, ``_numba_kernels._scaled_rms``,
+    the CUDA ``pn_rms_*`` / ``pn_rstd_*`` helpers): an Inf among the first
+    ``k`` elements makes ``ms = Inf``, ``rstd = 0`` (eps inside or outside),
+    ``y = v * 0 * g + bias`` (NaN at the Inf, ``bias`` elsewhere); an Inf
+    beyond ``k`` is outside the statistic; a NaN among the first ``k`` makes
+    the row NaN.  The overflow-safe statistic (scaled by the row's largest
+    magnitude) must not turn ``Inf / Inf`` into a NaN row.  In the backward
+    ``m`` multiplies ``coef``, so the term beyond ``k`` is ``xhat * 0`` (NaN
+    where xhat is not finite); with ``rstd = 0``, ``c`` is NaN and ``dx`` is
+    NaN on the first ``k`` elements, ``0 * g * dy`` (+ grad_residual) beyond.
 """
 
 from __future__ import annotations
@@ -270,7 +283,9 @@ class Plan:
     eps_inside : bool
         ``True`` for ``1/sqrt(ms + eps)``, ``False`` for ``1/(sqrt(ms) + eps)``.
     offset : float
-        Added to the weight (Gemma's ``1 + w`` is ``offset=1.0``).
+        Added to the weight (Gemma's ``1 + w`` is ``offset=1.0``).  A zero
+        offset is stored as ``-0.0``: ``w + (-0.0)`` is ``w`` for every ``w``,
+        ``-0.0`` included, where ``-0.0 + 0.0`` would be ``+0.0``.
     llama : bool
         ``casting == "llama"``.
     norm_dtype : str
@@ -445,7 +460,9 @@ def _resolve(
         k=k,
         eps=eps,
         eps_inside=eps_mode == "inside",
-        offset=offset,
+        # 0.0 kept as -0.0, the additive identity: w + -0.0 is w bit for bit, so a
+        # -0.0 weight keeps its sign (torch's bits) with no branch in any kernel
+        offset=offset if offset != 0.0 else -0.0,
         llama=casting == "llama",
         norm_dtype=norm_dtype,
         compute_dtype=compute_dtype(norm_dtype),

@@ -591,6 +591,14 @@ def rms_norm(
     No mean is subtracted.  The math runs in float32 (float64 for float64
     input) and rounds once to the output dtype.
 
+    Non-finite input follows the formula, as torch's ``F.rms_norm`` does: an
+    Inf among the first ``k`` elements of a slice makes ``rstd = 0`` (eps
+    inside or outside), so ``y = v * 0 * (weight + offset) + bias``: NaN at
+    the Inf, ``bias`` (or 0) elsewhere (``[1, 2, inf, 3] -> [0, 0, nan, 0]``);
+    an Inf beyond ``k`` is not in the statistic and makes only its own
+    element +-Inf; a NaN among the first ``k`` makes the slice NaN.  A
+    ``-0.0`` weight keeps its sign (``y = v * rstd * -0.0``, as in torch).
+
     Parameters
     ----------
     x : array
@@ -713,6 +721,15 @@ def rms_norm_backward(
     For ``eps_mode="outside"`` the second term of ``dx`` is multiplied by
     ``(s + eps) / s`` with ``s = sqrt(mean(x[:k]**2))``.  The reductions are
     in a fixed order: the same input gives the same bits on every run.
+
+    Beyond ``k`` the masked term is ``xhat * 0``, not left out: NaN where
+    ``xhat`` is not finite.  A slice with an Inf among its first ``k``
+    elements (``rstd = 0``, see :func:`rms_norm`) gets ``dx`` NaN on its
+    first ``k`` elements (``c`` holds ``Inf * 0``; SPEC's
+    ``x * rstd**3 / k * sum(g*dy*x)`` is ``0 * Inf`` there, and torch's
+    autograd gives NaN too), and beyond ``k`` ``rstd * g * dy = 0`` plus
+    ``grad_residual`` (NaN at an Inf); its ``dweight`` terms ``dy * xhat``
+    are 0 except NaN in the Inf's column.
 
     Parameters
     ----------

@@ -267,24 +267,37 @@ __device__ __forceinline__ double pn_row_reduce(double v, int tpr, double* red) 
 }
 
 // ---------------------------------------------------------------- statistics
-// rstd from the double sum of squares over the first k elements (float
-// compute: no element of a float row can overflow or underflow in double).
+// Every kernel's row statistic goes through these, and so does the rule for
+// non-finite rows (SPEC's formula, as torch): an Inf among the first k
+// elements makes ms = Inf, so rms = Inf and rstd = 0 (y = x * 0: NaN at the
+// Inf, 0 elsewhere); a NaN there makes all three NaN.
+
+// rms from the double sum of squares over the first k elements (float
+// compute: no element of a float row can overflow or underflow in double, so
+// ss is Inf only for an Inf element and NaN only for a NaN element).
+__device__ __forceinline__ double pn_rms_from_ss(double ss, int k) {
+    return sqrt(ss / (double)k);
+}
+
+// rstd from that sum.
 __device__ __forceinline__ double pn_rstd_from_ss(double ss, int k, double eps, int eps_inside) {
-    if (ss > 1.0e308) ss = ss - ss;  // Inf in the statistic: the whole token is NaN
     const double ms = ss / (double)k;
     return eps_inside ? 1.0 / sqrt(ms + eps) : 1.0 / (sqrt(ms) + eps);
 }
 
-// rms = m * sqrt(sum((v/m)^2)/k) (float64 compute, scaled by the row maximum m)
+// rms = m * sqrt(sum((v/m)^2)/k) (float64 compute, scaled by the row maximum m).
+// m, a NaN-propagating max, is Inf only in a row without NaN: its rms is Inf,
+// not the m * sqrt(NaN) that scaling by Inf (Inf/Inf) gives.
 __device__ __forceinline__ double pn_rms_scaled(double m, double ss_scaled, int k) {
-    if (m == 0.0) return 0.0;
+    if (m == 0.0 || m > 1.7976931348623157e308) return m;
     return m * sqrt(ss_scaled / (double)k);
 }
 
-// rstd from rms without squaring it: 1/hypot(rms, sqrt(eps)) or 1/(rms + eps)
+// rstd from rms without squaring it: 1/hypot(rms, sqrt(eps)) or 1/(rms + eps);
+// an Inf rms gives 0 either way
 __device__ __forceinline__ double pn_rstd_from_rms(double rms, double eps, int eps_inside) {
     if (!eps_inside) return 1.0 / (rms + eps);
-    if (rms != rms) return rms;  // NaN (an Inf or NaN in the row): not 1/sqrt(eps) with eps 0
+    if (rms != rms) return rms;  // NaN (a NaN in the row): not 1/sqrt(eps) with eps 0
     const double se = sqrt(eps);
     const double a = rms > se ? rms : se;
     const double b = rms > se ? se : rms;
@@ -1036,6 +1049,8 @@ __global__ void __launch_bounds__(256, 4) pn_fwd_small(
 // dx = rstd * (g*dy - [j<k] * xhat * coef) (+ grad_residual), g = w + offset,
 // xhat = x*rstd, coef = c/k * alpha, c = sum_j g*dy*xhat (all d columns),
 // alpha = 1 (eps inside) or (s + eps)/s with s = rms (0 term where s == 0).
+// Beyond k the term is xhat * 0, not left out (as in every backend): NaN where
+// xhat is not finite (an Inf x, or rstd Inf or 0 from a zero or Inf row).
 // dweight / dbias: each block writes one row of per-block partial sums
 // (dy*xhat, dy) to `dwp` / `dbp` (row stride ldp); pn_colsum reduces them in
 // a fixed order.  No atomics.
@@ -1270,7 +1285,7 @@ __device__ __forceinline__ void pn_bwd_rows(
                 rms = pn_rms_scaled(m, ss, k);
                 r_d = pn_rstd_from_rms(rms, eps, eps_inside);
             } else {
-                rms = sqrt((ss > 1.0e308 ? ss - ss : ss) / (double)k);
+                rms = pn_rms_from_ss(ss, k);
                 r_d = pn_rstd_from_ss(ss, k, eps, eps_inside);
             }
         }
@@ -1323,7 +1338,7 @@ __device__ __forceinline__ void pn_bwd_rows(
                 for (int e = 0; e < VEC; ++e) {
                     const CT xh = xv[e] * r;
                     CT qv = g[e];
-                    if (j + e < k) qv = qv - xh * coef;
+                    qv = qv - xh * (j + e < k ? coef : (CT)0);
                     o[e] = r * qv;
                     if (HAS_G) o[e] = o[e] + t[e];
                 }
@@ -1345,7 +1360,7 @@ __device__ __forceinline__ void pn_bwd_rows(
         if (active && je >= 0) {
             const CT xh = xe[0] * r;
             CT qv = ge[0];
-            if (je < k) qv = qv - xh * coef;
+            qv = qv - xh * (je < k ? coef : (CT)0);
             CT o = r * qv;
             if (HAS_G) o = o + pn_conv<CT>::in(gr[je]);
             dxr[je] = pn_out<XT>::from(o);
@@ -1616,7 +1631,7 @@ __device__ __forceinline__ void pn_bwd_ring_rows(
                 rms = pn_rms_scaled(m, ss, k);
                 r_d = pn_rstd_from_rms(rms, eps, eps_inside);
             } else {
-                rms = sqrt((ss > 1.0e308 ? ss - ss : ss) / (double)k);
+                rms = pn_rms_from_ss(ss, k);
                 r_d = pn_rstd_from_ss(ss, k, eps, eps_inside);
             }
         }
@@ -1690,7 +1705,7 @@ __device__ __forceinline__ void pn_bwd_ring_rows(
                     const CT xv = pn_conv<CT>::in(xa[u * PER + e]), dv = pn_conv<CT>::in(da[e]);
                     const CT xh = xv * r;
                     CT qv = g[e];
-                    if (ju + e < k) qv = qv - xh * coef;
+                    qv = qv - xh * (ju + e < k ? coef : (CT)0);
                     CT o = r * qv;
                     if (HAS_G) o = o + t[e];
                     ob.v[u * PER + e] = pn_out<XT>::from(o);
@@ -1710,7 +1725,7 @@ __device__ __forceinline__ void pn_bwd_ring_rows(
         if (active && je >= 0) {
             const CT xh = xe * r;
             CT qv = ge;
-            if (je < k) qv = qv - xh * coef;
+            qv = qv - xh * (je < k ? coef : (CT)0);
             CT o = r * qv;
             if (HAS_G) o = o + pn_conv<CT>::in(gr[je]);
             dxr[je] = pn_out<XT>::from(o);
@@ -1921,7 +1936,7 @@ __device__ __forceinline__ void pn_bwd_big_rows(
         double rms = 0.0, r_d = 0.0, cs = 0.0;
         if (sizeof(CT) == 4) {
             if (need_ss) {
-                rms = sqrt((ss > 1.0e308 ? ss - ss : ss) / (double)k);
+                rms = pn_rms_from_ss(ss, k);
                 r_d = pn_rstd_from_ss(ss, k, eps, eps_inside);
             }
             const CT r0 = rstd_in != nullptr ? rstd_in[row] : (CT)r_d;
@@ -1988,7 +2003,7 @@ __device__ __forceinline__ void pn_bwd_big_rows(
                 const int j = je[s];
                 const CT xh = xe[s] * r;
                 CT q = ge[s];
-                if (j < k) q = q - xh * coef;
+                q = q - xh * (j < k ? coef : (CT)0);
                 CT o = r * q;
                 if (has_g) o = o + pn_conv<CT>::in(gr[j]);
                 dxr[j] = pn_out<XT>::from(o);
@@ -2012,7 +2027,7 @@ __device__ __forceinline__ void pn_bwd_big_rows(
             for (int e = 0; e < VEC; ++e) {
                 const CT xh = v[e] * r;
                 CT q = has_w ? (wv[e] + off) * dv[e] : dv[e];
-                if (j + e < k) q = q - xh * coef;
+                q = q - xh * (j + e < k ? coef : (CT)0);
                 o[e] = r * q;
             }
             // the residual's gradient is loaded once w's chunk is consumed: with all
@@ -2369,7 +2384,7 @@ __device__ __forceinline__ void pn_bwd_small_rows(
                 r_d = pn_rstd_from_rms(rms, eps, eps_inside);
             } else {
                 // rms enters coef only with eps outside
-                if (!eps_inside) rms = sqrt((ss > 1.0e308 ? ss - ss : ss) / (double)k);
+                if (!eps_inside) rms = pn_rms_from_ss(ss, k);
                 r_d = pn_rstd_from_ss(ss, k, eps, eps_inside);
             }
         }
@@ -2417,7 +2432,7 @@ __device__ __forceinline__ void pn_bwd_small_rows(
                     const CT dv = da[q].template get<CT>(e);
                     const CT xh = xv * r;
                     CT qv = g[e];
-                    if (e < k - (int)j) qv = qv - xh * coef;
+                    qv = qv - xh * (e < k - (int)j ? coef : (CT)0);
                     o[e] = r * qv;
                     if (HAS_G) o[e] = o[e] + t[e];
                 }
@@ -2447,7 +2462,7 @@ __device__ __forceinline__ void pn_bwd_small_rows(
             const CT xt = pn_conv<CT>::in(xr[je]), dyt = pn_conv<CT>::in(dyr[je]);
             const CT xh = xt * r;
             CT qv = HAS_W ? (pn_conv<CT>::in(w[je]) + off) * dyt : dyt;
-            if ((int)je < k) qv = qv - xh * coef;
+            qv = qv - xh * ((int)je < k ? coef : (CT)0);
             CT o = r * qv;
             if (HAS_G) o = o + pn_conv<CT>::in(gr[je]);
             dxr[je] = pn_out<XT>::from(o);
@@ -2594,7 +2609,7 @@ __device__ __forceinline__ double pn_seg_rstd(ONE one, bool active, int tr, int 
         }
         if (jt >= 0 && jt < k) { const double t = (double)one(jt); ss += t * t; }
         ss = pn_row_reduce<false>(ss, tpr, red);
-        if (rms_out) *rms_out = sqrt((ss > 1.0e308 ? ss - ss : ss) / (double)k);
+        if (rms_out) *rms_out = pn_rms_from_ss(ss, k);
         return pn_rstd_from_ss(ss, k, eps, eps_inside);
     } else {
         double m = 0.0;
@@ -3205,7 +3220,7 @@ __device__ __forceinline__ void pn_bwd_split_rows(
             const double* ps = part + row * slices;
             double ss = ps[0];
             for (int s = 1; s < slices; ++s) ss = ss + ps[s];
-            rms = sqrt((ss > 1.0e308 ? ss - ss : ss) / (double)k);
+            rms = pn_rms_from_ss(ss, k);
             r_d = pn_rstd_from_ss(ss, k, eps, eps_inside);
         }
         const double* pp = part + (n + row) * slices;
@@ -3224,7 +3239,7 @@ __device__ __forceinline__ void pn_bwd_split_rows(
         if (jt >= 0) {
             const CT xh = xe * r;
             CT q = ge;
-            if (jt < k) q = q - xh * coef;
+            q = q - xh * (jt < k ? coef : (CT)0);
             CT o = r * q;
             if (has_g) o = o + pn_conv<CT>::in(gr[jt]);
             dxr[jt] = pn_out<XT>::from(o);
@@ -3242,7 +3257,7 @@ __device__ __forceinline__ void pn_bwd_split_rows(
             for (int e = 0; e < VEC; ++e) {
                 const CT xh = v[e] * r;
                 CT q = has_w ? (wv[e] + off) * dv[e] : dv[e];
-                if (j + e < k) q = q - xh * coef;
+                q = q - xh * (j + e < k ? coef : (CT)0);
                 o[e] = r * q;
                 if (has_g) o[e] = o[e] + t[e];
             }

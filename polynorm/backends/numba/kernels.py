@@ -202,16 +202,22 @@ def _sumsq(a, i, k):
 
 @_inline
 def _scaled_rms(a, i, k):
-    """``sqrt(mean(a[i, :k]**2))`` scaled by the largest magnitude (no overflow)."""
+    """``sqrt(mean(a[i, :k]**2))`` scaled by the largest magnitude (no overflow).
+
+    The non-finite rule of every Numba kernel (SPEC's formula, as torch): a NaN
+    among the first ``k`` elements makes the rms NaN, else an Inf makes it Inf
+    (mean of squares Inf), so rstd is 0 and ``y = x * 0``: NaN at the Inf, 0
+    elsewhere.  Scaling by an Inf maximum would give ``Inf / Inf``, NaN.
+    """
     m = 0.0
     for j in range(k):
         v = abs(np.float64(load(a[i, j])))
-        if not v <= m:  # also catches NaN
+        if not v <= m:
+            if v != v:
+                return math.nan
             m = v
-    if m == 0.0:
-        return 0.0
-    if not math.isfinite(m):
-        return math.nan  # Inf or NaN in the row: the whole token is NaN
+    if m == 0.0 or m == math.inf:
+        return m
     s = 0.0
     for j in range(k):
         v = np.float64(load(a[i, j])) / m
@@ -246,10 +252,10 @@ def _rms_out_of_range(a, i, k, ss):  # pragma: no cover - replaced by the overlo
 def _ov_rms_out_of_range(a, i, k, ss):
     if a.dtype == types.float32:
         # float32 squares summed in float64 neither overflow nor fall below
-        # 2**-298: ss is out of range only as 0 (a zero row), Inf or NaN (an
-        # Inf or NaN element), where _scaled_rms gives 0 and NaN; a float32
-        # call then compiles without that scan
-        return lambda a, i, k, ss: 0.0 if ss == 0.0 else math.nan
+        # 2**-298: ss is out of range only as 0 (a zero row), Inf (an Inf
+        # element, no NaN) or NaN (a NaN element), each its own rms and what
+        # _scaled_rms gives; a float32 call then compiles without that scan
+        return lambda a, i, k, ss: ss
     return lambda a, i, k, ss: _scaled_rms(a, i, k)
 
 
