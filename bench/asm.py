@@ -2,7 +2,7 @@
 
 Compiles the Numba forward (``forward_bits_rows``: the pipelined rows;
 ``forward_streamed_rows``: streamed ``out=`` rows), backward (``backward_range``), gated
-forward (``_numba_gated.forward_rows``) and quantized forward (``quant_rows``: float8,
+forward (``numba.gated.forward_rows``) and quantized forward (``quant_rows``: float8,
 per-token scale) for bfloat16 and float16 on this CPU,
 takes each innermost loop of their machine code that converts 16-bit data
 (``vpmovzxwd``/``vcvtph2ps`` in, ``vpmovdw``/``vpackusdw``/``vcvtps2ph``/

@@ -111,9 +111,9 @@ for m in ("numpy", "array_api_compat", "ml_dtypes", "cupy", "torch", "triton", "
         print(f"{m}: missing ({type(exc).__name__}: {exc})")
 try:
     import polynorm as pn
-    from polynorm.backends import _cuda_launch, _nvrtc
+    from polynorm.backends.cuda import launch, nvrtc
     print("polynorm backends:", pn.backends())
-    print("NVRTC:", _nvrtc.available(), "headers:", _cuda_launch.include_dirs())
+    print("NVRTC:", nvrtc.available(), "headers:", launch.include_dirs())
 except Exception as exc:
     print("polynorm import failed:", type(exc).__name__, exc)
 EOF

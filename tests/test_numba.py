@@ -218,7 +218,7 @@ def test_strided_out(rng):
 # serial and parallel; 16-bit rows of 2051 take the pipeline (chunks of 512) and its tail
 @pytest.mark.parametrize("n,d", [(3, 1), (5, 13), (7, 300), (40, 2051)])
 def test_streamed_out_equals_ordinary(monkeypatch, xdt, wdt, out_dtype, n, d, rng):
-    """out= rows written with streaming stores (_numba_stream) have the bits of
+    """out= rows written with streaming stores (numba.stream) have the bits of
     ordinary stores, whatever the out array's alignment; nothing beside it moves."""
     x = _data(rng, (n, d), xdt)
     x[0] *= 1e-40 if xdt == "float32" else 1.0  # a row whose rstd overflows float32 (eps=0)

@@ -1,7 +1,7 @@
 """The bfloat16 backward's explicit-vector dx pass against the scalar loop it replaces.
 
 :func:`polynorm.backends.numba.pairs.dx_pairs` must give the bits of
-``_numba_backward._dx_pass`` (LLVM's vectorization of the scalar loop) on
+``numba.backward_kernels._dx_pass`` (LLVM's vectorization of the scalar loop) on
 the same row: dx, and the row-tree terms it leaves in the pool (in the
 pair layout), joined with waiting siblings or not, with ``k`` inside a
 16-column block.  Its rounding is checked against the codec on every

@@ -13,7 +13,7 @@ never by how the rows are split:
 
 Any partition of the rows into contiguous ranges (threads, row blocks, dask
 chunks) computes the same nodes, so every split gives the same bits.  The
-Numba kernels (:mod:`._numba_backward`) compute a range's nodes as they
+Numba kernels (:mod:`.numba.backward_kernels`) compute a range's nodes as they
 stream its rows; :func:`merge` joins the node lists of adjacent ranges with
 numpy adds, which are the same IEEE adds as the kernel's.
 

@@ -41,7 +41,7 @@ change the backward: it is the derivative of the exact (unrounded) function.
 
 Non-finite rows
     The formula in IEEE arithmetic, as torch gives it, on every backend (each
-    has one place for it: ``reference._rms``, ``_numba_kernels._scaled_rms``,
+    has one place for it: ``reference._rms``, ``numba.kernels._scaled_rms``,
     the CUDA ``pn_rms_*`` / ``pn_rstd_*`` helpers): an Inf among the first
     ``k`` elements makes ``ms = Inf``, ``rstd = 0`` (eps inside or outside),
     ``y = v * 0 * g + bias`` (NaN at the Inf, ``bias`` elsewhere); an Inf

@@ -16,7 +16,7 @@ CuPy compiles it instead (``RawModule(code=..., name_expressions=...)``), which
 flushes float32 subnormals to zero.
 
 Dtype combinations without a kernel are first cast exactly (see
-``_cuda_launch``); ``casting="llama"`` with a weight dtype that has no kernel
+``cuda.launch``); ``casting="llama"`` with a weight dtype that has no kernel
 runs the array-API reference on the same device instead.
 """
 
@@ -411,15 +411,15 @@ def _colsum(part, d: int, ct: str, want: str, like: Any):
 
 
 def _rows_for(a: Any, dtype: str) -> Any:
-    """``a`` cast exactly to the kernel's ``dtype`` (see ``_cuda_launch.kernel_dtype``), as a view."""
+    """``a`` cast exactly to the kernel's ``dtype`` (see ``cuda.launch.kernel_dtype``), as a view."""
     return _view(_cast(a, dtype))
 
 
 def _tree_sum(leaves: Any, cdt: str) -> Any:
     """Sum of ``leaves`` (rows, d) over rows in the row tree's order
-    (:mod:`._rowtree`): adjacent pairs level by level, a lone last row carried
+    (:mod:`.rowtree`): adjacent pairs level by level, a lone last row carried
     up, in the compute dtype below ``TREE_G`` and in float64 from it up -- the
-    adds of ``_numba_gated.tree_sum``, one elementwise kernel per level."""
+    adds of ``numba.gated.tree_sum``, one elementwise kernel per level."""
     from polynorm.backends.rowtree import TREE_G
 
     cur = leaves

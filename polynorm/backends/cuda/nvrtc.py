@@ -142,7 +142,7 @@ def warm_cache(arch: str, names: list[str] | None = None, jobs: int | None = Non
     arch : str
         The target, e.g. ``"sm_90"``.
     names : list of str, optional
-        Name expressions (default :func:`~._cuda_launch.specialisations`: all).
+        Name expressions (default :func:`~.cuda.launch.specialisations`: all).
     jobs : int, optional
         Worker processes (default: the CPU count).
 

@@ -2533,7 +2533,7 @@ __global__ void __launch_bounds__(256, 4) pn_bwd_small(
 __device__ __forceinline__ float pn_mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double pn_mul(double a, double b) { return __dmul_rn(a, b); }
 
-// float32 exp as polynorm's Numba kernels compute it (_numba_gated._expf:
+// float32 exp as polynorm's Numba kernels compute it (numba.gated._expf:
 // Cephes' polynomial on a Cody-Waite reduced argument, FMA steps), so that
 // silu has their bits: +inf above 88.72..., 0 below -86, NaN for NaN.
 __device__ __forceinline__ float pn_expf(float v) {
@@ -2721,7 +2721,7 @@ __global__ void __launch_bounds__(1024) pn_gated_fwd(
 //   NBG: dx = dv, dz = dy * (vhat*g + b) * s';  else dx = dv*s, dz = dv*x*s'
 //   lw = dn*vhat, lb = dn
 // rstd_in (n, groups) may be null (recomputed: the forward's bits).  The leaves
-// are summed over rows in the row tree's order outside (polynorm._rowtree).
+// are summed over rows in the row tree's order outside (polynorm.backends.rowtree).
 template <typename XT, typename ZT, typename DYT>
 __global__ void __launch_bounds__(1024) pn_gated_bwd(
     const DYT* __restrict__ dy,
@@ -2840,7 +2840,7 @@ __global__ void __launch_bounds__(1024) pn_gated_bwd(
 
 // ================================================================ quantized-output RMSNorm
 // float32 -> float8_e4m3fn bits: saturated to +-448, nearest even, NaN kept
-// (with its sign); the integer steps of polynorm's Numba kernel (_numba_quant.e4m3fn).
+// (with its sign); the integer steps of polynorm's Numba kernel (numba.quant.e4m3fn).
 __device__ __forceinline__ unsigned char pn_e4m3fn(float v) {
     const unsigned u = __float_as_uint(v);
     const unsigned sign = (u >> 24) & 0x80u;
@@ -2984,7 +2984,7 @@ __global__ void __launch_bounds__(1024) pn_quant_fwd(
 // So y, h and rstd carry pn_fwd_big's bits for every row, and no block
 // combines another's results in an order that depends on the launch.  float
 // compute only (the float64 rescaling pass needs the whole row's maximum
-// first); the launch rule is in _cuda_launch.forward_launch.
+// first); the launch rule is in cuda.launch.forward_launch.
 
 template <typename XT, typename RT, typename WT, typename OT, int PHASE, bool VA>
 __device__ __forceinline__ void pn_fwd_split_rows(

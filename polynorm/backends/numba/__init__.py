@@ -11,7 +11,7 @@ Layouts: any row stride is taken as is (padded, negative, zero).  Rows
 whose elements are not adjacent (a strided last axis, e.g. Fortran order)
 are copied first: the row reductions (sum of squares, the backward's dot)
 take one row at a time as a contiguous ``(1, d)`` array
-(:func:`._numba_refs.row_of`) and are compiled once for all layouts, so
+(:func:`.numba.refs.row_of`) and are compiled once for all layouts, so
 a token's bits do not depend on the strides or memory order it comes in
 (SPEC's batch invariance).  LLVM vectorizes a reduction over a C-contiguous
 array and one over a strided array in different orders.
@@ -47,7 +47,7 @@ SERIAL_MAX_ELEMENTS = 1 << 16
 
 #: A forward output (``out=`` or its own) of at least this many bytes is written with streaming
 #: (non-temporal) stores, which skip reading each line before writing it
-#: (see :mod:`._numba_stream`; rows of unit column stride;
+#: (see :mod:`.numba.stream`; rows of unit column stride;
 #: ``python bench/cpu.py --stream`` times both by size).  Streamed lines leave
 #: the cache, and whoever reads a y that would have fit in L3 next pays for
 #: it, so only arrays of about half a typical L3 or more stream.
@@ -141,7 +141,7 @@ def _kview(a: np.ndarray) -> np.ndarray:
     """What the kernels take: the bits of the 16-bit floats, else ``a`` itself.
 
     bfloat16 as ``uint16``, float16 as ``int16``: the view's type carries the
-    format into the kernels (see ``_numba_codec.load``).  A read-only
+    format into the kernels (see ``numba.codec.load``).  A read-only
     array (a jax array's buffer, ``np.broadcast_to``) is passed as a writable
     alias of the same memory: Numba types read-only arrays apart and would
     compile every kernel again for them, and the kernels never write their
@@ -424,7 +424,7 @@ def _block_level(n: int, width: int, threads: int = 1) -> int:
     About :data:`_BWD_BLOCKS_PER_THREAD` blocks per thread, at least
     ``2**TREE_G`` rows each, and at most :data:`_BWD_SCRATCH` float64
     partials in all.  The block size is
-    a matter of speed only: the row tree (:mod:`._rowtree`) fixes the sums'
+    a matter of speed only: the row tree (:mod:`.rowtree`) fixes the sums'
     order whatever the blocks are.
     """
     from polynorm.backends.rowtree import TREE_G
@@ -509,7 +509,7 @@ def _pools(m: int, width: int, cdt: np.dtype, per_thread: bool = False):
 def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     """Hand-written backward on 2-D rows (formula in :mod:`polynorm.core.options`).
 
-    ``dweight``/``dbias`` are summed over the row tree of :mod:`._rowtree`:
+    ``dweight``/``dbias`` are summed over the row tree of :mod:`.rowtree`:
     aligned blocks of ``2**m`` rows in parallel (one tree node each), then the
     block nodes pairwise.  The bits depend neither on the thread count nor
     on the blocks, and equal those of any split of the rows into ranges
@@ -551,7 +551,7 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
     """The backward of rows ``row0 .. row0 + n - 1`` of ``ntot`` rows in all.
 
     Returns ``(dx, state)``: ``dx`` as :func:`backward` gives it, and the
-    row-tree state (:mod:`._rowtree`) of this range's ``[dweight | dbias]``
+    row-tree state (:mod:`.rowtree`) of this range's ``[dweight | dbias]``
     terms, which :func:`polynorm.backends.rowtree.merge` joins with the
     other ranges' and :func:`finish` rounds: the same bits as one
     :func:`backward` call on all rows.
@@ -752,7 +752,7 @@ def _stand_in_h(dt: np.dtype) -> np.ndarray:
 def quant_forward(x, residual, weight, bias, qplan, scale=None):
     """Quantized forward on 2-D rows; the contract is :func:`.reference.quant_forward`.
 
-    One kernel pass per token (:mod:`._numba_quant`); ``casting="llama"``
+    One kernel pass per token (:mod:`.numba.quant`); ``casting="llama"``
     runs :func:`forward` into float32 rows first and quantizes those.
     """
     from polynorm.backends.numba import quant as Q

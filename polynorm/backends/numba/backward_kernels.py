@@ -1,9 +1,9 @@
 """The Numba backward kernel on ``(n, d)`` rows: dx, and dweight/dbias tree nodes.
 
-Shares the flags, row statistics and codecs of :mod:`._numba_kernels`
+Shares the flags, row statistics and codecs of :mod:`.numba.kernels`
 (whose docstring states the numerics); this module adds the backward
 (formula in :mod:`polynorm.core.options`).  ``dweight``/``dbias`` are summed over
-the row tree of :mod:`._rowtree`, an order fixed by the global row index:
+the row tree of :mod:`.rowtree`, an order fixed by the global row index:
 :func:`backward_range` streams a range of rows and leaves the tree nodes it
 completes; ranges may be row blocks on threads or dask chunks on a cluster,
 and the bits are those of one call on all rows.
@@ -107,7 +107,7 @@ def _dot_row(dy, x, w, i, rc, oc):
     blocks keep the error at ~DOT_BLOCK/64 float32 roundings of the row's
     sum of magnitudes.  A pure reduction (no stores): LLVM vectorizes it the
     same way for every row, so a row's ``c`` has the same bits wherever the
-    row falls.  bfloat16 rows with a weight take :func:`._numba_pairs.dot_pairs`
+    row falls.  bfloat16 rows with a weight take :func:`.numba.pairs.dot_pairs`
     instead (the same blocks, an order written out).
     """
     d = x.shape[1]
@@ -136,7 +136,7 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
     rows ``rw[0..depth-1]`` -- the tree's adds, in its order -- go to pool
     row ``ro``.  Absent siblings read row ``rneg``, -0.0, which adds nothing:
     one loop serves every depth.  dweight's adds are fused into the dx pass.
-    ``g2``: the weight in the pair layout (:mod:`._numba_pairs`) for its
+    ``g2``: the weight in the pair layout (:mod:`.numba.pairs`) for its
     first ``len(g2)`` columns, whose terms go to the pool in that layout.
 
     Pool rows are indices, not array views: a view per row costs Numba
@@ -580,6 +580,6 @@ def tree_parallel(vals, cnt):
 @_jit()
 def round_into(src, dst):
     """``dst[:] = src`` (float64) rounded once to ``dst``'s type (16-bit bits: see
-    ``_numba_codec.load``)."""
+    ``numba.codec.load``)."""
     for j in range(dst.shape[0]):
         store(dst, j, src[j])

@@ -50,7 +50,7 @@ def _f32_as_u32(typingctx, v):
     return types.uint32(v), codegen
 
 
-# numpy error model: see _numba_kernels.ERROR_MODEL (no exception can leave a kernel)
+# numpy error model: see numba.kernels.ERROR_MODEL (no exception can leave a kernel)
 _jit = njit(nogil=True, error_model="numpy")
 
 # --------------------------------------------------------------------------- decode
@@ -455,7 +455,7 @@ def prefetch_row(typingctx, a, i):
 # the previous row's output pass) gets the same bits.  float64 input is summed
 # in float64 lanes directly.  A float32 partial that overflows or loses bits
 # is caught by the caller (an Inf/NaN total, or one below 2**-100, sends the
-# row to the scaled float64 path; see ``_numba_kernels``).
+# row to the scaled float64 path; see ``numba.kernels``).
 
 SUM_LANES = 16
 SUM_GROUPS = 8

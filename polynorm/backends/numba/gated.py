@@ -1,7 +1,7 @@
 """Numba kernels of gated RMSNorm (:class:`polynorm.core.options.GatedPlan`).
 
-The forward takes x, z and y as :mod:`._numba_kernels` takes them (16-bit
-floats as integer bits, decoded in registers by :mod:`._numba_codec`),
+The forward takes x, z and y as :mod:`.numba.kernels` takes them (16-bit
+floats as integer bits, decoded in registers by :mod:`.numba.codec`),
 C-contiguous; weight and bias in the compute type, ``None`` where absent
 (the loops then compile without their terms).  Each group's statistic
 is the plain forward's (``_row_sumsq`` / ``_rstd_from`` on the group as a
@@ -20,7 +20,7 @@ ranges as the plain forward does.
 The backward takes its arrays the same way and recomputes a group's
 statistic as the forward does (the same rstd bits); ``dweight``/``dbias``
 leave the kernel as per-row leaves and are summed over the row tree of
-:mod:`._rowtree` by :func:`tree_sum`.
+:mod:`.rowtree` by :func:`tree_sum`.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from polynorm.backends.rowtree import TREE_G
 
 #: flags: norm_before_gate=True; the forward prefetches the next row's x and
 #: z a chunk at a time during a row's silu pass (the other bits are
-#: _numba_kernels')
+#: numba.kernels')
 NBG = 1 << 8
 PREFETCH = 1 << 9
 #: columns of the forward's silu pass (the output pass with norm_before_gate,
@@ -380,7 +380,7 @@ def forward_parallel(x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
 # dz and the dweight leaves.
 
 _S, _DS, _V, _DN = 0, 1, 2, 3  # rows of the backward's buffer
-#: Elements per float32 partial of the backward's dot (as _numba_backward's).
+#: Elements per float32 partial of the backward's dot (as numba.backward_kernels's).
 DOT_BLOCK = 512
 
 
@@ -508,7 +508,7 @@ def backward_parallel(dy, x, z, w, b, rstd, dx, dz, lw, lb, buf, flags, gs, k, e
 
 
 def tree_sum(leaves: np.ndarray) -> np.ndarray:
-    """Sum of ``leaves`` (rows, d) over rows in :mod:`._rowtree`'s order: pairs
+    """Sum of ``leaves`` (rows, d) over rows in :mod:`.rowtree`'s order: pairs
     of adjacent nodes level by level, a lone last node carried up; adds below
     level ``TREE_G`` in the leaves' dtype, from it up in float64."""
     cur = leaves

@@ -1,5 +1,5 @@
 """The Numba kernels: forward (plain and fused add) on ``(n, d)`` rows, and the row
-helpers that the backward (:mod:`._numba_backward`) shares.
+helpers that the backward (:mod:`.numba.backward_kernels`) shares.
 
 Every option of the :class:`polynorm.core.options.Plan` arrives as a runtime
 scalar or a bit of ``flags``, so a kernel is specialised only on the element
@@ -15,7 +15,7 @@ backward takes an absent weight, rstd or grad_residual as ``None`` too (its
 takes stand-ins with flag bits (one compiled kernel for every case of a
 dtype).  float16 and bfloat16 arrays arrive as integer views whose type is
 the format (``int16``: float16, ``uint16``: bfloat16;
-``_numba_codec.load``), so the format is a compile-time constant.
+``numba.codec.load``), so the format is a compile-time constant.
 
 Numerics (see the module docstring of :mod:`polynorm.core.options`):
 
@@ -26,14 +26,14 @@ Numerics (see the module docstring of :mod:`polynorm.core.options`):
   is never taken.
 - the forward sums 16-bit rows in lanes instead (float32 partials over
   blocks of 128 elements -- exact squares, 8 additions each -- added into
-  float64 lanes, in an order fixed by the code: ``_numba_codec``'s
+  float64 lanes, in an order fixed by the code: ``numba.codec``'s
   ``lanes_*`` intrinsics); an Inf/NaN sum or one below 2**-100 takes the
   scaled float64 path.  This is what lets a row's sum be accumulated during
   the previous row's output pass (the forward pipelines 16-bit rows).
 - each row is reduced by one compiled function (vectorized, see ``_reduce``)
   whatever the driver or thread count, so the bits never depend on either.
 - ``dweight``/``dbias`` (the backward) are summed over the row tree of
-  :mod:`._rowtree`: an order fixed by the global row index, so that any split
+  :mod:`.rowtree`: an order fixed by the global row index, so that any split
   of the rows (threads, blocks, dask chunks) gives the same bits.
 
 Each forward exists twice, ``*_rows`` (one thread: the serial path) and
@@ -79,7 +79,7 @@ EPS_INSIDE = 1 << 3
 LLAMA = 1 << 4
 HAS_RSTD = 1 << 5  # backward (plain and gated): rstd given
 STREAM_DX = 1 << 6  # backward: dx leaves through a stage and streaming stores
-# llama rounding formats (codes of _numba_codec.round_to), two bits each
+# llama rounding formats (codes of numba.codec.round_to), two bits each
 XCODE_SHIFT = 16
 WCODE_SHIFT = 18
 PCODE_SHIFT = 20
@@ -113,7 +113,7 @@ def _jit(**kw):
 _inline = njit(nogil=True, error_model=ERROR_MODEL)
 # The fused add's row helpers are inlined by Numba itself: there LLVM's own
 # inlining ran slower (bench/compare.py).  The others are plain calls: the
-# kernels' arrays are borrowed (_numba_refs), so a call's reference counting
+# kernels' arrays are borrowed (numba.refs), so a call's reference counting
 # is a null test, while Numba's IR inlining types each call site anew, which
 # multiplies the compile time of a first call.
 _inline_ir = njit(nogil=True, inline="always", error_model=ERROR_MODEL)
@@ -268,7 +268,7 @@ def _stats(a, i, k, eps, inside):
 
 
 # The forward's row statistic.  16-bit rows (integer bits) are summed in lanes
-# (fixed order, see the intrinsics in ``_numba_codec``), so that a row summed
+# (fixed order, see the intrinsics in ``numba.codec``), so that a row summed
 # on its own and a row summed under the previous row's output pass give the
 # same bits, and the forward pipelines them.  float32/float64 rows keep
 # ``_sumsq`` and two passes, which run them closer to the copy roof than the
@@ -398,7 +398,7 @@ def _ov_blocks_ok(a, b, y):
 def _bf16_out_block(typingctx, a, i, j, wg, y, rc, nan_guard):
     """``y[i, j : j + OUT_BLOCK] = a[i, j:...] * rc * (w[j:...] + oc)`` rounded to
     bfloat16, as float32 vector IR: :func:`_out_span`'s operations lane by lane
-    (the same bits), the rounding of :func:`._numba_codec.round_bf16_ir`
+    (the same bits), the rounding of :func:`.numba.codec.round_bf16_ir`
     (``nan_guard``, a literal bool: False only where no lane can be NaN).
 
     The block's 16 bfloat16 values are read as 8 pairs: the even columns are
@@ -609,8 +609,8 @@ def _whole_lines(y, i):
 @_inline
 def _stream_out(a, i, j0, j1, w, b, y, rc, oc, stage):
     """``y[i, j0:j1]`` (whole 64-byte lines of y) as :func:`_out_span` computes
-    it, through ``stage`` and streaming stores (:mod:`._numba_stream`), a stage
-    at a time; returns ``j1``.  The arrays are borrowed (``_numba_refs``), so
+    it, through ``stage`` and streaming stores (:mod:`.numba.stream`), a stage
+    at a time; returns ``j1``.  The arrays are borrowed (``numba.refs``), so
     passing them here costs no reference count per stage."""
     c = stage.shape[1]
     for j in range(j0, j1, c):
@@ -626,7 +626,7 @@ def _stream_out(a, i, j0, j1, w, b, y, rc, oc, stage):
 @_inline_ir
 def _streamed_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset, stage):
     """Rows ``[lo, hi)`` of a forward (any float type) whose ``y`` leaves through
-    ``stage`` and streaming stores (:mod:`._numba_stream`): the lines of
+    ``stage`` and streaming stores (:mod:`.numba.stream`): the lines of
     ``y[i]`` are written whole, without being read first.  The values are
     those of :func:`_fwd_norm_row`.
 
@@ -842,7 +842,7 @@ def _range_bounds(c, n):
 
 @_inline_ir
 def _borrowed(x, r, w, b, y, h, rstd, stage):
-    """The drivers' arrays borrowed (:mod:`._numba_refs`): no reference counting below."""
+    """The drivers' arrays borrowed (:mod:`.numba.refs`): no reference counting below."""
     return (borrow(x), _borrow_opt(r), borrow(w), _borrow_opt(b), borrow(y), _borrow_opt(h),
             borrow(rstd), _borrow_opt(stage))
 

@@ -4,13 +4,13 @@ A bfloat16 value is the top half of a float32, so 16 of them loaded as eight
 32-bit words give two float32 vectors at one operation each: the words
 shifted up 16 bits hold the even elements, the words with their low half
 cleared the odd ones (the forward's sums of squares read rows this way too,
-``_numba_codec._bf16_block_squares_pairs``).  The way back is as short: the
+``numba.codec._bf16_block_squares_pairs``).  The way back is as short: the
 rounded even results shifted down, the odd ones blended in as high halves.
 LLVM's vectorization of the scalar loop widens and narrows each element
 instead, with a shuffle each way (``python bench/asm.py`` counts both).
 
 :func:`dx_pairs` computes every element with the float32 operations of the
-scalar loop (``_numba_backward._dx_val``), in the same order, so dx has the
+scalar loop (``numba.backward_kernels._dx_val``), in the same order, so dx has the
 same bits.  What differs is where a column's row-tree term (``dy * xhat``)
 goes in a pool row: the 16 columns of a block ``b`` (``16*b .. 16*b+15``,
 whole blocks only) sit with the even ones first (:func:`pair_position`).
@@ -39,7 +39,7 @@ from polynorm.backends.numba.kernels import _inline
 PAIR_BLOCK = 16
 
 #: Elements per float32 partial of the backward's dot (:func:`dot_pairs` and
-#: ``_numba_backward._dot_row``).
+#: ``numba.backward_kernels._dot_row``).
 DOT_BLOCK = 512
 
 _LANES = PAIR_BLOCK // 2
@@ -71,7 +71,7 @@ def _decode(builder, words):
 def _round(builder, v):
     """float32 lanes rounded to bfloat16 in the top halves of their i32 words.
 
-    Round to nearest even as :func:`._numba_codec.round_bf16_ir` does (bias
+    Round to nearest even as :func:`.numba.codec.round_bf16_ir` does (bias
     0x7FFF, 0x8000 when the kept part is odd).  A NaN lane gets no bias, so
     its top half is its own: ``v`` here is always the result of a float
     multiply or add, and those return quiet NaNs (LLVM's semantics, and what
@@ -99,7 +99,7 @@ def _ptr(builder, base, byte_offset, ty):
 def dx_pairs(typingctx, x, dy, dx, g2, pc, pad, i, j0, j1, k, rc, coef, ro, e0, e1, e2, fold):
     """``dx[i, j0:j1]`` of a bfloat16 row, and its row-tree terms into pool ``pc``.
 
-    The pass of ``_numba_backward._dx_pass`` (weight, no grad_residual) for
+    The pass of ``numba.backward_kernels._dx_pass`` (weight, no grad_residual) for
     columns ``j0 .. j1`` (multiples of :data:`PAIR_BLOCK`; rows with unit
     column stride): ``dx = rc * (dy * g - xhat * c)`` with ``c = coef`` for
     columns below ``k`` and 0 from ``k`` on, ``g`` from ``g2``

@@ -1,13 +1,13 @@
 """Numba kernel of RMSNorm with quantized output (:class:`polynorm.core.options.QuantPlan`).
 
 One pass over a token: its statistic (the plain forward's own row
-functions, :func:`._numba_kernels._row_sumsq` and ``_rstd_from``), ``y`` in
+functions, :func:`.numba.kernels._row_sumsq` and ``_rstd_from``), ``y`` in
 float32 into a row buffer of the task (the operations of ``_out_span`` /
 ``_fwd_row_wide``, in their order: the bits of ``rms_norm(...,
 out_dtype="float32")``), then the scales and the encoding from that buffer,
 which is still in L1/L2.  float8 e4m3fn has no Numba type: it is encoded
 by bit manipulation into ``uint8`` (round to nearest even, as
-``ml_dtypes``), as :mod:`._numba_codec` does for bfloat16; int8 is written
+``ml_dtypes``), as :mod:`.numba.codec` does for bfloat16; int8 is written
 into the same ``uint8`` array as its two's complement.
 
 Rows run in ranges under ``prange``; a token's bits depend only on its own
