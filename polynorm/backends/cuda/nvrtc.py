@@ -153,9 +153,9 @@ def warm_cache(arch: str, names: list[str] | None = None, jobs: int | None = Non
 
     Examples
     --------
-    >>> from polynorm.backends import _nvrtc
-    >>> if _nvrtc.available()[0]:                                   # doctest: +SKIP
-    ...     _nvrtc.warm_cache("sm_90", ["pn_colsum<float, float>"], jobs=1)
+    >>> from polynorm.backends.cuda import nvrtc
+    >>> if nvrtc.available()[0]:                                   # doctest: +SKIP
+    ...     nvrtc.warm_cache("sm_90", ["pn_colsum<float, float>"], jobs=1)
     1
     """
     from concurrent.futures import ProcessPoolExecutor
