@@ -294,7 +294,7 @@ class _Layout:
     @property
     def _row_chunks(self) -> tuple:
         rest = math.prod(self.batch_shape[1:])
-        return tuple(c * rest for c in self.lead)
+        return tuple(c * rest for c in self.lead or ())
 
     def flat(self, a: Any) -> Any:
         """weight/bias (shape over the normalized axes) as ``(d,)``."""
