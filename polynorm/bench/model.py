@@ -5,8 +5,9 @@ What is modelled.  For a case (op, dtype, tokens, d) the dispatcher's launches
 machine-code figures (ptxas registers and 16-byte loads in flight per thread,
 ``bench/results/sass-kernels.json``) give each launch its shape: resident blocks per SM
 (occupancy), waves of the grid over the SMs, rows (or row slices) per block iteration, row
-iterations per block (the persistent backward grids loop), rounds of dependent loads per
-iteration, DRAM bytes and elements per iteration.  The model predicts
+iterations per block (the persistent backward grids loop), DRAM bytes and elements per
+iteration, and rounds of loads per iteration (reported only: fitted with a latency per round,
+that latency went to 0 and ``Z_f`` below took it).  The model predicts
 
 * ``copy_kernel`` -- the kernels alone (their launches replayed back to back, as
   ``bench/gpu.py`` times them) as a fraction of a device copy of the same bytes: the
@@ -167,7 +168,7 @@ class Shape:
     regs: int
     per_sm: int  # resident blocks per SM
     iters: int  # row iterations per block
-    rounds: int  # rounds of dependent loads per iteration
+    rounds: int  # rounds of loads per iteration (16-byte loads in flight per thread); reported only
     bytes_iter: float  # DRAM bytes per block iteration
     elems_iter: float  # elements per block iteration
 
