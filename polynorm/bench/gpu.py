@@ -375,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu_model:
         from polynorm.bench import model
 
-        print(model.table(model.run(todo)))
+        for row in model.predictions(todo):
+            print(row)
         return 0
     if args.dry_run:
         peers = {}

@@ -1,25 +1,47 @@
-"""Launch model of the CUDA kernels: the bandwidth each GPU bench case can reach, before a GPU.
+"""Launch model of the CUDA kernels, calibrated on the H200 records: time per call, as a fraction of a copy.
 
-For every case of :func:`polynorm.bench.gpu_cases.cases` (or the headline ones) and each device
-of :data:`DEVICES`, the launch the cupy backend makes (:mod:`polynorm.backends.cuda.launch`)
-is combined with the kernel's machine-code figures (registers and 16-byte loads in flight
-per thread -- LDG.E.128, or cp.async copies where the kernel stages rows in shared memory --
-from a ``bench/sass_report.py --out`` JSON: ptxas register counts of the NVRTC cubins) into:
+What is modelled.  For a case (op, dtype, tokens, d) the dispatcher's launches
+(:mod:`polynorm.backends.cuda.launch`: kernel, grid, block, shared memory) and the kernels'
+machine-code figures (ptxas registers and 16-byte loads in flight per thread,
+``bench/results/sass-kernels.json``) give each launch its shape: resident blocks per SM
+(occupancy), waves of the grid over the SMs, rows (or row slices) per block iteration, row
+iterations per block (the persistent backward grids loop), DRAM bytes and elements per
+iteration, and rounds of loads per iteration (reported only: fitted with a latency per round,
+that latency went to 0 and ``Z_f`` below took it).  The model predicts
 
-* theoretical occupancy (resident warps / the SM's maximum, as :func:`sass.occupancy`);
-* bytes in flight per SM: resident threads x loads in flight x 16 B, where the grid fills
-  an SM only as far as it has blocks (8 rows of one block each use 8 SMs);
-* the bandwidth bound they imply by Little's law, ``in flight x SMs used / latency``,
-  capped by the device's DRAM bandwidth, and the bytes the kernel moves beyond the op's
-  own (pn_*_big re-reading chunks that did not fit in shared memory, the backward's
-  dweight/dbias partial rows and their reduction);
-* ``frac``: the op's bytes over the predicted time, as a fraction of a device copy, taken
-  to run at the DRAM bandwidth.
+* ``copy_kernel`` -- the kernels alone (their launches replayed back to back, as
+  ``bench/gpu.py`` times them) as a fraction of a device copy of the same bytes: the
+  quantity the kernels own;
+* ``copy`` -- the end-to-end call (host planning included) as the same fraction;
 
-The latency is an assumed loaded DRAM latency per device (not measured here); the model
-ignores instruction throughput, so it is an upper bound wherever the kernel is not
-latency-bound.  ``python -m polynorm.bench.model`` (or ``bench/gpu.py --gpu-model``)
-prints the table.
+from these terms (:class:`Params`; 26 numbers fitted on the records, 21 of them for the kernels, :func:`calibrate`):
+
+* block iteration time ``t_iter = smax(Z_f, Na * b / B_sm, Na * e * c_f)``: the time one
+  block takes for one row iteration (``Z_f``, per kernel family: its loads' latency plus the
+  reduction, block barriers and double-precision epilogue that its own loads do not
+  overlap) -- so an SM moves ``Na * b`` bytes per ``Z_f``, Little's law with the ``Na``
+  resident blocks' bytes ``b`` in flight; the SM's share of DRAM bandwidth ``B_sm`` for those
+  bytes; and the SM's instruction issue for ``e`` elements each at ``c_f`` seconds per
+  element (the fusions' silu and element-wise loads make them issue-bound).  ``smax`` is a
+  smooth maximum (p-norm);
+* kernel time = the sum over the grid's waves
+  (full waves with every resident slot busy, then the partial last wave with fewer blocks
+  per SM: the tail effect) of ``iterations * t_iter``;
+* the replayed launches are issued by a Python loop: a call's kernel time is at least
+  ``launches * H_launch`` (the floor every small case sits on);
+* the copy it is compared with: ``smax(H_copy, T0_copy + bytes / B_copy)``;
+* end to end: ``smax(H_op, kernels)``, the host's time per call of the op (planning, casts,
+  DLPack) overlapping the device's.
+
+The parameters were fitted by least squares (soft-L1, i.e. close to the median absolute
+error) of both fractions on the 364 records of ``bench/results/gpu-2026-12-04b-h200.json``;
+:func:`holdout` refits on half of the shapes and reports the error on the other half.
+``polynorm bench --gpu-model`` prints the error and the prediction beside each measurement;
+``--json`` writes them (``bench/results/model-2026-12-06-h200.json``).
+
+>>> p = predict("fwd", "bfloat16", 32768, 4096)
+>>> p["kernels"][0]["kernel"].split("<")[0], 0.3 < p["copy_kernel"] < 0.7
+('pn_fwd', True)
 """
 
 from __future__ import annotations
@@ -27,58 +49,93 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from polynorm.backends.cuda import launch as cl
 from polynorm.bench import sass
-from polynorm.bench.gpu_cases import cases, op_bytes
+from polynorm.bench.gpu_cases import op_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_SASS = ROOT / "bench" / "results" / "sass-kernels.json"
+RECORDS = ROOT / "bench" / "results" / "gpu-2026-12-04b-h200.json"
+DEFAULT_JSON = ROOT / "bench" / "results" / "model-2026-12-06-h200.json"
 
 
 @dataclass(frozen=True)
 class Device:
     name: str
-    arch: str  # whose register counts are used (sm_89 runs sm_80's code figures)
+    arch: str  # whose register counts are used
     sms: int
-    bandwidth: float  # DRAM bytes / s
-    latency: float  # assumed loaded DRAM latency, seconds
+    bandwidth: float  # DRAM bytes / s (data sheet)
     warps: int  # max resident warps per SM
     blocks: int  # max resident blocks per SM
     smem: int  # shared memory per SM (bytes)
     smem_block: int  # opt-in shared memory per block
 
 
-#: data-sheet figures; latencies are assumptions of the model
-DEVICES = (
-    Device("H100", "sm_90", 132, 3.35e12, 750e-9, 64, 32, 228 * 1024, 227 * 1024),
-    Device("H200", "sm_90", 132, 4.8e12, 750e-9, 64, 32, 228 * 1024, 227 * 1024),
-    Device("A100", "sm_80", 108, 2.039e12, 650e-9, 64, 32, 164 * 1024, 163 * 1024),
-    Device("L40S", "sm_80", 142, 0.864e12, 650e-9, 48, 24, 100 * 1024, 99 * 1024),
+H200 = Device("H200", "sm_90", 132, 4.8e12, 64, 32, 228 * 1024, 227 * 1024)
+
+#: kernel families: the part of the name before '<', split kernels by phase
+FAMILIES = ("fwd", "fwd_small", "fwd_big", "fwd_split", "bwd", "bwd_small", "bwd_big", "bwd_split",
+            "colsum", "gated", "quant")
+
+
+@dataclass(frozen=True)
+class Params:
+    """The model's fitted numbers (seconds, bytes/s).  ``z``: per-family time of one row
+    iteration of a block when neither bound below binds (the latency Little's law divides
+    the bytes in flight by); ``c``: per-family issue time per element per SM (families
+    without an entry never reach an issue bound)."""
+
+    bw: float  # B: DRAM bandwidth the kernels reach (B_sm = B / SMs)
+    host_launch: float  # H_launch: the replay loop's host time per launch
+    copy_host: float  # H_copy: the copy's host floor
+    copy_launch: float  # T0_copy: the copy's device time beyond bytes / B_copy
+    copy_bw: float  # B_copy
+    p: float  # smooth-max exponent
+    z: dict  # family -> Z_f
+    c: dict  # family -> c_f
+    host_op: dict  # op -> H_op (end to end only)
+
+    def count(self) -> int:
+        """How many numbers were fitted."""
+        return 6 + len(self.z) + len(self.c) + len(self.host_op)
+
+
+#: the families with a fixed iteration time / an issue bound (the others' fits went to 0)
+Z_FAMILIES = ("fwd", "fwd_small", "fwd_big", "fwd_split", "bwd", "bwd_small", "bwd_big", "bwd_split", "gated")
+C_FAMILIES = ("fwd", "fwd_big", "bwd", "bwd_big", "gated", "quant")
+OPS = ("fwd", "add", "bwd", "gated", "quant")
+
+# fitted by `python -m polynorm.bench.model --fit` on RECORDS (calibrate); pasted here
+PARAMS = Params(
+    bw=4.215e12, host_launch=1.290e-05, copy_host=6.478e-06, copy_launch=2.285e-07, copy_bw=4.214e12, p=2.399,
+    z={"fwd": 2.175e-06, "fwd_small": 2.412e-06, "fwd_big": 3.142e-06, "fwd_split": 3.488e-06,
+       "bwd": 1.806e-06, "bwd_small": 4.350e-06, "bwd_big": 3.072e-06, "bwd_split": 4.177e-06,
+       "gated": 2.407e-06},
+    c={"fwd": 1.737e-10, "fwd_big": 3.109e-10, "bwd": 3.152e-10, "bwd_big": 7.964e-10, "gated": 8.178e-10,
+       "quant": 6.479e-10},
+    host_op={"fwd": 1.403e-04, "add": 1.538e-04, "bwd": 1.900e-04, "gated": 2.816e-04, "quant": 3.498e-04},
 )
 
-#: the cases the README quotes
-HEADLINE = (("fwd", "bfloat16", 16384, 4096), ("bwd", "bfloat16", 16384, 4096),
-            ("fwd", "bfloat16", 1 << 21, 128), ("bwd", "bfloat16", 1 << 21, 128),
-            ("fwd", "bfloat16", 8, 262144), ("bwd", "bfloat16", 8, 262144))
-
-DEFAULT_SASS = Path(__file__).resolve().parents[2] / "bench" / "results" / "sass-kernels.json"
+HEADLINE = (("fwd", "bfloat16", 32768, 4096), ("add", "bfloat16", 32768, 4096),
+            ("bwd", "bfloat16", 32768, 4096), ("fwd", "bfloat16", 4096, 16384),
+            ("bwd", "bfloat16", 32768, 8192), ("gated", "bfloat16", 32768, 4096),
+            ("quant", "bfloat16", 32768, 4096), ("fwd", "bfloat16", 1 << 21, 128),
+            ("bwd", "bfloat16", 1 << 21, 128), ("fwd", "bfloat16", 8, 262144))
 
 
 def load_kernels(path: Path = DEFAULT_SASS) -> dict[tuple[str, str], dict]:
-    """(arch, kernel name) -> {regs, ldg128_inflight, inflight, static_smem} from a sass_report JSON."""
+    """(arch, kernel name) -> {regs, inflight, static_smem, ...} from a sass_report JSON."""
     doc = json.loads(Path(path).read_text())
     return {(k["arch"], k["name"]): k for k in doc["kernels"]}
 
 
-def _loads(k: dict) -> int:
-    """16-byte loads in flight per thread: LDG.E.128 or cp.async copies, whichever is more
-    (:mod:`polynorm.bench.sass`; reports without the cp.async count have LDG only)."""
-    return max(1, k.get("inflight", k["ldg128_inflight"]))
-
-
-def _occupancy(dev: Device, regs: int, block: int, dyn: int, static: int) -> tuple[int, str]:
-    """Resident blocks per SM and the limiting resource."""
+def occupancy(dev: Device, regs: int, block: int, dyn: int, static: int) -> tuple[int, str]:
+    """Resident blocks per SM and the limiting resource (as :func:`sass.occupancy`)."""
     lim = sass.LIMITS[dev.arch]
     warps = math.ceil(block / 32)
     by = {"warps": dev.warps // warps, "blocks": dev.blocks}
@@ -91,116 +148,361 @@ def _occupancy(dev: Device, regs: int, block: int, dyn: int, static: int) -> tup
     return by[limiter], limiter
 
 
-def predict(op: str, dtype: str, n: int, d: int, dev: Device, kernels: dict) -> dict:
-    """The model's figures for one case on one device (see the module docstring)."""
+# ------------------------------------------------------------------ the launches of a case
 
+
+def family(name: str) -> str:
+    base = name.split("<")[0][3:]  # drop "pn_"
+    return {"gated_fwd": "gated", "quant_fwd": "quant"}.get(base, base)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One launch as the model sees it."""
+
+    kernel: str
+    family: str
+    grid: int
+    block: int
+    shared: int
+    regs: int
+    per_sm: int  # resident blocks per SM
+    iters: int  # row iterations per block
+    rounds: int  # rounds of loads per iteration (16-byte loads in flight per thread); reported only
+    bytes_iter: float  # DRAM bytes per block iteration
+    elems_iter: float  # elements per block iteration
+
+
+def launches(op: str, dtype: str, n: int, d: int, dev: Device = H200,
+             kernels: dict | None = None) -> list[Shape]:
+    """The launches the cupy backend makes for the case, described for the model."""
+    kernels = kernels if kernels is not None else _kernels()
     item = cl.ITEMSIZE[dtype]
-    smem_cap = min(dev.smem_block, cl.DEFAULT_SMEM)
-    if op == "bwd":
-        la = cl.backward_launch(n, d, dtype, dtype, dtype, num_sms=dev.sms, max_smem=smem_cap)
-    else:
-        la = cl.forward_launch(n, d, dtype, dtype if op == "add" else None, dtype, dtype, max_smem=smem_cap)
-    if la.slices:
-        return _predict_split(op, dtype, n, d, dev, kernels, la)
-    k = kernels[(dev.arch, la.name)]
-    per_sm, limiter = _occupancy(dev, k["regs"], la.block, la.shared, k["static_smem"])
-    occ = per_sm * math.ceil(la.block / 32) / dev.warps
-    used_sms = min(dev.sms, la.grid)
-    active = min(per_sm, math.ceil(la.grid / dev.sms)) if per_sm else 0
-    inflight = active * la.block * _loads(k) * 16
-    bound = min(dev.bandwidth, inflight * used_sms / dev.latency)
-    # waves: a non-persistent grid's last wave leaves SMs idle
-    slots = per_sm * dev.sms
-    waves = la.grid / slots if slots else math.inf
-    wave_eff = waves / math.ceil(waves) if waves >= 1 and not la.name.startswith("pn_bwd") else 1.0
-    useful = op_bytes(op, dtype, n, d)
-    moved = useful
-    if la.big:  # chunks that did not fit in shared memory are read again
-        vec = cl.VEC[dtype]
-        moved += n * max(0, d // vec - la.stash) * vec * item * (2 if op == "bwd" else 1)
-    if op == "bwd" and la.partial_rows:  # dweight + dbias partials written, then reduced
-        moved += 2 * 2 * la.partial_rows * la.ldp * cl.ITEMSIZE[cl.compute_dtype(dtype)]
-    seconds = moved / (bound * wave_eff) if bound else math.inf
-    frac = useful / seconds / dev.bandwidth
-    return {"op": op, "dtype": dtype, "n": n, "d": d, "device": dev.name, "kernel": la.name,
-            "grid": la.grid, "block": la.block, "shared": la.shared, "regs": k["regs"],
-            "inflight": _loads(k), "occupancy": round(occ, 4), "limiter": limiter,
-            "sms_used": used_sms, "inflight_per_sm": inflight, "bound_gbps": round(bound / 1e9, 1),
-            "moved_over_useful": round(moved / useful, 4), "frac": round(frac, 4)}
+    vec = cl.VEC[dtype]
+    smem_cap = dev.smem_block
+    ct = cl.ITEMSIZE[cl.compute_dtype(dtype)]
+    out: list[Shape] = []
 
-
-def _predict_split(op: str, dtype: str, n: int, d: int, dev: Device, kernels: dict, la: cl.Launch) -> dict:
-    """:func:`predict` for a pn_*_split launch: its two phases in turn, each bound by its own
-    bytes in flight.  Phase 1 reads the row (and writes h), phase 2 reads it again (counted
-    as DRAM traffic although it is mostly an L2 hit) and writes the outputs and, in the
-    backward, one dweight + dbias partial row per row."""
-
-    a = n * d * cl.ITEMSIZE[dtype]
-    useful = op_bytes(op, dtype, n, d)
-    first = {"fwd": a, "add": 3 * a, "bwd": 2 * a}[op]
-    second = {"fwd": 2 * a, "add": 2 * a, "bwd": 3 * a}[op] + (useful - {"fwd": 2, "add": 4, "bwd": 3}[op] * a)
-    if op == "bwd" and la.partial_rows:
-        second += 2 * la.partial_rows * la.ldp * cl.ITEMSIZE[cl.compute_dtype(dtype)]
-    seconds, parts = 0.0, []
-    for name, moved in ((la.name, first), (la.name2, second)):
+    def shape(name, grid, block, shared, iters, rounds, bytes_iter, elems_iter):
         k = kernels[(dev.arch, name)]
-        per_sm, limiter = _occupancy(dev, k["regs"], la.block, la.shared, k["static_smem"])
-        active = min(per_sm, math.ceil(la.grid / dev.sms)) if per_sm else 0
-        inflight = active * la.block * _loads(k) * 16
-        used_sms = min(dev.sms, la.grid)
-        bound = min(dev.bandwidth, inflight * used_sms / dev.latency)
-        seconds += moved / bound if bound else math.inf
-        parts.append((k, per_sm, limiter, inflight, bound, used_sms))
-    if op == "bwd" and la.partial_rows:  # pn_colsum reads the partial rows back
-        seconds += 2 * la.partial_rows * la.ldp * cl.ITEMSIZE[cl.compute_dtype(dtype)] / dev.bandwidth
-    k, per_sm, limiter, inflight, _, used_sms = min(parts, key=lambda p: p[4])
-    occ = per_sm * math.ceil(la.block / 32) / dev.warps
-    return {"op": op, "dtype": dtype, "n": n, "d": d, "device": dev.name, "kernel": la.name,
-            "grid": la.grid, "block": la.block, "shared": la.shared, "regs": k["regs"],
-            "inflight": _loads(k), "occupancy": round(occ, 4), "limiter": limiter,
-            "sms_used": used_sms, "inflight_per_sm": inflight,
-            "bound_gbps": round((first + second) / seconds / 1e9, 1),
-            "moved_over_useful": round((first + second) / useful, 4),
-            "frac": round(useful / seconds / dev.bandwidth, 4)}
+        per_sm, _ = occupancy(dev, k["regs"], block, shared, k["static_smem"])
+        out.append(Shape(name, family(name), grid, block, shared, k["regs"], per_sm, iters,
+                         rounds, bytes_iter, elems_iter))
+
+    def loads(k_name: str) -> int:
+        return max(1, kernels[(dev.arch, k_name)].get("inflight", 1))
+
+    arrays = {"fwd": 2, "add": 4, "bwd": 3, "gated": 3}  # token-sized arrays moved
+    if op in ("fwd", "add"):
+        la = cl.forward_launch(n, d, dtype, dtype if op == "add" else None, dtype, dtype,
+                               max_smem=smem_cap, num_sms=dev.sms)
+        row = arrays[op] * d * item
+        if la.slices:  # two phases over (row, slice) blocks; phase 2 re-reads the slice
+            span = d / la.slices
+            cpt = math.ceil(span / vec / la.block)
+            first = (1 if op == "fwd" else 3) * span * item
+            shape(la.name, la.grid, la.block, 0, 1, math.ceil(cpt / loads(la.name)), first, span)
+            second = (2 if op == "fwd" else 2) * span * item
+            shape(la.name2, la.grid, la.block, 0, 1, math.ceil(cpt / loads(la.name2)), second, span)
+        elif la.big:  # one row per block, two passes; chunks beyond the stash read again
+            cpt = math.ceil(d / vec / la.block)
+            reread = max(0, d // vec - la.stash) * vec * item
+            shape(la.name, la.grid, la.block, la.shared, 1, 2 * math.ceil(cpt / loads(la.name)),
+                  row + reread, d)
+        else:
+            rows = la.block // la.tpr
+            shape(la.name, la.grid, la.block, la.shared, 1, 1, rows * row, rows * d)
+    elif op == "bwd":
+        la = cl.backward_launch(n, d, dtype, dtype, dtype, num_sms=dev.sms, max_smem=smem_cap)
+        row = arrays[op] * d * item
+        part = la.partial_rows * la.ldp * ct
+        if la.slices:
+            span = d / la.slices
+            cpt = math.ceil(span / vec / la.block)
+            shape(la.name, la.grid, la.block, 0, 1, math.ceil(cpt / loads(la.name)), 2 * span * item, span)
+            shape(la.name2, la.grid, la.block, 0, 1, math.ceil(cpt / loads(la.name2)),
+                  3 * span * item + part / la.grid, span)
+        elif la.big:  # persistent: grid blocks loop over the rows
+            cpt = math.ceil(d / vec / la.block)
+            reread = max(0, d // vec - la.stash) * vec * 2 * item
+            iters = math.ceil(n / la.grid)
+            shape(la.name, la.grid, la.block, la.shared, iters, 2 * math.ceil(cpt / loads(la.name)),
+                  row + reread + part / max(1, n), d)
+        else:
+            rows = la.block // la.tpr
+            iters = math.ceil(n / (la.grid * rows))
+            shape(la.name, la.grid, la.block, la.shared, iters, 1,
+                  rows * row + part / max(1, iters * la.grid) * 1.0, rows * d)
+        cs = cl.colsum_launch(d, cl.compute_dtype(dtype), dtype)
+        # pn_colsum: each block sums 32 columns over the partial rows
+        shape(cs.name, cs.grid, cs.block, 0, 1, math.ceil(la.partial_rows * 32 / cs.block),
+              la.partial_rows * 32 * ct, la.partial_rows * 32)
+    elif op in ("gated", "quant"):
+        la = cl.gated_forward_launch(n, d, d, dtype) if op == "gated" else cl.quant_launch(n, d, dtype)
+        rows = la.block // la.tpr
+        row = (3 * d * item) if op == "gated" else (3 * d * item + d)
+        cpt = math.ceil(d / vec / la.tpr)
+        shape(la.name, la.grid, la.block, 0, 1, 2 * math.ceil(cpt / loads(la.name)), rows * row, rows * d)
+    else:
+        raise ValueError(f"op must be one of fwd, add, bwd, gated, quant, not {op!r}")
+    return out
+
+
+_KERNELS: dict | None = None
+
+
+def _kernels() -> dict:
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = load_kernels()
+    return _KERNELS
+
+
+# ------------------------------------------------------------------ the time model
+
+
+def smax(vals: list[float], p: float) -> float:
+    """Smooth maximum: the p-norm of ``vals`` (max as p grows)."""
+    top = max(vals)
+    return top * sum((v / top) ** p for v in vals) ** (1.0 / p) if top > 0 else 0.0
+
+
+def launch_time(s: Shape, prm: Params, dev: Device = H200) -> float:
+    """Device seconds of one launch (see the module docstring)."""
+    z = prm.z.get(s.family, 0.0)
+    c = prm.c.get(s.family, 0.0)
+    b_sm = prm.bw / dev.sms
+    per_sm = max(1, s.per_sm)
+
+    def t_iter(na: int) -> float:
+        return smax([z, na * s.bytes_iter / b_sm, na * s.elems_iter * c], prm.p)
+
+    slots = per_sm * dev.sms
+    full, rest = divmod(s.grid, slots)
+    t = full * s.iters * t_iter(per_sm)
+    if rest:
+        t += s.iters * t_iter(math.ceil(rest / dev.sms))
+    return t
+
+
+def copy_time(nbytes: int, prm: Params) -> float:
+    return smax([prm.copy_host, prm.copy_launch + nbytes / prm.copy_bw], prm.p)
+
+
+def predict(op: str, dtype: str, n: int, d: int, prm: Params = PARAMS, dev: Device = H200,
+            kernels: dict | None = None) -> dict:
+    """Predicted kernel and end-to-end seconds and fractions of a copy for one case.
+
+    >>> p = predict("add", "bfloat16", 32768, 4096)
+    >>> [k["kernel"].split("<")[0] for k in p["kernels"]], p["copy_kernel"] > p["copy"]
+    (['pn_fwd'], True)
+    """
+    shapes = launches(op, dtype, n, d, dev, kernels)
+    dev_t = sum(launch_time(s, prm, dev) for s in shapes)
+    kern = smax([len(shapes) * prm.host_launch, dev_t], prm.p)
+    e2e = smax([prm.host_op[op], kern], prm.p)
+    t_copy = copy_time(op_bytes(op, dtype, n, d), prm)
+    return {"op": op, "dtype": dtype, "tokens": n, "d": d,
+            "kernels": [{"kernel": s.kernel, "grid": s.grid, "block": s.block, "shared": s.shared,
+                         "per_sm": s.per_sm, "iters": s.iters, "rounds": s.rounds,
+                         "seconds": launch_time(s, prm, dev)} for s in shapes],
+            "device_seconds": dev_t, "kernel_seconds": kern, "seconds": e2e, "copy_seconds": t_copy,
+            "copy_kernel": t_copy / kern, "copy": t_copy / e2e}
+
+
+# ------------------------------------------------------------------ the records, the error, the fit
+
+
+def load_records(path: Path = RECORDS) -> list[dict]:
+    """The GPU benchmark's records (``bench/gpu.py`` JSON) that have a kernel time."""
+    recs = json.loads(Path(path).read_text())["records"]
+    return [r for r in recs if "copy_kernel" in r["ratios"] and "kernel_seconds" in r["extra"]]
+
+
+def compare(records: list[dict], prm: Params = PARAMS, kernels: dict | None = None) -> list[dict]:
+    """Prediction beside measurement for each record (its case and launches)."""
+    kernels = kernels if kernels is not None else _kernels()
+    rows = []
+    for r in records:
+        p = predict(r["op"], r["dtype"], r["tokens"], r["d"], prm, kernels=kernels)
+        e = r["extra"]
+        rows.append({"op": r["op"], "dtype": r["dtype"], "tokens": r["tokens"], "d": r["d"],
+                     "kernel": e["kernel"], "grid": e["grid"], "block": e["block"], "shared": e["shared"],
+                     "launches": len(e["launches"]),
+                     "launch_matches": [k["kernel"] for k in p["kernels"]] == e["launches"]
+                     and (p["kernels"][0]["grid"], p["kernels"][0]["block"], p["kernels"][0]["shared"])
+                     == (e["grid"], e["block"], e["shared"]),
+                     "copy_kernel": round(r["ratios"]["copy_kernel"], 4), "pred_copy_kernel": round(p["copy_kernel"], 4),
+                     "copy": round(r["ratios"]["copy"], 4), "pred_copy": round(p["copy"], 4),
+                     "kernel_us": round(e["kernel_seconds"] * 1e6, 2), "pred_kernel_us": round(p["kernel_seconds"] * 1e6, 2)})
+    return rows
+
+
+def _q(vals: list[float], f: float) -> float:
+    v = sorted(vals)
+    return v[min(len(v) - 1, int(f * len(v)))]
+
+
+def errors(rows: list[dict]) -> dict:
+    """Median and 90th percentile of |prediction - measurement|, overall and per op."""
+
+    def summ(sub: list[dict]) -> dict:
+        out = {"n": len(sub)}
+        for key in ("copy_kernel", "copy"):
+            err = [abs(r[f"pred_{key}"] - r[key]) for r in sub]
+            out[key] = {"median": round(statistics.median(err), 4), "p90": round(_q(err, 0.9), 4)}
+        return out
+
+    res = {"all": summ(rows)}
+    for op in OPS:
+        sub = [r for r in rows if r["op"] == op]
+        if sub:
+            res[op] = summ(sub)
+    return res
+
+
+def _pack(prm: Params) -> list[float]:
+    return ([math.log(getattr(prm, f.name)) for f in fields(Params) if f.name not in ("z", "c", "host_op")]
+            + [math.log(prm.z[f]) for f in Z_FAMILIES] + [math.log(prm.c[f]) for f in C_FAMILIES]
+            + [math.log(prm.host_op[o]) for o in OPS])
+
+
+def _unpack(x: list[float]) -> Params:
+    names = [f.name for f in fields(Params) if f.name not in ("z", "c", "host_op")]
+    g = {k: math.exp(v) for k, v in zip(names, x[:len(names)], strict=True)}
+    i = len(names)
+    z = {f: math.exp(x[i + j]) for j, f in enumerate(Z_FAMILIES)}
+    i += len(Z_FAMILIES)
+    c = {f: math.exp(x[i + j]) for j, f in enumerate(C_FAMILIES)}
+    i += len(C_FAMILIES)
+    return Params(**g, z=z, c=c, host_op={o: math.exp(x[i + j]) for j, o in enumerate(OPS)})
+
+
+def calibrate(records: list[dict], start: Params = PARAMS, time_weight: float = 0.1) -> Params:
+    """Least squares (soft L1, scale 0.02: close to the median absolute error) of both
+    fractions of a copy, plus ``time_weight`` x the log of predicted over measured seconds
+    (kernels, end to end, copy) so that the times, not only their ratios, are physical.
+    Needs scipy."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    kernels = _kernels()
+    shapes = [launches(r["op"], r["dtype"], r["tokens"], r["d"], kernels=kernels) for r in records]
+    x0 = _pack(start)
+    ip = [f.name for f in fields(Params)].index("p")
+
+    def res(x):
+        prm = _unpack(x)
+        out = []
+        for r, sh in zip(records, shapes, strict=True):
+            dev_t = sum(launch_time(s, prm) for s in sh)
+            kern = smax([len(sh) * prm.host_launch, dev_t], prm.p)
+            e2e = smax([prm.host_op[r["op"]], kern], prm.p)
+            tc = copy_time(r["bytes"], prm)
+            mt = r["seconds"]
+            out += [tc / kern - r["ratios"]["copy_kernel"], tc / e2e - r["ratios"]["copy"],
+                    time_weight * math.log(kern / r["extra"]["kernel_seconds"]),
+                    time_weight * math.log(e2e / mt), time_weight * math.log(tc / (r["ratios"]["copy"] * mt))]
+        return np.array(out)
+
+    lb, ub = [-np.inf] * len(x0), [np.inf] * len(x0)
+    lb[ip], ub[ip] = 0.0, math.log(30.0)
+    x0[ip] = min(max(x0[ip], 0.01), math.log(29.0))
+    fit = least_squares(res, x0, bounds=(lb, ub), loss="soft_l1", f_scale=0.02, max_nfev=2000)
+    return _unpack(list(fit.x))
+
+
+def holdout(records: list[dict], start: Params = PARAMS) -> dict:
+    """Fit on half of the (tokens, d) shapes (every other one, sorted), report the error on
+    the other half; and the other way round."""
+    shapes = sorted({(r["tokens"], r["d"]) for r in records})
+    halves = (set(shapes[0::2]), set(shapes[1::2]))
+    out = {}
+    for name, fit_on in zip(("A", "B"), halves, strict=True):
+        a = [r for r in records if (r["tokens"], r["d"]) in fit_on]
+        b = [r for r in records if (r["tokens"], r["d"]) not in fit_on]
+        prm = calibrate(a, start)
+        out[f"fit on {name}"] = {"shapes": sorted(fit_on), "fitted": errors(compare(a, prm))["all"],
+                                 "held out": errors(compare(b, prm))}
+    return out
+
+
+# ------------------------------------------------------------------ report
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'case':28} {'dev':5} {'kernel':10} {'grid':>7} {'blk':>4} {'regs':>4} {'ld':>3} "
-            f"{'occ%':>4} {'SMs':>4} {'KB/SM':>6} {'bound GB/s':>10} {'frac':>5}")
-    lines = [head]
+    head = (f"{'case':26} {'kernel':13} {'grid':>6} {'blk':>4} {'L':>1} | {'kernel-only copy':>16} | "
+            f"{'end-to-end copy':>15} | {'kernel us':>17}")
+    sub = f"{'':26} {'':13} {'':>6} {'':>4} {'':>1} | {'meas':>7} {'pred':>8} | {'meas':>6} {'pred':>8} | {'meas':>8} {'pred':>8}"
+    lines = [head, sub]
     for r in rows:
-        case = f"{r['op']} {r['dtype']} {r['n']}x{r['d']}"
-        lines.append(f"{case:28} {r['device']:5} {r['kernel'].split('<')[0]:10} {r['grid']:7d} {r['block']:4d} "
-                     f"{r['regs']:4d} {r['inflight']:3d} {100 * r['occupancy']:4.0f} {r['sms_used']:4d} "
-                     f"{r['inflight_per_sm'] / 1024:6.1f} {r['bound_gbps']:10.1f} {r['frac']:5.2f}")
+        case = f"{r['op']} {r['dtype']} {r['tokens']}x{r['d']}"
+        lines.append(f"{case:26} {r['kernel'].split('<')[0]:13} {r['grid']:6d} {r['block']:4d} {r['launches']:1d} | "
+                     f"{r['copy_kernel']:7.3f} {r['pred_copy_kernel']:8.3f} | {r['copy']:6.3f} {r['pred_copy']:8.3f} | "
+                     f"{r['kernel_us']:8.1f} {r['pred_kernel_us']:8.1f}")
     return "\n".join(lines)
 
 
-def run(cases: list[tuple[str, str, int, int]] | None = None, devices: tuple[Device, ...] = DEVICES,
-        sass_json: Path = DEFAULT_SASS) -> list[dict]:
-    """Predictions for ``cases`` (default :data:`HEADLINE`) on ``devices``.
+def error_lines(err: dict) -> str:
+    lines = [f"{'':6} {'n':>4}  copy_kernel |err| median / p90   copy |err| median / p90"]
+    for k, v in err.items():
+        lines.append(f"{k:6} {v['n']:4d}  {v['copy_kernel']['median']:8.3f} / {v['copy_kernel']['p90']:.3f}"
+                     f"{'':18}{v['copy']['median']:8.3f} / {v['copy']['p90']:.3f}")
+    return "\n".join(lines)
 
-    >>> rows = run([("fwd", "bfloat16", 16384, 4096)], devices=DEVICES[1:2])
-    >>> rows[0]["device"], 0 < rows[0]["frac"] <= 1
-    ('H200', True)
-    """
-    kernels = load_kernels(sass_json)
-    return [predict(*c, dev, kernels) for c in (cases or HEADLINE) for dev in devices]
+
+def predictions(cases: list[tuple[str, str, int, int]], prm: Params = PARAMS) -> list[dict]:
+    """Predicted fractions for cases without a measurement (e.g. new launches)."""
+    out = []
+    for c in cases:
+        p = predict(*c, prm)
+        out.append({"op": c[0], "dtype": c[1], "tokens": c[2], "d": c[3],
+                    "kernels": [k["kernel"].split("<")[0] for k in p["kernels"]],
+                    "pred_copy_kernel": round(p["copy_kernel"], 4), "pred_copy": round(p["copy"], 4)})
+    return out
+
+
+def report(records_path: Path = RECORDS, prm: Params = PARAMS, headline_only: bool = False) -> tuple[str, dict]:
+    """The text ``polynorm bench --gpu-model`` prints and the JSON document it can write."""
+    rows = compare(load_records(records_path), prm)
+    err = errors(rows)
+    shown = [r for r in rows if (r["op"], r["dtype"], r["tokens"], r["d"]) in HEADLINE] if headline_only else rows
+    text = "\n".join([
+        f"launch model (polynorm/bench/model.py, {prm.count()} fitted numbers) against "
+        f"{Path(records_path).name}: {len(rows)} records, "
+        f"{sum(r['launch_matches'] for r in rows)} with the same launches as the dispatcher's today",
+        error_lines(err), "", table(shown)])
+    doc = {"what": f"Launch model (polynorm/bench/model.py) against {Path(records_path).name}: prediction "
+                   "beside measurement per record, the error, the fitted parameters "
+                   "(python -m polynorm.bench.model --holdout --json FILE)",
+           "records_file": str(Path(records_path).name), "device": H200.name,
+           "modelled": "copy_kernel: kernels alone (launches replayed) / device copy of the same bytes; "
+                       "copy: end to end (host included) / the same copy",
+           "params": asdict(prm), "fitted_numbers": prm.count(), "errors": err, "rows": rows}
+    return text, doc
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m polynorm.bench.model", description=__doc__.split("\n\n")[0])
-    p.add_argument("--all", action="store_true", help="every GPU bench case, not only the headline ones")
-    p.add_argument("--sass", type=Path, default=DEFAULT_SASS, help="sass_report JSON (register counts)")
-    p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--records", type=Path, default=RECORDS, help="bench/gpu.py JSON to compare with")
+    p.add_argument("--headline", action="store_true", help="the table for the headline cases only")
+    p.add_argument("--json", type=Path, help="write the predictions and errors here")
+    p.add_argument("--fit", action="store_true", help="refit the parameters on --records and print them (scipy)")
+    p.add_argument("--holdout", action="store_true", help="fit on half of the shapes, report the other half (scipy)")
     args = p.parse_args(argv)
-
-    # the model covers the plain kernels' launches; the fusion cases are measured only
-    modelled = [c for c in cases() if c[0] in ("fwd", "add", "bwd")]
-    rows = run(modelled if args.all else None, sass_json=args.sass)
-    print(table(rows))
+    prm = PARAMS
+    extra: dict = {}
+    if args.fit:
+        prm = calibrate(load_records(args.records))
+        print(prm)
+    if args.holdout:
+        extra["holdout"] = holdout(load_records(args.records), prm)
+    text, doc = report(args.records, prm, args.headline)
+    print(text)
+    if extra:
+        print(json.dumps(extra, indent=1))
     if args.json:
-        args.json.write_text(json.dumps({"devices": [d.__dict__ for d in DEVICES], "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps({**doc, **extra}, indent=1) + "\n")
     return 0
 
 

@@ -83,8 +83,9 @@ def _parser() -> argparse.ArgumentParser:
                         "beside README)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("--gpu-model", action="store_true",
-                   help="print the CUDA launch model's predictions (occupancy, bytes in flight, "
-                        "bound) for H100/H200/A100/L40S instead of measuring; needs no GPU")
+                   help="measure nothing: the CUDA launch model calibrated on the H200 records, its "
+                        "error and its prediction beside each measurement (--json: write them); "
+                        "needs no GPU")
     return p
 
 
@@ -280,7 +281,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.gpu_model:
         from polynorm.bench import model
 
-        print(model.table(model.run()))
+        _check_output("--json", args.json)
+        text, doc = model.report()
+        print(text)
+        if args.json:
+            import json
+            from pathlib import Path
+
+            Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
         return 0
 
     for flag in ("json", "plot", "markdown"):
