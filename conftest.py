@@ -136,8 +136,46 @@ def missing_for(path: Path, root: Path = ROOT, package: str = PACKAGE) -> list[s
     return sorted(lib for lib in needs(name, root, package) if _missing(lib))
 
 
+def example_needs(text: str, root: Path = ROOT, package: str = PACKAGE) -> frozenset[str]:
+    """The outside libraries that the ``>>>`` examples of a text file import (polynorm
+    modules counted by what importing them needs, as for modules)."""
+    lines = [ln.strip()[4:] for ln in text.splitlines() if ln.strip().startswith((">>> ", "... "))]
+    libs: set[str] = set()
+    for line in lines:
+        try:
+            nodes = ast.parse(line).body
+        except SyntaxError:  # a line of a multi-line statement
+            continue
+        for node in _eager_imports(nodes):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""])
+            for name in names:
+                if name == package or name.startswith(package + "."):
+                    libs |= needs(name, root, package)
+                elif name:
+                    libs.add(name.split(".")[0])
+    return frozenset(libs)
+
+
 def pytest_ignore_collect(collection_path, config):
     if missing_for(collection_path):
         return True
     return None
+
+
+def pytest_collection_modifyitems(config, items):
+    # a text file's doctests (README.md) run as one item: skipped, with the reason, when
+    # a library its examples import is missing (the rule above, for examples)
+    import pytest
+
+    missing: dict[Path, list[str]] = {}
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.suffix != ".md":
+            continue
+        if path not in missing:
+            missing[path] = sorted(lib for lib in example_needs(path.read_text()) if _missing(lib))
+        if missing[path]:
+            item.add_marker(pytest.mark.skip(
+                reason=f"its examples import {', '.join(missing[path])}, missing here"))
 

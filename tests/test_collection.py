@@ -190,3 +190,30 @@ def test_rule_for_each_optional_library_alone():
     for lib in libs:
         if lib not in required:
             _check([lib])
+
+
+def test_example_needs_reads_the_imports_of_a_texts_examples():
+    rule = _rule()
+    text = textwrap.dedent("""
+        Some prose mentioning import os.
+
+        >>> import numpy as np
+        >>> import polynorm.torch as pnt
+        >>> from dask import array as da
+        >>> for i in range(2):
+        ...     import json
+    """)
+    got = rule.example_needs(text)
+    assert {"numpy", "torch", "dask"} <= got  # polynorm.torch counted by what it imports
+    assert "polynorm" not in got
+
+
+def test_readme_examples_are_left_out_without_their_libraries():
+    script = _BLOCK + textwrap.dedent("""
+        import pytest
+
+        sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "README.md"]))
+    """)
+    out = _run(script, _optional_libraries())
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "1 skipped" in out.stdout
