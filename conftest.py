@@ -164,18 +164,17 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # a text file's doctests (README.md) run as one item: skipped, with the reason, when
-    # a library its examples import is missing (the rule above, for examples)
+    # a doctest (a docstring's examples, or README.md's, which run as one item) is skipped,
+    # with the reason, when a library its examples import is missing: the rule above,
+    # for examples
     import pytest
 
-    missing: dict[Path, list[str]] = {}
     for item in items:
-        path = Path(str(item.fspath))
-        if path.suffix != ".md":
+        test = getattr(item, "dtest", None)
+        if test is None:
             continue
-        if path not in missing:
-            missing[path] = sorted(lib for lib in example_needs(path.read_text()) if _missing(lib))
-        if missing[path]:
+        text = "\n".join(">>> " + line for ex in test.examples for line in ex.source.splitlines())
+        missing = sorted(lib for lib in example_needs(text) if _missing(lib))
+        if missing:
             item.add_marker(pytest.mark.skip(
-                reason=f"its examples import {', '.join(missing[path])}, missing here"))
-
+                reason=f"its examples import {', '.join(missing)}, missing here"))

@@ -144,9 +144,9 @@ if [ "$MODE" = run ]; then
     log "host-overhead profile exit status $? (gpu_overhead.txt)"
 fi
 
-# ---- the prediction, before the measurement (pure Python; register counts from
-# bench/results/sass-kernels.json)
-"$PY" -m polynorm.bench.model --all >"$RESULTS/gpu_model.txt" 2>&1
+# ---- the prediction, before the measurement (pure Python: the calibrated launch model, its
+# error on the committed H200 records and its prediction of every case's launches)
+"$PY" -m polynorm.bench.model >"$RESULTS/gpu_model.txt" 2>&1
 log "launch model exit status $? (gpu_model.txt)"
 
 # ---- benchmark
@@ -159,6 +159,10 @@ else
         >"$RESULTS/gpu_bench.txt" 2>&1
     bstatus=$?
     tail -n 40 "$RESULTS/gpu_bench.txt"
+    # the model's prediction beside what was just measured
+    "$PY" -m polynorm.bench.model --records "$RESULTS/gpu-$stamp.json" \
+        >"$RESULTS/gpu_model_vs_run.txt" 2>&1
+    log "model against this run exit status $? (gpu_model_vs_run.txt)"
 fi
 log "benchmark exit status $bstatus; results in $RESULTS"
 

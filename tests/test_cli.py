@@ -254,6 +254,7 @@ def fake_suites(monkeypatch):
 
 
 def test_bench_runs_what_it_can_and_writes_everything(fake_suites, tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # --plot (the bench extra)
     files = {k: tmp_path / f"out.{k}" for k in ("json", "png", "md")}
     code = main(["bench", "--quick", "--no-progress", "--dtype", "float32", "--dtype", "float16",
                  "--json", str(files["json"]), "--plot", str(files["png"]),
@@ -343,7 +344,7 @@ def test_bench_explicit_backend_that_cannot_run_is_exit_2(fake_suites, capsys):
 
 
 def test_plot_draws_the_main_suites_roofs(tmp_path):
-    import matplotlib
+    matplotlib = pytest.importorskip("matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -392,6 +393,7 @@ def test_check_hands_dask_arrays_of_every_rank():
 
 
 def test_plot_leaves_out_ops_measured_at_one_size(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
     recs = _fake_run("fast", "cpu", 20.0)(dtypes=["float32"])
     recs.append(Record("interop", "dispatch", "torch-cpu", "float32", 1, 4096, 1e-6, 1, 7.0))
     assert report._swept_ops(recs) == ["fwd"]

@@ -326,6 +326,7 @@ def torch_from_host(a: np.ndarray | None) -> Any:
     """:func:`from_numpy` for a torch CPU result, minus the dispatch (fast path).
 
     >>> import numpy as np
+    >>> import torch
     >>> torch_from_host(np.zeros(2, np.float16)).dtype
     torch.float16
     """
