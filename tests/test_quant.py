@@ -166,7 +166,7 @@ def test_numba_encoders_are_the_casts(width):
         q = np.empty(v.shape, np.uint8)
         sc = np.empty((1, 1), np.float32)
         Q.quantize_y_rows(0, v.shape[0], v, q, sc, np.float32(1.0), width,
-                          np.float32(QMAX[qdtype]), qdtype == "float8_e4m3fn", True)
+                          np.float32(QMAX[qdtype]), Q.FMT[qdtype], False, True)
         want, _ = oracle_quantize(v, qdtype, scale=1.0)
         got = q.view(FP8) if qdtype == "float8_e4m3fn" else q.view(np.int8)
         assert_q_equal(got, want, qdtype)
@@ -199,7 +199,7 @@ def test_numba_encoder_quotients_are_divisions(scale):
         q = np.empty(y.shape, np.uint8)
         sc = np.empty((1, 1), np.float32)
         Q.quantize_y_rows(0, y.shape[0], y, q, sc, s, 64, np.float32(QMAX[qdtype]),
-                          qdtype == "float8_e4m3fn", True)
+                          Q.FMT[qdtype], False, True)
         want, _ = oracle_quantize(y, qdtype, scale=s)
         got = q.view(FP8) if qdtype == "float8_e4m3fn" else q.view(np.int8)
         assert_q_equal(got, want, f"{qdtype}, scale {s!r}")
@@ -336,7 +336,9 @@ def test_options_and_zero_tokens():
 
 
 @pytest.mark.parametrize("kw, exc, match", [
-    (dict(dtype="float8_e5m2"), TypeError, "dtype"),
+    (dict(dtype="float8_e4m3fnuz"), TypeError, "dtype"),
+    (dict(scale_mode="multiply"), ValueError, "scale_mode"),
+    (dict(scale_mode=None, scale=0.5), ValueError, "scale_mode"),
     (dict(dtype=np.float16), TypeError, "dtype"),
     (dict(scale=0.0), ValueError, "scale"),
     (dict(scale=-1.0), ValueError, "scale"),
