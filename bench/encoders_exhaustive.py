@@ -9,7 +9,7 @@ bytes with ``ml_dtypes``' float8_e4m3fn / float8_e5m2 casts after the clip to
 +-448 / +-57344 (NaN kept, with its sign) and with ``rint`` clipped to
 [-128, 127] for int8 (NaN -> 0).
 
-    python bench/encoders_exhaustive.py [--chunk-log2 24]
+    python bench/encoders_exhaustive.py [--chunk-log2 24] [--dtypes float8_e5m2 ...]
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunk-log2", type=int, default=24)
+    ap.add_argument("--dtypes", nargs="+", choices=list(TOP), default=list(TOP))
     args = ap.parse_args(argv)
     chunk = 1 << args.chunk_log2
     bad = 0
     t0 = time.perf_counter()
-    for qdtype in ("float8_e4m3fn", "float8_e5m2", "int8"):
+    for qdtype in args.dtypes:
         for width in (4096, 4095):
             for start in range(0, 1 << 32, chunk):
                 v = np.arange(start, start + chunk, dtype=np.uint64).astype(np.uint32).view(

@@ -8,7 +8,7 @@ the stand-in cupy of test_emul_cupy_backend.py and checks they give these bits.
 
 What is bit for bit, and against what:
 
-* the encoders (pn_e4m3fn, pn_int8) against the reference's clip-and-cast
+* the encoders (pn_e4m3fn, pn_e5m2, pn_int8) against the reference's clip-and-cast
   (ml_dtypes / numpy round) on every float32 class of value;
 * pn_quant_fwd's q, scales and h against the reference's quantization of
   pn_fwd's own float32 y and h (the same row statistic: a segment's sums are
@@ -553,6 +553,27 @@ def test_emul_fusion_backend_glue(fake_cupy, dtype):
         np.testing.assert_array_equal(_bits(np.asarray(h)), _bits(eh))
     np.testing.assert_array_equal(np.asarray(fx), x)
     assert {nm.split("<")[0] for nm, *_ in launches} == {"pn_gated_fwd", "pn_gated_bwd", "pn_quant_fwd"}
+
+
+def test_emul_backend_scale_mode_at_midpoints(fake_cupy):
+    """The cupy backend passes scale_mode to pn_quant_fwd: on a row of ones with eps=0
+    (rstd exactly 1, so y is the weight) whose weights sit where y / s and
+    y * float32(1 / s) round to neighbouring int8 values, each mode gives its
+    formula's codes (written out here), static and per token."""
+    from test_quant_conventions import _midpoint_row, peer_divide, peer_reciprocal
+
+    backend, fake, _ = fake_cupy
+    s1 = np.float32(0.875)
+    w = _midpoint_row("int8", s1)
+    x = np.ones((2, w.size), np.float32)
+    assert w.size > 10
+    for mode, f in (("divide", peer_divide), ("reciprocal", peer_reciprocal)):
+        want = f(x * w, s1, "int8")
+        for scale in (float(s1), None):
+            qp = _qplan(w.size, "float32", "int8", scale, None, scale_mode=mode, eps=0.0)
+            q, s, _ = backend.quant_forward(fake(x.copy()), None, fake(w.copy()), None, qp)
+            np.testing.assert_array_equal(np.asarray(q), want, f"{mode} scale={scale}")
+            assert np.all(np.asarray(s) == s1)
 
 
 def test_cupy_backend_offers_the_fusions():
