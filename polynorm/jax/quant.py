@@ -3,6 +3,11 @@
 Concrete CPU arrays run the Numba kernel; traced arrays (``jit``, ``vmap``)
 run the array-API reference through ``jax.numpy``, which XLA compiles (its
 ``y`` may differ from the kernel's by an ulp, and so a ``q`` by one step).
+XLA also compiles a division by a constant as a multiplication by its
+reciprocal: under ``jit`` a float ``scale`` with ``scale_mode="divide"``
+gives ``"reciprocal"``'s bits, and a dynamic scale ``amax / qmax`` may be
+an ulp off ``amax * (1 / qmax)``-wise; a ``scale`` passed as an array
+argument of the jitted function is divided as written.
 Inference only: no derivative is defined.
 """
 
