@@ -314,3 +314,27 @@ def test_gpu_torch_tensors_give_the_cupy_bits(dtype, d):
     assert pn.rms_norm(tt["base"][::2, 3:], tt["w"], tt["b"], out=y) is y
     np.testing.assert_array_equal(bits(y), bits(want[0]))
     _close(want[0].get(), _ref(pn.rms_norm, x, w, b), dtype, scale=4)
+
+
+@needs_torch_cuda
+@pytest.mark.parametrize("qdtype", ["float8_e4m3fn", "float8_e5m2", "int8"])
+def test_gpu_quant_scale_mode_midpoints_torch(qdtype):
+    """#48: pn_quant_fwd compiled by NVRTC, on torch CUDA tensors, at the midpoints where
+    ``y / s`` and ``y * float32(1 / s)`` land one step apart (a row of ones with
+    eps=0: y is the weight): each ``scale_mode`` gives its formula's bits
+    (tests/test_quant_conventions.py writes them out), static and per token."""
+    from test_quant_conventions import _midpoint_row, peer_divide, peer_reciprocal
+
+    s1 = np.float32(0.875)
+    w = _midpoint_row(qdtype, s1)
+    x = np.ones((3, w.size), np.float32)
+    tq = getattr(torch, qdtype)
+    for mode, f in (("divide", peer_divide), ("reciprocal", peer_reciprocal)):
+        want = np.asarray(f(x * w, s1, qdtype)).view(np.uint8)
+        for scale in (float(s1), None):
+            q, s = pn.rms_norm_quant(torch.from_numpy(x).cuda(), torch.from_numpy(w).cuda(),
+                                     eps=0.0, dtype=qdtype, scale=scale, scale_mode=mode)
+            assert q.dtype == tq and q.is_cuda
+            np.testing.assert_array_equal(q.view(torch.uint8).cpu().numpy(), want,
+                                          f"{mode} scale={scale}")
+            assert np.all(s.cpu().numpy() == s1)

@@ -8,7 +8,7 @@ the stand-in cupy of test_emul_cupy_backend.py and checks they give these bits.
 
 What is bit for bit, and against what:
 
-* the encoders (pn_e4m3fn, pn_int8) against the reference's clip-and-cast
+* the encoders (pn_e4m3fn, pn_e5m2, pn_int8) against the reference's clip-and-cast
   (ml_dtypes / numpy round) on every float32 class of value;
 * pn_quant_fwd's q, scales and h against the reference's quantization of
   pn_fwd's own float32 y and h (the same row statistic: a segment's sums are
@@ -63,10 +63,11 @@ def _gplan(d, dtype, group_size=None, nbg=False, out_dtype=None, **kw):
     return make_gated_plan(plan, group_size=group_size, norm_before_gate=nbg)
 
 
-def _qplan(d, dtype, qdtype="float8_e4m3fn", scale=None, group_size=None, **kw):
+def _qplan(d, dtype, qdtype="float8_e4m3fn", scale=None, group_size=None, scale_mode="divide",
+           **kw):
     plan = make_plan(d, dtype, Options(out_dtype="float32", **kw))
     return make_quant_plan(plan, qdtype=qdtype, scale=scale, scale_is_array=False,
-                           group_size=group_size)
+                           group_size=group_size, scale_mode=scale_mode)
 
 
 # ----------------------------------------------------------------------------- launchers (cupy.py's packing)
@@ -129,11 +130,11 @@ def emul_quant_forward(x, res, w, b, qplan, scale=None):
     else:
         sdev = None
         sc = np.full((n, qplan.groups), np.nan, np.float32)
-    launch = cl.quant_launch(n, d, hd, qplan.qdtype == "float8_e4m3fn")
+    launch = cl.quant_launch(n, d, hd, qplan.qdtype)
     args = (xk, _rs(xk), rk, _rs(rk), h, _rs(h), wk, bk, q, _rs(q), sc, sdev,
             np.int64(n), np.int32(d), np.int32(plan.k), np.int32(qplan.group_size),
             np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
-            np.float64(plan.offset))
+            np.float64(plan.offset), np.int32(qplan.reciprocal))
     _launch(launch, args, hd)
     scales = sdev.reshape(()) if qplan.static else sc
     return q, scales, h
@@ -161,9 +162,9 @@ def _tol(dtype: str, factor: float = 4.0) -> Tol:
 
 _ENC_SRC = f"""
 #include "{cl.SOURCE_PATH}"
-template <bool FP8> __global__ void pn_enc_test(const float* v, unsigned char* o, int n) {{
+template <int FMT> __global__ void pn_enc_test(const float* v, unsigned char* o, int n) {{
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) o[i] = FP8 ? pn_e4m3fn(v[i]) : pn_int8(v[i]);
+    if (i < n) o[i] = FMT == 1 ? pn_e4m3fn(v[i]) : FMT == 2 ? pn_e5m2(v[i]) : pn_int8(v[i]);
 }}
 """
 
@@ -174,37 +175,50 @@ def _encoder_inputs() -> np.ndarray:
     special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 448, -448, 464, 464.00003, 480,
                         1e30, -1e30, 2.0**-6, 2.0**-7, 2.0**-9, 2.0**-10, 2.0**-10 * 1.0000001,
                         3 * 2.0**-10, 127, 127.5, 128, -128, -128.5, -129, 0.5, 1.5, 2.5, -0.5,
-                        -2.5, 1e-45, -1e-45, 126.5, 3.4e38], f)
+                        -2.5, 1e-45, -1e-45, 126.5, 3.4e38, 57344, 61439.996, 61440, 65536,
+                        2.0**-14, 2.0**-16, 2.0**-17, 3 * 2.0**-18, -57344], f)
     # every float8 code's value and the midpoints between neighbours (ties: nearest even)
-    codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(f)
-    codes = np.sort(codes[np.isfinite(codes)])
-    mids = (codes[:-1].astype(np.float64) + codes[1:]) / 2
-    near = np.concatenate([np.nextafter(mids.astype(f), f(np.inf)), np.nextafter(mids.astype(f), f(-np.inf))])
+    parts = [special]
+    for fmt in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
+        codes = np.arange(256, dtype=np.uint8).view(fmt).astype(f)
+        codes = np.sort(codes[np.isfinite(codes)])
+        mids = (codes[:-1].astype(np.float64) + codes[1:]) / 2
+        near = np.concatenate([np.nextafter(mids.astype(f), f(np.inf)),
+                               np.nextafter(mids.astype(f), f(-np.inf))])
+        parts += [codes, mids.astype(f), near]
     ints = np.arange(-140, 141, 0.25, dtype=f)
     rand = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32).view(f)
     scaled = (rng.standard_normal(20000) * 300).astype(f)
-    return np.concatenate([special, codes, mids.astype(f), near, ints, rand, scaled])
+    return np.concatenate([*parts, ints, rand, scaled])
+
+
+ENC_TOP = {1: 448.0, 2: 57344.0}
+ENC_FMT = {1: ml_dtypes.float8_e4m3fn, 2: ml_dtypes.float8_e5m2}
 
 
 def test_emul_encoders_bit_exact():
-    """pn_e4m3fn / pn_int8 on every class of float32 give the reference's clip-and-cast bits."""
+    """pn_e4m3fn / pn_e5m2 / pn_int8 on every class of float32 give the reference's
+    clip-and-cast bits (ml_dtypes for the float8 formats, NaN's sign kept)."""
     from emulator import compile_source
 
-    mod = compile_source(_ENC_SRC, ["pn_enc_test<true>", "pn_enc_test<false>"])
+    mod = compile_source(_ENC_SRC, [f"pn_enc_test<{k}>" for k in (0, 1, 2)])
     v = _encoder_inputs()
     n = v.size
-    for fp8 in (True, False):
+    nan = np.isnan(v)
+    for fmt in (1, 2, 0):
         o = np.zeros(n, np.uint8)
-        mod.launch(f"pn_enc_test<{'true' if fp8 else 'false'}>", -(-n // 256), 256, (v, o, np.int32(n)))
-        c = np.clip(v, -448, 448) if fp8 else np.clip(np.where(np.isnan(v), 0, v), -128, 127)
-        want = c.astype(ml_dtypes.float8_e4m3fn) if fp8 else np.round(c).astype(np.int8)
-        want = want.view(np.uint8)
-        nan = np.isnan(v)
-        if fp8:  # NaN: the format's NaN with the sign kept (ml_dtypes' cast may drop it)
-            assert np.all(o[nan] & 0x7F == 0x7F)
+        mod.launch(f"pn_enc_test<{fmt}>", -(-n // 256), 256, (v, o, np.int32(n)))
+        if fmt:
+            t = ENC_TOP[fmt]
+            want = np.clip(v, -t, t).astype(ENC_FMT[fmt]).view(np.uint8)
+            # NaN: ml_dtypes' NaN code (0x7f e4m3fn, 0x7e e5m2) with the sign kept
+            np.testing.assert_array_equal(o[nan] & 0x7F, 0x7F if fmt == 1 else 0x7E)
             np.testing.assert_array_equal(o[nan] >> 7, np.signbit(v[nan]).astype(np.uint8))
-        bad = np.flatnonzero((o != want) & ~(nan & fp8))
-        assert bad.size == 0, f"fp8={fp8}: {v[bad[:5]]} -> {o[bad[:5]]}, want {want[bad[:5]]}"
+        else:
+            c = np.clip(np.where(nan, 0, v), -128, 127)
+            want = np.round(c).astype(np.int8).view(np.uint8)
+        bad = np.flatnonzero((o != want) & ~(nan & (fmt != 0)))
+        assert bad.size == 0, f"fmt={fmt}: {v[bad[:5]]} -> {o[bad[:5]]}, want {want[bad[:5]]}"
 
 
 # ----------------------------------------------------------------------------- quantized output
@@ -260,6 +274,32 @@ def test_emul_quant_bits_of_pn_fwd_then_reference_quantize(dtype, qdtype, mode):
             step = np.maximum(np.abs(e) * 2.0**-3, 2.0**-9) if qdtype != "int8" else 1.0
             assert np.all((np.abs(a - e) <= step) | (np.isnan(a) & np.isnan(e))), f"q vs numba {tag}"
             assert np.mean(a == e) > 0.9, f"q vs numba {tag}"
+
+
+@pytest.mark.parametrize("qdtype, scale_mode", [("float8_e5m2", "divide"),
+                                                ("float8_e4m3fn", "reciprocal"),
+                                                ("float8_e5m2", "reciprocal"),
+                                                ("int8", "reciprocal")])
+@pytest.mark.parametrize("mode", ["static", "token", "group"])
+def test_emul_quant_e5m2_and_reciprocal(qdtype, scale_mode, mode):
+    """float8_e5m2 and scale_mode="reciprocal": q and scales are the reference's
+    quantization of pn_fwd's own float32 y, bit for bit (one dtype, one width:
+    the rest of the kernel is the one the test above covers)."""
+    rng = np.random.default_rng(len(qdtype) + len(scale_mode) + len(mode))
+    d = 48
+    for opt in (QUANT_OPTS[0], QUANT_OPTS[3]):
+        x, res, w, b, qp = _quant_case(rng, 5, d, "bfloat16", opt, qdtype, mode)
+        qp = _qplan(d, "bfloat16", qdtype, qp.scale, None if mode != "group" else d // 3,
+                    scale_mode=scale_mode, **({"eps": qp.plan.eps}))
+        q, s, h = emul_quant_forward(x, res, w, b, qp)
+        y, fh, _, _ = emul_forward(x, res, w, b, qp.plan)
+        rq, rs = reference.quantize(np, np.asarray(y, np.float32), qp)
+        tag = f"{opt}"
+        np.testing.assert_array_equal(_qbits(q), _qbits(rq), err_msg=f"q {tag}")
+        np.testing.assert_array_equal(_bits(np.asarray(s, np.float32)),
+                                      _bits(np.asarray(rs, np.float32)), err_msg=f"scales {tag}")
+        if res is not None:
+            np.testing.assert_array_equal(_bits(h), _bits(fh), err_msg=f"h {tag}")
 
 
 # ----------------------------------------------------------------------------- gated
@@ -513,6 +553,27 @@ def test_emul_fusion_backend_glue(fake_cupy, dtype):
         np.testing.assert_array_equal(_bits(np.asarray(h)), _bits(eh))
     np.testing.assert_array_equal(np.asarray(fx), x)
     assert {nm.split("<")[0] for nm, *_ in launches} == {"pn_gated_fwd", "pn_gated_bwd", "pn_quant_fwd"}
+
+
+def test_emul_backend_scale_mode_at_midpoints(fake_cupy):
+    """The cupy backend passes scale_mode to pn_quant_fwd: on a row of ones with eps=0
+    (rstd exactly 1, so y is the weight) whose weights sit where y / s and
+    y * float32(1 / s) round to neighbouring int8 values, each mode gives its
+    formula's codes (written out here), static and per token."""
+    from test_quant_conventions import _midpoint_row, peer_divide, peer_reciprocal
+
+    backend, fake, _ = fake_cupy
+    s1 = np.float32(0.875)
+    w = _midpoint_row("int8", s1)
+    x = np.ones((2, w.size), np.float32)
+    assert w.size > 10
+    for mode, f in (("divide", peer_divide), ("reciprocal", peer_reciprocal)):
+        want = f(x * w, s1, "int8")
+        for scale in (float(s1), None):
+            qp = _qplan(w.size, "float32", "int8", scale, None, scale_mode=mode, eps=0.0)
+            q, s, _ = backend.quant_forward(fake(x.copy()), None, fake(w.copy()), None, qp)
+            np.testing.assert_array_equal(np.asarray(q), want, f"{mode} scale={scale}")
+            assert np.all(np.asarray(s) == s1)
 
 
 def test_cupy_backend_offers_the_fusions():

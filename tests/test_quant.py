@@ -19,12 +19,14 @@ from _oracle import LD
 import polynorm as pn
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-QMAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
+E5M2 = np.dtype(ml_dtypes.float8_e5m2)
+QMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "int8": 127.0}
+QNP = {"float8_e4m3fn": FP8, "float8_e5m2": E5M2, "int8": np.dtype(np.int8)}
 BACKENDS = ["array_api", "numba"]
 EPS = 1e-5
 
 
-def oracle_quantize(y32, qdtype, scale=None, group_size=None):
+def oracle_quantize(y32, qdtype, scale=None, group_size=None, reciprocal=False):
     """``(q, scales)`` of float32 rows ``y32`` (n, d), written from the docstring's rule."""
     y = np.asarray(y32, np.float32)
     n, d = y.shape
@@ -38,10 +40,15 @@ def oracle_quantize(y32, qdtype, scale=None, group_size=None):
             s = (amax / QMAX[qdtype]).astype(np.float32)  # float64 quotient, rounded once
         s = np.where(s < np.float32(2.0**-126), np.float32(1.0), s).astype(np.float32)
     srep = np.repeat(s.astype(np.float64), gs, axis=1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        v = (y.astype(np.float64) / srep).astype(np.float32)  # float32 division, correctly rounded
-    if qdtype == "float8_e4m3fn":
-        q = np.clip(v, -448.0, 448.0).astype(FP8)  # ml_dtypes: 1000 -> NaN without the clip
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        if reciprocal:  # y * float32(1 / s), each a float32 operation
+            inv = (1.0 / srep).astype(np.float32).astype(np.float64)
+            v = (y.astype(np.float64) * inv).astype(np.float32)
+        else:
+            v = (y.astype(np.float64) / srep).astype(np.float32)  # float32 division, correctly rounded
+    if qdtype != "int8":
+        top = QMAX[qdtype]
+        q = np.clip(v, -top, top).astype(QNP[qdtype])  # ml_dtypes: 1000 -> NaN without the clip
     else:
         v = np.where(np.isnan(v), np.float32(0), v)
         q = np.rint(np.clip(v, -128.0, 127.0)).astype(np.int8)
@@ -50,11 +57,15 @@ def oracle_quantize(y32, qdtype, scale=None, group_size=None):
 
 
 def qbits(q):
-    """``q`` as int16 codes, with every float8 NaN (0x7F, 0xFF) as one code."""
+    """``q`` as int16 codes, with every float8 NaN (e4m3fn 0x7F, 0xFF; e5m2 0x7D-0x7F
+    and 0xFD-0xFF) as one code."""
     a = np.asarray(q)
     if a.dtype == FP8:
         u = a.view(np.uint8).astype(np.int16)
         return np.where((u & 0x7F) == 0x7F, 0x7F, u)
+    if a.dtype == E5M2:
+        u = a.view(np.uint8).astype(np.int16)
+        return np.where((u & 0x7F) > 0x7C, 0x7F, u)
     return a.astype(np.int16)
 
 
@@ -135,15 +146,17 @@ def test_bfloat16_input_and_axis():
 def _encoder_inputs():
     """float32 values around every float8 and int8 code: the codes, their midpoints
     and one float32 ulp either side, beyond the ranges, subnormals, signed zeros, NaN."""
-    codes = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)
-    codes = codes[np.isfinite(codes)]
-    srt = np.unique(codes)
-    mids = (srt[:-1].astype(np.float64) + srt[1:]) / 2
+    parts = []
+    for fmt in (FP8, E5M2):
+        codes = np.arange(256, dtype=np.uint8).view(fmt).astype(np.float32)
+        srt = np.unique(codes[np.isfinite(codes)])
+        parts += [srt, ((srt[:-1].astype(np.float64) + srt[1:]) / 2).astype(np.float32)]
     ints = np.arange(-130, 131, dtype=np.float64)
-    base = np.concatenate([srt, mids.astype(np.float32), (ints + 0.5).astype(np.float32),
+    base = np.concatenate([*parts, (ints + 0.5).astype(np.float32),
                            ints.astype(np.float32),
                            np.array([449, 463.9, 464, 465, 479.9, 480, 1000, 1e30, 3e38, 2**-10,
-                                     2**-12, 1e-40, 1e-45, -0.0, 0.0], np.float32)])
+                                     2**-12, 1e-40, 1e-45, -0.0, 0.0, 57344, 61439.996, 61440,
+                                     65536, 2**-16, 2**-17, 3 * 2**-18], np.float32)])
     base = np.concatenate([base, -base])
     near = np.concatenate([np.nextafter(base, np.float32(np.inf)),
                            np.nextafter(base, np.float32(-np.inf))])
@@ -162,15 +175,15 @@ def test_numba_encoders_are_the_casts(width):
 
     v = _encoder_inputs()
     v = np.ascontiguousarray(v[: v.size // width * width].reshape(-1, width))
-    for qdtype in ("float8_e4m3fn", "int8"):
+    for qdtype in ("float8_e4m3fn", "float8_e5m2", "int8"):
         q = np.empty(v.shape, np.uint8)
         sc = np.empty((1, 1), np.float32)
         Q.quantize_y_rows(0, v.shape[0], v, q, sc, np.float32(1.0), width,
-                          np.float32(QMAX[qdtype]), qdtype == "float8_e4m3fn", True)
+                          np.float32(QMAX[qdtype]), Q.FMT[qdtype], False, True)
         want, _ = oracle_quantize(v, qdtype, scale=1.0)
-        got = q.view(FP8) if qdtype == "float8_e4m3fn" else q.view(np.int8)
+        got = q.view(QNP[qdtype])
         assert_q_equal(got, want, qdtype)
-        if qdtype == "float8_e4m3fn":  # NaN keeps its sign, as ml_dtypes' cast
+        if qdtype != "int8":  # NaN keeps its sign and ml_dtypes' code (0x7f, 0x7e)
             np.testing.assert_array_equal(q[np.isnan(v)], want.view(np.uint8)[np.isnan(v)])
 
 
@@ -180,12 +193,14 @@ _SCALES = (3.0, 0.1, 2.0**-80, 2.0**100, 2.5e35, 1e-39,
 
 
 @pytest.mark.parametrize("scale", _SCALES)
-def test_numba_encoder_quotients_are_divisions(scale):
+@pytest.mark.parametrize("reciprocal", [False, True], ids=["divide", "reciprocal"])
+def test_numba_encoder_quotients_are_divisions(scale, reciprocal):
     """The block encoder's codes are those of the correctly rounded ``y / s`` for static
     scales of any size (a subnormal one, a significand of all ones among them), for
     quotients on every code, midpoint and their float32 neighbours (``y`` the float32
     nearest ``t * s`` and one ulp either side), random bit patterns and signed zeros:
-    a kernel that multiplied by ``1 / s`` instead (as vLLM's static kernels do) fails it."""
+    a kernel that multiplied by ``1 / s`` instead (as vLLM's static kernels do) fails it.
+    With ``reciprocal`` (``scale_mode="reciprocal"``) they are those of ``y * float32(1 / s)``."""
     from polynorm.backends.numba import quant as Q
 
     s = np.float32(scale)
@@ -195,15 +210,15 @@ def test_numba_encoder_quotients_are_divisions(scale):
     y = np.concatenate([y0, np.nextafter(y0, np.float32(np.inf)),
                         np.nextafter(y0, np.float32(-np.inf)), t])
     y = np.ascontiguousarray(y[: y.size // 64 * 64].reshape(-1, 64))
-    for qdtype in ("float8_e4m3fn", "int8"):
+    for qdtype in ("float8_e4m3fn", "float8_e5m2", "int8"):
         q = np.empty(y.shape, np.uint8)
         sc = np.empty((1, 1), np.float32)
         Q.quantize_y_rows(0, y.shape[0], y, q, sc, s, 64, np.float32(QMAX[qdtype]),
-                          qdtype == "float8_e4m3fn", True)
-        want, _ = oracle_quantize(y, qdtype, scale=s)
-        got = q.view(FP8) if qdtype == "float8_e4m3fn" else q.view(np.int8)
+                          Q.FMT[qdtype], reciprocal, True)
+        want, _ = oracle_quantize(y, qdtype, scale=s, reciprocal=reciprocal)
+        got = q.view(QNP[qdtype])
         assert_q_equal(got, want, f"{qdtype}, scale {s!r}")
-        if qdtype == "float8_e4m3fn":  # the zeros' signs too
+        if qdtype != "int8":  # the zeros' signs too
             np.testing.assert_array_equal(q[y == 0], want.view(np.uint8)[y == 0])
 
 
@@ -336,7 +351,9 @@ def test_options_and_zero_tokens():
 
 
 @pytest.mark.parametrize("kw, exc, match", [
-    (dict(dtype="float8_e5m2"), TypeError, "dtype"),
+    (dict(dtype="float8_e4m3fnuz"), TypeError, "dtype"),
+    (dict(scale_mode="multiply"), ValueError, "scale_mode"),
+    (dict(scale_mode=None, scale=0.5), ValueError, "scale_mode"),
     (dict(dtype=np.float16), TypeError, "dtype"),
     (dict(scale=0.0), ValueError, "scale"),
     (dict(scale=-1.0), ValueError, "scale"),

@@ -347,15 +347,15 @@ def quant_dtype(xp, name: str, like):
     if module == "torch":
         import torch
 
-        return torch.float8_e4m3fn
+        return getattr(torch, name)
     if module in ("jax", "jaxlib"):
         import jax.numpy as jnp
 
-        return jnp.float8_e4m3fn
+        return getattr(jnp, name)
     if module in ("numpy", "dask"):
         import ml_dtypes
 
-        return ml_dtypes.float8_e4m3fn
+        return getattr(ml_dtypes, name)
     raise TypeError(f"dtype={name!r}: the array library {xp.__name__} has no {name} dtype")
 
 
@@ -378,7 +378,7 @@ def _quantize(xp, y, qplan, scale):
             s = xp.asarray(qplan.scale, dtype=f32, device=_device(y))
         else:
             s = xp.reshape(xp.astype(scale, f32), ())
-        v = y / s
+        v = _apply_scale(xp, y, s, qplan)
         scales = s
     else:
         from polynorm.core.options import SCALE_FLOOR
@@ -388,12 +388,21 @@ def _quantize(xp, y, qplan, scale):
         s = amax / qplan.qmax
         # "s < floor" is False for NaN: a NaN token keeps a NaN scale
         s = xp.where(s < SCALE_FLOOR, xp.ones_like(s), s)
-        v = xp.reshape(yg / s[:, :, None], (n, d))
+        v = xp.reshape(_apply_scale(xp, yg, s[:, :, None], qplan), (n, d))
         scales = s
     v = xp.clip(v, qplan.lo, qplan.hi)
     if qplan.qdtype == "int8":
         v = xp.round(xp.where(xp.isnan(v), xp.zeros_like(v), v))
     return xp.astype(v, quant_dtype(xp, qplan.qdtype, y)), scales
+
+
+def _apply_scale(xp, y, s, qplan):
+    """``y / s`` ("divide") or ``y * (1 / s)`` with the reciprocal a float32
+    ("reciprocal", vLLM's and FlashInfer's kernels): two roundings, so at a
+    midpoint of the format the quotient may land one step apart."""
+    if qplan.reciprocal:
+        return y * (xp.ones_like(s) / s)
+    return y / s
 
 
 def _device(a):

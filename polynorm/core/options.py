@@ -573,8 +573,12 @@ def make_gated_plan(plan: Plan, *, group_size: Any, norm_before_gate: Any) -> Ga
 
 #: The formats :func:`polynorm.rms_norm_quant` writes, with the largest
 #: magnitude a scale maps to (``qmax``) and the saturation bounds.
-QUANT_DTYPES = ("float8_e4m3fn", "int8")
-_QRANGE = {"float8_e4m3fn": (448.0, -448.0, 448.0), "int8": (127.0, -128.0, 127.0)}
+QUANT_DTYPES = ("float8_e4m3fn", "float8_e5m2", "int8")
+_QRANGE = {"float8_e4m3fn": (448.0, -448.0, 448.0), "float8_e5m2": (57344.0, -57344.0, 57344.0),
+           "int8": (127.0, -128.0, 127.0)}
+#: How ``y`` meets its scale: ``"divide"`` (``y / s``, polynorm's default) or
+#: ``"reciprocal"`` (``y * float32(1 / s)``: vLLM's and FlashInfer's kernels).
+SCALE_MODES = ("divide", "reciprocal")
 #: The smallest positive normal float32: a dynamic scale below it is replaced by 1.
 SCALE_FLOOR = 2.0**-126
 
@@ -590,13 +594,15 @@ class QuantPlan(_Grouped):
         dynamic, per token:     s = amax(|y|) / qmax                one per token
         dynamic, per group:     s = amax(|y[g*G:(g+1)*G]|) / qmax   one per group of G
         dynamic s < 2**-126:    s = 1     (an all-zero token or group; NaN stays NaN)
-        q = encode(clip(y / s, lo, hi))
+        q = encode(clip(y / s, lo, hi))                 scale_mode "divide"
+        q = encode(clip(y * float32(1 / s), lo, hi))    scale_mode "reciprocal"
 
-    ``/`` is float32 division (correctly rounded), ``amax`` propagates NaN,
-    ``clip`` keeps NaN, and ``encode`` rounds to nearest even: to
-    float8_e4m3fn (``qmax = 448``, ``[lo, hi] = [-448, 448]``; NaN stays
-    NaN, its sign kept) or to int8 (``qmax = 127``, ``[lo, hi] = [-128, 127]``;
-    NaN becomes 0).
+    ``/`` and ``*`` are float32 operations (correctly rounded), ``amax``
+    propagates NaN, ``clip`` keeps NaN, and ``encode`` rounds to nearest
+    even: to float8_e4m3fn (``qmax = 448``, ``[lo, hi] = [-448, 448]``; NaN
+    stays NaN, its sign kept), to float8_e5m2 (``qmax = 57344``, ``[lo, hi] =
+    [-57344, 57344]``; NaN stays NaN as ``ml_dtypes``' code 0x7e, its sign
+    kept) or to int8 (``qmax = 127``, ``[lo, hi] = [-128, 127]``; NaN becomes 0).
     """
 
     plan: Plan
@@ -604,6 +610,11 @@ class QuantPlan(_Grouped):
     static: bool
     scale: float | None  # the static scale as a float32 value, None for an array scale
     group_size: int
+    scale_mode: str = "divide"
+
+    @property
+    def reciprocal(self) -> bool:
+        return self.scale_mode == "reciprocal"
 
     @property
     def qmax(self) -> float:
@@ -619,7 +630,7 @@ class QuantPlan(_Grouped):
 
 
 def parse_quant_dtype(dtype: Any) -> str:
-    """``"float8_e4m3fn"`` or ``"int8"`` from a name or any library's dtype object.
+    """``"float8_e4m3fn"``, ``"float8_e5m2"`` or ``"int8"`` from a name or any library's dtype object.
 
     >>> import numpy as np
     >>> parse_quant_dtype(np.int8), parse_quant_dtype("float8_e4m3fn")
@@ -641,17 +652,20 @@ def parse_quant_dtype(dtype: Any) -> str:
 
 
 def make_quant_plan(plan: Plan, *, qdtype: str, scale: Any, scale_is_array: bool,
-                    group_size: Any) -> QuantPlan:
+                    group_size: Any, scale_mode: Any = "divide") -> QuantPlan:
     """Validate the quantization's options against a resolved :class:`Plan`.
 
     ``scale`` (a real number, when not an array) must be positive and finite
-    as a float32; ``group_size`` (dynamic scales only) must divide ``d``.
+    as a float32; ``group_size`` (dynamic scales only) must divide ``d``;
+    ``scale_mode`` is one of :data:`SCALE_MODES`.
 
     >>> p = make_plan(8, "float32", Options(out_dtype="float32"))
     >>> make_quant_plan(p, qdtype="int8", scale=None, scale_is_array=False, group_size=4).groups
     2
     """
     d = plan.d
+    if not (isinstance(scale_mode, str) and scale_mode in SCALE_MODES):
+        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
     static = scale is not None or scale_is_array
     value = None
     if scale is not None:
@@ -673,4 +687,5 @@ def make_quant_plan(plan: Plan, *, qdtype: str, scale: Any, scale_is_array: bool
                 "group_size is for dynamic scales: pass scale=None with group_size, "
                 f"or group_size=None with a static scale (got group_size={group_size!r})")
         gs = _group_size(group_size, d)
-    return QuantPlan(plan=plan, qdtype=qdtype, static=static, scale=value, group_size=gs)
+    return QuantPlan(plan=plan, qdtype=qdtype, static=static, scale=value, group_size=gs,
+                     scale_mode=scale_mode)

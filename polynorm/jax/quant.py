@@ -3,6 +3,11 @@
 Concrete CPU arrays run the Numba kernel; traced arrays (``jit``, ``vmap``)
 run the array-API reference through ``jax.numpy``, which XLA compiles (its
 ``y`` may differ from the kernel's by an ulp, and so a ``q`` by one step).
+XLA also compiles a division by a constant as a multiplication by its
+reciprocal: under ``jit`` a float ``scale`` with ``scale_mode="divide"``
+gives ``"reciprocal"``'s bits, and a dynamic scale ``amax / qmax`` may be
+an ulp off ``amax * (1 / qmax)``-wise; a ``scale`` passed as an array
+argument of the jitted function is divided as written.
 Inference only: no derivative is defined.
 """
 
@@ -24,14 +29,14 @@ __all__ = ["rms_norm_quant"]
 @takes_options(exclude=("out_dtype",))
 def rms_norm_quant(x, weight=None, bias=None, *, residual=None, dtype: Any = "float8_e4m3fn",
                    scale: Any = None, group_size: int | None = None,
-                   **options: Unpack[NormOptions]):
+                   scale_mode: str = "divide", **options: Unpack[NormOptions]):
     """:func:`polynorm.rms_norm_quant` for jax arrays, ``jit``-compatible.
 
     Parameters
     ----------
     x, weight, bias, residual : jax.Array
         As in :func:`polynorm.rms_norm_quant`.
-    dtype, scale, group_size
+    dtype, scale, group_size, scale_mode
         As in :func:`polynorm.rms_norm_quant`.
     {options}
 
@@ -40,7 +45,7 @@ def rms_norm_quant(x, weight=None, bias=None, *, residual=None, dtype: Any = "fl
     Returns
     -------
     (q, scales) or (q, scales, h)
-        ``q`` of ``jnp.float8_e4m3fn`` or ``jnp.int8``.
+        ``q`` of ``jnp.float8_e4m3fn``, ``jnp.float8_e5m2`` or ``jnp.int8``.
 
     Examples
     --------
@@ -56,4 +61,4 @@ def rms_norm_quant(x, weight=None, bias=None, *, residual=None, dtype: Any = "fl
                                                        for a in arrays):
         options = {**options, "backend": "array_api"}
     return _quant.rms_norm_quant(x, weight, bias, residual=residual, dtype=dtype, scale=scale,
-                                 group_size=group_size, **options)
+                                 group_size=group_size, scale_mode=scale_mode, **options)

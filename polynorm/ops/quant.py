@@ -57,7 +57,7 @@ def _scale_arg(scale: Any) -> tuple[Any, Any]:
     return scale, None
 
 
-def _fast(x, weight, bias, residual, qdtype, scale, group_size, opts: Options):
+def _fast(x, weight, bias, residual, qdtype, scale, group_size, scale_mode, opts: Options):
     """The call on plain numpy arrays (``axis=-1``, ``backend="auto"``, a float or no
     scale) straight to the Numba backend, or None: then the generic path takes it,
     with every check and error message its own."""
@@ -88,7 +88,7 @@ def _fast(x, weight, bias, residual, qdtype, scale, group_size, opts: Options):
         return None
     try:
         qplan = make_quant_plan(plan, qdtype=qdtype, scale=scale, scale_is_array=False,
-                                group_size=group_size)
+                                group_size=group_size, scale_mode=scale_mode)
     except (TypeError, ValueError):
         return None
     n = x.size // d
@@ -115,9 +115,10 @@ def rms_norm_quant(
     dtype: DTypeLike = "float8_e4m3fn",
     scale: float | Array | None = None,
     group_size: int | None = None,
+    scale_mode: str = "divide",
     **options: Unpack[NormOptions],
 ) -> tuple[Array, Array] | tuple[Array, Array, Array]:
-    """RMSNorm with quantized output (float8 e4m3 or int8), for serving.
+    """RMSNorm with quantized output (float8 e4m3 or e5m2, or int8), for serving.
 
     ``y`` is exactly ``rms_norm(x, weight, bias, out_dtype="float32", ...)``
     (``add_rms_norm``'s ``y`` with ``residual``), never materialized; what
@@ -126,16 +127,19 @@ def rms_norm_quant(
         static   (scale given):      s = float32(scale)               one for the tensor
         per token (scale=None):       s = max(|y|) / qmax              one per token
         per group (group_size=G):     s = max(|y[gG:(g+1)G]|) / qmax   one per group
-        q = round_to_nearest_even(clip(y / s, lo, hi))
+        q = round_to_nearest_even(clip(y / s, lo, hi))               scale_mode="divide"
+        q = round_to_nearest_even(clip(y * float32(1 / s), lo, hi))  scale_mode="reciprocal"
 
-    with ``y / s`` a float32 division, then rounded once to the format:
+    with ``y / s`` a float32 division (``y * float32(1 / s)`` two float32
+    roundings), then rounded once to the format:
 
-    ===============  =====  ============  ==========================
-    dtype            qmax   [lo, hi]      NaN in ``y / s``
-    ===============  =====  ============  ==========================
-    float8_e4m3fn    448    [-448, 448]   NaN (e4m3fn has no inf)
-    int8             127    [-128, 127]   0
-    ===============  =====  ============  ==========================
+    ===============  =====  ================  ==============================
+    dtype            qmax   [lo, hi]          NaN in ``y / s``
+    ===============  =====  ================  ==============================
+    float8_e4m3fn    448    [-448, 448]       NaN (e4m3fn has no inf)
+    float8_e5m2      57344  [-57344, 57344]   NaN (code 0x7e, as ml_dtypes)
+    int8             127    [-128, 127]       0
+    ===============  =====  ================  ==============================
 
     Saturation: a quotient beyond the range gives the format's bound (the
     clip comes first: ``ml_dtypes``' own cast turns 1000 into NaN, torch's
@@ -146,14 +150,20 @@ def rms_norm_quant(
     propagates NaN: a token (group) with a NaN has scale NaN and ``q`` NaN
     (int8: 0).  ``y = q * s`` dequantizes.
 
-    vLLM's conventions, for comparison: its static kernels
-    (``rms_norm_static_fp8_quant``, ``fused_add_rms_norm_static_fp8_quant``)
-    multiply by the reciprocal ``1 / scale`` instead of dividing (one
-    rounding more: a quotient may differ by an ulp before the final
-    rounding); its dynamic per-token kernels (``rms_norm_dynamic_per_token_quant``)
-    divide, as here, but floor the fp8 scale at ``1 / (448 * 512)`` (here:
-    a scale below ``2**-126`` becomes 1) and accept an upper bound
-    ``scale_ub``; int8 saturates to ``[-128, 127]`` as here.
+    The peers' conventions (docs: "Quantized output: conventions"):
+    ``scale_mode="reciprocal"`` gives the bits of vLLM's static fp8 kernels
+    (``rms_norm_static_fp8_quant``, ``fused_add_rms_norm_static_fp8_quant``:
+    ``scale_inv = 1.0f / *scale``), of its dynamic per-token int8 kernel
+    (``1.0f / token_scale``) and of FlashInfer's ``rmsnorm_quant`` /
+    ``fused_add_rmsnorm_quant``; ``"divide"`` those of vLLM's dynamic
+    per-token fp8 kernel (``rms_norm_dynamic_per_token_quant``), which
+    divides "for exact match with FBGemm".  The two differ only where
+    ``y / s`` and ``y * float32(1 / s)`` round to opposite sides of a
+    midpoint of the format (about 1 value in 3 to 33 million, one step).
+    vLLM floors its fp8 dynamic scale at ``1 / (448 * 512)`` (here: a scale
+    below ``2**-126`` becomes 1) and takes an upper bound ``scale_ub``;
+    FlashInfer clamps to ``[-448, 448]`` also for float8_e5m2 (here: the
+    format's own range).
 
     The options are :func:`polynorm.rms_norm`'s but ``out_dtype`` (``y`` is
     float32).  ``backend="auto"`` runs the Numba kernel for host memory, the
@@ -164,9 +174,9 @@ def rms_norm_quant(
     ----------
     x : array
         Float array of any library.  For numpy the result ``q`` is an
-        ``ml_dtypes.float8_e4m3fn`` / ``int8`` array; torch gives
-        ``torch.float8_e4m3fn`` / ``torch.int8``, jax ``jnp.float8_e4m3fn``
-        / ``jnp.int8``.  A library without the format (array-api-strict has
+        ``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2`` / ``int8`` array; torch
+        gives ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` / ``torch.int8``,
+        jax ``jnp.float8_e4m3fn`` / ``jnp.float8_e5m2`` / ``jnp.int8``.  A library without the format (array-api-strict has
         no float8) is a ``TypeError``.
     weight, bias : array, optional
         As in :func:`polynorm.rms_norm`.
@@ -174,7 +184,7 @@ def rms_norm_quant(
         Fused add first: ``h = x + residual`` (promoted dtype, as
         :func:`polynorm.add_rms_norm` returns it, bit for bit) is normalized
         and also returned, at full precision.
-    dtype : {"float8_e4m3fn", "int8"} or a dtype object
+    dtype : {"float8_e4m3fn", "float8_e5m2", "int8"} or a dtype object
         The format of ``q``.
     scale : float or array, optional
         A static per-tensor scale (> 0 and finite as a float32; a numpy
@@ -185,6 +195,11 @@ def rms_norm_quant(
         Dynamic scales per group of ``group_size`` contiguous elements of the
         normalized slice (64 or 128 for DeepSeek-style block fp8; any divisor
         of ``d``); ``None`` is one scale per token.  Not with ``scale``.
+    scale_mode : {"divide", "reciprocal"}
+        ``"divide"`` (default): ``q`` from ``y / s``.  ``"reciprocal"``:
+        from ``y * float32(1 / s)``, the bits of vLLM's static fp8 and
+        per-token int8 kernels and FlashInfer's quantized norms; for static
+        and dynamic scales alike (the scales returned are the same).
     {options}
 
     Returns
@@ -210,7 +225,7 @@ def rms_norm_quant(
     opts = pack_options("rms_norm_quant", options, out_dtype="float32")
     scale_num, scale_arr = _scale_arg(scale)
     fast = _fast(x, weight, bias, residual, qdtype,
-                 scale_num if scale_arr is None else scale_arr, group_size, opts)
+                 scale_num if scale_arr is None else scale_arr, group_size, scale_mode, opts)
     if fast is not None:
         return fast
     x, residual, weight, bias, scale_arr = (
@@ -233,7 +248,8 @@ def rms_norm_quant(
                 f"scale must be a number or an array of one element (shape () or (1,)), "
                 f"got shape {tuple(scale_arr.shape)}")
     qplan = make_quant_plan(call.plan, qdtype=qdtype, scale=scale_num,
-                            scale_is_array=scale_arr is not None, group_size=group_size)
+                            scale_is_array=scale_arr is not None, group_size=group_size,
+                            scale_mode=scale_mode)
     xp = lay.xp
     from polynorm.backends.reference import quant_dtype
 

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from polynorm.core.options import NormOptions, Options, pack_options, takes_options
+from polynorm.core.options import (
+    SCALE_MODES,
+    NormOptions,
+    Options,
+    pack_options,
+    takes_options,
+)
 from polynorm.ops import quant as _quant
 
 if TYPE_CHECKING:
@@ -31,7 +37,8 @@ from polynorm.torch._custom_ops import (
 
 __all__ = ["rms_norm_quant"]
 
-_QDTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.int8: "int8"}
+_QDTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
+            torch.int8: "int8"}
 
 
 def _qdtype(dtype: Any) -> torch.dtype:
@@ -39,30 +46,31 @@ def _qdtype(dtype: Any) -> torch.dtype:
 
     if isinstance(dtype, torch.dtype) and dtype in _QDTYPES:
         return dtype
-    name = parse_quant_dtype(dtype)
-    return torch.float8_e4m3fn if name == "float8_e4m3fn" else torch.int8
+    return getattr(torch, parse_quant_dtype(dtype))
 
 
 @torch.library.custom_op(
     "polynorm::rms_norm_quant", mutates_args=(),
     schema=f"(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, Tensor? scale, "
-    f"float? scale_value, ScalarType dtype, int? group_size, {_OPTS}) "
+    f"float? scale_value, ScalarType dtype, int? group_size, str scale_mode, {_OPTS}) "
     "-> (Tensor, Tensor, Tensor)",
 )
-def _quant_op(x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
+def _quant_op(x, weight, bias, residual, scale, scale_value, dtype, group_size, scale_mode,
+              *opts):
     # every option by its field, so that a new one is not dropped here
     o = _from_op(opts)._asdict()
     del o["out_dtype"]
     out = _quant.rms_norm_quant(
         x, weight, bias, residual=residual, dtype=_QDTYPES[dtype],
-        scale=scale if scale is not None else scale_value, group_size=group_size, **o,
+        scale=scale if scale is not None else scale_value, group_size=group_size,
+        scale_mode=scale_mode, **o,
     )
     h = out[2].contiguous() if residual is not None else x.new_empty(0)
     return out[0].contiguous(), out[1].contiguous(), h
 
 
 @_quant_op.register_fake
-def _(x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
+def _(x, weight, bias, residual, scale, scale_value, dtype, group_size, scale_mode, *opts):
     from polynorm.core.options import promote
     from polynorm.ops.norm import _normalize_axis
 
@@ -85,14 +93,16 @@ def _(x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
 
 
 @_quant_op.register_vmap
-def _(info, in_dims, x, weight, bias, residual, scale, scale_value, dtype, group_size, *opts):
+def _(info, in_dims, x, weight, bias, residual, scale, scale_value, dtype, group_size,
+      scale_mode, *opts):
     xd, wd, bd, rd, sd = in_dims[:5]
     if wd is not None or bd is not None or sd is not None:
         return _vmap_loop(_quant_op, info, in_dims, x, weight, bias, residual, scale,
-                          scale_value, dtype, group_size, *opts)
+                          scale_value, dtype, group_size, scale_mode, *opts)
     n = info.batch_size
     out = _quant_op(_front(x, xd, n), weight, bias, _front(residual, rd, n), scale, scale_value,
-                    dtype, group_size, *_vmapped_opts(opts, x.ndim - (xd is not None)))
+                    dtype, group_size, scale_mode,
+                    *_vmapped_opts(opts, x.ndim - (xd is not None)))
     static = scale is not None or scale_value is not None  # one scale, not one per token
     return out, (0, None if static else 0, None if residual is None else 0)
 
@@ -107,6 +117,7 @@ def rms_norm_quant(
     dtype: Any = torch.float8_e4m3fn,
     scale: float | torch.Tensor | None = None,
     group_size: int | None = None,
+    scale_mode: str = "divide",
     **options: Unpack[NormOptions],
 ) -> tuple[torch.Tensor, ...]:
     """:func:`polynorm.rms_norm_quant` as a torch custom op (``torch.compile``-able).
@@ -115,11 +126,11 @@ def rms_norm_quant(
     ----------
     x, weight, bias, residual : torch.Tensor
         As in :func:`polynorm.rms_norm_quant`.
-    dtype : torch.float8_e4m3fn or torch.int8 (or their names)
+    dtype : torch.float8_e4m3fn, torch.float8_e5m2 or torch.int8 (or their names)
     scale : float or torch.Tensor, optional
         A static scale: a float (a constant of a compiled graph) or a
         one-element float tensor (an input of it).
-    group_size
+    group_size, scale_mode
         As in :func:`polynorm.rms_norm_quant`.
     {options}
 
@@ -142,7 +153,11 @@ def rms_norm_quant(
         from polynorm.core.options import _check_real
 
         sv = _check_real("scale", sv)
+    if not (isinstance(scale_mode, str) and scale_mode in SCALE_MODES):
+        # the schema's str would reject a non-string with a message that names no argument
+        raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
     opts = pack_options("rms_norm_quant", options, out_dtype=None)
     q, s, h = torch.ops.polynorm.rms_norm_quant(
-        x, weight, bias, residual, st, sv, _qdtype(dtype), group_size, *_op_args(opts))
+        x, weight, bias, residual, st, sv, _qdtype(dtype), group_size, scale_mode,
+        *_op_args(opts))
     return (q, s) if residual is None else (q, s, h)

@@ -523,12 +523,12 @@ def _wrap_q(q: Any, like: Any, qdtype: str) -> Any:
     if mod == "torch":
         import torch
 
-        return torch.from_dlpack(q).view(torch.float8_e4m3fn)
+        return torch.from_dlpack(q).view(getattr(torch, qdtype))
     if mod in ("jax", "jaxlib"):
         import jax
         import jax.numpy as jnp
 
-        return jax.lax.bitcast_convert_type(jnp.from_dlpack(q), jnp.float8_e4m3fn)
+        return jax.lax.bitcast_convert_type(jnp.from_dlpack(q), getattr(jnp, qdtype))
     raise TypeError(f"dtype={qdtype!r}: {mod} arrays have no {qdtype} dtype")
 
 
@@ -568,13 +568,13 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
         else:
             sdev = None
             sc = _empty((n, qplan.groups), "float32")
-        launch = cl.quant_launch(n, d, hd, qplan.qdtype == "float8_e4m3fn")
+        launch = cl.quant_launch(n, d, hd, qplan.qdtype)
         args = (
             _ptr(xc), _rs(xc), _ptr(resc), _rs(resc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
             _ptr(q), _rs(q), _ptr(sc), _ptr(sdev),
             np.int64(n), np.int32(d), np.int32(plan.k), np.int32(qplan.group_size),
             np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
-            np.float64(plan.offset),
+            np.float64(plan.offset), np.int32(qplan.reciprocal),
         )
         _launch(launch, args)
         scales = _interop.from_cupy(sdev.reshape(()) if qplan.static else sc, x)

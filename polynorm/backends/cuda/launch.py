@@ -245,7 +245,7 @@ def specialisations() -> list[str]:
     names += [colsum_name(*t) for t in COLSUM_TYPES]
     names += [gated_fwd_name(*t) for t in GATED_FWD_TYPES]
     names += [gated_bwd_name(*t) for t in GATED_BWD_TYPES]
-    names += [quant_name(t, fp8) for t in FLOAT_DTYPES for fp8 in (True, False)]
+    names += [quant_name(t, q) for t in FLOAT_DTYPES for q in QUANT_FMT]
     return names
 
 
@@ -677,8 +677,19 @@ def gated_bwd_name(x: str, z: str, dy: str) -> str:
     return f"pn_gated_bwd<{_ct(x, z, dy)}>"
 
 
-def quant_name(x: str, fp8: bool) -> str:
-    return f"pn_quant_fwd<{_ct(x)}, {'true' if fp8 else 'false'}>"
+#: pn_quant_fwd's FMT template argument per quantized format
+QUANT_FMT = {"int8": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
+
+
+def quant_name(x: str, qdtype: str | bool = "float8_e4m3fn") -> str:
+    """pn_quant_fwd's instance for ``x`` and a format (``True``/``False``: e4m3fn/int8).
+
+    >>> quant_name("bfloat16", "float8_e5m2")
+    'pn_quant_fwd<__nv_bfloat16, 2>'
+    """
+    if isinstance(qdtype, bool):
+        qdtype = "float8_e4m3fn" if qdtype else "int8"
+    return f"pn_quant_fwd<{_ct(x)}, {QUANT_FMT[qdtype]}>"
 
 
 def kernel_dtype(x: str, other: str | None) -> str:
@@ -732,7 +743,7 @@ def gated_backward_launch(n: int, d: int, group_size: int, x: str, z: str | None
 
 
 @lru_cache(maxsize=4096)
-def quant_launch(n: int, d: int, x: str, fp8: bool = True) -> Launch:
+def quant_launch(n: int, d: int, x: str, fp8: str | bool = True) -> Launch:
     """Launch of pn_quant_fwd: one segment per row.
 
     >>> quant_launch(3, 4096, "float32").tpr == forward_launch(3, 4096, "float32").tpr

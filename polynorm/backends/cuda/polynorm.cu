@@ -2857,6 +2857,25 @@ __device__ __forceinline__ unsigned char pn_e4m3fn(float v) {
     return (unsigned char)((code | sign) & 0xffu);
 }
 
+// float32 -> float8_e5m2 bits: saturated to +-57344, nearest even, NaN kept as
+// ml_dtypes' 0x7e (with its sign); pn_e4m3fn's steps with 2 mantissa bits
+// (numba.quant.e5m2).
+__device__ __forceinline__ unsigned char pn_e5m2(float v) {
+    const unsigned u = __float_as_uint(v);
+    const unsigned sign = (u >> 24) & 0x80u;
+    unsigned au = u & 0x7fffffffu;
+    const bool nan = au > 0x7f800000u;
+    au = au < 0x47600000u ? au : 0x47600000u;  // 57344
+    const unsigned lsb = (au >> 21) & 1u;
+    const unsigned nrm = ((au + 0xfffffu + lsb) >> 21) - (112u << 2);
+    // below 2^-14: rint(|v| * 2^16), exact by adding 2^23 in float32
+    const float t = __fadd_rn(__fmul_rn(__uint_as_float(au), 65536.0f), 8388608.0f);
+    const unsigned sub = __float_as_uint(t) - 0x4b000000u;
+    unsigned code = au < 0x38800000u ? sub : nrm;
+    code = nan ? 0x7eu : code;
+    return (unsigned char)((code | sign) & 0xffu);
+}
+
 // float32 -> int8 (two's complement bits): NaN -> 0, saturated to [-128, 127], nearest even
 __device__ __forceinline__ unsigned char pn_int8(float v) {
     float c = v != v ? 0.0f : v;
@@ -2872,12 +2891,13 @@ __device__ __forceinline__ unsigned char pn_int8(float v) {
 //   dynamic:                  per group of gs columns, s = max|y| / qmax
 //                             (1 where below 2^-126; NaN wins), sc[row, g] = s,
 //                             q = enc(y / s)
-// enc: pn_e4m3fn (FP8) or pn_int8.  One segment per row (tpr threads, the
+// with `recip` (scale_mode="reciprocal", vLLM's and FlashInfer's kernels)
+// y * (1.0f / s) instead of y / s.  enc: pn_int8 (FMT 0), pn_e4m3fn (1) or pn_e5m2 (2).  One segment per row (tpr threads, the
 // split of pn_gated_fwd with one group): pass 1 the statistic, then per
 // group a pass for max|y| (dynamic only) and one that encodes, each
 // recomputing y from x (and res), which stay in L1/L2.  `w`, `b` in the
 // compute type, may be null; q: uint8 bits, row stride sq; sc: (n, d/gs) float32.
-template <typename XT, bool FP8>
+template <typename XT, int FMT>
 __global__ void __launch_bounds__(1024) pn_quant_fwd(
     const XT* __restrict__ x, long long sx,
     const XT* __restrict__ res, long long sr,
@@ -2888,7 +2908,7 @@ __global__ void __launch_bounds__(1024) pn_quant_fwd(
     float* sc,
     const float* __restrict__ scale,
     long long n, int d, int k, int gs, int tpr,
-    double eps, int eps_inside, double offset)
+    double eps, int eps_inside, double offset, int recip)
 {
     typedef typename pn_compute<XT>::type CT;
     constexpr int VEC = 16 / sizeof(XT);
@@ -2936,11 +2956,12 @@ __global__ void __launch_bounds__(1024) pn_quant_fwd(
         return (float)t;
     };
     auto encode = [&](int g0, float s) {
+        const float inv = __fdiv_rn(1.0f, s);  // the float32 reciprocal, correctly rounded
         pn_seg_each<VEC>([&](int j0, int cnt) {
             for (int e = 0; e < cnt; ++e) {
                 const int j = g0 + j0 + e;
-                const float u = yval(j) / s;
-                qr[j] = FP8 ? pn_e4m3fn(u) : pn_int8(u);
+                const float u = recip ? __fmul_rn(yval(j), inv) : yval(j) / s;
+                qr[j] = FMT == 1 ? pn_e4m3fn(u) : FMT == 2 ? pn_e5m2(u) : pn_int8(u);
             }
         }, active, tr, tpr, gs);
     };
@@ -2948,7 +2969,7 @@ __global__ void __launch_bounds__(1024) pn_quant_fwd(
         for (int g0 = 0; g0 < d; g0 += gs) encode(g0, *scale);
         return;
     }
-    const float qmax = FP8 ? 448.0f : 127.0f;
+    const float qmax = FMT == 1 ? 448.0f : FMT == 2 ? 57344.0f : 127.0f;
     for (int g0 = 0; g0 < d; g0 += gs) {
         // max |y| by the magnitudes' bits (a NaN's are above inf's: it wins), exact in double
         unsigned m = 0;

@@ -727,16 +727,16 @@ def _wrap_q(q: np.ndarray, caller, qdtype: str):
     if type(caller) is np.ndarray:
         import ml_dtypes
 
-        return q.view(ml_dtypes.float8_e4m3fn)
+        return q.view(getattr(ml_dtypes, qdtype))
     lib = type(caller).__module__.split(".")[0]
     if lib == "torch":
         import torch
 
-        return torch.from_numpy(q).view(torch.float8_e4m3fn)
+        return torch.from_numpy(q).view(getattr(torch, qdtype))
     import jax
     import jax.numpy as jnp
 
-    return jax.lax.bitcast_convert_type(_interop.from_numpy(q, caller), jnp.float8_e4m3fn)
+    return jax.lax.bitcast_convert_type(_interop.from_numpy(q, caller), getattr(jnp, qdtype))
 
 
 _NO_H: dict[np.dtype, np.ndarray] = {}
@@ -771,8 +771,8 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
     q = empty((n, d), np.uint8)
     sc = np.empty((n, qplan.groups), np.float32) if not qplan.static else np.empty((1, 1),
                                                                                    np.float32)
-    qargs = (s32, qplan.group_size, np.float32(qplan.qmax), qplan.qdtype == "float8_e4m3fn",
-             qplan.static)
+    qargs = (s32, qplan.group_size, np.float32(qplan.qmax), Q.FMT[qplan.qdtype],
+             qplan.reciprocal, qplan.static)
     h = None
     if plan.llama:
         y, h, _ = forward(x, residual, weight, bias, plan)

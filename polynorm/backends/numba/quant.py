@@ -5,10 +5,13 @@ functions, :func:`.numba.kernels._row_sumsq` and ``_rstd_from``), ``y`` in
 float32 into a row buffer of the task (the operations of ``_out_span`` /
 ``_fwd_row_wide``, in their order: the bits of ``rms_norm(...,
 out_dtype="float32")``), then the scales and the encoding from that buffer,
-which is still in L1/L2.  float8 e4m3fn has no Numba type: it is encoded
-by bit manipulation into ``uint8`` (round to nearest even, as
+which is still in L1/L2.  float8 (e4m3fn, e5m2) has no Numba type: it is
+encoded by bit manipulation into ``uint8`` (round to nearest even, as
 ``ml_dtypes``), as :mod:`.numba.codec` does for bfloat16; int8 is written
-into the same ``uint8`` array as its two's complement.
+into the same ``uint8`` array as its two's complement.  The format is an
+integer code (:data:`FMT_INT8`, :data:`FMT_E4M3FN`, :data:`FMT_E5M2`); with
+``recip`` the encoder multiplies by the float32 reciprocal of the scale
+(``scale_mode="reciprocal"``) instead of dividing by it.
 
 Rows run in ranges under ``prange``; a token's bits depend only on its own
 values (batch invariance), whatever the thread count.
@@ -52,16 +55,24 @@ _F32_MIN_NORMAL = np.float32(2.0**-126)
 QBLOCK = 32
 
 
-#: float32 bits of e4m3's smallest normal, 2**-6
-_MIN_NORMAL_BITS = int(np.float32(2.0**-6).view(np.int32))
+#: the formats' codes (the kernels' ``fmt`` argument)
+FMT_INT8, FMT_E4M3FN, FMT_E5M2 = 0, 1, 2
+FMT = {"int8": FMT_INT8, "float8_e4m3fn": FMT_E4M3FN, "float8_e5m2": FMT_E5M2}
+
+#: per float8 format: (largest finite value, its smallest normal, mantissa bits,
+#: float32 exponent bias minus the format's, NaN code); e4m3fn's NaN is its
+#: only one (0x7f), e5m2's is ml_dtypes' (0x7e, a float16 quiet NaN's high byte)
+_FP8 = {FMT_E4M3FN: (448.0, 2.0**-6, 3, 120, 0x7F), FMT_E5M2: (57344.0, 2.0**-14, 2, 112, 0x7E)}
 
 
-def _e4m3fn_ir(builder, v):
+def _e4m3fn_ir(builder, v, fmt=FMT_E4M3FN):
     """float32 ``v`` (a scalar or a vector) -> float8_e4m3fn codes in int32 lanes (low 8 bits).
 
     Saturated to +-448, nearest even, NaN kept (sign too); 32-bit IR (Numba
     would widen the integer steps to 64 bits, halving the vector width), in
-    few operations and constants:
+    few operations and constants.  ``fmt=FMT_E5M2``: the same steps with
+    e5m2's constants (+-57344, 2 mantissa bits, smallest normal 2**-14,
+    NaN 0x7e; the codes 0x7c.. above the finite ones are inf and NaN):
 
     - ``a = min(448, |v|)``, a float compare that keeps a NaN;
     - ``a`` rounded to the format's spacing by the float add itself:
@@ -78,6 +89,9 @@ def _e4m3fn_ir(builder, v):
 
     Nothing here flushes subnormals (Numba sets no FTZ/DAZ).
     """
+    top, min_normal, mbits, dbias, nan = _FP8[fmt]
+    shift = 23 - mbits
+    min_bits = int(np.float32(min_normal).view(np.int32))
     f32, i32 = like(v, ir.FloatType()), like(v, ir.IntType(32))
 
     def cf(c):
@@ -89,14 +103,16 @@ def _e4m3fn_ir(builder, v):
     u = builder.bitcast(v, i32)
     sign = builder.and_(builder.lshr(u, ci(24)), ci(0x80))
     mag = builder.bitcast(builder.and_(u, ci(0x7FFFFFFF)), f32)
-    # 448 < mag is false for a NaN, which is then kept
-    a = builder.select(builder.fcmp_ordered("<", cf(448.0), mag), cf(448.0), mag)
+    # top < mag is false for a NaN, which is then kept
+    a = builder.select(builder.fcmp_ordered("<", cf(top), mag), cf(top), mag)
     e = builder.and_(builder.bitcast(a, i32), ci(0x7F800000))  # 2**e, as bits
-    e = builder.select(builder.icmp_signed("<", e, ci(_MIN_NORMAL_BITS)), ci(_MIN_NORMAL_BITS), e)
-    m = builder.bitcast(builder.add(e, ci(20 << 23)), f32)
+    e = builder.select(builder.icmp_signed("<", e, ci(min_bits)), ci(min_bits), e)
+    m = builder.bitcast(builder.add(e, ci(shift << 23)), f32)
     r = builder.fsub(builder.fadd(a, m), m)
-    code = builder.lshr(builder.bitcast(builder.fmul(r, cf(2.0**-120)), i32), ci(20))
-    code = builder.select(builder.icmp_unsigned("<", code, ci(0x7F)), code, ci(0x7F))
+    code = builder.lshr(builder.bitcast(builder.fmul(r, cf(2.0**-dbias)), i32), ci(shift))
+    # the finite codes are those below the NaN (e4m3fn) or below inf, 0x7c (e5m2)
+    limit = 0x7F if fmt == FMT_E4M3FN else 0x7C
+    code = builder.select(builder.icmp_unsigned("<", code, ci(limit)), code, ci(nan))
     return builder.or_(code, sign)
 
 
@@ -136,6 +152,18 @@ def e4m3fn(typingctx, v):
 
 
 @intrinsic
+def e5m2(typingctx, v):
+    """float32 ``v`` -> float8_e5m2 bits (:func:`_e4m3fn_ir` with e5m2's constants)."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.trunc(_e4m3fn_ir(builder, args[0], FMT_E5M2), ir.IntType(8))
+
+    return types.uint8(v), codegen
+
+
+@intrinsic
 def int8_bits(typingctx, v):
     """float32 ``v`` -> int8 as uint8 bits (:func:`_int8_ir`)."""
     if v != types.float32:
@@ -148,19 +176,22 @@ def int8_bits(typingctx, v):
 
 
 @intrinsic
-def _encode_block(typingctx, buf, q, i, j, s, fp8):
-    """``q[i, j : j + QBLOCK] = encode(buf[j : j + QBLOCK] / s)`` as vector IR: the
-    lanes of :func:`e4m3fn` (``fp8``, a compile-time bool) or :func:`int8_bits`,
-    the same operations lane by lane, so the same bits.  ``buf`` and ``q``'s
-    rows must have adjacent elements (the kernel allocates both)."""
+def _encode_block(typingctx, buf, q, i, j, s, fmt, recip):
+    """``q[i, j : j + QBLOCK] = encode(buf[j : j + QBLOCK] / s)`` (``* s`` with
+    ``recip``, ``s`` then the reciprocal) as vector IR: the lanes of
+    :func:`e4m3fn`, :func:`e5m2` or :func:`int8_bits` (``fmt``, ``recip``:
+    compile-time constants), the same operations lane by lane, so the same
+    bits.  ``buf`` and ``q``'s rows must have adjacent elements (the kernel
+    allocates both)."""
     if not (isinstance(buf, types.Array) and buf.ndim == 1 and buf.dtype == types.float32
             and isinstance(q, types.Array) and q.ndim == 2 and q.dtype == types.uint8
-            and s == types.float32 and isinstance(fp8, types.BooleanLiteral)):
+            and s == types.float32 and isinstance(fmt, types.IntegerLiteral)
+            and isinstance(recip, types.BooleanLiteral)):
         return None
-    is_fp8 = fp8.literal_value
+    fmt_v, mul = fmt.literal_value, recip.literal_value
 
     def codegen(context, builder, sig, args):
-        bv, qv, iv, jv, sv, _ = args
+        bv, qv, iv, jv, sv = args[:5]
         bty, qty = sig.args[0], sig.args[1]
         iv = context.cast(builder, iv, sig.args[2], types.intp)
         jv = context.cast(builder, jv, sig.args[3], types.intp)
@@ -181,18 +212,19 @@ def _encode_block(typingctx, buf, q, i, j, s, fp8):
         splat = builder.shuffle_vector(splat, splat,
                                        ir.Constant(ir.VectorType(ir.IntType(32), QBLOCK),
                                                    [0] * QBLOCK))
-        x = builder.fdiv(x, splat)
-        code = _e4m3fn_ir(builder, x) if is_fp8 else _int8_ir(builder, x)
+        x = builder.fmul(x, splat) if mul else builder.fdiv(x, splat)
+        code = _int8_ir(builder, x) if fmt_v == FMT_INT8 else _e4m3fn_ir(builder, x, fmt_v)
         vb = ir.VectorType(ir.IntType(8), QBLOCK)
         builder.store(builder.trunc(code, vb), builder.bitcast(dst, vb.as_pointer()), align=1)
         return context.get_dummy_value()
 
-    return types.void(buf, q, i, j, s, fp8), codegen
+    return types.void(buf, q, i, j, s, fmt, recip), codegen
 
 
 @_inline_ir
-def _encode_span(buf, q, i, j0, j1, s, fp8, pa, pb, pf):
-    """``q[i, j0:j1]`` from ``buf / s``.  The encoder is a row's longest pass, so
+def _encode_span(buf, q, i, j0, j1, s, fmt, recip, pa, pb, pf):
+    """``q[i, j0:j1]`` from ``buf / s`` (``buf * s`` with ``recip``: ``s`` is then
+    the scale's float32 reciprocal).  The encoder is a row's longest pass, so
     it is the one that prefetches the next row's inputs, the same columns a
     chunk at a time: ``pa[i + 1]`` where ``pf & 1``, ``pb[i + 1]`` where ``pf & 2``
     (a burst of a whole row's prefetches in a short pass stalls on the
@@ -207,16 +239,40 @@ def _encode_span(buf, q, i, j0, j1, s, fp8, pa, pb, pf):
         lo = np.uint64(jc)
         hi = np.uint64(je)
         hb = lo + (hi - lo) // np.uint64(QBLOCK) * np.uint64(QBLOCK)
-        if fp8:
-            for j in range(lo, hb, np.uint64(QBLOCK)):
-                _encode_block(buf, q, i, j, s, True)
-            for j in range(hb, hi):
-                q[i, j] = e4m3fn(buf[j] / s)
+        # one loop per (format, mode): the block's constants are compile-time
+        step = np.uint64(QBLOCK)
+        if recip:
+            if fmt == 1:
+                for j in range(lo, hb, step):
+                    _encode_block(buf, q, i, j, s, 1, True)
+                for j in range(hb, hi):
+                    q[i, j] = e4m3fn(buf[j] * s)
+            elif fmt == 2:
+                for j in range(lo, hb, step):
+                    _encode_block(buf, q, i, j, s, 2, True)
+                for j in range(hb, hi):
+                    q[i, j] = e5m2(buf[j] * s)
+            else:
+                for j in range(lo, hb, step):
+                    _encode_block(buf, q, i, j, s, 0, True)
+                for j in range(hb, hi):
+                    q[i, j] = int8_bits(buf[j] * s)
         else:
-            for j in range(lo, hb, np.uint64(QBLOCK)):
-                _encode_block(buf, q, i, j, s, False)
-            for j in range(hb, hi):
-                q[i, j] = int8_bits(buf[j] / s)
+            if fmt == 1:
+                for j in range(lo, hb, step):
+                    _encode_block(buf, q, i, j, s, 1, False)
+                for j in range(hb, hi):
+                    q[i, j] = e4m3fn(buf[j] / s)
+            elif fmt == 2:
+                for j in range(lo, hb, step):
+                    _encode_block(buf, q, i, j, s, 2, False)
+                for j in range(hb, hi):
+                    q[i, j] = e5m2(buf[j] / s)
+            else:
+                for j in range(lo, hb, step):
+                    _encode_block(buf, q, i, j, s, 0, False)
+                for j in range(hb, hi):
+                    q[i, j] = int8_bits(buf[j] / s)
 
 
 @intrinsic
@@ -257,13 +313,16 @@ def _amax(buf, j0, j1):
 
 
 @_inline_ir
-def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, amax, pa, pb, pf):
+def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fmt, recip, static, amax, pa, pb, pf):
     """Row ``i`` of ``q`` (and of ``sc`` for dynamic scales) from its float32 ``y`` in ``buf``;
     ``amax``: ``max |y|`` of the row, already known (one group) or < 0 (recomputed here);
-    ``pa``, ``pb``, ``pf``: the next row's prefetches (:func:`_encode_span`)."""
+    ``pa``, ``pb``, ``pf``: the next row's prefetches (:func:`_encode_span`).
+    ``static_scale`` is the scale itself; with ``recip`` the encoder takes its
+    float32 reciprocal (a dynamic one's too)."""
     d = buf.shape[0]
     if static:
-        _encode_span(buf, q, i, 0, d, static_scale, fp8, pa, pb, pf)
+        t = np.float32(1.0) / static_scale if recip else static_scale
+        _encode_span(buf, q, i, 0, d, t, fmt, recip, pa, pb, pf)
         return
     for g in range(d // gs):
         lo = g * gs
@@ -271,7 +330,8 @@ def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, amax, pa, p
         s = m / qmax
         s = np.float32(1.0) if s < _F32_MIN_NORMAL else s
         sc[i, g] = s
-        _encode_span(buf, q, i, lo, lo + gs, s, fp8, pa, pb, pf)
+        t = np.float32(1.0) / s if recip else s
+        _encode_span(buf, q, i, lo, lo + gs, t, fmt, recip, pa, pb, pf)
 
 
 @_inline_ir
@@ -305,7 +365,7 @@ def _y_row(i, a, w, b, buf, rs, flags, k, eps, offset):
 
 @_jit()
 def quant_rows(lo, hi, x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
-               static_scale, gs, qmax, fp8, static):
+               static_scale, gs, qmax, fmt, recip, static):
     """Rows ``[lo, hi)``: (``h = x + r``,) ``y`` into ``buf``, then ``q`` and ``sc``.
 
     ``x``, ``r``, ``h``: (n, d) (16-bit floats as integer bits; ``r``/``h``
@@ -322,28 +382,28 @@ def quant_rows(lo, hi, x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
         for i in range(lo, hi):
             _add_row(i, x, r, h)
             m = _y_row(i, h, w, b, buf, rs, flags, k, eps, offset)
-            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m, x, r,
+            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fmt, recip, static, m, x, r,
                          3 if i + 1 < n else 0)
     else:
         for i in range(lo, hi):
             m = _y_row(i, x, w, b, buf, rs, flags, k, eps, offset)
-            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fp8, static, m, x, x,
+            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fmt, recip, static, m, x, x,
                          1 if i + 1 < n else 0)
 
 
 @_jit(parallel=True)
 def quant_parallel(x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
-                   static_scale, gs, qmax, fp8, static):
+                   static_scale, gs, qmax, fmt, recip, static):
     n = x.shape[0]
     for c in prange(_range_count(n)):
         lo, hi = _range_bounds(c, n)
         quant_rows(lo, hi, x, r, w, b, h, q, sc, np.empty_like(buf),
-                   np.empty_like(rs), flags, k, eps, offset, static_scale, gs, qmax, fp8, static)
+                   np.empty_like(rs), flags, k, eps, offset, static_scale, gs, qmax, fmt, recip, static)
 
 
 @_jit()
-def quantize_y_rows(lo, hi, y, q, sc, static_scale, gs, qmax, fp8, static):
+def quantize_y_rows(lo, hi, y, q, sc, static_scale, gs, qmax, fmt, recip, static):
     """Rows ``[lo, hi)`` of ``q``/``sc`` from float32 rows ``y`` (the llama path)."""
     for i in range(lo, hi):
-        quantize_row(y[i], q, sc, i, static_scale, gs, qmax, fp8, static, np.float32(-1.0),
+        quantize_row(y[i], q, sc, i, static_scale, gs, qmax, fmt, recip, static, np.float32(-1.0),
                      y, y, 0)
