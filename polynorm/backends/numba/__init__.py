@@ -109,6 +109,7 @@ def _kb():
 _BF16_BITS = np.dtype(np.uint16)
 _F16_BITS = np.dtype(np.int16)
 _F64 = np.dtype(np.float64)
+_F32 = np.dtype(np.float32)
 
 
 def _empty_for(caller):
@@ -279,6 +280,11 @@ def _param_vector(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarr
     aliased as :func:`_kview` does.
     """
     target = _F64 if exact and a.dtype.itemsize > cdt.itemsize else cdt
+    if a.dtype.itemsize == 2 and target is _F32 and a.ndim == 1:
+        # exact either way; the kernel is several times numpy's 16-bit casts
+        w = np.empty(a.shape[0], _F32)
+        (_kernels or _k()).widen_bits(_kview(a if a.flags.c_contiguous else a.copy()), w)
+        return w
     if a.dtype != target or not a.flags.c_contiguous:
         return np.ascontiguousarray(a, target)
     return a if a.flags.writeable else _writable_alias(a)
