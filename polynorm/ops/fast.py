@@ -93,8 +93,101 @@ def _rows(x, weight, bias, a, b) -> tuple | None:
     return names, dtype, d, n, two_d
 
 
+# --------------------------------------------------------------------------- decode calls
+# A serving loop calls with the same shapes, dtypes, strides and options every
+# time.  Per such call signature the first call works out the kernel and its
+# constant arguments (``decode_plan`` of the numba backend); later calls look the signature up and
+# do only what depends on the arrays' contents and memory: the outputs, the
+# 16-bit weight's widening, the writability and overlap checks.  What the
+# signature cannot prove (a read-only or overlapping array, options of
+# inexact types) takes the path below, which raises as the general path does.
+
+#: call signature -> the backend's prepared call, or None where the path below runs
+_DECODE: dict[tuple, Any] = {}
+#: signatures kept at most (a process that calls with ever new shapes clears it)
+DECODE_MAX = 512
+_EXACT = (float, int)
+
+
+def _exact(opts: Options) -> bool:
+    """Options of exact scalar types (:func:`~polynorm.core.options.make_plan`'s own test):
+    only those may be matched by value; ``True == 1`` and ``Decimal(1) == 1`` must
+    not find an entry made for ``1``."""
+    eps, _, partial, partial_size, offset, eps_mode, casting, out_dtype, _ = opts
+    return (eps.__class__ in _EXACT and partial.__class__ in _EXACT
+            and (partial_size is None or partial_size.__class__ is int)
+            and offset.__class__ in _EXACT and eps_mode.__class__ is str
+            and casting.__class__ is str and (out_dtype is None or out_dtype.__class__ is str))
+
+
+def _decode_entry(mod, x, residual, weight, bias, out, opts: Options):
+    """The backend's prepared call (``mod.decode_plan``) of a call signature, or None
+    where the signature is not one the decode path serves."""
+    if x.ndim != 2 or not _exact(opts):
+        return None
+    head = _rows(x, weight, bias, residual, out)
+    if head is None:
+        return None
+    names, dtype, d, n, _ = head
+    if n * d >= mod.SERIAL_MAX_ELEMENTS:
+        return None  # parallel and streamed launches: the general fast path
+    if residual is None and d > 1 and x.strides[1] != x.itemsize:
+        return None  # copied to unit columns first: the general fast path
+    for a in (weight, bias):
+        if a is not None and a.strides[0] != a.itemsize and d > 1:
+            return None  # copied to one layout: the general fast path
+    if residual is not None:
+        rdt = names.get(residual.dtype)
+        if rdt is None or residual.shape != x.shape:
+            return None
+        dtype = promote(dtype, rdt)
+    plan = _plan(d, dtype, opts)
+    if plan is None or plan.llama:
+        return None
+    if out is not None and (out.shape != x.shape or names.get(out.dtype) != plan.out_dtype):
+        return None
+    return mod.decode_plan(plan, x, residual, weight, bias)
+
+
+def _decode_forward(mod, x, residual, weight, bias, out, return_rstd, opts, fused):
+    """A numpy forward through its call signature's prepared call, or None."""
+    key = (opts, x.shape, x.strides, x.dtype,
+           None if weight is None else (weight.shape, weight.strides, weight.dtype),
+           None if bias is None else (bias.shape, bias.strides, bias.dtype),
+           None if residual is None else (residual.shape, residual.strides, residual.dtype),
+           None if out is None else (out.shape, out.strides, out.dtype))
+    try:
+        e = _DECODE[key]
+    except KeyError:
+        if len(_DECODE) >= DECODE_MAX:
+            _DECODE.clear()
+        e = _DECODE[key] = _decode_entry(mod, x, residual, weight, bias, out, opts)
+    except TypeError:  # an unhashable option: the general path says what is wrong
+        return None
+    if e is None or not _exact(opts):
+        return None
+    if out is not None and not plain_out_ok(out, x, residual, weight, bias):
+        return None  # overlap, a read-only out...: the checks below
+    try:
+        y, h, rstd = mod.forward_decode(e, x, residual, weight, bias, out)
+    except Exception as exc:
+        if out is None:
+            raise
+        raise partly_written(exc) from exc
+    if fused:
+        return (y, h, rstd) if return_rstd else (y, h)
+    return (y, rstd) if return_rstd else y
+
+
 def forward(mod, x, residual, weight, bias, out, return_rstd: bool, opts: Options, fused: bool):
     """``rms_norm``/``add_rms_norm`` on numpy arrays, or None for the general path."""
+    if type(x) is np.ndarray and (
+            (weight is None or type(weight) is np.ndarray) and (bias is None or type(bias) is np.ndarray)
+            and (residual is None or type(residual) is np.ndarray)
+            and (out is None or type(out) is np.ndarray)):
+        r = _decode_forward(mod, x, residual, weight, bias, out, return_rstd, opts, fused)
+        if r is not None:
+            return r
     if type(x) is not np.ndarray:
         # torch CPU tensors: the same path on zero-copy numpy views (polynorm.core.interop)
         if type(x).__module__ != "torch" or x.ndim == 0:

@@ -418,6 +418,125 @@ def forward_small(x: np.ndarray, weight, bias, plan: Plan):
     return y, rstd
 
 
+class Decode:
+    """A decode call signature's serial forward kernel and constant arguments
+    (:func:`decode_plan`), for :func:`forward_decode`."""
+
+    __slots__ = ("kernel", "entry", "y_dt", "h_dt", "cdt", "n", "d", "xv", "rv", "yv", "hv",
+                 "wv", "bv", "ones", "flags", "k", "eps", "offset")
+
+    def __init__(self, **kw):
+        self.entry = None  # the compiled entry point, once known (False: none)
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+_U16, _I16 = np.dtype(np.uint16), np.dtype(np.int16)
+
+
+def _bits_view(dt: np.dtype):
+    """The integer view the kernels take for a 16-bit dtype (:func:`_kview`), else None."""
+    if dt.itemsize != 2:
+        return None
+    return _U16 if dt.kind == "V" else _I16
+
+
+def decode_plan(plan: Plan, x: np.ndarray, residual, weight, bias) -> Decode | None:
+    """The prepared serial forward of a call signature: 2-D numpy rows of unit column
+    stride (or a residual), below :data:`SERIAL_MAX_ELEMENTS`, not llama, contiguous
+    weight/bias; None where a weight/bias cast is not :func:`_param_vector`'s widening.
+
+    ``polynorm.ops.fast`` keeps one per (shapes, strides, dtypes, options) and calls
+    :func:`forward_decode` with it: the same kernel and arguments as :func:`forward`.
+    """
+    kernels = _kernels or _k()
+    flags, y_dt, h_dt, cdt = _info(plan)
+    if residual is not None:
+        kernel = kernels.forward_add_rows
+    elif x.itemsize == 2:
+        kernel = kernels.forward_bits_rows
+    else:
+        kernel = kernels.forward_rows
+    views = []
+    for a in (weight, bias):
+        # a vector in the compute dtype goes in as it is, a 16-bit one is widened
+        # (_param_vector); other casts are numpy's: forward
+        if a is None or a.dtype == cdt:
+            views.append(None)
+        elif a.itemsize == 2 and cdt is _F32:
+            views.append(_bits_view(a.dtype))
+        else:
+            return None
+    n, d = x.shape
+    return Decode(
+        kernel=kernel, y_dt=y_dt, h_dt=h_dt, cdt=cdt, n=n, d=d, xv=_bits_view(x.dtype),
+        rv=None if residual is None else _bits_view(residual.dtype), yv=_bits_view(y_dt),
+        hv=_bits_view(h_dt), wv=views[0], bv=views[1],
+        ones=_ones(d, cdt) if weight is None else None, flags=flags,
+        k=plan.k, eps=plan.eps, offset=0.0 if weight is None else plan.offset)
+
+
+def _plain(a: np.ndarray) -> bool:
+    """Writable and aligned: the arrays a compiled entry point was typed for."""
+    f = a.flags
+    return f.writeable and f.aligned
+
+
+def _decode_vector(a: np.ndarray, view, cdt: np.dtype, d: int) -> np.ndarray:
+    """weight/bias as the kernel takes it: itself, or widened from 16 bits (as
+    :func:`_param_vector`)."""
+    if view is None:
+        return a if a.flags.writeable else _writable_alias(a)
+    v = np.empty(d, cdt)
+    (_kernels or _k()).widen_bits(a.view(view) if a.flags.writeable else _kview(a), v)
+    return v
+
+
+def forward_decode(e: Decode, x: np.ndarray, residual, weight, bias, out):
+    """:func:`forward` of a call whose signature ``e`` was prepared for: ``(y, h, rstd)``.
+
+    The key ``e`` was found by proves each array's dtype, shape and strides, so
+    the kernel's compiled entry point can be called without Numba's type
+    dispatch where every array is also writable and aligned (the two facts of
+    its type the key does not fix); else the dispatcher runs, on :func:`_kview`'s
+    writable aliases.
+    """
+    plain = (_plain(x) and (residual is None or _plain(residual))
+             and (e.wv is not None or weight is None or _plain(weight))
+             and (e.bv is not None or bias is None or _plain(bias))
+             and (out is None or out.flags.aligned))
+    n, d, cdt = e.n, e.d, e.cdt
+    w = e.ones if weight is None else _decode_vector(weight, e.wv, cdt, d)
+    b = None if bias is None else _decode_vector(bias, e.bv, cdt, d)
+    y = np.empty((n, d), e.y_dt) if out is None else out
+    rstd = np.empty(n, cdt)
+    xv = e.xv
+    xk = (x if xv is None else x.view(xv)) if plain else _kview(x)
+    yk = y if e.yv is None else y.view(e.yv)
+    if residual is None:
+        h = hk = rk = None
+    else:
+        rv = e.rv
+        rk = (residual if rv is None else residual.view(rv)) if plain else _kview(residual)
+        h = np.empty((n, d), e.h_dt)
+        hk = h if e.hv is None else h.view(e.hv)
+    args = (0, n, xk, rk, w, b, yk, hk, rstd, e.flags, e.k, e.eps, e.offset, None)
+    if plain and e.entry:
+        e.entry(*args)
+    else:
+        e.kernel(*args)
+        if plain and e.entry is None:
+            _resolve(e, args)
+    return y, h, rstd
+
+
+def _resolve(e: Decode, args: tuple) -> None:
+    """``e.entry``: the compiled entry point the dispatcher chose for ``args`` (False: none)."""
+    kernel = e.kernel
+    ov = kernel.overloads.get(tuple(kernel.typeof_pyval(a) for a in args))
+    e.entry = False if ov is None else ov.entry_point
+
+
 def _threads() -> int:
     import numba
 
