@@ -87,11 +87,24 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--calls", type=int, default=200, help="calls per batch")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads of Numba, torch and ONNX Runtime (0: their defaults); the "
+                        "decode path runs serial kernels, and one thread is the peers' "
+                        "fastest at these sizes on a shared host")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     import numba
 
     import polynorm
+
+    if args.threads:
+        numba.set_num_threads(args.threads)  # ONNX Runtime's sessions take Numba's count
+        try:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        except ImportError:
+            pass
 
     rows = []
     for n in args.tokens:
@@ -107,6 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
         rev = ""
     result = {"polynorm": polynorm.__path__[0], "rev": rev, "machine": platform.machine(),
               "processor": platform.processor(), "numba_threads": numba.get_num_threads(),
+              "command": "python bench/decode.py " + " ".join(argv if argv is not None
+                                                              else __import__("sys").argv[1:]),
               "rounds": args.rounds, "calls_per_batch": args.calls, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
