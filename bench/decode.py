@@ -22,6 +22,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -120,8 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
         rev = ""
     result = {"polynorm": polynorm.__path__[0], "rev": rev, "machine": platform.machine(),
               "processor": platform.processor(), "numba_threads": numba.get_num_threads(),
-              "command": "python bench/decode.py " + " ".join(argv if argv is not None
-                                                              else __import__("sys").argv[1:]),
+              "command": "python bench/decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "rounds": args.rounds, "calls_per_batch": args.calls, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:

@@ -179,3 +179,30 @@ def test_cache_key_out(rng):
         pn.rms_norm(x, big[2], out=big[:3])
     in_place = x.copy()
     _same(pn.rms_norm(in_place, w, out=in_place), pn.rms_norm(x, w, axis=(1,)))
+
+
+@pytest.mark.parametrize("dt,gkw", [
+    ("float32", {}),
+    ("bfloat16", {"norm_before_gate": True, "return_rstd": True}),
+    ("float16", {"group_size": 16, "return_rstd": True, "offset": 1.0}),
+])
+def test_gated_decode_bits_equal_generic(dt, gkw, rng):
+    d = 64
+    x, z, w = _a(rng, (2, d), dt), _a(rng, (2, d), dt), _a(rng, d, dt)
+    want = pn.rms_norm_gated(x, z, w, axis=(1,), **gkw)
+    for _ in range(2):
+        _same(pn.rms_norm_gated(x, z, w, **gkw), want)
+    # the same signature with option values of other types: the general path's answer
+    kw = {k: v for k, v in gkw.items() if k != "norm_before_gate"}
+    nbg = gkw.get("norm_before_gate", False)
+    for other in (int(nbg), np.bool_(nbg)):
+        try:
+            want = pn.rms_norm_gated(x, z, w, axis=(1,), norm_before_gate=other, **kw)
+        except TypeError as exc:
+            with pytest.raises(TypeError) as got:
+                pn.rms_norm_gated(x, z, w, norm_before_gate=other, **kw)
+            assert str(got.value) == str(exc)
+        else:
+            _same(pn.rms_norm_gated(x, z, w, norm_before_gate=other, **kw), want)
+    zf = z.astype(np.float32)  # z's dtype only
+    _same(pn.rms_norm_gated(x, zf, w, **gkw), pn.rms_norm_gated(x, zf, w, axis=(1,), **gkw))
