@@ -40,6 +40,9 @@ def _same(a, b):
     b = b if isinstance(b, tuple) else (b,)
     assert len(a) == len(b)
     for p, q in zip(a, b, strict=True):
+        if p is None or q is None:  # dbias without a bias
+            assert p is None and q is None
+            continue
         assert p.dtype == q.dtype and p.shape == q.shape
         np.testing.assert_array_equal(_bits(np.ascontiguousarray(p)),
                                       _bits(np.ascontiguousarray(q)))
@@ -206,3 +209,28 @@ def test_gated_decode_bits_equal_generic(dt, gkw, rng):
             _same(pn.rms_norm_gated(x, z, w, norm_before_gate=other, **kw), want)
     zf = z.astype(np.float32)  # z's dtype only
     _same(pn.rms_norm_gated(x, zf, w, **gkw), pn.rms_norm_gated(x, zf, w, axis=(1,), **gkw))
+
+
+@pytest.mark.parametrize("dt,wdt,kw", [
+    ("float32", "float32", {}),
+    ("bfloat16", "bfloat16", {"bias": True, "grad_residual": True}),
+    ("float16", "float16", {"partial": 0.5, "no_rstd": True}),
+    ("float16", None, {}),
+])
+def test_backward_decode_bits_equal_generic(dt, wdt, kw, rng):
+    kw = dict(kw)
+    n = 3
+    x, dy = _a(rng, (n, D), dt), _a(rng, (n, D), dt)
+    w = None if wdt is None else _a(rng, D, wdt)
+    if kw.pop("bias", False):
+        kw["bias"] = _a(rng, D, dt)
+    if kw.get("grad_residual"):
+        kw["grad_residual"] = _a(rng, (n, D), dt)
+    if not kw.pop("no_rstd", False):
+        kw["rstd"] = pn.rms_norm(x, w, return_rstd=True, partial=kw.get("partial", 1.0))[1]
+    want = pn.rms_norm_backward(dy, x, w, axis=(1,), **kw)
+    for _ in range(2):
+        _same(pn.rms_norm_backward(dy, x, w, **kw), want)
+    # the same signature, eps of another type: the general path's answer (an error)
+    with pytest.raises(TypeError, match="eps"):
+        pn.rms_norm_backward(dy, x, w, eps=True, **kw)

@@ -261,6 +261,15 @@ def backward(mod, dy, x, weight, bias, rstd, grad_residual, opts: Options):
         return None if r is None else tuple(_interop.torch_from_host(a) for a in r)
     if type(x) is not np.ndarray or type(dy) is not np.ndarray:
         return None
+    if x.ndim == 2:
+        r = _decode_backward(mod, dy, x, weight, bias, rstd, grad_residual, opts)
+        if r is not None:
+            return r
+    return _backward(mod, dy, x, weight, bias, rstd, grad_residual, opts)
+
+
+def _backward_plan(dy, x, weight, bias, rstd, grad_residual, opts: Options):
+    """``(plan, n, d, two_d)`` of a numpy backward the fast path takes, else None."""
     head = _rows(x, weight, bias, rstd, grad_residual)
     if head is None:
         return None
@@ -277,8 +286,54 @@ def backward(mod, dy, x, weight, bias, rstd, grad_residual, opts: Options):
         return None
     if rstd is not None and (rstd.shape != shape[:-1] or names.get(rstd.dtype) != plan.rstd_dtype):
         return None
+    return plan, n, d, two_d
+
+
+def _decode_backward_entry(mod, dy, x, weight, bias, rstd, grad_residual, opts):
+    if not _exact(opts) or not _all_numpy_or_none(dy, grad_residual, None, None):
+        return None
+    got = _backward_plan(dy, x, weight, bias, rstd, grad_residual, opts)
+    if got is None:
+        return None
+    plan, n, d, _ = got
+    for a in (dy, x, grad_residual):
+        if a is not None and d > 1 and a.strides[1] != a.itemsize:
+            return None  # copied to unit columns: the general entry
+    if weight is not None and d > 1 and weight.strides[0] != weight.itemsize:
+        return None
+    return mod.decode_backward_plan(plan, x, weight, bias, rstd)
+
+
+def _decode_backward(mod, dy, x, weight, bias, rstd, grad_residual, opts):
+    """A numpy backward through its call signature's prepared constants, or None."""
+    key = ("bwd", opts, x.shape, x.strides, x.dtype, dy.shape, dy.strides, dy.dtype,
+           None if weight is None else (weight.shape, weight.strides, weight.dtype),
+           None if bias is None else (bias.shape, bias.strides, bias.dtype),
+           None if rstd is None else (rstd.shape, rstd.strides, rstd.dtype),
+           None if grad_residual is None else (grad_residual.shape, grad_residual.strides,
+                                               grad_residual.dtype))
+    try:
+        e = _DECODE[key]
+    except KeyError:
+        if len(_DECODE) >= DECODE_MAX:
+            _DECODE.clear()
+        e = _DECODE[key] = _decode_backward_entry(mod, dy, x, weight, bias, rstd,
+                                                  grad_residual, opts)
+    except TypeError:
+        return None
+    if e is None or not _exact(opts):
+        return None
+    return mod.backward_decode(e, dy, x, weight, bias, rstd, grad_residual)
+
+
+def _backward(mod, dy, x, weight, bias, rstd, grad_residual, opts: Options):
+    got = _backward_plan(dy, x, weight, bias, rstd, grad_residual, opts)
+    if got is None:
+        return None
+    plan, n, d, two_d = got
     if two_d:
         return mod.backward(dy, x, weight, bias, rstd, grad_residual, plan)
+    shape = x.shape
     gr = None if grad_residual is None else grad_residual.reshape(n, d)
     r1 = None if rstd is None else rstd.reshape(n)
     dx, dw, db = mod.backward(dy.reshape(n, d), x.reshape(n, d), weight, bias, r1, gr, plan)

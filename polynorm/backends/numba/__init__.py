@@ -672,6 +672,79 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
             None if db is None else from_numpy(db, caller))
 
 
+class DecodeBackward:
+    """A decode call signature's serial backward (:func:`decode_backward_plan`)."""
+
+    __slots__ = ("n", "d", "m", "nb", "width", "cdt", "wv", "wdt", "bdt", "flags", "k", "eps",
+                 "offset", "pc", "p64")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def decode_backward_plan(plan: Plan, x: np.ndarray, weight, bias, rstd) -> DecodeBackward | None:
+    """The constants of :func:`backward` for a serial-size call signature of 2-D numpy rows
+    of unit column stride, a contiguous weight and rstd (or none), whose block level
+    does not depend on the thread count; else None (:func:`backward` runs)."""
+    import numba
+
+    n, d = x.shape
+    if _parallel(n, d) or _streams_dx(x):
+        return None
+    kernels = _kernels or _k()
+    flags, _, _, cdt = _info(plan)
+    flags &= ~kernels.LLAMA
+    if bias is not None:
+        flags |= kernels.HAS_B
+    if rstd is not None:
+        if not rstd.flags.c_contiguous:
+            return None
+        flags |= kernels.HAS_RSTD
+    wv = None
+    if weight is not None and weight.dtype != cdt:
+        if weight.itemsize != 2 or cdt is not _F32:
+            return None  # numpy's cast (_param_vector)
+        wv = _bits_view(weight.dtype)
+    width = d * ((weight is not None) + (bias is not None))
+    m = _block_level(n, width, 1)
+    if m != _block_level(n, width, numba.config.NUMBA_NUM_THREADS):
+        return None
+    spc, s64 = (_bwd_kernels or _kb()).pool_shapes(m, width)
+    return DecodeBackward(
+        n=n, d=d, m=m, nb=((n - 1) >> m) + 1, width=width, cdt=cdt, wv=wv,
+        wdt=None if weight is None else weight.dtype, bdt=None if bias is None else bias.dtype,
+        flags=flags, k=plan.k, eps=plan.eps, offset=plan.offset, pc=spc, p64=s64)
+
+
+def backward_decode(e: DecodeBackward, dy, x, weight, bias, rstd, grad_residual):
+    """:func:`backward` of a call whose signature ``e`` was prepared for: the same
+    kernels and arguments, without working them out again."""
+    bwd_kernels = _bwd_kernels or _kb()
+    n, d, cdt, width, nb = e.n, e.d, e.cdt, e.width, e.nb
+    if weight is None:
+        w = None
+    elif e.wv is None:
+        w = weight if weight.flags.writeable else _writable_alias(weight)
+    else:
+        w = np.empty(d, cdt)
+        (_kernels or _k()).widen_bits(_kview(weight), w)
+    rs = _no_rstd(cdt) if rstd is None else _kview(rstd)
+    gr = None if grad_residual is None else _kview(grad_residual)
+    dx = np.empty((n, d), x.dtype)
+    args = (_kview(dy), _kview(x), w, rs, gr, _kview(dx), e.flags, e.k, e.eps, e.offset)
+    lvl = np.empty(nb, np.int64)
+    idx = np.empty(nb, np.int64)
+    vals = np.empty((nb, width), np.float64)
+    bwd_kernels.backward_range(0, n, 0, n, e.m, *args, lvl, idx, vals, 0,
+                               np.empty(e.pc, cdt), np.empty(e.p64, np.float64))
+    dw = db = None
+    if width:
+        bwd_kernels.tree_cols(0, width, vals, nb)
+        dw, db = finish(vals[0], d, e.wdt, e.bdt)
+    return dx, dw, db
+
+
 def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: int, ntot: int):
     """The backward of rows ``row0 .. row0 + n - 1`` of ``ntot`` rows in all.
 
