@@ -115,6 +115,13 @@ def test_decode_read_only_and_misaligned_arrays(rng):
     mis[...] = x
     assert not mis.flags.aligned
     _same(pn.rms_norm(mis, w), pn.rms_norm(x, w, axis=(1,)))
+    out = np.empty_like(x)
+    pn.rms_norm(x, w, out=out)
+    pn.rms_norm(x, w, out=out)  # cached with an aligned out
+    mout = np.zeros(x.nbytes + 4, np.uint8)[2:2 + x.nbytes].view(np.float32).reshape(x.shape)
+    assert not mout.flags.aligned
+    assert pn.rms_norm(x, w, out=mout) is mout
+    _same(mout, pn.rms_norm(x, w, axis=(1,)))
 
 
 def test_cache_key_dtype_and_strides(rng):

@@ -501,13 +501,22 @@ def forward_decode(e: Decode, x: np.ndarray, residual, weight, bias, out):
     its type the key does not fix); else the dispatcher runs, on :func:`_kview`'s
     writable aliases.
     """
-    plain = (_plain(x) and (residual is None or _plain(residual))
-             and (e.wv is not None or weight is None or _plain(weight))
-             and (e.bv is not None or bias is None or _plain(bias))
-             and (out is None or out.flags.aligned))
     n, d, cdt = e.n, e.d, e.cdt
-    w = e.ones if weight is None else _decode_vector(weight, e.wv, cdt, d)
-    b = None if bias is None else _decode_vector(bias, e.bv, cdt, d)
+    # out: writable, C-contiguous and aligned (plain_out_ok, the caller's check)
+    plain = _plain(x) and (residual is None or _plain(residual))
+    if weight is None:
+        w = e.ones
+    elif e.wv is None:
+        f = weight.flags
+        w = weight if f.writeable else _writable_alias(weight)
+        plain = plain and f.writeable and f.aligned
+    else:
+        w = _decode_vector(weight, e.wv, cdt, d)
+    if bias is None:
+        b = None
+    else:
+        b = _decode_vector(bias, e.bv, cdt, d)
+        plain = plain and (e.bv is not None or _plain(bias))
     y = np.empty((n, d), e.y_dt) if out is None else out
     rstd = np.empty(n, cdt)
     xv = e.xv
