@@ -295,7 +295,11 @@ def test_kernel_failure_with_out_says_out_may_be_partly_written(monkeypatch):
             mod._interop.to_numpy(out)[0] = 1.0
         raise FloatingPointError("boom")
 
+    def failing_decode(e, x, residual, weight, bias, out):
+        return failing(x, residual, weight, bias, None, out)
+
     monkeypatch.setattr(mod, "forward", failing)
+    monkeypatch.setattr(mod, "forward_decode", failing_decode)  # the decode path's entry
     x = np.ones((4, 8), np.float32)
     for backend in PATHS:
         with pytest.raises(RuntimeError, match="out may be partly written") as info:

@@ -442,11 +442,15 @@ def test_auto_picks_numba_for_numpy(monkeypatch, rng):
 
     monkeypatch.setattr(nb, "forward", spy(nb.forward))
     monkeypatch.setattr(nb, "forward_small", spy(nb.forward_small))
+    monkeypatch.setattr(nb, "forward_decode", spy(nb.forward_decode))
     x = _data(rng, (2, 8), "float32")
-    pn.rms_norm(x, backend="auto")  # the numpy fast path: serial size
+    pn.rms_norm(x, backend="auto")  # the numpy fast path: serial size, the decode path
     pn.rms_norm(x, axis=0)  # the generic path
-    pn.add_rms_norm(x, x)  # fused add: the general entry
-    assert calls == ["forward_small", "forward", "forward"]
+    pn.add_rms_norm(x, x)  # fused add: the decode path too
+    pn.rms_norm(x, eps=np.float64(1e-6))  # an inexact option type: the serial entry
+    big = np.ones((8, 9000), np.float32)
+    pn.add_rms_norm(big, big)  # above the serial size: the general entry
+    assert calls == ["forward_decode", "forward", "forward_decode", "forward_small", "forward"]
 
 
 # every dtype plain, and each option set with one dtype (compiling all 20 pairs

@@ -83,13 +83,13 @@ def check_out_memory(out: np.ndarray, inputs: tuple, names: tuple,
 
 
 def plain_out_ok(out: np.ndarray, x, residual, weight, bias) -> bool:
-    """The usual ``out=`` of the fast path, cheaply: a writable C-contiguous
+    """The usual ``out=`` of the fast path, cheaply: a writable, aligned, C-contiguous
     array owning its memory (no self-overlap), ``x`` and ``residual`` are
     ``out`` itself or own theirs, and so do ``weight``/``bias``: nothing
     can overlap.  False sends the call to the full :func:`check_out_memory`.
     The fast path has already matched ``out``'s dtype (native byte order)."""
     flags = out.flags
-    return (flags.writeable and flags.c_contiguous and out.base is None
+    return (flags.writeable and flags.c_contiguous and flags.aligned and out.base is None
             and (x is out or x.base is None)
             and (residual is None or residual is out or residual.base is None)
             and (weight is None or weight.base is None)

@@ -193,6 +193,7 @@ OPTION_DOCS: dict[str, str] = {
 
 _DEFAULT_OPTIONS = Options()
 _DEFAULTS = _DEFAULT_OPTIONS._asdict()
+_DEFAULTS_BUT_EPS = tuple(_DEFAULT_OPTIONS)[1:]
 
 
 def pack_options(func: str, options: Mapping[str, Any], **fixed: Any) -> Options:
@@ -209,8 +210,12 @@ def pack_options(func: str, options: Mapping[str, Any], **fixed: Any) -> Options
     ...
     TypeError: rms_norm() got an unexpected keyword argument 'epsilon'
     """
-    if not options and not fixed:
-        return _DEFAULT_OPTIONS
+    if not fixed:
+        if not options:
+            return _DEFAULT_OPTIONS
+        if len(options) == 1 and "eps" in options:
+            # the usual decode call (eps only): the merge below, without the dict
+            return new_options(Options, (options["eps"], *_DEFAULTS_BUT_EPS))
     # the defaults' order is the fields' order; an override keeps its key's place
     merged = {**_DEFAULTS, **options}
     if len(merged) != len(_DEFAULTS) or fixed:

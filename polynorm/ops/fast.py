@@ -93,8 +93,101 @@ def _rows(x, weight, bias, a, b) -> tuple | None:
     return names, dtype, d, n, two_d
 
 
+# --------------------------------------------------------------------------- decode calls
+# A serving loop calls with the same shapes, dtypes, strides and options every
+# time.  Per such call signature the first call works out the kernel and its
+# constant arguments (``decode_plan`` of the numba backend); later calls look the signature up and
+# do only what depends on the arrays' contents and memory: the outputs, the
+# 16-bit weight's widening, the writability and overlap checks.  What the
+# signature cannot prove (a read-only or overlapping array, options of
+# inexact types) takes the path below, which raises as the general path does.
+
+#: call signature -> the backend's prepared call, or None where the path below runs
+_DECODE: dict[tuple, Any] = {}
+#: signatures kept at most (a process that calls with ever new shapes clears it)
+DECODE_MAX = 512
+_EXACT = (float, int)
+
+
+def _exact(opts: Options) -> bool:
+    """Options of exact scalar types (:func:`~polynorm.core.options.make_plan`'s own test):
+    only those may be matched by value; ``True == 1`` and ``Decimal(1) == 1`` must
+    not find an entry made for ``1``."""
+    eps, _, partial, partial_size, offset, eps_mode, casting, out_dtype, _ = opts
+    return (eps.__class__ in _EXACT and partial.__class__ in _EXACT
+            and (partial_size is None or partial_size.__class__ is int)
+            and offset.__class__ in _EXACT and eps_mode.__class__ is str
+            and casting.__class__ is str and (out_dtype is None or out_dtype.__class__ is str))
+
+
+def _decode_entry(mod, x, residual, weight, bias, out, opts: Options):
+    """The backend's prepared call (``mod.decode_plan``) of a call signature, or None
+    where the signature is not one the decode path serves."""
+    if x.ndim != 2 or not _exact(opts):
+        return None
+    head = _rows(x, weight, bias, residual, out)
+    if head is None:
+        return None
+    names, dtype, d, n, _ = head
+    if n * d >= mod.SERIAL_MAX_ELEMENTS:
+        return None  # parallel and streamed launches: the general fast path
+    if residual is None and d > 1 and x.strides[1] != x.itemsize:
+        return None  # copied to unit columns first: the general fast path
+    for a in (weight, bias):
+        if a is not None and a.strides[0] != a.itemsize and d > 1:
+            return None  # copied to one layout: the general fast path
+    if residual is not None:
+        rdt = names.get(residual.dtype)
+        if rdt is None or residual.shape != x.shape:
+            return None
+        dtype = promote(dtype, rdt)
+    plan = _plan(d, dtype, opts)
+    if plan is None or plan.llama:
+        return None
+    if out is not None and (out.shape != x.shape or names.get(out.dtype) != plan.out_dtype):
+        return None
+    return mod.decode_plan(plan, x, residual, weight, bias)
+
+
+def _decode_forward(mod, x, residual, weight, bias, out, return_rstd, opts, fused):
+    """A numpy forward through its call signature's prepared call, or None."""
+    key = (opts, x.shape, x.strides, x.dtype,
+           None if weight is None else (weight.shape, weight.strides, weight.dtype),
+           None if bias is None else (bias.shape, bias.strides, bias.dtype),
+           None if residual is None else (residual.shape, residual.strides, residual.dtype),
+           None if out is None else (out.shape, out.strides, out.dtype))
+    try:
+        e = _DECODE[key]
+    except KeyError:
+        if len(_DECODE) >= DECODE_MAX:
+            _DECODE.clear()
+        e = _DECODE[key] = _decode_entry(mod, x, residual, weight, bias, out, opts)
+    except TypeError:  # an unhashable option: the general path says what is wrong
+        return None
+    if e is None or not _exact(opts):
+        return None
+    if out is not None and not plain_out_ok(out, x, residual, weight, bias):
+        return None  # overlap, a read-only out...: the checks below
+    try:
+        y, h, rstd = mod.forward_decode(e, x, residual, weight, bias, out)
+    except Exception as exc:
+        if out is None:
+            raise
+        raise partly_written(exc) from exc
+    if fused:
+        return (y, h, rstd) if return_rstd else (y, h)
+    return (y, rstd) if return_rstd else y
+
+
 def forward(mod, x, residual, weight, bias, out, return_rstd: bool, opts: Options, fused: bool):
     """``rms_norm``/``add_rms_norm`` on numpy arrays, or None for the general path."""
+    if type(x) is np.ndarray and (
+            (weight is None or type(weight) is np.ndarray) and (bias is None or type(bias) is np.ndarray)
+            and (residual is None or type(residual) is np.ndarray)
+            and (out is None or type(out) is np.ndarray)):
+        r = _decode_forward(mod, x, residual, weight, bias, out, return_rstd, opts, fused)
+        if r is not None:
+            return r
     if type(x) is not np.ndarray:
         # torch CPU tensors: the same path on zero-copy numpy views (polynorm.core.interop)
         if type(x).__module__ != "torch" or x.ndim == 0:
@@ -168,6 +261,15 @@ def backward(mod, dy, x, weight, bias, rstd, grad_residual, opts: Options):
         return None if r is None else tuple(_interop.torch_from_host(a) for a in r)
     if type(x) is not np.ndarray or type(dy) is not np.ndarray:
         return None
+    if x.ndim == 2:
+        r = _decode_backward(mod, dy, x, weight, bias, rstd, grad_residual, opts)
+        if r is not None:
+            return r
+    return _backward(mod, dy, x, weight, bias, rstd, grad_residual, opts)
+
+
+def _backward_plan(dy, x, weight, bias, rstd, grad_residual, opts: Options):
+    """``(plan, n, d, two_d)`` of a numpy backward the fast path takes, else None."""
     head = _rows(x, weight, bias, rstd, grad_residual)
     if head is None:
         return None
@@ -184,8 +286,54 @@ def backward(mod, dy, x, weight, bias, rstd, grad_residual, opts: Options):
         return None
     if rstd is not None and (rstd.shape != shape[:-1] or names.get(rstd.dtype) != plan.rstd_dtype):
         return None
+    return plan, n, d, two_d
+
+
+def _decode_backward_entry(mod, dy, x, weight, bias, rstd, grad_residual, opts):
+    if not _exact(opts) or not _all_numpy_or_none(dy, grad_residual, None, None):
+        return None
+    got = _backward_plan(dy, x, weight, bias, rstd, grad_residual, opts)
+    if got is None:
+        return None
+    plan, n, d, _ = got
+    for a in (dy, x, grad_residual):
+        if a is not None and d > 1 and a.strides[1] != a.itemsize:
+            return None  # copied to unit columns: the general entry
+    if weight is not None and d > 1 and weight.strides[0] != weight.itemsize:
+        return None
+    return mod.decode_backward_plan(plan, x, weight, bias, rstd)
+
+
+def _decode_backward(mod, dy, x, weight, bias, rstd, grad_residual, opts):
+    """A numpy backward through its call signature's prepared constants, or None."""
+    key = ("bwd", opts, x.shape, x.strides, x.dtype, dy.shape, dy.strides, dy.dtype,
+           None if weight is None else (weight.shape, weight.strides, weight.dtype),
+           None if bias is None else (bias.shape, bias.strides, bias.dtype),
+           None if rstd is None else (rstd.shape, rstd.strides, rstd.dtype),
+           None if grad_residual is None else (grad_residual.shape, grad_residual.strides,
+                                               grad_residual.dtype))
+    try:
+        e = _DECODE[key]
+    except KeyError:
+        if len(_DECODE) >= DECODE_MAX:
+            _DECODE.clear()
+        e = _DECODE[key] = _decode_backward_entry(mod, dy, x, weight, bias, rstd,
+                                                  grad_residual, opts)
+    except TypeError:
+        return None
+    if e is None or not _exact(opts):
+        return None
+    return mod.backward_decode(e, dy, x, weight, bias, rstd, grad_residual)
+
+
+def _backward(mod, dy, x, weight, bias, rstd, grad_residual, opts: Options):
+    got = _backward_plan(dy, x, weight, bias, rstd, grad_residual, opts)
+    if got is None:
+        return None
+    plan, n, d, two_d = got
     if two_d:
         return mod.backward(dy, x, weight, bias, rstd, grad_residual, plan)
+    shape = x.shape
     gr = None if grad_residual is None else grad_residual.reshape(n, d)
     r1 = None if rstd is None else rstd.reshape(n)
     dx, dw, db = mod.backward(dy.reshape(n, d), x.reshape(n, d), weight, bias, r1, gr, plan)

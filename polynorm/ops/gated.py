@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import array_api_compat as aac
+import numpy as _np
 
 from polynorm.core.dtypes import float_dtype_name, namespace_dtype
 from polynorm.core.memory import check_out_memory, host_view, partly_written
@@ -23,6 +24,7 @@ from polynorm.core.options import (
     pack_options,
     takes_options,
 )
+from polynorm.ops import fast as _fast
 from polynorm.ops import norm as _api
 from polynorm.ops.norm import Array
 
@@ -123,9 +125,70 @@ def rms_norm_gated(
                          norm_before_gate=norm_before_gate, out=out, return_rstd=return_rstd)
 
 
+#: decode calls: call signature -> (numba module, GatedPlan), or None (the general path)
+_DECODE: dict[tuple, Any] = {}
+
+
+def _decode_entry(x, z, weight, bias, opts: Options, group_size, norm_before_gate):
+    """``(numba module, GatedPlan)`` for a serial-size numpy call the decode path serves
+    (2-D rows, axis=-1, backend="auto", options of exact types, no out), else None."""
+    mod = _fast.numba_module(opts)
+    if (mod is None or not hasattr(mod, "gated_forward") or x.ndim != 2
+            or type(z) is not _np.ndarray or z.shape != x.shape or not _fast._exact(opts)
+            or not (group_size is None or group_size.__class__ is int)
+            or norm_before_gate.__class__ is not bool):
+        return None
+    head = _fast._rows(x, weight, bias, None, None)
+    if head is None or z.dtype not in head[0]:
+        return None
+    names, dtype, d, n, _ = head
+    if n * d >= mod.SERIAL_MAX_ELEMENTS:
+        return None
+    plan = _fast._plan(d, dtype, opts)
+    if plan is None or plan.llama:
+        return None
+    try:
+        gplan = make_gated_plan(plan, group_size=group_size, norm_before_gate=norm_before_gate)
+    except (TypeError, ValueError):
+        return None  # the general path raises it, in its own order
+    return mod, gplan
+
+
+def _decode_forward(x, z, weight, bias, opts, group_size, norm_before_gate, return_rstd):
+    """A numpy gated forward through its call signature's cached plan, or None."""
+    key = (opts, x.shape, x.strides, x.dtype, z.shape, z.strides, z.dtype,
+           None if weight is None else (weight.shape, weight.strides, weight.dtype),
+           None if bias is None else (bias.shape, bias.strides, bias.dtype),
+           group_size, norm_before_gate)
+    try:
+        e = _DECODE[key]
+    except KeyError:
+        if len(_DECODE) >= _fast.DECODE_MAX:
+            _DECODE.clear()
+        e = _DECODE[key] = _decode_entry(x, z, weight, bias, opts, group_size,
+                                         norm_before_gate)
+    except TypeError:  # unhashable: the general path says what is wrong
+        return None
+    # values equal to the key's but of other types (True for 1) are checked below
+    if (e is None or not _fast._exact(opts) or norm_before_gate.__class__ is not bool
+            or not (group_size is None or group_size.__class__ is int)):
+        return None
+    mod, gplan = e
+    y, rstd = mod.gated_forward(x, z, weight, bias, gplan, None)
+    if return_rstd:
+        return y, (rstd.reshape(rstd.shape[0]) if group_size is None else rstd)
+    return y
+
+
 def gated_forward(x, z, weight, bias, opts: Options, *, group_size, norm_before_gate,
                   out=None, return_rstd: bool = False):
     """:func:`rms_norm_gated` with the options packed (the entry of torch and jax)."""
+    if (out is None and type(x) is _np.ndarray and type(z) is _np.ndarray
+            and (weight is None or type(weight) is _np.ndarray)
+            and (bias is None or type(bias) is _np.ndarray)):
+        r = _decode_forward(x, z, weight, bias, opts, group_size, norm_before_gate, return_rstd)
+        if r is not None:
+            return r
     x, z, weight, bias = (_api._native(a) for a in (x, z, weight, bias))
     lay, gplan, mod, weight, bias = _prepare(x, z, weight, bias, {"out": out}, opts,
                                              group_size, norm_before_gate)

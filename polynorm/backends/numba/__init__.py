@@ -109,6 +109,7 @@ def _kb():
 _BF16_BITS = np.dtype(np.uint16)
 _F16_BITS = np.dtype(np.int16)
 _F64 = np.dtype(np.float64)
+_F32 = np.dtype(np.float32)
 
 
 def _empty_for(caller):
@@ -279,6 +280,11 @@ def _param_vector(a: np.ndarray, cdt: np.dtype, exact: bool = False) -> np.ndarr
     aliased as :func:`_kview` does.
     """
     target = _F64 if exact and a.dtype.itemsize > cdt.itemsize else cdt
+    if a.dtype.itemsize == 2 and target is _F32 and a.ndim == 1:
+        # exact either way; the kernel is several times numpy's 16-bit casts
+        w = np.empty(a.shape[0], _F32)
+        (_kernels or _k()).widen_bits(_kview(a if a.flags.c_contiguous else a.copy()), w)
+        return w
     if a.dtype != target or not a.flags.c_contiguous:
         return np.ascontiguousarray(a, target)
     return a if a.flags.writeable else _writable_alias(a)
@@ -410,6 +416,134 @@ def forward_small(x: np.ndarray, weight, bias, plan: Plan):
     rows = kernels.forward_bits_rows if xk.dtype.itemsize == 2 else kernels.forward_rows
     rows(0, n, xk, None, w, b, yk, None, rstd, flags, plan.k, plan.eps, offset, None)
     return y, rstd
+
+
+class Decode:
+    """A decode call signature's serial forward kernel and constant arguments
+    (:func:`decode_plan`), for :func:`forward_decode`."""
+
+    __slots__ = ("kernel", "entry", "y_dt", "h_dt", "cdt", "n", "d", "xv", "rv", "yv", "hv",
+                 "wv", "bv", "ones", "flags", "k", "eps", "offset")
+
+    def __init__(self, **kw):
+        self.entry = None  # the compiled entry point, once known (False: none)
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+_U16, _I16 = np.dtype(np.uint16), np.dtype(np.int16)
+
+
+def _bits_view(dt: np.dtype):
+    """The integer view the kernels take for a 16-bit dtype (:func:`_kview`), else None."""
+    if dt.itemsize != 2:
+        return None
+    return _U16 if dt.kind == "V" else _I16
+
+
+def decode_plan(plan: Plan, x: np.ndarray, residual, weight, bias) -> Decode | None:
+    """The prepared serial forward of a call signature: 2-D numpy rows of unit column
+    stride (or a residual), below :data:`SERIAL_MAX_ELEMENTS`, not llama, contiguous
+    weight/bias; None where a weight/bias cast is not :func:`_param_vector`'s widening.
+
+    ``polynorm.ops.fast`` keeps one per (shapes, strides, dtypes, options) and calls
+    :func:`forward_decode` with it: the same kernel and arguments as :func:`forward`.
+    """
+    kernels = _kernels or _k()
+    flags, y_dt, h_dt, cdt = _info(plan)
+    if residual is not None:
+        kernel = kernels.forward_add_rows
+    elif x.itemsize == 2:
+        kernel = kernels.forward_bits_rows
+    else:
+        kernel = kernels.forward_rows
+    views = []
+    for a in (weight, bias):
+        # a vector in the compute dtype goes in as it is, a 16-bit one is widened
+        # (_param_vector); other casts are numpy's: forward
+        if a is None or a.dtype == cdt:
+            views.append(None)
+        elif a.itemsize == 2 and cdt is _F32:
+            views.append(_bits_view(a.dtype))
+        else:
+            return None
+    n, d = x.shape
+    return Decode(
+        kernel=kernel, y_dt=y_dt, h_dt=h_dt, cdt=cdt, n=n, d=d, xv=_bits_view(x.dtype),
+        rv=None if residual is None else _bits_view(residual.dtype), yv=_bits_view(y_dt),
+        hv=_bits_view(h_dt), wv=views[0], bv=views[1],
+        ones=_ones(d, cdt) if weight is None else None, flags=flags,
+        k=plan.k, eps=plan.eps, offset=0.0 if weight is None else plan.offset)
+
+
+def _plain(a: np.ndarray) -> bool:
+    """Writable and aligned: the arrays a compiled entry point was typed for."""
+    f = a.flags
+    return f.writeable and f.aligned
+
+
+def _decode_vector(a: np.ndarray, view, cdt: np.dtype, d: int) -> np.ndarray:
+    """weight/bias as the kernel takes it: itself, or widened from 16 bits (as
+    :func:`_param_vector`)."""
+    if view is None:
+        return a if a.flags.writeable else _writable_alias(a)
+    v = np.empty(d, cdt)
+    (_kernels or _k()).widen_bits(a.view(view) if a.flags.writeable else _kview(a), v)
+    return v
+
+
+def forward_decode(e: Decode, x: np.ndarray, residual, weight, bias, out):
+    """:func:`forward` of a call whose signature ``e`` was prepared for: ``(y, h, rstd)``.
+
+    The key ``e`` was found by proves each array's dtype, shape and strides, so
+    the kernel's compiled entry point can be called without Numba's type
+    dispatch where every array is also writable and aligned (the two facts of
+    its type the key does not fix); else the dispatcher runs, on :func:`_kview`'s
+    writable aliases.
+    """
+    n, d, cdt = e.n, e.d, e.cdt
+    # out: writable, C-contiguous and aligned (plain_out_ok, the caller's check)
+    plain = _plain(x) and (residual is None or _plain(residual))
+    if weight is None:
+        w = e.ones
+    elif e.wv is None:
+        f = weight.flags
+        w = weight if f.writeable else _writable_alias(weight)
+        plain = plain and f.writeable and f.aligned
+    else:
+        w = _decode_vector(weight, e.wv, cdt, d)
+    if bias is None:
+        b = None
+    else:
+        b = _decode_vector(bias, e.bv, cdt, d)
+        plain = plain and (e.bv is not None or _plain(bias))
+    y = np.empty((n, d), e.y_dt) if out is None else out
+    rstd = np.empty(n, cdt)
+    xv = e.xv
+    xk = (x if xv is None else x.view(xv)) if plain else _kview(x)
+    yk = y if e.yv is None else y.view(e.yv)
+    if residual is None:
+        h = hk = rk = None
+    else:
+        rv = e.rv
+        rk = (residual if rv is None else residual.view(rv)) if plain else _kview(residual)
+        h = np.empty((n, d), e.h_dt)
+        hk = h if e.hv is None else h.view(e.hv)
+    args = (0, n, xk, rk, w, b, yk, hk, rstd, e.flags, e.k, e.eps, e.offset, None)
+    if plain and e.entry:
+        e.entry(*args)
+    else:
+        e.kernel(*args)
+        if plain and e.entry is None:
+            _resolve(e, args)
+    return y, h, rstd
+
+
+def _resolve(e: Decode, args: tuple) -> None:
+    """``e.entry``: the compiled entry point the dispatcher chose for ``args`` (False: none)."""
+    kernel = e.kernel
+    ov = kernel.overloads.get(tuple(kernel.typeof_pyval(a) for a in args))
+    e.entry = False if ov is None else ov.entry_point
 
 
 def _threads() -> int:
@@ -545,6 +679,79 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     return (out if dx_out is not None else from_numpy(dx, caller),
             None if dw is None else from_numpy(dw, caller),
             None if db is None else from_numpy(db, caller))
+
+
+class DecodeBackward:
+    """A decode call signature's serial backward (:func:`decode_backward_plan`)."""
+
+    __slots__ = ("n", "d", "m", "nb", "width", "cdt", "wv", "wdt", "bdt", "flags", "k", "eps",
+                 "offset", "pc", "p64")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def decode_backward_plan(plan: Plan, x: np.ndarray, weight, bias, rstd) -> DecodeBackward | None:
+    """The constants of :func:`backward` for a serial-size call signature of 2-D numpy rows
+    of unit column stride, a contiguous weight and rstd (or none), whose block level
+    does not depend on the thread count; else None (:func:`backward` runs)."""
+    import numba
+
+    n, d = x.shape
+    if _parallel(n, d) or _streams_dx(x):
+        return None
+    kernels = _kernels or _k()
+    flags, _, _, cdt = _info(plan)
+    flags &= ~kernels.LLAMA
+    if bias is not None:
+        flags |= kernels.HAS_B
+    if rstd is not None:
+        if not rstd.flags.c_contiguous:
+            return None
+        flags |= kernels.HAS_RSTD
+    wv = None
+    if weight is not None and weight.dtype != cdt:
+        if weight.itemsize != 2 or cdt is not _F32:
+            return None  # numpy's cast (_param_vector)
+        wv = _bits_view(weight.dtype)
+    width = d * ((weight is not None) + (bias is not None))
+    m = _block_level(n, width, 1)
+    if m != _block_level(n, width, numba.config.NUMBA_NUM_THREADS):
+        return None
+    spc, s64 = (_bwd_kernels or _kb()).pool_shapes(m, width)
+    return DecodeBackward(
+        n=n, d=d, m=m, nb=((n - 1) >> m) + 1, width=width, cdt=cdt, wv=wv,
+        wdt=None if weight is None else weight.dtype, bdt=None if bias is None else bias.dtype,
+        flags=flags, k=plan.k, eps=plan.eps, offset=plan.offset, pc=spc, p64=s64)
+
+
+def backward_decode(e: DecodeBackward, dy, x, weight, bias, rstd, grad_residual):
+    """:func:`backward` of a call whose signature ``e`` was prepared for: the same
+    kernels and arguments, without working them out again."""
+    bwd_kernels = _bwd_kernels or _kb()
+    n, d, cdt, width, nb = e.n, e.d, e.cdt, e.width, e.nb
+    if weight is None:
+        w = None
+    elif e.wv is None:
+        w = weight if weight.flags.writeable else _writable_alias(weight)
+    else:
+        w = np.empty(d, cdt)
+        (_kernels or _k()).widen_bits(_kview(weight), w)
+    rs = _no_rstd(cdt) if rstd is None else _kview(rstd)
+    gr = None if grad_residual is None else _kview(grad_residual)
+    dx = np.empty((n, d), x.dtype)
+    args = (_kview(dy), _kview(x), w, rs, gr, _kview(dx), e.flags, e.k, e.eps, e.offset)
+    lvl = np.empty(nb, np.int64)
+    idx = np.empty(nb, np.int64)
+    vals = np.empty((nb, width), np.float64)
+    bwd_kernels.backward_range(0, n, 0, n, e.m, *args, lvl, idx, vals, 0,
+                               np.empty(e.pc, cdt), np.empty(e.p64, np.float64))
+    dw = db = None
+    if width:
+        bwd_kernels.tree_cols(0, width, vals, nb)
+        dw, db = finish(vals[0], d, e.wdt, e.bdt)
+    return dx, dw, db
 
 
 def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: int, ntot: int):

@@ -1,0 +1,243 @@
+"""The decode path (polynorm.ops.fast): small numpy forwards cached per call signature.
+
+Each call is made twice through the decode path (the first prepares the
+signature's entry, the second runs the kernel's compiled entry point) and
+compared bit for bit with the generic front end (``axis=(1,)``), which never
+takes it.  The cache-key tests change one thing at a time -- dtype, strides,
+options, out -- after a cached call and check that the result (or error) is
+the generic path's, never the cached entry's.
+"""
+
+from __future__ import annotations
+
+import decimal
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import polynorm as pn
+
+pytest.importorskip("numba")
+
+from polynorm.ops import fast  # noqa: E402
+
+DT = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
+      "float64": np.float64}
+D = 67
+
+
+def _a(rng, shape, dt):
+    return rng.standard_normal(shape).astype(DT[dt])
+
+
+def _bits(a):
+    return a.view(np.uint8)
+
+
+def _same(a, b):
+    a = a if isinstance(a, tuple) else (a,)
+    b = b if isinstance(b, tuple) else (b,)
+    assert len(a) == len(b)
+    for p, q in zip(a, b, strict=True):
+        if p is None or q is None:  # dbias without a bias
+            assert p is None and q is None
+            continue
+        assert p.dtype == q.dtype and p.shape == q.shape
+        np.testing.assert_array_equal(_bits(np.ascontiguousarray(p)),
+                                      _bits(np.ascontiguousarray(q)))
+
+
+def _call(fn, *args, **kw):
+    return getattr(pn, fn)(*args, **kw)
+
+
+def _entry(x):
+    """The decode entry (or None) whose key starts with x's shape, strides, dtype."""
+    found = [e for k, e in fast._DECODE.items() if k[1:4] == (x.shape, x.strides, x.dtype)]
+    return found[-1] if found else None
+
+
+@pytest.mark.parametrize("xdt,wdt,rdt,kw", [
+    ("float32", "float32", None, {}),
+    ("bfloat16", "bfloat16", None, {"return_rstd": True}),
+    ("float16", "float16", None, {"offset": 1.0, "bias": "float16"}),
+    ("float16", "float32", None, {"partial": 0.5, "eps_mode": "outside"}),
+    ("float32", None, None, {"out_dtype": "bfloat16"}),
+    ("float64", "float64", None, {"eps": 1e-3}),
+    ("float32", "float32", "float32", {}),
+    ("bfloat16", "bfloat16", "float32", {"return_rstd": True}),
+    ("float16", "float16", "float16", {"bias": "bfloat16"}),
+], ids=["f32", "bf16-rstd", "f16-bias-offset", "f16-f32w-partial", "f32-noweight-bf16out",
+        "f64", "add-f32", "add-bf16-f32r", "add-f16-bf16bias"])
+@pytest.mark.parametrize("n,with_out", [(1, False), (5, True)], ids=["1-token", "5-tokens-out"])
+def test_decode_bits_equal_generic(xdt, wdt, rdt, kw, n, with_out, rng):
+    kw = dict(kw)
+    x = _a(rng, (n, D), xdt)
+    w = None if wdt is None else _a(rng, D, wdt)
+    if "bias" in kw:
+        kw["bias"] = _a(rng, D, kw["bias"])
+    fn, args = ("rms_norm", (x, w)) if rdt is None else ("add_rms_norm", (x, _a(rng, (n, D), rdt), w))
+    want = _call(fn, *args, axis=(1,), **kw)
+    y0 = want[0] if isinstance(want, tuple) else want
+    for _ in range(2):
+        out = np.full_like(y0, 7) if with_out else None
+        got = _call(fn, *args, out=out, **kw)
+        _same(got, want)
+        if with_out:
+            assert (got[0] if isinstance(got, tuple) else got) is out
+    e = _entry(x)
+    assert e is not None and e.entry  # the second call ran the compiled entry point
+
+
+def test_decode_reads_the_weight_each_call(rng):
+    """A weight changed in place between calls is read anew (16-bit: widened anew)."""
+    x = _a(rng, (2, D), "float16")
+    w = _a(rng, D, "float16")
+    pn.rms_norm(x, w)
+    w *= 2
+    _same(pn.rms_norm(x, w), pn.rms_norm(x, w, axis=(1,)))
+
+
+def test_decode_read_only_and_misaligned_arrays(rng):
+    """Read-only or misaligned arrays of a cached signature take the dispatcher, same bits."""
+    x = _a(rng, (3, D), "float32")
+    w = _a(rng, D, "float32")
+    pn.rms_norm(x, w)
+    pn.rms_norm(x, w)  # cached, entry point resolved
+    ro = x.copy()
+    ro.flags.writeable = False
+    wro = w.copy()
+    wro.flags.writeable = False
+    _same(pn.rms_norm(ro, wro), pn.rms_norm(x, w, axis=(1,)))
+    raw = np.zeros(x.nbytes + 4, np.uint8)[1:1 + x.nbytes]  # misaligned float32 rows
+    mis = raw.view(np.float32).reshape(x.shape)
+    mis[...] = x
+    assert not mis.flags.aligned
+    _same(pn.rms_norm(mis, w), pn.rms_norm(x, w, axis=(1,)))
+    out = np.empty_like(x)
+    pn.rms_norm(x, w, out=out)
+    pn.rms_norm(x, w, out=out)  # cached with an aligned out
+    mout = np.zeros(x.nbytes + 4, np.uint8)[2:2 + x.nbytes].view(np.float32).reshape(x.shape)
+    assert not mout.flags.aligned
+    assert pn.rms_norm(x, w, out=mout) is mout
+    _same(mout, pn.rms_norm(x, w, axis=(1,)))
+
+
+def test_cache_key_dtype_and_strides(rng):
+    """Calls that differ from a cached one only in dtype or strides get their own result."""
+    base = _a(rng, (4, 2 * D), "float32")
+    w = _a(rng, D, "float32")
+    x = np.ascontiguousarray(base[:, :D])
+    pn.rms_norm(x, w)
+    pn.rms_norm(x, w)
+    padded = base[:, :D]  # the same shape and dtype, another row stride
+    _same(pn.rms_norm(padded, w), pn.rms_norm(padded, w, axis=(1,)))
+    cols = base[:, ::2][:, :D]  # unit stride lost: the general fast path's copy
+    _same(pn.rms_norm(cols, w), pn.rms_norm(cols, w, axis=(1,)))
+    for dt in ("float16", "bfloat16", "float64"):
+        xd = x.astype(DT[dt])
+        got = pn.rms_norm(xd, w)
+        assert got.dtype == xd.dtype
+        _same(got, pn.rms_norm(xd, w, axis=(1,)))
+    wd = w.astype(np.float16)  # weight dtype only
+    _same(pn.rms_norm(x, wd), pn.rms_norm(x, wd, axis=(1,)))
+
+
+def test_cache_key_options(rng):
+    """Options equal by value but of other types are checked, not matched to the entry."""
+    x = _a(rng, (2, D), "float32")
+    w = _a(rng, D, "float32")
+    for eps in (1e-5, 1e-3):
+        pn.rms_norm(x, w, eps=eps)
+        pn.rms_norm(x, w, eps=eps)
+        _same(pn.rms_norm(x, w, eps=eps), pn.rms_norm(x, w, eps=eps, axis=(1,)))
+    pn.rms_norm(x, w, eps=1)
+    pn.rms_norm(x, w, eps=1)  # cached with an int eps
+    for bad in (True, decimal.Decimal(1)):
+        with pytest.raises(TypeError, match="eps") as fast_err:
+            pn.rms_norm(x, w, eps=bad)
+        with pytest.raises(TypeError) as gen_err:
+            pn.rms_norm(x, w, eps=bad, axis=(1,))
+        assert str(fast_err.value) == str(gen_err.value)
+    pn.rms_norm(x, w, partial=1)
+    with pytest.raises(TypeError, match="partial"):
+        pn.rms_norm(x, w, partial=True)
+    # an unhashable option value: the general path's error
+    with pytest.raises(TypeError, match="eps"):
+        pn.rms_norm(x, w, eps=np.array([1e-6]))
+
+
+def test_cache_key_out(rng):
+    """out= of a cached signature: overlap, read-only and dtype errors as the generic path's."""
+    x = _a(rng, (3, D), "float32")
+    w = _a(rng, D, "float32")
+    out = np.empty_like(x)
+    pn.rms_norm(x, w, out=out)
+    pn.rms_norm(x, w, out=out)
+    ro = np.empty_like(x)
+    ro.flags.writeable = False
+    for bad, exc in ((ro, ValueError), (out.astype(np.float16), TypeError)):
+        with pytest.raises(exc) as fast_err:
+            pn.rms_norm(x, w, out=bad)
+        with pytest.raises(exc) as gen_err:
+            pn.rms_norm(x, w, out=bad, axis=(1,))
+        assert str(fast_err.value) == str(gen_err.value)
+    # overlap: out a view of the weight's memory in a cached signature's shape
+    big = _a(rng, (4, D), "float32")
+    with pytest.raises(ValueError, match="overlaps weight"):
+        pn.rms_norm(x, big[2], out=big[:3])
+    in_place = x.copy()
+    _same(pn.rms_norm(in_place, w, out=in_place), pn.rms_norm(x, w, axis=(1,)))
+
+
+@pytest.mark.parametrize("dt,gkw", [
+    ("float32", {}),
+    ("bfloat16", {"norm_before_gate": True, "return_rstd": True}),
+    ("float16", {"group_size": 16, "return_rstd": True, "offset": 1.0}),
+])
+def test_gated_decode_bits_equal_generic(dt, gkw, rng):
+    d = 64
+    x, z, w = _a(rng, (2, d), dt), _a(rng, (2, d), dt), _a(rng, d, dt)
+    want = pn.rms_norm_gated(x, z, w, axis=(1,), **gkw)
+    for _ in range(2):
+        _same(pn.rms_norm_gated(x, z, w, **gkw), want)
+    # the same signature with option values of other types: the general path's answer
+    kw = {k: v for k, v in gkw.items() if k != "norm_before_gate"}
+    nbg = gkw.get("norm_before_gate", False)
+    for other in (int(nbg), np.bool_(nbg)):
+        try:
+            want = pn.rms_norm_gated(x, z, w, axis=(1,), norm_before_gate=other, **kw)
+        except TypeError as exc:
+            with pytest.raises(TypeError) as got:
+                pn.rms_norm_gated(x, z, w, norm_before_gate=other, **kw)
+            assert str(got.value) == str(exc)
+        else:
+            _same(pn.rms_norm_gated(x, z, w, norm_before_gate=other, **kw), want)
+    zf = z.astype(np.float32)  # z's dtype only
+    _same(pn.rms_norm_gated(x, zf, w, **gkw), pn.rms_norm_gated(x, zf, w, axis=(1,), **gkw))
+
+
+@pytest.mark.parametrize("dt,wdt,kw", [
+    ("float32", "float32", {}),
+    ("bfloat16", "bfloat16", {"bias": True, "grad_residual": True}),
+    ("float16", "float16", {"partial": 0.5, "no_rstd": True}),
+    ("float16", None, {}),
+])
+def test_backward_decode_bits_equal_generic(dt, wdt, kw, rng):
+    kw = dict(kw)
+    n = 3
+    x, dy = _a(rng, (n, D), dt), _a(rng, (n, D), dt)
+    w = None if wdt is None else _a(rng, D, wdt)
+    if kw.pop("bias", False):
+        kw["bias"] = _a(rng, D, dt)
+    if kw.get("grad_residual"):
+        kw["grad_residual"] = _a(rng, (n, D), dt)
+    if not kw.pop("no_rstd", False):
+        kw["rstd"] = pn.rms_norm(x, w, return_rstd=True, partial=kw.get("partial", 1.0))[1]
+    want = pn.rms_norm_backward(dy, x, w, axis=(1,), **kw)
+    for _ in range(2):
+        _same(pn.rms_norm_backward(dy, x, w, **kw), want)
+    # the same signature, eps of another type: the general path's answer (an error)
+    with pytest.raises(TypeError, match="eps"):
+        pn.rms_norm_backward(dy, x, w, eps=True, **kw)
