@@ -60,6 +60,12 @@ def _plan(d: int, dtype: str, opts: Options) -> Plan | None:
         return None  # the general path raises it, in its own order
 
 
+def _apart(plan: Plan, residual, opts: Options) -> bool:
+    """A call the general path takes: a fused add run apart (``norm_input="sum"``, a
+    ``residual_dtype``), or a ``residual_dtype`` without a residual (its error)."""
+    return opts.residual_dtype is not None or (residual is not None and plan.norm_sum)
+
+
 def _all_numpy_or_none(a, b, c, e) -> bool:
     # spelled out: a generator over the arguments costs ~0.3 us of a (1, 4096) call
     nd = np.ndarray
@@ -126,7 +132,7 @@ def forward(mod, x, residual, weight, bias, out, return_rstd: bool, opts: Option
             return None
         dtype = promote(dtype, rdt)
     plan = _plan(d, dtype, opts)
-    if plan is None:
+    if plan is None or _apart(plan, residual, opts):
         return None
     if out is not None and (
         not two_d or out.shape != shape or names.get(out.dtype) != plan.out_dtype

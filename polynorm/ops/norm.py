@@ -23,6 +23,7 @@ from polynorm.core.options import (
     NormOptions,
     Options,
     Plan,
+    compute_dtype,
     make_plan,
     pack_options,
     promote,
@@ -518,10 +519,22 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     call = _prepare(x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out},
                     opts=opts)
     lay, plan = call.lay, call.plan
+    if residual is None:
+        no_residual(opts)
     _check_out(out, x, plan.out_dtype, (x, residual, weight, bias))
     out2 = _view_rows(lay, out) if out is not None else None
     if lay.n == 0:
         y2, h2, rstd = _empty_forward(lay, x, residual, plan)
+    elif residual is not None and split_add(plan):
+        with _no_autograd(x):
+            s2, h2, plan_s = add_apart(lay.xp, lay.rows(x), lay.rows(residual), plan, opts)
+            try:
+                y2, _, rstd = call.backend.forward(
+                    s2, None, lay.flat(weight), lay.flat(bias), plan_s, out2)
+            except Exception as exc:
+                if out2 is None:
+                    raise
+                raise partly_written(exc) from exc
     else:
         try:
             with _no_autograd(x):
@@ -547,6 +560,50 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     return result[0] if len(result) == 1 else tuple(result)
 
 
+def no_residual(opts: Options) -> None:
+    """A ``residual_dtype`` without a residual is an error: there is no ``h`` to give
+    it, and ignoring it would hide a caller's mistake (QuACK returns ``x`` cast to it;
+    polynorm has no such output).  ``norm_input`` needs no check: without a
+    residual the sum is ``x`` itself and both conventions give the same bits."""
+    if opts.residual_dtype is not None:
+        raise ValueError(
+            f"residual_dtype={opts.residual_dtype!r} is the dtype of h = x + residual, and "
+            "this call has no residual: pass residual=, or leave residual_dtype=None")
+
+
+def split_add(plan: Plan) -> bool:
+    """Whether a fused add with ``plan`` runs apart (:func:`add_apart`): the backends'
+    fused kernels take only the defaults ``norm_input="h"`` and ``h`` in the promoted
+    dtype."""
+    return plan.norm_sum or plan.h_dtype != plan.norm_dtype
+
+
+def _split_dtypes(plan: Plan) -> tuple[str, str]:
+    """``(dtype of the sum, dtype of the normalized value)`` of :func:`add_apart`."""
+    sdt = compute_dtype(promote(plan.norm_dtype, plan.h_dtype))
+    return sdt, (sdt if plan.norm_sum else plan.h_dtype)
+
+
+def add_apart(xp, x2, r2, plan: Plan, opts: Options):
+    """The fused add of a non-default ``norm_input``/``residual_dtype``, as an add in
+    the array library and a plain norm: ``(s, h, plan_s)``.
+
+    ``x + residual`` is summed in the compute dtype of ``h``'s and the inputs' dtypes
+    (exact for the 16-bit dtypes in float32), ``h`` is that sum rounded once to
+    ``plan.h_dtype``, and ``s`` -- what the plain forward normalizes with
+    ``plan_s`` -- is the unrounded sum (``norm_input="sum"``) or ``h``.  ``y``
+    keeps ``plan.out_dtype``.  The bits are those of the one-pass formula: the
+    plain kernels normalize ``s`` as the fused ones normalize ``h``.
+    """
+    sdt, ndt = _split_dtypes(plan)
+    sd = namespace_dtype(xp, sdt, x2)
+    total = xp.astype(x2, sd) + xp.astype(r2, sd)
+    h2 = xp.astype(total, namespace_dtype(xp, plan.h_dtype, x2))
+    plan_s = make_plan(plan.d, ndt, opts._replace(out_dtype=plan.out_dtype, norm_input="h",
+                                                  residual_dtype=None))
+    return (total if plan.norm_sum else h2), h2, plan_s
+
+
 def _no_autograd(x):
     """torch records no history for the functional API (polynorm.torch is for training)."""
     if aac.is_torch_array(x):
@@ -563,9 +620,12 @@ def _empty_forward(lay: _Layout, x, residual, plan: Plan):
     dev = result_device(x)
     y = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.out_dtype, x), device=dev)
     h = None
+    cdt = plan.compute_dtype
     if residual is not None:
-        h = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.norm_dtype, x), device=dev)
-    rstd = xp.empty((0,), dtype=namespace_dtype(xp, plan.compute_dtype, x), device=dev)
+        h = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.h_dtype, x), device=dev)
+        if split_add(plan):
+            cdt = compute_dtype(_split_dtypes(plan)[1])
+    rstd = xp.empty((0,), dtype=namespace_dtype(xp, cdt, x), device=dev)
     return y, h, rstd
 
 
