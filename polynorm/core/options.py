@@ -288,6 +288,19 @@ def compute_dtype(x_dtype: str) -> str:
     return "float64" if x_dtype == "float64" else "float32"
 
 
+def split_dtypes(norm_dtype: str, h_dtype: str, norm_sum: bool) -> tuple[str, str]:
+    """``(sum dtype, normalized dtype)`` of a fused add run apart: ``x + residual``
+    is summed in the compute dtype of the inputs' promoted dtype and ``h``'s, and
+    ``y`` normalizes that sum (``norm_sum``) or ``h``; ``rstd`` has the compute
+    dtype of the normalized dtype.
+
+    >>> split_dtypes("bfloat16", "bfloat16", True), split_dtypes("bfloat16", "float64", False)
+    (('float32', 'float32'), ('float64', 'float64'))
+    """
+    sdt = compute_dtype(promote(norm_dtype, h_dtype))
+    return sdt, (sdt if norm_sum else h_dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """Everything a kernel needs to know about one call, resolved and validated.

@@ -27,6 +27,7 @@ from polynorm.core.options import (
     make_plan,
     pack_options,
     promote,
+    split_dtypes,
     takes_options,
 )
 from polynorm.ops import fast as _fast
@@ -580,8 +581,7 @@ def split_add(plan: Plan) -> bool:
 
 def _split_dtypes(plan: Plan) -> tuple[str, str]:
     """``(dtype of the sum, dtype of the normalized value)`` of :func:`add_apart`."""
-    sdt = compute_dtype(promote(plan.norm_dtype, plan.h_dtype))
-    return sdt, (sdt if plan.norm_sum else plan.h_dtype)
+    return split_dtypes(plan.norm_dtype, plan.h_dtype, plan.norm_sum)
 
 
 def add_apart(xp, x2, r2, plan: Plan, opts: Options):
