@@ -715,8 +715,12 @@ def add_rms_norm(
     """Fused residual add and RMSNorm: ``h = x + residual``, ``y = rms_norm(h)``.
 
     ``h`` has the promoted dtype of ``x`` and ``residual`` (bfloat16 + float32
-    gives a float32 residual stream) and ``y`` is exactly ``rms_norm(h, ...)``
-    for the ``h`` returned.
+    gives a float32 residual stream), or ``residual_dtype``, and ``y`` is
+    exactly ``rms_norm(h, ...)`` for the ``h`` returned (``norm_input="h"``,
+    Hugging Face's and Liger's bits), or the norm of the unrounded sum
+    (``norm_input="sum"``: vLLM's, FlashInfer's and QuACK's).  The backward
+    (:func:`rms_norm_backward` with ``x=h``) takes the ``h`` and ``rstd``
+    returned; with ``"sum"`` that ``rstd`` is the sum's.
 
     Parameters
     ----------
@@ -737,7 +741,8 @@ def add_rms_norm(
     Returns
     -------
     (y, h) or (y, h, rstd)
-        ``h = x + residual`` rounded to its dtype, ``y = rms_norm(h)``.
+        ``h = x + residual`` rounded to its dtype, ``y = rms_norm(h)`` (or of the
+        sum, ``norm_input="sum"``).
 
     Examples
     --------
@@ -749,6 +754,13 @@ def add_rms_norm(
     array([[3., 4.]], dtype=float32)
     >>> y
     array([[0.84852815, 1.1313709 ]], dtype=float32)
+
+    A float32 residual stream from float16 inputs (QuACK's ``residual_dtype``):
+
+    >>> h = pn.add_rms_norm(x.astype(np.float16), np.full((1, 2), 2**-12, np.float16),
+    ...                     residual_dtype="float32")[1]
+    >>> h
+    array([[1.0002441, 2.0002441]], dtype=float32)
     """
     if residual is None:
         raise TypeError("residual must be an array, got None")

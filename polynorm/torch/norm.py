@@ -451,7 +451,7 @@ def add_rms_norm(
     Parameters
     ----------
     x, residual : torch.Tensor
-        Same shape; ``h`` has their promoted dtype.
+        Same shape; ``h`` has their promoted dtype (or ``residual_dtype``).
     weight, bias : torch.Tensor, optional
     save : {"input", "output"}
         As in :func:`rms_norm`: ``"output"`` keeps ``y`` instead of ``h``.
