@@ -222,3 +222,13 @@ def test_torch_backward_fd_with_norm_input_sum():
         lambda x, r, w: pt.add_rms_norm(x, r, w, eps=0.05, norm_input="sum",
                                         residual_dtype="float64"),
         (x, r, w), eps=1e-6, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["numba", "array_api"])
+def test_float64_residual_dtype_sums_in_float64(backend):
+    # 2**20 + 2**-10 needs 31 bits: a float32 sum would round it away
+    x = np.full((2, 8), 2.0**20, BF16)
+    r = np.full((2, 8), 2.0**-10, BF16)
+    y, h = pn.add_rms_norm(x, r, residual_dtype="float64", backend=backend)
+    assert h.dtype == np.float64 and np.all(h == 2.0**20 + 2.0**-10)
+    assert y.dtype == BF16

@@ -528,7 +528,8 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
         y2, h2, rstd = _empty_forward(lay, x, residual, plan)
     elif residual is not None and split_add(plan):
         with _no_autograd(x):
-            s2, h2, plan_s = add_apart(lay.xp, lay.rows(x), lay.rows(residual), plan, opts)
+            s2, h2, plan_s = add_apart(lay.xp, lay.rows(x), lay.rows(residual), plan, opts,
+                                       call.backend)
             try:
                 y2, _, rstd = call.backend.forward(
                     s2, None, lay.flat(weight), lay.flat(bias), plan_s, out2)
@@ -584,21 +585,27 @@ def _split_dtypes(plan: Plan) -> tuple[str, str]:
     return split_dtypes(plan.norm_dtype, plan.h_dtype, plan.norm_sum)
 
 
-def add_apart(xp, x2, r2, plan: Plan, opts: Options):
+def add_apart(xp, x2, r2, plan: Plan, opts: Options, backend: Any = None):
     """The fused add of a non-default ``norm_input``/``residual_dtype``, as an add in
     the array library and a plain norm: ``(s, h, plan_s)``.
 
     ``x + residual`` is summed in the compute dtype of ``h``'s and the inputs' dtypes
     (exact for the 16-bit dtypes in float32), ``h`` is that sum rounded once to
     ``plan.h_dtype``, and ``s`` -- what the plain forward normalizes with
-    ``plan_s`` -- is the unrounded sum (``norm_input="sum"``) or ``h``.  ``y``
+    ``plan_s`` -- is the unrounded sum (``norm_input="sum"``) or ``h``.  A
+    ``backend`` with an ``add_apart(x, residual, sum dtype, h dtype)`` (Numba)
+    does the add in one pass; otherwise the array library does it.  ``y``
     keeps ``plan.out_dtype``.  The bits are those of the one-pass formula: the
     plain kernels normalize ``s`` as the fused ones normalize ``h``.
     """
     sdt, ndt = _split_dtypes(plan)
-    sd = namespace_dtype(xp, sdt, x2)
-    total = xp.astype(x2, sd) + xp.astype(r2, sd)
-    h2 = xp.astype(total, namespace_dtype(xp, plan.h_dtype, x2))
+    add = getattr(backend, "add_apart", None)
+    if add is not None:  # one pass (Numba)
+        total, h2 = add(x2, r2, sdt, plan.h_dtype)
+    else:
+        sd = namespace_dtype(xp, sdt, x2)
+        total = xp.astype(x2, sd) + xp.astype(r2, sd)
+        h2 = xp.astype(total, namespace_dtype(xp, plan.h_dtype, x2))
     plan_s = make_plan(plan.d, ndt, opts._replace(out_dtype=plan.out_dtype, norm_input="h",
                                                   residual_dtype=None))
     return (total if plan.norm_sum else h2), h2, plan_s

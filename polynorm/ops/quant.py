@@ -249,7 +249,8 @@ def rms_norm_quant(
     elif _api.split_add(call.plan):
         # norm_input="sum" or a residual_dtype: the add apart, then the plain quantized norm
         with _api._no_autograd(x):
-            s2, h2, plan_s = _api.add_apart(xp, lay.rows(x), lay.rows(residual), call.plan, opts)
+            s2, h2, plan_s = _api.add_apart(xp, lay.rows(x), lay.rows(residual), call.plan, opts,
+                                            mod)
             qplan_s = make_quant_plan(plan_s, qdtype=qdtype, scale=scale_num,
                                       scale_is_array=scale_arr is not None, group_size=group_size)
             if lay.n == 0:

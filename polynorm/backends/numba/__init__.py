@@ -389,6 +389,24 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
             None if h is None else from_numpy(h, caller), from_numpy(rstd, caller))
 
 
+def add_apart(x, residual, sum_dtype: str, h_dtype: str):
+    """The add of a fused add run apart (:func:`polynorm.ops.norm.add_apart`):
+    ``(s, h)``, ``s = x + residual`` in ``sum_dtype`` (a compute dtype) and ``h``
+    that sum rounded once to ``h_dtype``; one pass, in the caller's array type."""
+    kernels = _kernels or _k()
+    caller = x
+    to_numpy = _interop.to_numpy
+    xn, rn = to_numpy(x), to_numpy(residual)
+    n, d = xn.shape
+    empty = _empty_for(caller)
+    s = empty((n, d), numpy_dtype(sum_dtype))
+    h = empty((n, d), numpy_dtype(h_dtype))
+    _run_rows(kernels.add_split_parallel, kernels.add_split_rows, n, d,
+              (_kview(xn), _kview(rn), s, _kview(h)))
+    from_numpy = _interop.from_numpy
+    return from_numpy(s, caller), from_numpy(h, caller)
+
+
 def forward_small(x: np.ndarray, weight, bias, plan: Plan):
     """:func:`forward` of a small plain numpy ``(n, d)`` array (serial size, no
     residual, no ``out``, not llama) into new arrays: ``(y, rstd)``.

@@ -942,3 +942,26 @@ def forward_llama_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset, stage)
     for c in prange(_range_count(n)):
         lo, hi = _range_bounds(c, n)
         forward_llama_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage)
+
+
+# A fused add with a non-default norm_input or residual_dtype (polynorm.ops.norm.add_apart):
+# the sum kept in the compute type for the plain forward, h rounded once from it.
+
+
+@_jit()
+def add_split_rows(lo, hi, x, r, s, h):
+    """Rows ``[lo, hi)``: ``s = x + r`` summed in ``s``'s type (the compute type),
+    ``h = s`` rounded once to ``h``'s type."""
+    for i in range(lo, hi):
+        for j in range(x.shape[1]):
+            s[i, j] = load(x[i, j])
+            s[i, j] = s[i, j] + load(r[i, j])  # in s's type: float64 where s is float64
+            store(h, (i, j), s[i, j])
+
+
+@_jit(parallel=True)
+def add_split_parallel(x, r, s, h):
+    n = x.shape[0]
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
+        add_split_rows(lo, hi, x, r, s, h)
