@@ -232,3 +232,30 @@ def test_float64_residual_dtype_sums_in_float64(backend):
     y, h = pn.add_rms_norm(x, r, residual_dtype="float64", backend=backend)
     assert h.dtype == np.float64 and np.all(h == 2.0**20 + 2.0**-10)
     assert y.dtype == BF16
+
+
+def test_torch_and_jax_quant_take_both():
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import polynorm.jax as pj
+    import polynorm.torch as pt
+
+    x, r, w = _data(n=3)
+    total = x.astype(np.float32) + r.astype(np.float32)
+    q0, s0 = pn.rms_norm_quant(total, dtype="int8")
+    kw = {"norm_input": "sum", "residual_dtype": "float32"}
+    xt, rt = (torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for a in (x, r))
+    f = torch.compile(lambda x, r: pt.rms_norm_quant(x, residual=r, dtype=torch.int8, **kw),
+                      backend="eager", fullgraph=True)
+    for q, s, h in (pt.rms_norm_quant(xt, residual=rt, dtype=torch.int8, **kw), f(xt, rt)):
+        assert h.dtype == torch.float32 and np.array_equal(h.numpy(), total)
+        assert np.array_equal(q.numpy(), q0) and np.array_equal(s.numpy(), s0)
+    g = jax.jit(lambda x, r: pj.rms_norm_quant(x, residual=r, dtype=jnp.int8, **kw))
+    for q, s, h in (pj.rms_norm_quant(jnp.asarray(x), residual=jnp.asarray(r), dtype=jnp.int8,
+                                      **kw), g(jnp.asarray(x), jnp.asarray(r))):
+        assert h.dtype == jnp.float32 and np.array_equal(np.asarray(h), total)
+        assert np.array_equal(np.asarray(q), q0) and np.array_equal(np.asarray(s), s0)
+    with pytest.raises(ValueError, match="residual_dtype"):
+        pt.RMSNorm(D, residual_dtype="float32")

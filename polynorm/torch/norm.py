@@ -568,6 +568,7 @@ class RMSNorm(torch.nn.Module):
         # fail at construction, not at the first forward, for a bad option
         opts = pack_options("RMSNorm", options, eps=1e-6 if eps is None else eps, axis=-1)
         make_plan(math.prod(self.normalized_shape), "float32", opts)
+        _api.no_residual(opts)  # this module has no residual for residual_dtype to apply to
         self.options = dict(options)
         self.save = _lean.check_save(save)
         self.in_place = _check_in_place(in_place)
