@@ -259,3 +259,19 @@ def test_torch_and_jax_quant_take_both():
         assert np.array_equal(np.asarray(q), q0) and np.array_equal(np.asarray(s), s0)
     with pytest.raises(ValueError, match="residual_dtype"):
         pt.RMSNorm(D, residual_dtype="float32")
+
+
+@pytest.mark.parametrize("backend", ["numba", "array_api"])
+def test_run_apart_is_batch_invariant(backend):
+    x, r, w = _data(n=40, seed=3)
+    kw = {"norm_input": "sum", "residual_dtype": "float16", "return_rstd": True, "backend": backend}
+    y, h, rstd = pn.add_rms_norm(x, r, w, **kw)
+    for i in (0, 17, 39):
+        yi, hi, ri = pn.add_rms_norm(x[i:i + 1], r[i:i + 1], w, **kw)
+        assert np.array_equal(yi.view(np.int16), y[i:i + 1].view(np.int16))
+        assert np.array_equal(hi.view(np.int16), h[i:i + 1].view(np.int16))
+        assert np.array_equal(ri, rstd[i:i + 1])
+    # strided rows (every other token, a column slice of a wider array) give the same bits
+    wide = np.concatenate([x, x], axis=1)[::2, :D]
+    ys, _, _ = pn.add_rms_norm(wide, r[::2], w, **kw)
+    assert np.array_equal(ys.view(np.int16), y[::2].view(np.int16))
