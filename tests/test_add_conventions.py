@@ -275,3 +275,29 @@ def test_run_apart_is_batch_invariant(backend):
     wide = np.concatenate([x, x], axis=1)[::2, :D]
     ys, _, _ = pn.add_rms_norm(wide, r[::2], w, **kw)
     assert np.array_equal(ys.view(np.int16), y[::2].view(np.int16))
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.float16])
+@pytest.mark.parametrize("h_dtype", [None, "float32", "float16"])
+def test_numba_one_pass_equals_the_two_pass_form(dtype, h_dtype):
+    # Numba's forward_apart (scratch-row sum; the fused kernel for residual_dtype alone)
+    # against the add in numpy and Numba's plain norm, every option that reaches the kernel
+    # (the array-API reference's statistic may differ from Numba's in rstd's last bit)
+    rng = np.random.default_rng(7)
+    n, d = 600, 300  # enough rows for the parallel driver
+    x = (3 * rng.standard_normal((n, d))).astype(dtype)
+    r = rng.standard_normal((n, d)).astype(dtype)
+    w = rng.standard_normal(d).astype(np.float32)
+    b = rng.standard_normal(d).astype(dtype)
+    s = x.astype(np.float32) + r.astype(np.float32)
+    for kw in ({}, {"partial": 0.5, "eps_mode": "outside", "offset": 1.0}):
+        for norm_input in ("h", "sum"):
+            y, h, rstd = pn.add_rms_norm(x, r, w, b, norm_input=norm_input, residual_dtype=h_dtype,
+                                         return_rstd=True, backend="numba", **kw)
+            h_ref = s.astype(h.dtype)
+            y_ref, rstd_ref = pn.rms_norm(s if norm_input == "sum" else h_ref, w, b,
+                                          out_dtype=y.dtype, return_rstd=True,
+                                          backend="numba", **kw)
+            assert np.array_equal(h.view(np.uint8), h_ref.view(np.uint8))
+            assert np.array_equal(y.view(np.uint8), y_ref.view(np.uint8))
+            assert np.array_equal(rstd, rstd_ref)

@@ -528,11 +528,9 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
         y2, h2, rstd = _empty_forward(lay, x, residual, plan)
     elif residual is not None and split_add(plan):
         with _no_autograd(x):
-            s2, h2, plan_s = add_apart(lay.xp, lay.rows(x), lay.rows(residual), plan, opts,
-                                       call.backend)
             try:
-                y2, _, rstd = call.backend.forward(
-                    s2, None, lay.flat(weight), lay.flat(bias), plan_s, out2)
+                y2, h2, rstd = _forward_apart(call.backend, lay, x, residual, weight, bias,
+                                              plan, opts, out2)
             except Exception as exc:
                 if out2 is None:
                     raise
@@ -606,9 +604,30 @@ def add_apart(xp, x2, r2, plan: Plan, opts: Options, backend: Any = None):
         sd = namespace_dtype(xp, sdt, x2)
         total = xp.astype(x2, sd) + xp.astype(r2, sd)
         h2 = xp.astype(total, namespace_dtype(xp, plan.h_dtype, x2))
-    plan_s = make_plan(plan.d, ndt, opts._replace(out_dtype=plan.out_dtype, norm_input="h",
-                                                  residual_dtype=None))
+    plan_s = make_plan(plan.d, ndt, _plain_opts(plan, opts))
     return (total if plan.norm_sum else h2), h2, plan_s
+
+
+def _forward_apart(backend, lay: _Layout, x, residual, weight, bias, plan: Plan, opts: Options,
+                   out2):
+    """``(y, h, rstd)`` of a fused add that the backend's fused kernel does not take
+    (:func:`split_add`): the backend's own one-pass ``forward_apart`` (Numba) where it
+    has one, else the add apart (:func:`add_apart`) and its plain forward."""
+    x2, r2, w1, b1 = lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias)
+    plan_s = make_plan(plan.d, _split_dtypes(plan)[1], _plain_opts(plan, opts))
+    one_pass = getattr(backend, "forward_apart", None)
+    if one_pass is not None:
+        r = one_pass(x2, r2, w1, b1, plan, plan_s, out2)
+        if r is not None:
+            return r
+    s2, h2, plan_s = add_apart(lay.xp, x2, r2, plan, opts, backend)
+    y2, _, rstd = backend.forward(s2, None, w1, b1, plan_s, out2)
+    return y2, h2, rstd
+
+
+def _plain_opts(plan: Plan, opts: Options) -> Options:
+    """The options of the plain forward of a fused add run apart."""
+    return opts._replace(out_dtype=plan.out_dtype, norm_input="h", residual_dtype=None)
 
 
 def _no_autograd(x):
