@@ -277,9 +277,10 @@ def test_run_apart_is_batch_invariant(backend):
     assert np.array_equal(ys.view(np.int16), y[::2].view(np.int16))
 
 
+@pytest.mark.parametrize("backend", ["numba", "auto"])  # general path, numpy fast path
 @pytest.mark.parametrize("dtype", [BF16, np.float16])
 @pytest.mark.parametrize("h_dtype", [None, "float32", "float16"])
-def test_numba_one_pass_equals_the_two_pass_form(dtype, h_dtype):
+def test_numba_one_pass_equals_the_two_pass_form(dtype, h_dtype, backend):
     # Numba's forward_apart (scratch-row sum; the fused kernel for residual_dtype alone)
     # against the add in numpy and Numba's plain norm, every option that reaches the kernel
     # (the array-API reference's statistic may differ from Numba's in rstd's last bit)
@@ -293,7 +294,7 @@ def test_numba_one_pass_equals_the_two_pass_form(dtype, h_dtype):
     for kw in ({}, {"partial": 0.5, "eps_mode": "outside", "offset": 1.0}):
         for norm_input in ("h", "sum"):
             y, h, rstd = pn.add_rms_norm(x, r, w, b, norm_input=norm_input, residual_dtype=h_dtype,
-                                         return_rstd=True, backend="numba", **kw)
+                                         return_rstd=True, backend=backend, **kw)
             h_ref = s.astype(h.dtype)
             y_ref, rstd_ref = pn.rms_norm(s if norm_input == "sum" else h_ref, w, b,
                                           out_dtype=y.dtype, return_rstd=True,
