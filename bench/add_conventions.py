@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 
@@ -47,7 +48,12 @@ def main() -> None:
             pn.add_rms_norm(x, r, w, **kw)
             times[name].append(time.perf_counter() - t0)
     med = {k: float(np.median(v)) for k, v in times.items()}
-    out = {"shape": [a.tokens, a.d], "dtype": "bfloat16", "reps": a.reps,
+    cpu = platform.processor() or platform.machine()
+    out = {"what": f"python bench/add_conventions.py --tokens {a.tokens} --d {a.d} "
+                   f"--reps {a.reps}: add_rms_norm bf16 on Numba, norm_input/residual_dtype "
+                   f"against the fused default, median of interleaved runs ({cpu}, "
+                   f"{os.cpu_count()} CPUs)",
+           "shape": [a.tokens, a.d], "dtype": "bfloat16", "reps": a.reps,
            "machine": platform.machine(), "median_ms": {k: v * 1e3 for k, v in med.items()},
            "ratio_to_default": {k: v / med["default"] for k, v in med.items()}}
     print(json.dumps(out, indent=1))
