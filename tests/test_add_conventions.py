@@ -302,3 +302,19 @@ def test_numba_one_pass_equals_the_two_pass_form(dtype, h_dtype, backend):
             assert np.array_equal(h.view(np.uint8), h_ref.view(np.uint8))
             assert np.array_equal(y.view(np.uint8), y_ref.view(np.uint8))
             assert np.array_equal(rstd, rstd_ref)
+
+
+def test_jax_backward_fd_with_norm_input_sum():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from jax.test_util import check_grads
+
+    import polynorm.jax as pj
+
+    jax.config.update("jax_enable_x64", True)  # float64 differences (as tests/test_jax.py)
+    rng = np.random.default_rng(0)
+    x, r = (jnp.asarray(rng.standard_normal((3, 16))) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal(16))
+    check_grads(lambda x, r, w: pj.add_rms_norm(x, r, w, eps=0.05, norm_input="sum",
+                                                residual_dtype="float64")[0],
+                (x, r, w), order=1, modes=["rev"], eps=1e-6)
