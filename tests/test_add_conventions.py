@@ -188,6 +188,8 @@ def test_bad_values_name_the_argument():
         pn.rms_norm(x, residual_dtype="float32")
     with pytest.raises(ValueError, match="residual_dtype"):
         pn.rms_norm_quant(x, dtype="int8", residual_dtype="float32")
+    with pytest.raises(ValueError, match="residual_dtype"):
+        pn.rms_norm_gated(x, x, residual_dtype="float32")
     assert np.array_equal(pn.rms_norm(x, norm_input="sum"), pn.rms_norm(x))
 
 
