@@ -68,6 +68,7 @@ from polynorm.core.dtypes import FLOAT_DTYPES, parse_dtype
 
 EPS_MODES = ("inside", "outside")
 CASTINGS = ("fp32", "llama")
+NORM_INPUTS = ("h", "sum")
 
 #: Result of a float dtype combination, by the usual promotion lattice
 #: (float16 + bfloat16 -> float32, as torch and jax do).
@@ -115,12 +116,15 @@ class Options(NamedTuple):
     casting: Any = "fp32"
     out_dtype: Any = None
     backend: Any = "auto"
+    norm_input: Any = "h"
+    residual_dtype: Any = None
 
 
 #: Each option's type in torch's custom-op schema language (``polynorm.torch``).
 OPTION_TYPES: dict[str, str] = {
     "eps": "float", "axis": "int[]", "partial": "float", "partial_size": "int?", "offset": "float",
     "eps_mode": "str", "casting": "str", "out_dtype": "str?", "backend": "str",
+    "norm_input": "str", "residual_dtype": "str?",
 }
 assert tuple(OPTION_TYPES) == Options._fields
 
@@ -133,6 +137,7 @@ new_options = tuple.__new__
 DTypeLike: TypeAlias = Any
 EpsMode: TypeAlias = Literal["inside", "outside"]
 Casting: TypeAlias = Literal["fp32", "llama"]
+NormInput: TypeAlias = Literal["h", "sum"]
 
 
 class _SharedOptions(TypedDict, total=False):
@@ -144,6 +149,8 @@ class _SharedOptions(TypedDict, total=False):
     casting: Casting
     out_dtype: DTypeLike | None
     backend: str
+    norm_input: NormInput
+    residual_dtype: DTypeLike | None
 
 
 class NormOptions(_SharedOptions, total=False):
@@ -189,6 +196,19 @@ OPTION_DOCS: dict[str, str] = {
                  "    The result's dtype; defaults to the normalized input's.",
     "backend": "backend : {\"auto\", \"numba\", \"cupy\", \"dask\", \"array_api\"}, default \"auto\"\n"
                "    The backend to run on; ``\"auto\"`` picks the fastest that takes the arrays.",
+    "norm_input": "norm_input : {\"h\", \"sum\"}, default \"h\"\n"
+                  "    The fused add's normalized value.  ``\"h\"`` (Hugging Face, Liger): ``y`` is\n"
+                  "    the norm of ``h`` as returned, rounded to its dtype.  ``\"sum\"`` (vLLM,\n"
+                  "    FlashInfer, QuACK): ``y`` is the norm of the unrounded ``x + residual`` in\n"
+                  "    the compute dtype; ``h`` is still rounded once for the residual output.\n"
+                  "    Without a residual both are the same (the sum is ``x``); ``\"sum\"`` with\n"
+                  "    ``casting=\"llama\"`` is a ``ValueError`` (llama rounds the normalized value\n"
+                  "    to the input's dtype; no peer does that to an unrounded sum).",
+    "residual_dtype": "residual_dtype : dtype or str, optional\n"
+                      "    The dtype of ``h = x + residual`` (QuACK's ``residual_dtype``: e.g. a float32\n"
+                      "    residual stream from bfloat16 inputs); default the promoted dtype of ``x`` and\n"
+                      "    ``residual``.  ``y``'s default dtype stays the promoted one.  A dtype without\n"
+                      "    a residual is a ``ValueError``; the backward ignores it.",
 }
 
 _DEFAULT_OPTIONS = Options()
@@ -273,6 +293,19 @@ def compute_dtype(x_dtype: str) -> str:
     return "float64" if x_dtype == "float64" else "float32"
 
 
+def split_dtypes(norm_dtype: str, h_dtype: str, norm_sum: bool) -> tuple[str, str]:
+    """``(sum dtype, normalized dtype)`` of a fused add run apart: ``x + residual``
+    is summed in the compute dtype of the inputs' promoted dtype and ``h``'s, and
+    ``y`` normalizes that sum (``norm_sum``) or ``h``; ``rstd`` has the compute
+    dtype of the normalized dtype.
+
+    >>> split_dtypes("bfloat16", "bfloat16", True), split_dtypes("bfloat16", "float64", False)
+    (('float32', 'float32'), ('float64', 'float64'))
+    """
+    sdt = compute_dtype(promote(norm_dtype, h_dtype))
+    return sdt, (sdt if norm_sum else h_dtype)
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """Everything a kernel needs to know about one call, resolved and validated.
@@ -299,6 +332,13 @@ class Plan:
         ``"float32"`` or ``"float64"``; also the dtype of ``rstd``.
     out_dtype : str
         dtype of ``y``.
+    norm_sum : bool
+        ``norm_input == "sum"``: the fused add normalizes the unrounded sum.
+    h_dtype : str
+        dtype of the fused add's ``h`` (``residual_dtype``, default ``norm_dtype``).
+        The backends' fused kernels take only the default (``norm_sum`` false,
+        ``h_dtype == norm_dtype``); the front end runs any other as an add and a
+        plain norm (:func:`split_add`).
     memo : dict
         Per-plan values a backend derives once (its flag words, dtype
         objects); not part of the plan's identity.
@@ -313,6 +353,8 @@ class Plan:
     norm_dtype: str
     compute_dtype: str
     out_dtype: str
+    norm_sum: bool = False
+    h_dtype: str = ""
     memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
@@ -358,13 +400,17 @@ def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
     >>> make_plan(22, "float32", Options(partial=15 / 22)).k   # 22 * (15/22) < 15 in floats
     15
     """
-    eps, _, partial, partial_size, offset, eps_mode, casting, out_dtype, _ = opts
+    (eps, _, partial, partial_size, offset, eps_mode, casting, out_dtype, _,
+     norm_input, residual_dtype) = opts
     exact = (eps.__class__ in _EXACT and partial.__class__ in _EXACT
              and (partial_size is None or partial_size.__class__ is int)
              and offset.__class__ in _EXACT and eps_mode.__class__ is str
-             and casting.__class__ is str and (out_dtype is None or out_dtype.__class__ is str))
+             and casting.__class__ is str and (out_dtype is None or out_dtype.__class__ is str)
+             and norm_input.__class__ is str
+             and (residual_dtype is None or residual_dtype.__class__ is str))
     if exact:
-        key = (d, norm_dtype, eps, partial, partial_size, offset, eps_mode, casting, out_dtype)
+        key = (d, norm_dtype, eps, partial, partial_size, offset, eps_mode, casting, out_dtype,
+               norm_input, residual_dtype)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan
@@ -373,11 +419,23 @@ def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
         raise TypeError(f"eps_mode must be one of {EPS_MODES}, got {eps_mode!r}")
     if not isinstance(casting, str):
         raise TypeError(f"casting must be one of {CASTINGS}, got {casting!r}")
+    if not isinstance(norm_input, str):
+        raise TypeError(f"norm_input must be one of {NORM_INPUTS}, got {norm_input!r}")
+    if norm_input not in NORM_INPUTS:
+        raise ValueError(f"norm_input must be one of {NORM_INPUTS}, got {norm_input!r}")
+    if norm_input == "sum" and casting == "llama":
+        raise ValueError(
+            "norm_input='sum' with casting='llama': llama casting rounds the normalized value "
+            "to the input's dtype, and no peer does that to an unrounded sum; use one of them")
+    h_name = parse_dtype("residual_dtype", residual_dtype)
+    if h_name is not None and h_name not in FLOAT_DTYPES:
+        raise TypeError(f"residual_dtype must be one of {FLOAT_DTYPES}, got {residual_dtype!r}")
     plan = _resolve(d, norm_dtype, eps=_check_real("eps", eps),
                     partial=_check_real("partial", partial),
                     partial_size=_check_size(partial_size),
                     offset=_check_real("offset", offset), eps_mode=eps_mode, casting=casting,
-                    out_dtype=out_name)
+                    out_dtype=out_name, norm_sum=norm_input == "sum",
+                    h_dtype=h_name or norm_dtype)
     if exact:
         if len(_PLANS) >= 1024:
             _PLANS.clear()
@@ -424,6 +482,8 @@ def _resolve(
     eps_mode: str,
     casting: str,
     out_dtype: str | None,
+    norm_sum: bool = False,
+    h_dtype: str | None = None,
 ) -> Plan:
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
@@ -472,6 +532,8 @@ def _resolve(
         norm_dtype=norm_dtype,
         compute_dtype=compute_dtype(norm_dtype),
         out_dtype=out_dtype,
+        norm_sum=norm_sum,
+        h_dtype=h_dtype or norm_dtype,
     )
 
 

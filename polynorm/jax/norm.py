@@ -260,7 +260,7 @@ def add_rms_norm(
     Parameters
     ----------
     x, residual : jax.Array
-        Same shape; ``h`` has their promoted dtype.
+        Same shape; ``h`` has their promoted dtype (or ``residual_dtype``).
     weight, bias : jax.Array, optional
     save : {"input", "output"}
         As in :func:`rms_norm`: ``"output"`` keeps ``y`` instead of ``h``.

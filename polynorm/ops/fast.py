@@ -60,6 +60,32 @@ def _plan(d: int, dtype: str, opts: Options) -> Plan | None:
         return None  # the general path raises it, in its own order
 
 
+def _apart(plan: Plan, residual, opts: Options) -> bool:
+    """A call the general path takes: a fused add run apart (``norm_input="sum"``, a
+    ``residual_dtype``), or a ``residual_dtype`` without a residual (its error)."""
+    return opts.residual_dtype is not None or (residual is not None and plan.norm_sum)
+
+
+def _one_pass(mod, plan: Plan, opts: Options):
+    """``forward(x, r, w, b, plan, out)`` of a fused add with a non-default
+    ``norm_input``/``residual_dtype`` in Numba's one pass (``forward_apart``), or
+    None where that takes the general path's add apart."""
+    from polynorm.core.options import compute_dtype, split_dtypes
+
+    sdt, ndt = split_dtypes(plan.norm_dtype, plan.h_dtype, plan.norm_sum)
+    if sdt != compute_dtype(plan.norm_dtype):
+        return None
+    plan_s = _plan(plan.d, ndt, opts._replace(out_dtype=plan.out_dtype, norm_input="h",
+                                             residual_dtype=None))
+    if plan_s is None:
+        return None
+
+    def forward(x, r, w, b, plan, out):
+        return mod.forward_apart(x, r, w, b, plan, plan_s, out)
+
+    return forward
+
+
 def _all_numpy_or_none(a, b, c, e) -> bool:
     # spelled out: a generator over the arguments costs ~0.3 us of a (1, 4096) call
     nd = np.ndarray
@@ -221,6 +247,13 @@ def forward(mod, x, residual, weight, bias, out, return_rstd: bool, opts: Option
     plan = _plan(d, dtype, opts)
     if plan is None:
         return None
+    forward_rows = mod.forward
+    if _apart(plan, residual, opts):
+        if residual is None or plan.llama:
+            return None  # the general path's error, or its add apart
+        forward_rows = _one_pass(mod, plan, opts)
+        if forward_rows is None:
+            return None
     if out is not None and (
         not two_d or out.shape != shape or names.get(out.dtype) != plan.out_dtype
     ):
@@ -233,14 +266,14 @@ def forward(mod, x, residual, weight, bias, out, return_rstd: bool, opts: Option
         return (y, rstd) if return_rstd else y
     if two_d:
         try:
-            y, h, rstd = mod.forward(x, residual, weight, bias, plan, out)
+            y, h, rstd = forward_rows(x, residual, weight, bias, plan, out)
         except Exception as exc:
             if out is None:
                 raise
             raise partly_written(exc) from exc
     else:
         r2 = None if residual is None else residual.reshape(n, d)
-        y, h, rstd = mod.forward(x.reshape(n, d), r2, weight, bias, plan, None)
+        y, h, rstd = forward_rows(x.reshape(n, d), r2, weight, bias, plan, None)
         y = y.reshape(shape)
         h = None if h is None else h.reshape(shape)
         rstd = rstd.reshape(shape[:-1])

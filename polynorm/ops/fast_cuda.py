@@ -17,6 +17,7 @@ from typing import Any
 
 from polynorm import backends as _backends
 from polynorm.core.options import Options, promote
+from polynorm.ops import fast as _fast
 from polynorm.ops.fast import _plan
 
 __all__ = ["forward", "backward"]
@@ -97,6 +98,8 @@ def forward(x, residual, weight, bias, out, return_rstd: bool, opts: Options, fu
     plan = _plan(d, dtype, opts)
     x2, r2 = _rows(x, n, d), _rows(residual, n, d)
     if plan is None or x2 is None or (residual is not None and r2 is None):
+        return None
+    if _fast._apart(plan, residual, opts):
         return None
     y, h, rstd = st[3].forward(x2, r2, weight, bias, plan)
     shape = x.shape

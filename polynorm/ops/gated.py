@@ -193,6 +193,7 @@ def gated_forward(x, z, weight, bias, opts: Options, *, group_size, norm_before_
     lay, gplan, mod, weight, bias = _prepare(x, z, weight, bias, {"out": out}, opts,
                                              group_size, norm_before_gate)
     plan = gplan.plan
+    _api.no_residual(opts)  # the gated norm has no residual for residual_dtype
     _api._check_out(out, x, plan.out_dtype)
     if out is not None:
         ov = host_view(out)

@@ -23,9 +23,11 @@ from polynorm.core.options import (
     NormOptions,
     Options,
     Plan,
+    compute_dtype,
     make_plan,
     pack_options,
     promote,
+    split_dtypes,
     takes_options,
 )
 from polynorm.ops import fast as _fast
@@ -518,10 +520,21 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     call = _prepare(x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out},
                     opts=opts)
     lay, plan = call.lay, call.plan
+    if residual is None:
+        no_residual(opts)
     _check_out(out, x, plan.out_dtype, (x, residual, weight, bias))
     out2 = _view_rows(lay, out) if out is not None else None
     if lay.n == 0:
         y2, h2, rstd = _empty_forward(lay, x, residual, plan)
+    elif residual is not None and split_add(plan):
+        with _no_autograd(x):
+            try:
+                y2, h2, rstd = _forward_apart(call.backend, lay, x, residual, weight, bias,
+                                              plan, opts, out2)
+            except Exception as exc:
+                if out2 is None:
+                    raise
+                raise partly_written(exc) from exc
     else:
         try:
             with _no_autograd(x):
@@ -547,6 +560,76 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     return result[0] if len(result) == 1 else tuple(result)
 
 
+def no_residual(opts: Options) -> None:
+    """A ``residual_dtype`` without a residual is an error: there is no ``h`` to give
+    it, and ignoring it would hide a caller's mistake (QuACK returns ``x`` cast to it;
+    polynorm has no such output).  ``norm_input`` needs no check: without a
+    residual the sum is ``x`` itself and both conventions give the same bits."""
+    if opts.residual_dtype is not None:
+        raise ValueError(
+            f"residual_dtype={opts.residual_dtype!r} is the dtype of h = x + residual, and "
+            "this call has no residual: pass residual=, or leave residual_dtype=None")
+
+
+def split_add(plan: Plan) -> bool:
+    """Whether a fused add with ``plan`` runs apart (:func:`add_apart`): the backends'
+    fused kernels take only the defaults ``norm_input="h"`` and ``h`` in the promoted
+    dtype."""
+    return plan.norm_sum or plan.h_dtype != plan.norm_dtype
+
+
+def _split_dtypes(plan: Plan) -> tuple[str, str]:
+    """``(dtype of the sum, dtype of the normalized value)`` of :func:`add_apart`."""
+    return split_dtypes(plan.norm_dtype, plan.h_dtype, plan.norm_sum)
+
+
+def add_apart(xp, x2, r2, plan: Plan, opts: Options, backend: Any = None):
+    """The fused add of a non-default ``norm_input``/``residual_dtype``, as an add in
+    the array library and a plain norm: ``(s, h, plan_s)``.
+
+    ``x + residual`` is summed in the compute dtype of ``h``'s and the inputs' dtypes
+    (exact for the 16-bit dtypes in float32), ``h`` is that sum rounded once to
+    ``plan.h_dtype``, and ``s`` -- what the plain forward normalizes with
+    ``plan_s`` -- is the unrounded sum (``norm_input="sum"``) or ``h``.  A
+    ``backend`` with an ``add_apart(x, residual, sum dtype, h dtype)`` (Numba)
+    does the add in one pass; otherwise the array library does it.  ``y``
+    keeps ``plan.out_dtype``.  The bits are those of the one-pass formula: the
+    plain kernels normalize ``s`` as the fused ones normalize ``h``.
+    """
+    sdt, ndt = _split_dtypes(plan)
+    add = getattr(backend, "add_apart", None)
+    if add is not None:  # one pass (Numba)
+        total, h2 = add(x2, r2, sdt, plan.h_dtype)
+    else:
+        sd = namespace_dtype(xp, sdt, x2)
+        total = xp.astype(x2, sd) + xp.astype(r2, sd)
+        h2 = xp.astype(total, namespace_dtype(xp, plan.h_dtype, x2))
+    plan_s = make_plan(plan.d, ndt, _plain_opts(plan, opts))
+    return (total if plan.norm_sum else h2), h2, plan_s
+
+
+def _forward_apart(backend, lay: _Layout, x, residual, weight, bias, plan: Plan, opts: Options,
+                   out2):
+    """``(y, h, rstd)`` of a fused add that the backend's fused kernel does not take
+    (:func:`split_add`): the backend's own one-pass ``forward_apart`` (Numba) where it
+    has one, else the add apart (:func:`add_apart`) and its plain forward."""
+    x2, r2, w1, b1 = lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias)
+    plan_s = make_plan(plan.d, _split_dtypes(plan)[1], _plain_opts(plan, opts))
+    one_pass = getattr(backend, "forward_apart", None)
+    if one_pass is not None:
+        r = one_pass(x2, r2, w1, b1, plan, plan_s, out2)
+        if r is not None:
+            return r
+    s2, h2, plan_s = add_apart(lay.xp, x2, r2, plan, opts, backend)
+    y2, _, rstd = backend.forward(s2, None, w1, b1, plan_s, out2)
+    return y2, h2, rstd
+
+
+def _plain_opts(plan: Plan, opts: Options) -> Options:
+    """The options of the plain forward of a fused add run apart."""
+    return opts._replace(out_dtype=plan.out_dtype, norm_input="h", residual_dtype=None)
+
+
 def _no_autograd(x):
     """torch records no history for the functional API (polynorm.torch is for training)."""
     if aac.is_torch_array(x):
@@ -563,9 +646,12 @@ def _empty_forward(lay: _Layout, x, residual, plan: Plan):
     dev = result_device(x)
     y = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.out_dtype, x), device=dev)
     h = None
+    cdt = plan.compute_dtype
     if residual is not None:
-        h = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.norm_dtype, x), device=dev)
-    rstd = xp.empty((0,), dtype=namespace_dtype(xp, plan.compute_dtype, x), device=dev)
+        h = xp.empty((0, lay.d), dtype=namespace_dtype(xp, plan.h_dtype, x), device=dev)
+        if split_add(plan):
+            cdt = compute_dtype(_split_dtypes(plan)[1])
+    rstd = xp.empty((0,), dtype=namespace_dtype(xp, cdt, x), device=dev)
     return y, h, rstd
 
 
@@ -655,8 +741,12 @@ def add_rms_norm(
     """Fused residual add and RMSNorm: ``h = x + residual``, ``y = rms_norm(h)``.
 
     ``h`` has the promoted dtype of ``x`` and ``residual`` (bfloat16 + float32
-    gives a float32 residual stream) and ``y`` is exactly ``rms_norm(h, ...)``
-    for the ``h`` returned.
+    gives a float32 residual stream), or ``residual_dtype``, and ``y`` is
+    exactly ``rms_norm(h, ...)`` for the ``h`` returned (``norm_input="h"``,
+    Hugging Face's and Liger's bits), or the norm of the unrounded sum
+    (``norm_input="sum"``: vLLM's, FlashInfer's and QuACK's).  The backward
+    (:func:`rms_norm_backward` with ``x=h``) takes the ``h`` and ``rstd``
+    returned; with ``"sum"`` that ``rstd`` is the sum's.
 
     Parameters
     ----------
@@ -677,7 +767,8 @@ def add_rms_norm(
     Returns
     -------
     (y, h) or (y, h, rstd)
-        ``h = x + residual`` rounded to its dtype, ``y = rms_norm(h)``.
+        ``h = x + residual`` rounded to its dtype, ``y = rms_norm(h)`` (or of the
+        sum, ``norm_input="sum"``).
 
     Examples
     --------
@@ -689,6 +780,13 @@ def add_rms_norm(
     array([[3., 4.]], dtype=float32)
     >>> y
     array([[0.84852815, 1.1313709 ]], dtype=float32)
+
+    A float32 residual stream from float16 inputs (QuACK's ``residual_dtype``):
+
+    >>> h = pn.add_rms_norm(x.astype(np.float16), np.full((1, 2), 2**-12, np.float16),
+    ...                     residual_dtype="float32")[1]
+    >>> h
+    array([[1.0002441, 2.0002441]], dtype=float32)
     """
     if residual is None:
         raise TypeError("residual must be an array, got None")

@@ -84,7 +84,7 @@ def _fast(x, weight, bias, residual, qdtype, scale, group_size, scale_mode, opts
             return None
         norm = promote(xname, rname)
     plan = _fastpath._plan(d, norm, opts)
-    if plan is None:
+    if plan is None or _fastpath._apart(plan, residual, opts):
         return None
     try:
         qplan = make_quant_plan(plan, qdtype=qdtype, scale=scale, scale_is_array=False,
@@ -181,9 +181,10 @@ def rms_norm_quant(
     weight, bias : array, optional
         As in :func:`polynorm.rms_norm`.
     residual : array, optional
-        Fused add first: ``h = x + residual`` (promoted dtype, as
-        :func:`polynorm.add_rms_norm` returns it, bit for bit) is normalized
-        and also returned, at full precision.
+        Fused add first: ``h = x + residual`` (promoted dtype, or
+        ``residual_dtype``, as :func:`polynorm.add_rms_norm` returns it, bit for
+        bit) is normalized (or the unrounded sum, ``norm_input="sum"``) and also
+        returned, at full precision.
     dtype : {"float8_e4m3fn", "float8_e5m2", "int8"} or a dtype object
         The format of ``q``.
     scale : float or array, optional
@@ -259,6 +260,20 @@ def rms_norm_quant(
         raise TypeError(f"dtype={qdtype!r} is not available for {type(x).__module__} arrays") \
             from None
     mod = _quant_backend(opts.backend, x)
+    if residual is None:
+        _api.no_residual(opts)
+    elif _api.split_add(call.plan):
+        # norm_input="sum" or a residual_dtype: the add apart, then the plain quantized norm
+        with _api._no_autograd(x):
+            s2, h2, plan_s = _api.add_apart(xp, lay.rows(x), lay.rows(residual), call.plan, opts,
+                                            mod)
+            qplan_s = make_quant_plan(plan_s, qdtype=qdtype, scale=scale_num,
+                                      scale_is_array=scale_arr is not None, group_size=group_size)
+            if lay.n == 0:
+                from polynorm.backends import reference as mod
+            q2, s2, _ = mod.quant_forward(s2, None, lay.flat(weight), lay.flat(bias), qplan_s,
+                                          scale_arr)
+        return _quant_result(lay, xp, q2, s2, h2, qplan, group_size)
     if lay.n == 0:
         from polynorm.backends import reference
 
@@ -270,6 +285,11 @@ def rms_norm_quant(
         with _api._no_autograd(x):
             q2, s2, h2 = mod.quant_forward(lay.rows(x), lay.rows(residual), lay.flat(weight),
                                            lay.flat(bias), qplan, scale_arr)
+    return _quant_result(lay, xp, q2, s2, None if residual is None else h2, qplan, group_size)
+
+
+def _quant_result(lay, xp, q2, s2, h2, qplan, group_size) -> tuple:
+    """``(q, scales)`` or ``(q, scales, h)`` in the caller's shapes from the rows."""
     q = lay.unrows(q2)
     if qplan.static:
         scales = xp.reshape(s2, ())
@@ -277,6 +297,6 @@ def rms_norm_quant(
         scales = lay.unbatch(s2)
     else:
         scales = lay.unbatch(s2, (qplan.groups,))
-    if residual is None:
+    if h2 is None:
         return q, scales
     return q, scales, lay.unrows(h2)

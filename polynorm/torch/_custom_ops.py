@@ -48,7 +48,8 @@ def _op_args(opts: Options) -> Options:
 
     axis = opts.axis
     return opts._replace(axis=list(axis) if isinstance(axis, (tuple, list)) else [axis],
-                         out_dtype=parse_dtype("out_dtype", opts.out_dtype))
+                         out_dtype=parse_dtype("out_dtype", opts.out_dtype),
+                         residual_dtype=parse_dtype("residual_dtype", opts.residual_dtype))
 
 
 def _from_op(args) -> Options:
@@ -75,6 +76,22 @@ def _fake_checks(x, dtype: torch.dtype, args):
     batch = [s for i, s in enumerate(x.shape) if i not in axes]
     y_dtype = dtype if opts.out_dtype is None else _TORCH_DTYPES[opts.out_dtype]
     return y_dtype, rstd_dtype, batch
+
+
+def _fake_add(x, residual, args):
+    """The fused add's checks at trace time: ``(y, h, rstd dtypes, rstd shape)``, ``h`` in
+    ``residual_dtype`` (default the promoted dtype) and ``rstd`` as :func:`split_dtypes`."""
+    from polynorm.core.dtypes import parse_dtype
+    from polynorm.core.options import compute_dtype, promote, split_dtypes
+
+    hn = promote(_DTYPE_NAMES.get(x.dtype, str(x.dtype)),
+                 _DTYPE_NAMES.get(residual.dtype, str(residual.dtype)))
+    y_dtype, r_dtype, batch = _fake_checks(x, _TORCH_DTYPES[hn], args)
+    opts = Options(*args)
+    h_name = parse_dtype("residual_dtype", opts.residual_dtype) or hn
+    if h_name != hn or opts.norm_input == "sum":
+        r_dtype = _TORCH_DTYPES[compute_dtype(split_dtypes(hn, h_name, opts.norm_input == "sum")[1])]
+    return y_dtype, _TORCH_DTYPES[h_name], r_dtype, batch
 
 
 _NO_FORWARD_AD = (

@@ -24,10 +24,9 @@ from polynorm.core.options import (
 from polynorm.ops import lean as _lean
 from polynorm.ops import norm as _api
 from polynorm.torch._custom_ops import (
-    _DTYPE_NAMES,
     _NOPTS,
     _OPTS,
-    _TORCH_DTYPES,
+    _fake_add,
     _fake_checks,
     _from_op,
     _front,
@@ -176,12 +175,7 @@ def _add_rms_norm_op(x, residual, weight, bias, *args):
 
 @_add_rms_norm_op.register_fake
 def _(x, residual, weight, bias, *args):
-    from polynorm.core.options import promote
-
-    hn = promote(_DTYPE_NAMES.get(x.dtype, str(x.dtype)),
-                 _DTYPE_NAMES.get(residual.dtype, str(residual.dtype)))
-    h_dtype = _TORCH_DTYPES[hn]
-    y_dtype, r_dtype, batch = _fake_checks(x, h_dtype, args[:_NOPTS])
+    y_dtype, h_dtype, r_dtype, batch = _fake_add(x, residual, args[:_NOPTS])
     return (x.new_empty(x.shape, dtype=y_dtype), x.new_empty(x.shape, dtype=h_dtype),
             x.new_empty(batch, dtype=r_dtype))
 
@@ -457,7 +451,7 @@ def add_rms_norm(
     Parameters
     ----------
     x, residual : torch.Tensor
-        Same shape; ``h`` has their promoted dtype.
+        Same shape; ``h`` has their promoted dtype (or ``residual_dtype``).
     weight, bias : torch.Tensor, optional
     save : {"input", "output"}
         As in :func:`rms_norm`: ``"output"`` keeps ``y`` instead of ``h``.
@@ -574,6 +568,7 @@ class RMSNorm(torch.nn.Module):
         # fail at construction, not at the first forward, for a bad option
         opts = pack_options("RMSNorm", options, eps=1e-6 if eps is None else eps, axis=-1)
         make_plan(math.prod(self.normalized_shape), "float32", opts)
+        _api.no_residual(opts)  # this module has no residual for residual_dtype to apply to
         self.options = dict(options)
         self.save = _lean.check_save(save)
         self.in_place = _check_in_place(in_place)

@@ -71,7 +71,6 @@ def _quant_op(x, weight, bias, residual, scale, scale_value, dtype, group_size, 
 
 @_quant_op.register_fake
 def _(x, weight, bias, residual, scale, scale_value, dtype, group_size, scale_mode, *opts):
-    from polynorm.core.options import promote
     from polynorm.ops.norm import _normalize_axis
 
     _, _, batch = _fake_checks(x, x.dtype, opts)
@@ -85,10 +84,9 @@ def _(x, weight, bias, residual, scale, scale_value, dtype, group_size, scale_mo
     if residual is None:
         h = x.new_empty(0)
     else:
-        from polynorm.torch._custom_ops import _DTYPE_NAMES, _TORCH_DTYPES
+        from polynorm.torch._custom_ops import _fake_add
 
-        hdt = _TORCH_DTYPES[promote(_DTYPE_NAMES[x.dtype], _DTYPE_NAMES[residual.dtype])]
-        h = x.new_empty(x.shape, dtype=hdt)
+        h = x.new_empty(x.shape, dtype=_fake_add(x, residual, opts)[1])
     return (x.new_empty(x.shape, dtype=dtype), x.new_empty(s_shape, dtype=torch.float32), h)
 
 

@@ -395,6 +395,62 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
             None if h is None else from_numpy(h, caller), from_numpy(rstd, caller))
 
 
+def forward_apart(x, residual, weight, bias, plan: Plan, plan_s: Plan, out=None):
+    """A fused add with a non-default ``norm_input``/``residual_dtype`` in one pass,
+    or None where it takes the front end's add apart (:func:`add_apart`).
+
+    ``plan_s`` is the plain forward's plan of :func:`polynorm.ops.norm.add_apart`
+    (its ``norm_dtype`` the normalized value's).  ``norm_input="h"``: the fused
+    kernel with ``h`` in ``plan.h_dtype`` where it sums in the same type as the
+    add apart (not a float64 ``h`` from narrower inputs).  ``"sum"``: the rows
+    summed into a compute-type scratch row, ``h`` rounded from it, y its plain
+    forward.  The bits of the two passes either way.
+    """
+    from polynorm.core.options import compute_dtype, split_dtypes
+
+    sdt, ndt = split_dtypes(plan.norm_dtype, plan.h_dtype, plan.norm_sum)
+    if sdt != compute_dtype(plan.norm_dtype) or plan_s.llama:
+        return None
+    if not plan.norm_sum:
+        return forward(x, residual, weight, bias, plan_s, out)
+    kernels = _kernels or _k()
+    caller = x
+    to_numpy = _interop.to_numpy
+    xn, rn = to_numpy(x), to_numpy(residual)
+    n, d = xn.shape
+    flags, y_dt, _, cdt = _info(plan_s)
+    empty = _empty_for(caller)
+    y = empty((n, d), y_dt) if out is None else to_numpy(out)
+    rstd = empty(n, cdt)
+    h = empty((n, d), numpy_dtype(plan.h_dtype))
+    w, b, offset = _affine(weight, bias, cdt, d, plan_s.offset)
+    stage = np.empty((1, d), cdt)
+    args = (_kview(xn), _kview(rn), w, b, _kview(y), _kview(h), rstd, flags, plan_s.k,
+            plan_s.eps, offset, stage)
+    _run_rows(kernels.forward_add_sum_parallel, kernels.forward_add_sum_rows, n, d, args)
+    from_numpy = _interop.from_numpy
+    return (out if out is not None else from_numpy(y, caller), from_numpy(h, caller),
+            from_numpy(rstd, caller))
+
+
+def add_apart(x, residual, sum_dtype: str, h_dtype: str):
+    """The add of a fused add run apart (:func:`polynorm.ops.norm.add_apart`):
+    ``(s, h)``, ``s = x + residual`` in ``sum_dtype`` (a compute dtype) and ``h``
+    that sum rounded once to ``h_dtype``; one pass, in the caller's array type."""
+    kernels = _kernels or _k()
+    caller = x
+    to_numpy = _interop.to_numpy
+    xn, rn = to_numpy(x), to_numpy(residual)
+    n, d = xn.shape
+    empty = _empty_for(caller)
+    s = empty((n, d), numpy_dtype(sum_dtype))
+    h = empty((n, d), numpy_dtype(h_dtype))
+    _run_rows(kernels.add_split_parallel, kernels.add_split_rows, n, d,
+              (_kview(xn), _kview(rn), s, _kview(h)))
+    from_numpy = _interop.from_numpy
+    return from_numpy(s, caller), from_numpy(h, caller)
+
+
 def forward_small(x: np.ndarray, weight, bias, plan: Plan):
     """:func:`forward` of a small plain numpy ``(n, d)`` array (serial size, no
     residual, no ``out``, not llama) into new arrays: ``(y, rstd)``.

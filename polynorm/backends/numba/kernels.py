@@ -951,3 +951,52 @@ def widen_bits(a, out):
     casts take several times as long as a (1, 4096) forward."""
     for j in range(a.shape[0]):
         out[j] = load(a[j])
+
+
+# A fused add with a non-default norm_input or residual_dtype (polynorm.ops.norm.add_apart):
+# the sum kept in the compute type for the plain forward, h rounded once from it.
+
+
+@_jit()
+def add_split_rows(lo, hi, x, r, s, h):
+    """Rows ``[lo, hi)``: ``s = x + r`` summed in ``s``'s type (the compute type),
+    ``h = s`` rounded once to ``h``'s type."""
+    for i in range(lo, hi):
+        for j in range(x.shape[1]):
+            s[i, j] = load(x[i, j])
+            s[i, j] = s[i, j] + load(r[i, j])  # in s's type: float64 where s is float64
+            store(h, (i, j), s[i, j])
+
+
+@_jit(parallel=True)
+def add_split_parallel(x, r, s, h):
+    n = x.shape[0]
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
+        add_split_rows(lo, hi, x, r, s, h)
+
+
+@_jit()
+def forward_add_sum_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
+    """Rows ``[lo, hi)`` of the fused add with ``norm_input="sum"``: per row the sum
+    ``x + r`` in ``stage``'s type (a ``(1, d)`` row of the compute type), ``h`` that
+    sum rounded once, and y the plain forward of the unrounded sum (the bits of
+    :func:`forward_rows` on it)."""
+    d = x.shape[1]
+    for i in range(lo, hi):
+        for j in range(d):
+            stage[0, j] = load(x[i, j])
+            stage[0, j] = stage[0, j] + load(r[i, j])  # in stage's type
+            store(h, (i, j), stage[0, j])
+        ss = _row_sumsq(stage, 0, k)
+        _fwd_norm_row(0, 1, stage, w, b, y[i:i + 1], rstd[i:i + 1], flags, k, eps, offset, ss,
+                      _NO_BLOCKS)
+
+
+@_jit(parallel=True)
+def forward_add_sum_parallel(x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
+    n = x.shape[0]
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
+        own = np.empty_like(stage)  # one row of scratch per task
+        forward_add_sum_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, own)
