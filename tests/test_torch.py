@@ -83,6 +83,7 @@ def test_auto_dispatch_reaches_the_kernel_without_copies(dtype, shape, monkeypat
     assert mod.name == BEST
     seen = {}
     forward, forward_small, backward = mod.forward, mod.forward_small, mod.backward
+    forward_decode, backward_decode = mod.forward_decode, mod.backward_decode
 
     def spy_forward(*args):
         res = forward(*args)
@@ -94,6 +95,11 @@ def test_auto_dispatch_reaches_the_kernel_without_copies(dtype, shape, monkeypat
         seen["x"], seen["y"] = _ptr(args[0]), _ptr(res[0])
         return res
 
+    def spy_forward_decode(entry, *args):  # a serial-size call's cached signature
+        res = forward_decode(entry, *args)
+        seen["x"], seen["y"] = _ptr(args[0]), _ptr(res[0])
+        return res
+
     def spy_backward(*args):
         res = backward(*args)
         seen["dy"], seen["dx"] = _ptr(args[0]), _ptr(res[0])
@@ -101,6 +107,14 @@ def test_auto_dispatch_reaches_the_kernel_without_copies(dtype, shape, monkeypat
 
     monkeypatch.setattr(mod, "forward", spy_forward)
     monkeypatch.setattr(mod, "forward_small", spy_forward_small)
+    monkeypatch.setattr(mod, "forward_decode", spy_forward_decode)
+
+    def spy_backward_decode(entry, *args):
+        res = backward_decode(entry, *args)
+        seen["dy"], seen["dx"] = _ptr(args[0]), _ptr(res[0])
+        return res
+
+    monkeypatch.setattr(mod, "backward_decode", spy_backward_decode)
     monkeypatch.setattr(mod, "backward", spy_backward)
     y, rstd = pn.rms_norm(x, w, return_rstd=True)
     assert seen["x"] == x.data_ptr() and seen["y"] == y.data_ptr()
