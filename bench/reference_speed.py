@@ -17,13 +17,17 @@ import importlib
 import json
 import platform
 import subprocess
+import sys
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import torch
 
-import polynorm as pn
+# this checkout's polynorm, not the one the environment has installed (editable elsewhere)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import polynorm as pn  # noqa: E402
 
 ref = importlib.import_module("polynorm.backends.reference")
 
@@ -45,7 +49,9 @@ def _naive_torch(x, w):
 def _old_functions(rev: str) -> dict:
     src = subprocess.run(
         ["git", "show", f"{rev}:polynorm/backends/reference.py"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     mod = types.ModuleType("reference_before")
     exec(compile(src, "reference_before", "exec"), mod.__dict__)
@@ -95,7 +101,11 @@ def main() -> None:
                 if lib == "numpy":
                     x, naive = x.astype(dt), _naive_np
                 else:
-                    x, w, naive = torch.from_numpy(x).to(getattr(torch, dt)), torch.from_numpy(w), _naive_torch
+                    x, w, naive = (
+                        torch.from_numpy(x).to(getattr(torch, dt)),
+                        torch.from_numpy(w),
+                        _naive_torch,
+                    )
                 fns = {
                     "polynorm": lambda x=x, w=w: pn.rms_norm(x, w, eps=EPS, backend="array_api"),
                     "naive": lambda x=x, w=w, f=naive: f(x, w),
@@ -121,7 +131,9 @@ def main() -> None:
     doc = {
         "what": "array-API reference (backend='array_api') vs the naive formula in the same library, "
         "rms_norm forward with float32 weight, eps=1e-6; medians over interleaved rounds of the best of reps",
-        "command": "python bench/reference_speed.py" + (f" --before {a.before}" if a.before else ""),
+        "command": "python bench/reference_speed.py --rounds "
+        + str(a.rounds)
+        + (f" --before {a.before}" if a.before else ""),
         "machine": platform.machine() + " " + platform.processor(),
         "torch_threads": torch.get_num_threads(),
         "results": res,

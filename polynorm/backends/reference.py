@@ -117,7 +117,7 @@ def _rstd_from_rms(xp, rms, plan: Plan):
 def rstd(x2, plan: Plan):
     """Per-row ``rstd`` of 2-D ``x2`` in the compute dtype."""
     xp = _xp(x2)
-    v = xp.astype(x2, namespace_dtype(xp, plan.compute_dtype, x2))
+    v = xp.astype(x2, namespace_dtype(xp, plan.compute_dtype, x2), copy=False)
     with _quiet():
         return _rstd_from_rms(xp, _rms(xp, v, plan), plan)
 
@@ -174,19 +174,23 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
 
 
 def _forward(x, residual, weight, bias, plan: Plan):
+    # astype(copy=False) throughout: a same-dtype cast is the array itself (nothing here
+    # writes into an array), not a copy, a full pass saved per cast
     xp = _xp(x)
     cdt = namespace_dtype(xp, plan.compute_dtype, x)
     h = None
     if residual is not None:
         h = xp.astype(
-            xp.astype(x, cdt) + xp.astype(residual, cdt), namespace_dtype(xp, plan.norm_dtype, x)
+            xp.astype(x, cdt, copy=False) + xp.astype(residual, cdt, copy=False),
+            namespace_dtype(xp, plan.norm_dtype, x),
+            copy=False,
         )
         x = h
-    v = xp.astype(x, cdt)
+    v = xp.astype(x, cdt, copy=False)
     r = _rstd_from_rms(xp, _rms(xp, v, plan), plan)
     xhat = v * r[:, None]
     y = _affine(xp, xhat, x, weight, bias, plan, cdt)
-    y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x))
+    y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x), copy=False)
     return y, h, r
 
 
@@ -214,8 +218,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
 def _backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     xp = _xp(x)
     cdt = namespace_dtype(xp, plan.compute_dtype, x)
-    v = xp.astype(x, cdt)
-    g_dy = xp.astype(dy, cdt)
+    v = xp.astype(x, cdt, copy=False)
+    g_dy = xp.astype(dy, cdt, copy=False)
     dyc = g_dy
     need_rms = rstd is None or not plan.eps_inside
     rms = _rms(xp, v, plan) if need_rms else None
@@ -242,7 +246,7 @@ def _backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         dx = xp.concat([head, tail], axis=1)
     if grad_residual is not None:
         dx = dx + xp.astype(grad_residual, cdt)
-    dx = xp.astype(dx, x.dtype)
+    dx = xp.astype(dx, x.dtype, copy=False)
     dweight = None if weight is None else xp.astype(xp.sum(dyc * xhat, axis=0), weight.dtype)
     dbias = None if bias is None else xp.astype(xp.sum(dyc, axis=0), bias.dtype)
     return dx, dweight, dbias
@@ -293,7 +297,7 @@ def _gated_forward(x, z, weight, bias, gplan):
     n, d = x.shape
     cdt = namespace_dtype(xp, plan.compute_dtype, x)
     s, _ = _silu(xp, xp.astype(z, cdt))
-    v = xp.astype(x, cdt)
+    v = xp.astype(x, cdt, copy=False)
     if not gplan.norm_before_gate:
         v = v * s
     r, _ = _gated_rstd(xp, v, gplan)
@@ -301,7 +305,7 @@ def _gated_forward(x, z, weight, bias, gplan):
     y = _affine(xp, xhat, x, weight, bias, plan, cdt)
     if gplan.norm_before_gate:
         y = y * s
-    y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x))
+    y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x), copy=False)
     return y, xp.reshape(r, (n, gplan.groups))
 
 
@@ -321,8 +325,8 @@ def _gated_backward(dy, x, z, weight, bias, rstd, gplan):
     cdt = namespace_dtype(xp, plan.compute_dtype, x)
     zc = xp.astype(z, cdt)
     s, ds = _silu(xp, zc)
-    xc = xp.astype(x, cdt)
-    dyc = xp.astype(dy, cdt)
+    xc = xp.astype(x, cdt, copy=False)
+    dyc = xp.astype(dy, cdt, copy=False)
     v = xc if gplan.norm_before_gate else xc * s
     gp = _group_plan(gplan)
     vg = _by_group(xp, v, gplan)
@@ -359,7 +363,7 @@ def _gated_backward(dy, x, z, weight, bias, rstd, gplan):
         dz = dv * xc * ds
     dweight = None if weight is None else xp.astype(xp.sum(dn * xhat, axis=0), weight.dtype)
     dbias = None if bias is None else xp.astype(xp.sum(dn, axis=0), bias.dtype)
-    return xp.astype(dx, x.dtype), xp.astype(dz, z.dtype), dweight, dbias
+    return xp.astype(dx, x.dtype, copy=False), xp.astype(dz, z.dtype, copy=False), dweight, dbias
 
 
 # --------------------------------------------------------------------------- quantized output
