@@ -89,7 +89,9 @@ def main() -> None:
     ap.add_argument("--before", default=None)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--torch-threads", type=int, default=1, help="1: steadier on a shared host")
     a = ap.parse_args()
+    torch.set_num_threads(a.torch_threads)
     old = _old_functions(a.before) if a.before else None
     rng = np.random.default_rng(0)
     cases = []
