@@ -351,3 +351,24 @@ def test_torch_dataloader_workers_can_call_after_a_parallel_call():
     batches = list(loader)
     assert len(batches) == 2
     assert all(torch.allclose(b, torch.ones_like(b)) for b in batches)
+
+
+def test_reference_mixed_batch_scales_only_the_rows_that_need_it():
+    # the reference keeps the plain sum of squares per row and scales the rows where it
+    # overflows, underflows or is non-finite: in one batch each row gets its own answer,
+    # the float64 one, and the bits it gets alone
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    x[1] *= np.float32(1e25)  # squares overflow float32
+    x[2] *= np.float32(1e-30)  # squares underflow
+    x[3, 7] = np.inf
+    x[4] = 0
+    y, r = pn.rms_norm(x, eps=1e-6, backend="array_api", return_rstd=True)
+    x64 = x.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        r64 = 1 / np.sqrt(np.mean(x64 * x64, axis=1) + 1e-6)
+    np.testing.assert_allclose(r, r64, rtol=1e-6)
+    for i in range(5):
+        yi, ri = pn.rms_norm(x[i : i + 1], eps=1e-6, backend="array_api", return_rstd=True)
+        assert np.array_equal(yi[0], y[i], equal_nan=True)
+        assert ri[0].tobytes() == r[i].tobytes()

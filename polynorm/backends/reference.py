@@ -5,11 +5,12 @@ torch, jax, dask, cupy, array-api-strict, ...), with standard operations
 only.  It is the fallback of ``backend="auto"`` and the backend every other
 one is checked against.
 
-Overflow: the sum of squares is scaled by the row's largest magnitude, so
-``x = 1e25`` in float32 (whose square overflows) and subnormal rows give the
-float64 answer; ``eps`` is combined with the rms by a hypot-style formula for
-the same reason.  This costs one extra pass, which the compiled backends
-avoid by accumulating in float64.
+Overflow: the plain sum of squares serves the rows where it is a normal
+number well above underflow; the other rows (``x = 1e25`` in float32, whose
+square overflows, subnormal rows, Inf, NaN) take the sum scaled by the row's
+largest magnitude, so they give the float64 answer; ``eps`` is combined with
+the rms by a hypot-style formula for the same reason.  The scaled pass runs
+only when some row needs it (eager libraries), see ``_rms``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,15 @@ def _c_rows(a):
 
 
 def _rms(xp, v, plan: Plan):
-    """``sqrt(mean(v[:, :k]**2))`` per row, scaled so that nothing overflows.
+    """``sqrt(mean(v[:, :k]**2))`` per row, without spurious overflow or underflow.
+
+    One pass where it can: the plain sum of squares, kept for the rows where it
+    is a normal number at least ``k * tiny / eps`` (there the squares that
+    underflowed are worth under ``eps**2 / 2`` of it, and nothing overflowed).
+    The other rows (Inf, NaN, overflow, subnormal or zero) take the scaled sum,
+    by the row's largest magnitude.  The choice is per row, from that row's
+    values only (batch invariance).  Eager libraries skip the scaled pass when
+    no row needs it; lazy ones (jax tracers, dask) compute both and select.
 
     The one place of the non-finite rule (SPEC's formula, as torch): an Inf
     among the first ``k`` elements makes the mean of squares Inf, so the rms is
@@ -65,6 +74,24 @@ def _rms(xp, v, plan: Plan):
     row without one).
     """
     vk = _c_rows(v if plan.k == plan.d else v[:, : plan.k])
+    if plan.k == 0:
+        return _rms_scaled(xp, vk, plan)
+    ss = xp.sum(vk * vk, axis=1)
+    fi = xp.finfo(vk.dtype)
+    ok = (ss >= plan.k * (float(fi.smallest_normal) / float(fi.eps))) & (ss <= float(fi.max))
+    rms = xp.sqrt(ss / plan.k)
+    if _eager(vk) and bool(xp.all(ok)):
+        return rms
+    return xp.where(ok, rms, _rms_scaled(xp, vk, plan))
+
+
+def _eager(a) -> bool:
+    """Whether ``bool()`` of an array of this library is cheap and allowed (not a tracer, not lazy)."""
+    return type(a).__module__.split(".")[0] in ("numpy", "torch", "cupy", "array_api_strict")
+
+
+def _rms_scaled(xp, vk, plan: Plan):
+    """The rms of each row of ``vk`` from its squares scaled by the row's largest magnitude."""
     m = xp.max(xp.abs(vk), axis=1) if plan.k > 0 else None
     m_safe = xp.where(m == 0, xp.ones_like(m), m)
     scaled = vk / m_safe[:, None]
@@ -90,16 +117,18 @@ def _rstd_from_rms(xp, rms, plan: Plan):
 def rstd(x2, plan: Plan):
     """Per-row ``rstd`` of 2-D ``x2`` in the compute dtype."""
     xp = _xp(x2)
-    v = xp.astype(x2, namespace_dtype(xp, plan.compute_dtype, x2))
-    return _rstd_from_rms(xp, _rms(xp, v, plan), plan)
+    v = xp.astype(x2, namespace_dtype(xp, plan.compute_dtype, x2), copy=False)
+    with _quiet():
+        return _rstd_from_rms(xp, _rms(xp, v, plan), plan)
 
 
 def _quiet():
-    """numpy's divide/invalid warnings off: rstd = 1/0 = inf for an all-zero
-    token with eps=0 is a documented result (NaN output), as in torch."""
+    """numpy's divide/invalid/overflow warnings off: rstd = 1/0 = inf for an all-zero
+    token with eps=0 is a documented result (NaN output), as in torch; the
+    plain sum of squares overflowing is how ``_rms`` finds the rows to scale."""
     import numpy as np
 
-    return np.errstate(divide="ignore", invalid="ignore")
+    return np.errstate(divide="ignore", invalid="ignore", over="ignore")
 
 
 def _affine(xp, xhat, x, weight, bias, plan: Plan, cdt):
@@ -145,19 +174,23 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
 
 
 def _forward(x, residual, weight, bias, plan: Plan):
+    # astype(copy=False) throughout: a same-dtype cast is the array itself (nothing here
+    # writes into an array), not a copy, a full pass saved per cast
     xp = _xp(x)
     cdt = namespace_dtype(xp, plan.compute_dtype, x)
     h = None
     if residual is not None:
         h = xp.astype(
-            xp.astype(x, cdt) + xp.astype(residual, cdt), namespace_dtype(xp, plan.norm_dtype, x)
+            xp.astype(x, cdt, copy=False) + xp.astype(residual, cdt, copy=False),
+            namespace_dtype(xp, plan.norm_dtype, x),
+            copy=False,
         )
         x = h
-    v = xp.astype(x, cdt)
+    v = xp.astype(x, cdt, copy=False)
     r = _rstd_from_rms(xp, _rms(xp, v, plan), plan)
     xhat = v * r[:, None]
     y = _affine(xp, xhat, x, weight, bias, plan, cdt)
-    y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x))
+    y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x), copy=False)
     return y, h, r
 
 
@@ -185,8 +218,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
 def _backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     xp = _xp(x)
     cdt = namespace_dtype(xp, plan.compute_dtype, x)
-    v = xp.astype(x, cdt)
-    g_dy = xp.astype(dy, cdt)
+    v = xp.astype(x, cdt, copy=False)
+    g_dy = xp.astype(dy, cdt, copy=False)
     dyc = g_dy
     need_rms = rstd is None or not plan.eps_inside
     rms = _rms(xp, v, plan) if need_rms else None
@@ -213,7 +246,7 @@ def _backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         dx = xp.concat([head, tail], axis=1)
     if grad_residual is not None:
         dx = dx + xp.astype(grad_residual, cdt)
-    dx = xp.astype(dx, x.dtype)
+    dx = xp.astype(dx, x.dtype, copy=False)
     dweight = None if weight is None else xp.astype(xp.sum(dyc * xhat, axis=0), weight.dtype)
     dbias = None if bias is None else xp.astype(xp.sum(dyc, axis=0), bias.dtype)
     return dx, dweight, dbias
@@ -264,7 +297,7 @@ def _gated_forward(x, z, weight, bias, gplan):
     n, d = x.shape
     cdt = namespace_dtype(xp, plan.compute_dtype, x)
     s, _ = _silu(xp, xp.astype(z, cdt))
-    v = xp.astype(x, cdt)
+    v = xp.astype(x, cdt, copy=False)
     if not gplan.norm_before_gate:
         v = v * s
     r, _ = _gated_rstd(xp, v, gplan)
@@ -272,7 +305,7 @@ def _gated_forward(x, z, weight, bias, gplan):
     y = _affine(xp, xhat, x, weight, bias, plan, cdt)
     if gplan.norm_before_gate:
         y = y * s
-    y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x))
+    y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x), copy=False)
     return y, xp.reshape(r, (n, gplan.groups))
 
 
@@ -292,8 +325,8 @@ def _gated_backward(dy, x, z, weight, bias, rstd, gplan):
     cdt = namespace_dtype(xp, plan.compute_dtype, x)
     zc = xp.astype(z, cdt)
     s, ds = _silu(xp, zc)
-    xc = xp.astype(x, cdt)
-    dyc = xp.astype(dy, cdt)
+    xc = xp.astype(x, cdt, copy=False)
+    dyc = xp.astype(dy, cdt, copy=False)
     v = xc if gplan.norm_before_gate else xc * s
     gp = _group_plan(gplan)
     vg = _by_group(xp, v, gplan)
@@ -330,7 +363,7 @@ def _gated_backward(dy, x, z, weight, bias, rstd, gplan):
         dz = dv * xc * ds
     dweight = None if weight is None else xp.astype(xp.sum(dn * xhat, axis=0), weight.dtype)
     dbias = None if bias is None else xp.astype(xp.sum(dn, axis=0), bias.dtype)
-    return xp.astype(dx, x.dtype), xp.astype(dz, z.dtype), dweight, dbias
+    return xp.astype(dx, x.dtype, copy=False), xp.astype(dz, z.dtype, copy=False), dweight, dbias
 
 
 # --------------------------------------------------------------------------- quantized output
