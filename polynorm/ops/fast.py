@@ -139,8 +139,12 @@ def _exact(opts: Options) -> bool:
     """Options of exact scalar types (:func:`~polynorm.core.options.make_plan`'s own test):
     only those may be matched by value; ``True == 1`` and ``Decimal(1) == 1`` must
     not find an entry made for ``1``."""
-    # by position: Options grows fields at its end (norm_input, residual_dtype...)
+    # by position: Options grows fields at its end; the decode entries know nothing of
+    # norm_input / residual_dtype (the add apart): only their defaults take them
     eps, _, partial, partial_size, offset, eps_mode, casting, out_dtype = opts[:8]
+    if opts.norm_input.__class__ is not str or opts.norm_input != "h" or (
+            opts.residual_dtype is not None):
+        return False
     return (eps.__class__ in _EXACT and partial.__class__ in _EXACT
             and (partial_size is None or partial_size.__class__ is int)
             and offset.__class__ in _EXACT and eps_mode.__class__ is str
