@@ -30,6 +30,7 @@ from polynorm.core.options import (
     split_dtypes,
     takes_options,
 )
+from polynorm.core.pool import MIN_BYTES
 from polynorm.ops import fast as _fast
 from polynorm.ops import fast_cuda as _fast_cuda
 
@@ -460,8 +461,8 @@ def _native(a: Any) -> Any:
 
 # --------------------------------------------------------------------------- eager jax
 # jax arrays in host memory reach the kernels as numpy views (np.asarray: zero-copy,
-# ~3 us) and only the results cross back, in one jax.device_put (~50-100 us per call
-# on 2 cores, each array apart as much again).  Without this, every jax reshape and
+# ~3 us) and only the results cross back: small ones copied by jnp.asarray (~20 us),
+# large ones (pool memory, 4096-byte aligned) without a copy in one jax.device_put.  Without this, every jax reshape and
 # every result's own device_put of the general path costs ~300 us at (1, 4096).
 
 
@@ -498,12 +499,19 @@ def _jax_host_views(x, residual, weight, bias):
 
 
 def _jax_wrap(r, like):
-    """The fast path's numpy result(s) as jax arrays placed as ``like`` (one device_put)."""
+    """The fast path's numpy result(s) as jax arrays placed as ``like`` (uncommitted on
+    the default device, or committed to ``like``'s device), as jnp places results."""
     import jax
 
-    from polynorm.core.interop import jax_committed as _committed
+    dev = next(iter(like.devices())) if jax_committed(like) else None
+    rs = r if isinstance(r, tuple) else (r,)
+    if dev is None and all(a.nbytes < MIN_BYTES for a in rs):
+        # jax copies these anyway (below the pool's 4096-byte-aligned sizes), and
+        # jnp.asarray's copy costs half of a device_put (~20 us against ~40 us)
+        import jax.numpy as jnp
 
-    dev = next(iter(like.devices())) if _committed(like) else None
+        out = tuple(jnp.asarray(a) for a in rs)
+        return out if isinstance(r, tuple) else out[0]
     if not isinstance(r, tuple):
         return jax.device_put(r, dev)
     return tuple(jax.device_put(list(r), dev))
