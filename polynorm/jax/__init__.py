@@ -11,9 +11,11 @@ What runs where (forward and backward alike):
   an eager ``jax.grad``/``jax.vjp``): the Numba kernels on zero-copy views of
   the arrays; results come back to jax without a copy.
 - eager jax arrays all on one CPU device go to the kernels as numpy views
-  (zero-copy) and the results come back in one ``jax.device_put``: ~80 us
-  at (1, 4096) on 2 loaded cores against ~470 us through jax reshapes and a
-  device_put per result (``bench/jax_jit.py``).
+  (zero-copy) and the results come back to jax: below 1 MiB copied by
+  ``jnp.asarray``, larger ones without a copy.  ~55-90 us at (1, 4096) on 2
+  loaded cores, where a jitted jnp RMSNorm takes ~12-25 us and the general
+  path (jax reshapes, a ``device_put`` per result) took ~250-470 us
+  (``bench/jax_jit.py``).
 - traced arrays (``jax.jit``, ``vmap``, ``scan``, ``grad`` of ``jit``...),
   ``backend="auto"``: the pure array-API reference, which XLA compiles and
   fuses like any jnp code (other bits than the kernels: within the dtype's
