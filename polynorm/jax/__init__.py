@@ -12,7 +12,7 @@ What runs where (forward and backward alike):
   the arrays; results come back to jax without a copy.
 - eager jax arrays all on one CPU device go to the kernels as numpy views
   (zero-copy) and the results come back to jax: below 1 MiB copied by
-  ``jnp.asarray``, larger ones without a copy.  ~55-90 us at (1, 4096) on 2
+  ``jnp.asarray``, larger ones without a copy.  ~50-70 us at (1, 4096) on 2
   loaded cores, where a jitted jnp RMSNorm takes ~12-25 us and the general
   path (jax reshapes, a ``device_put`` per result) took ~250-470 us
   (``bench/jax_jit.py``).
