@@ -42,16 +42,17 @@ def test_host_views_are_zero_copy(dtype):
 
 
 def test_eager_call_hands_the_kernel_the_arrays_own_memory(monkeypatch):
+    """Eager jax arrays reach the fast path as numpy views of their own memory."""
     x = _rand((6, 32), "bfloat16")
-    mod = _api._choose_backend("auto", x)
     seen = {}
-    forward = mod.forward
+    forward = _api._fast.forward
 
-    def spy(*args):
-        seen["x"] = _interop.to_numpy(args[0]).ctypes.data
-        return forward(*args)
+    def spy(mod, x, *args):
+        seen["x"] = _interop.to_numpy(x).ctypes.data
+        assert type(x) is np.ndarray
+        return forward(mod, x, *args)
 
-    monkeypatch.setattr(mod, "forward", spy)
+    monkeypatch.setattr(_api._fast, "forward", spy)
     y = pn.rms_norm(x)
     assert seen["x"] == x.unsafe_buffer_pointer()
     assert isinstance(y, jax.Array) and y.dtype == jnp.bfloat16
@@ -76,8 +77,18 @@ def test_eager_results_are_the_kernels_own_memory(dtype, monkeypatch):
     monkeypatch.setattr(_interop, "from_numpy",
                         lambda a, like: made.append(None if a is None else a.ctypes.data)
                         or wrap(a, like))
-    x = _rand((6, 32), dtype)
-    w = _rand((32,), "float32", seed=1)
+    forward = _api._fast.forward
+
+    def spy(*args):  # the forward's results: numpy arrays of the fast path
+        r = forward(*args)
+        made.extend(a.ctypes.data for a in (r if isinstance(r, tuple) else (r,)))
+        return r
+
+    monkeypatch.setattr(_api._fast, "forward", spy)
+    # 1 MiB and more: results smaller than that come from numpy's own (16-byte aligned)
+    # allocations, which jax copies (polynorm.core.pool.MIN_BYTES)
+    x = _rand((512, 1024), dtype)
+    w = _rand((1024,), "float32", seed=1)
     y, h = add_rms_norm(x, x, w)
     (dx, dw), = [jax.grad(lambda x, w: (rms_norm(x, w).astype(jnp.float32) ** 2).sum(),
                           argnums=(0, 1))(x, w)]
@@ -179,6 +190,33 @@ def test_jit_lowers_the_reference_by_default_and_the_host_kernel_for_numba():
     assert "@polynorm_host_kernel" in numba and "stablehlo.reduce" not in numba
     grad = jax.jit(jax.grad(lambda x: rms_norm(x, backend="numba").sum())).lower(x).as_text()
     assert grad.count("@polynorm_host_kernel") == 2 and "stablehlo.reduce" not in grad
+
+
+@pytest.mark.skipif(BEST != "numba", reason="needs numba")
+def test_jit_default_takes_the_ffi_kernels_only_where_the_size_rule_says(monkeypatch):
+    """backend="auto" under jit: a 16-bit x within FFI_AUTO_SIZES, on one device, takes
+    the kernels (their eager bits); float32, vmap and grad keep the reference."""
+    from polynorm.jax import ffi as jax_ffi
+    from polynorm.jax import norm as jax_norm
+
+    if not jax_ffi.available():
+        pytest.skip("this jax takes no FFI handler")
+    monkeypatch.setattr(jax_norm, "FFI_AUTO_SIZES", (64, 64))
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    x16, x32 = _rand((4, 16), "bfloat16"), _rand((4, 16), "float32")
+    w = _rand((16,), "bfloat16", seed=1)
+    f = jax.jit(lambda x, w: rms_norm(x, w))
+    assert "@polynorm_host_kernel" in f.lower(x16, w).as_text()
+    _assert_same_bits(f(x16, w), rms_norm(x16, w))
+    assert "custom_call" not in f.lower(x32, w).as_text()
+    assert "custom_call" not in f.lower(_rand((4, 32), "bfloat16"), _rand((32,), "bfloat16"))\
+        .as_text()
+    vm = jax.jit(jax.vmap(lambda x: rms_norm(x, w)))
+    assert "custom_call" not in vm.lower(x16[:, None]).as_text()
+    g = jax.jit(jax.grad(lambda x: rms_norm(x, w).astype(jnp.float32).sum()))
+    assert "custom_call" not in g.lower(x16).as_text()
+    monkeypatch.setattr(jax, "device_count", lambda: 2)  # a new jit: f's trace is cached
+    assert "custom_call" not in jax.jit(lambda x, w: rms_norm(x, w)).lower(x16, w).as_text()
 
 
 @pytest.mark.skipif(BEST != "numba", reason="needs numba")

@@ -10,10 +10,23 @@ What runs where (forward and backward alike):
 - eager, concrete CPU arrays (also the primal and backward computations of
   an eager ``jax.grad``/``jax.vjp``): the Numba kernels on zero-copy views of
   the arrays; results come back to jax without a copy.
+- eager jax arrays all on one CPU device go to the kernels as numpy views
+  (zero-copy) and the results come back to jax: below 1 MiB copied by
+  ``jnp.asarray``, larger ones without a copy.  ~50-70 us at (1, 4096) on 2
+  loaded cores, where a jitted jnp RMSNorm takes ~12-25 us and the general
+  path (jax reshapes, a ``device_put`` per result) took ~250-470 us
+  (``bench/jax_jit.py``).
 - traced arrays (``jax.jit``, ``vmap``, ``scan``, ``grad`` of ``jit``...),
   ``backend="auto"``: the pure array-API reference, which XLA compiles and
   fuses like any jnp code (other bits than the kernels: within the dtype's
-  tolerance).
+  tolerance).  One exception, where the kernels win: the forward of
+  :func:`rms_norm` under plain ``jit`` (not ``grad``, not ``vmap``) on a
+  one-device jax, with a bfloat16/float16 ``x`` of 2**22 to 2**23 elements
+  (``polynorm.jax.norm.FFI_AUTO_SIZES``), runs the Numba kernels through
+  the FFI call below (their bits).  Measured against a jitted jnp RMSNorm
+  on 2 shared cores: the kernels win there (bfloat16 2048 x 4096: 2.5-3.9x)
+  and lose elsewhere (float32 at every size, smaller sizes by the call's
+  overhead, 4096-8192 x 4096 ~0.8x); ``bench/results/jax-jit-2026-12-06.json``.
 - traced arrays, ``backend="numba"``: the Numba kernels inside the
   compiled computation, with the same bits as an eager call: an XLA FFI
   custom call whose handler (:mod:`polynorm.jax.ffi`) hands the kernels

@@ -139,13 +139,15 @@ def _exact(opts: Options) -> bool:
     """Options of exact scalar types (:func:`~polynorm.core.options.make_plan`'s own test):
     only those may be matched by value; ``True == 1`` and ``Decimal(1) == 1`` must
     not find an entry made for ``1``."""
-    out_dtype, residual_dtype = opts.out_dtype, opts.residual_dtype
-    return (opts.eps.__class__ in _EXACT and opts.partial.__class__ in _EXACT
+    # the decode entries know nothing of norm_input / residual_dtype (the add apart, or
+    # residual_dtype's error without a residual): only their defaults take them
+    out_dtype = opts.out_dtype
+    return (opts.norm_input.__class__ is str and opts.norm_input == "h"
+            and opts.residual_dtype is None
+            and opts.eps.__class__ in _EXACT and opts.partial.__class__ in _EXACT
             and (opts.partial_size is None or opts.partial_size.__class__ is int)
             and opts.offset.__class__ in _EXACT and opts.eps_mode.__class__ is str
-            and opts.casting.__class__ is str and opts.norm_input.__class__ is str
-            and (out_dtype is None or out_dtype.__class__ is str)
-            and (residual_dtype is None or residual_dtype.__class__ is str))
+            and opts.casting.__class__ is str and (out_dtype is None or out_dtype.__class__ is str))
 
 
 def _decode_entry(mod, x, residual, weight, bias, out, opts: Options):
@@ -170,8 +172,8 @@ def _decode_entry(mod, x, residual, weight, bias, out, opts: Options):
             return None
         dtype = promote(dtype, rdt)
     plan = _plan(d, dtype, opts)
-    if plan is None or plan.llama or _apart(plan, residual, opts):
-        return None  # the add run apart (norm_input, residual_dtype): the path below
+    if plan is None or plan.llama:
+        return None
     if out is not None and (out.shape != x.shape or names.get(out.dtype) != plan.out_dtype):
         return None
     return mod.decode_plan(plan, x, residual, weight, bias)

@@ -135,7 +135,6 @@ def _decode_entry(x, z, weight, bias, opts: Options, group_size, norm_before_gat
     mod = _fast.numba_module(opts)
     if (mod is None or not hasattr(mod, "gated_forward") or x.ndim != 2
             or type(z) is not _np.ndarray or z.shape != x.shape or not _fast._exact(opts)
-            or opts.residual_dtype is not None  # its error: the general path
             or not (group_size is None or group_size.__class__ is int)
             or norm_before_gate.__class__ is not bool):
         return None

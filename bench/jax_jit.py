@@ -1,0 +1,87 @@
+"""polynorm under ``jax.jit`` and on eager jax arrays vs the naive jnp formula jitted.
+
+Paired: every round runs each variant once (interleaved), medians over rounds;
+ratios are ``jnp time / variant time`` (above 1: the variant is faster).
+
+    python bench/jax_jit.py [--rounds N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import polynorm as pn
+import polynorm.jax as pj
+
+D = 4096
+TOKENS = (1, 8, 2048)
+
+
+def naive(x, w, eps=1e-6):
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * r * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def variants():
+    return {
+        "jnp_naive_jit": jax.jit(naive),
+        "jit_default": jax.jit(lambda x, w: pj.rms_norm(x, w)),
+        "jit_numba": jax.jit(lambda x, w: pj.rms_norm(x, w, backend="numba")),
+        "jit_array_api": jax.jit(lambda x, w: pj.rms_norm(x, w, backend="array_api")),
+        "eager_pn": lambda x, w: pn.rms_norm(x, w),
+        "eager_pj": lambda x, w: pj.rms_norm(x, w),
+    }
+
+
+def _time(f, x, w, reps):
+    t = time.perf_counter()
+    for _ in range(reps):
+        y = f(x, w)
+    jax.block_until_ready(y)
+    return (time.perf_counter() - t) / reps
+
+
+def run(rounds: int):
+    fns = variants()
+    rows = []
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for n in TOKENS:
+            rng = np.random.default_rng(0)
+            x = jnp.asarray(rng.standard_normal((n, D), np.float32), dtype)
+            w = jnp.asarray(rng.standard_normal(D, np.float32), dtype)
+            reps = max(1, min(200, 20000 // n))
+            for f in fns.values():  # compile and warm
+                jax.block_until_ready(f(x, w))
+            times = {k: [] for k in fns}
+            for _ in range(rounds):
+                for k, f in fns.items():
+                    times[k].append(_time(f, x, w, reps))
+            med = {k: statistics.median(v) for k, v in times.items()}
+            base = med["jnp_naive_jit"]
+            row = {"dtype": jnp.dtype(dtype).name, "tokens": n, "d": D,
+                   "us": {k: round(v * 1e6, 2) for k, v in med.items()},
+                   "speed_vs_jnp": {k: round(base / v, 3) for k, v in med.items()}}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rows = run(a.rounds)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"machine": platform.node(), "jax": jax.__version__, "rows": rows}, fh,
+                      indent=1)
