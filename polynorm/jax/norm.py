@@ -35,9 +35,9 @@ def _static(opts: Options) -> Options:
 # zero-copy views).  Traced arrays (jit, grad of jit, vmap, scan...) have no data yet.
 # With backend="auto" they take the pure array-API reference, which XLA compiles and
 # fuses like any jnp code.  With backend="numba" they reach the Numba kernels through an
-# XLA FFI host call (polynorm.jax.ffi): the eager bits, but ~50 us more per call on
-# 2 cores and slower than XLA in float32 at every size measured, so with "auto" only
-# the 16-bit sizes where they measured faster take them (_auto_ffi, FFI_AUTO_SIZES).
+# XLA FFI host call (polynorm.jax.ffi): the eager bits, but ~20 us more per call and
+# no faster than XLA at 16384 x 4096 (both pay for XLA's fresh output buffer), so the
+# kernels under jit are an opt-in, not the default (numbers in the module docstring).
 
 
 def _traced(arrays) -> bool:
