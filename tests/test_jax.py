@@ -193,33 +193,6 @@ def test_jit_lowers_the_reference_by_default_and_the_host_kernel_for_numba():
 
 
 @pytest.mark.skipif(BEST != "numba", reason="needs numba")
-def test_jit_default_takes_the_ffi_kernels_only_where_the_size_rule_says(monkeypatch):
-    """backend="auto" under jit: a 16-bit x within FFI_AUTO_SIZES, on one device, takes
-    the kernels (their eager bits); float32, vmap and grad keep the reference."""
-    from polynorm.jax import ffi as jax_ffi
-    from polynorm.jax import norm as jax_norm
-
-    if not jax_ffi.available():
-        pytest.skip("this jax takes no FFI handler")
-    monkeypatch.setattr(jax_norm, "FFI_AUTO_SIZES", (64, 64))
-    monkeypatch.setattr(jax, "device_count", lambda: 1)
-    x16, x32 = _rand((4, 16), "bfloat16"), _rand((4, 16), "float32")
-    w = _rand((16,), "bfloat16", seed=1)
-    f = jax.jit(lambda x, w: rms_norm(x, w))
-    assert "@polynorm_host_kernel" in f.lower(x16, w).as_text()
-    _assert_same_bits(f(x16, w), rms_norm(x16, w))
-    assert "custom_call" not in f.lower(x32, w).as_text()
-    assert "custom_call" not in f.lower(_rand((4, 32), "bfloat16"), _rand((32,), "bfloat16"))\
-        .as_text()
-    vm = jax.jit(jax.vmap(lambda x: rms_norm(x, w)))
-    assert "custom_call" not in vm.lower(x16[:, None]).as_text()
-    g = jax.jit(jax.grad(lambda x: rms_norm(x, w).astype(jnp.float32).sum()))
-    assert "custom_call" not in g.lower(x16).as_text()
-    monkeypatch.setattr(jax, "device_count", lambda: 2)  # a new jit: f's trace is cached
-    assert "custom_call" not in jax.jit(lambda x, w: rms_norm(x, w)).lower(x16, w).as_text()
-
-
-@pytest.mark.skipif(BEST != "numba", reason="needs numba")
 def test_jit_host_kernel_works_on_xlas_own_buffers(monkeypatch):
     """Operands are read and y is written in place: no copy on either side of the kernel."""
     kernel = _api._backends.get("numba")

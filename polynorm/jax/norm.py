@@ -44,38 +44,8 @@ def _traced(arrays) -> bool:
     return any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
-#: backend="auto" under jit: sizes of a 16-bit ``x`` (elements) at which rms_norm's
-#: forward takes the kernels through the XLA FFI call.  Measured on 2 shared cores
-#: (bench/jax_jit.py, bench/results/jax-jit-2026-12-06.json), the kernels against a
-#: jitted jnp RMSNorm: bfloat16 (2048, 4096) 2.5-3.9x, (1024, 4096) 1.1x, but
-#: (512, 4096) ~1.1x within noise, (4096 | 8192, 4096) 0.8x, every float32 size
-#: 0.1-0.75x and every size below 2**20 elements far slower (the FFI call's ~20+ us).
-FFI_AUTO_SIZES = (1 << 22, 1 << 23)
-_FFI_AUTO_DTYPES = ("bfloat16", "float16")
-
-
-def _auto_ffi(fn, arrays) -> bool:
-    """Whether a ``backend="auto"`` rms_norm forward under ``jit`` takes the FFI kernels:
-    a 16-bit ``x`` of :data:`FFI_AUTO_SIZES`, plain ``jit`` tracers (not ``vmap``'s:
-    the kernels would run once per batch element), one jax device (XLA would gather
-    a sharded input for the host call), the FFI handler registered.  Under ``grad``
-    the tracers are the differentiation's, and both passes keep the reference."""
-    x, residual = arrays[0], arrays[1]
-    if fn.func is not _forward or residual is not None:
-        return False
-    lo, hi = FFI_AUTO_SIZES
-    if not (lo <= x.size <= hi and jnp.dtype(x.dtype).name in _FFI_AUTO_DTYPES):
-        return False
-    plain = jax.interpreters.partial_eval.DynamicJaxprTracer
-    return (all(a is None or type(a) is plain for a in arrays) and jax.device_count() == 1
-            and _jax_ffi.available() and _api._backends.usable("numba"))
-
-
-def _via_host(fn, arrays) -> bool:
-    """Whether traced ``arrays`` go to the Numba kernels through a host call."""
-    static = fn.keywords["static"]
-    if static.backend == "auto":
-        return _auto_ffi(fn, arrays)
+def _via_host(static, arrays) -> bool:
+    """Whether traced ``arrays`` go to the Numba kernels through a host callback."""
     return static.backend == "numba" and _traced(arrays) and _api._backends.usable(
         "numba")
 
@@ -112,7 +82,7 @@ def _dispatch(fn, *arrays):
     (:mod:`polynorm.jax.ffi`: XLA's buffers, no copies but of the results the front
     end cannot write in place), or ``jax.pure_callback`` where jax cannot take it.
     """
-    if not _via_host(fn, arrays):
+    if not _via_host(fn.keywords["static"], arrays):
         return fn(*arrays)
     static = fn.keywords["static"]
     ref = _partial(fn.func, **dict(fn.keywords, static=_with_backend(static)))
