@@ -19,14 +19,12 @@ What runs where (forward and backward alike):
 - traced arrays (``jax.jit``, ``vmap``, ``scan``, ``grad`` of ``jit``...),
   ``backend="auto"``: the pure array-API reference, which XLA compiles and
   fuses like any jnp code (other bits than the kernels: within the dtype's
-  tolerance).  One exception, where the kernels win: the forward of
-  :func:`rms_norm` under plain ``jit`` (not ``grad``, not ``vmap``) on a
-  one-device jax, with a bfloat16/float16 ``x`` of 2**22 to 2**23 elements
-  (``polynorm.jax.norm.FFI_AUTO_SIZES``), runs the Numba kernels through
-  the FFI call below (their bits).  Measured against a jitted jnp RMSNorm
-  on 2 shared cores: the kernels win there (bfloat16 2048 x 4096: 2.5-3.9x)
-  and lose elsewhere (float32 at every size, smaller sizes by the call's
-  overhead, 4096-8192 x 4096 ~0.8x); ``bench/results/jax-jit-2026-12-06.json``.
+  tolerance), at every size: the kernels through the FFI call below win
+  only for 16-bit ``x`` of about 2**22 to 2**23 elements (bfloat16
+  2048 x 4096: 2.5-3.9x a jitted jnp RMSNorm on 2 shared cores; float32 and
+  other sizes lose, ``bench/results/jax-jit-2026-12-06.json``), and a rule
+  that took them there would make a token's bits depend on the number of
+  tokens; ``backend="numba"`` asks for them.
 - traced arrays, ``backend="numba"``: the Numba kernels inside the
   compiled computation, with the same bits as an eager call: an XLA FFI
   custom call whose handler (:mod:`polynorm.jax.ffi`) hands the kernels
