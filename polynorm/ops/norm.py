@@ -569,7 +569,8 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     if mod is not None:
         views = _jax_host_views(x, residual, weight, bias) if out is None else None
         if views is not None:
-            r = _fast.forward(mod, *views, None, return_rstd, opts, fused)
+            vx, vr, vw, vb = views
+            r = _fast.forward(mod, vx, vr, vw, vb, None, return_rstd, opts, fused)
             if r is not None:
                 return _jax_wrap(r, x)
         r = _fast.forward(mod, x, residual, weight, bias, out, return_rstd, opts, fused)
