@@ -37,6 +37,14 @@ _NO_RESIDUAL = ("norm_input", "residual_dtype")
 #: ... and, for the functions that return no y, no output dtype
 _NO_Y = (*_NO_RESIDUAL, "out_dtype")
 
+def _fixed(names: tuple[str, ...]) -> dict[str, Any]:
+    """The excluded options at their defaults (``pack_options``: a caller's keyword for
+    one of them is then a ``TypeError``)."""
+    return {n: getattr(_DEFAULTS, n) for n in names}
+
+
+_DEFAULTS = Options()
+
 _SPLIT_DOCS = {
     "partial": "partial : float, default 1.0\n"
                "    Must be 1.0 (``ValueError`` otherwise): the first ``k`` elements of a whole\n"
@@ -147,7 +155,7 @@ def rms_norm_stats(x: Array, **options: Unpack[NormOptions]) -> Array:
     >>> bool(np.allclose(y1, pn.rms_norm(x, eps=0.0)[:, 2:]))
     True
     """
-    opts = pack_options("rms_norm_stats", options)
+    opts = pack_options("rms_norm_stats", options, **_fixed(_NO_Y))
     x, _, _, _, call = _prepare("rms_norm_stats", x, None, None, {}, opts)
     lay, plan = call.lay, call.plan
     with _api._no_autograd(x):
@@ -207,7 +215,7 @@ def rms_norm_from_stats(
     ...                        d_total=4, eps=0.0)
     array([[ 2., -2.]], dtype=float32)
     """
-    opts = pack_options("rms_norm_from_stats", options)
+    opts = pack_options("rms_norm_from_stats", options, **_fixed(_NO_RESIDUAL))
     func = "rms_norm_from_stats"
     x, weight, bias, arrays, call = _prepare(func, x, weight, bias, {"sumsq": sumsq}, opts)
     lay, plan = call.lay, call.plan
@@ -262,7 +270,7 @@ def rms_norm_backward_stats(
     ...                            eps=0.0)
     array([1.97989899])
     """
-    opts = pack_options("rms_norm_backward_stats", options)
+    opts = pack_options("rms_norm_backward_stats", options, **_fixed(_NO_Y))
     func = "rms_norm_backward_stats"
     x, weight, _, arrays, call = _prepare(func, x, weight, None, {"dy": dy, "sumsq": sumsq}, opts)
     lay, plan = call.lay, call.plan
@@ -327,7 +335,7 @@ def rms_norm_backward_from_stats(
     >>> bool(np.allclose(dx, pn.rms_norm_backward(dy, x, eps=0.0)[0]))
     True
     """
-    opts = pack_options("rms_norm_backward_from_stats", options)
+    opts = pack_options("rms_norm_backward_from_stats", options, **_fixed(_NO_Y))
     func = "rms_norm_backward_from_stats"
     x, weight, bias, arrays, call = _prepare(
         func, x, weight, bias, {"dy": dy, "sumsq": sumsq, "dot": dot}, opts)
