@@ -199,3 +199,24 @@ def test_bad_arguments_of_the_stats_and_backward():
         pn.rms_norm_backward_from_stats(x, x, sumsq=np.ones(3), dot=np.ones(2), d_total=6)
     with pytest.raises(ValueError, match="dy"):
         pn.rms_norm_backward_stats(x[:, :2], x, sumsq=np.ones(3), d_total=6)
+
+
+def test_dask_hidden_chunks_are_not_rechunked():
+    da = pytest.importorskip("dask.array")
+    import dask
+
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((40, 96)).astype(np.float32)
+    w = rng.standard_normal(96).astype(np.float32)
+    xd, wd = da.from_array(x, chunks=(10, 32)), da.from_array(w, chunks=32)
+    ss = pn.rms_norm_stats(xd)
+    y, r = pn.rms_norm_from_stats(xd, wd, sumsq=ss, d_total=96, return_rstd=True)
+    assert y.chunks == xd.chunks and r.chunks == (xd.chunks[0],)
+    for a in (ss, y, r):
+        names = {k[0] if isinstance(k, tuple) else k for k in dict(a.__dask_graph__())}
+        assert not any("rechunk" in str(n) for n in names), names
+    yc, rc, sc = dask.compute(y, r, ss)
+    want_y, want_r = _formula(x, w, eps=1e-6)
+    np.testing.assert_allclose(sc, np.sum(x.astype(np.float64) ** 2, axis=1), rtol=1e-12)
+    np.testing.assert_allclose(yc, want_y, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(rc, want_r, rtol=2e-7)

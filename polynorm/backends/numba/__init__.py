@@ -1094,7 +1094,9 @@ def split_stats(x, plan: Plan):
     n, d = x.shape
     ss = _empty_for(caller)(n, _F64)
     ks = _ks()
-    _run_rows(ks.stats_parallel, ks.stats_rows, n, d, (_kview(x), ss, plan.k))
+    # every element of the shard (the split refuses pRMSNorm): d, not plan.k, so that a
+    # dask block of a wider row sums its own columns
+    _run_rows(ks.stats_parallel, ks.stats_rows, n, d, (_kview(x), ss, d))
     return _interop.from_numpy(ss, caller)
 
 
