@@ -59,6 +59,10 @@ def test_one_shard_gives_the_unsplit_bits_on_numba(dtype):
         assert y1.dtype == y.dtype and r1.dtype == r.dtype
         np.testing.assert_array_equal(y1.view(np.uint8), y.view(np.uint8))
         np.testing.assert_array_equal(r1, r)
+        # axis as a tuple: the general path (the fast path takes axis=-1 only)
+        y2 = pn.rms_norm_from_stats(x, w, sumsq=pn.rms_norm_stats(x, axis=(1,), **kw),
+                                    d_total=300, axis=(1,), **kw)
+        np.testing.assert_array_equal(y2.view(np.uint8), y.view(np.uint8))
 
 
 @pytest.mark.parametrize("backend", ["numba", "array_api"])

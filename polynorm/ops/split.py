@@ -23,6 +23,7 @@ from polynorm.backends import SplitKernels
 from polynorm.backends import reference as _ref
 from polynorm.core.dtypes import float_dtype_name
 from polynorm.core.options import NormOptions, Options, pack_options, takes_options
+from polynorm.ops import fast as _fast_mod
 from polynorm.ops import norm as _api
 from polynorm.ops.norm import Array
 
@@ -86,11 +87,41 @@ def _row_stat(func: str, argname: str, a: Any, lay) -> Any:
     return lay.batch_rows(a)
 
 
+_offers: dict[Any, bool] = {}
+
+
 def _kernels(call, plan) -> Any:
     mod = call.backend
-    if not plan.llama and isinstance(mod, SplitKernels):
-        return mod
-    return _ref
+    offers = _offers.get(mod)
+    if offers is None:  # a Protocol isinstance check costs ~20 us: once per module
+        offers = _offers[mod] = isinstance(mod, SplitKernels)
+    return mod if offers and not plan.llama else _ref
+
+
+# --------------------------------------------------------------------------- fast path
+# numpy rows, axis=-1, backend="auto": straight to the Numba kernels, as ops/fast.py does
+# for rms_norm (a decode step's split norm is a (1, d) call, where the general path's
+# checks cost several times the kernel).  Anything else returns None: the general path
+# takes the call, with its own checks and errors.
+
+
+def _fast(x, weight, bias, opts: Options, sumsq=None):
+    import numpy as np
+
+    mod = _fast_mod.numba_module(opts)
+    if mod is None or type(x) is not np.ndarray or (
+            sumsq is not None and type(sumsq) is not np.ndarray):
+        return None
+    head = _fast_mod._rows(x, weight, bias, None, None)
+    if head is None or opts.partial != 1.0 or opts.partial_size is not None:
+        return None
+    names, dtype, d, n, _ = head
+    if sumsq is not None and (sumsq.shape != x.shape[:-1] or sumsq.dtype not in names):
+        return None
+    plan = _fast_mod._plan(d, dtype, opts)
+    if plan is None or plan.llama or opts.residual_dtype is not None:
+        return None
+    return mod, plan, n, d
 
 
 def _prepare(func: str, x, weight, bias, arrays: dict, opts: Options):
@@ -156,6 +187,10 @@ def rms_norm_stats(x: Array, **options: Unpack[NormOptions]) -> Array:
     True
     """
     opts = pack_options("rms_norm_stats", options, **_fixed(_NO_Y))
+    fast = _fast(x, None, None, opts)
+    if fast is not None:
+        mod, plan, n, d = fast
+        return mod.split_stats(x.reshape(n, d), plan).reshape(x.shape[:-1])
     x, _, _, _, call = _prepare("rms_norm_stats", x, None, None, {}, opts)
     lay, plan = call.lay, call.plan
     with _api._no_autograd(x):
@@ -217,6 +252,12 @@ def rms_norm_from_stats(
     """
     opts = pack_options("rms_norm_from_stats", options, **_fixed(_NO_RESIDUAL))
     func = "rms_norm_from_stats"
+    fast = None if sumsq is None else _fast(x, weight, bias, opts, sumsq)
+    if fast is not None and d_total.__class__ is int and d_total >= fast[3]:
+        mod, plan, n, d = fast
+        y2, r = mod.split_forward(x.reshape(n, d), weight, bias, sumsq.reshape(n), d_total, plan)
+        y = y2.reshape(x.shape)
+        return (y, r.reshape(x.shape[:-1])) if return_rstd else y
     x, weight, bias, arrays, call = _prepare(func, x, weight, bias, {"sumsq": sumsq}, opts)
     lay, plan = call.lay, call.plan
     ss = _row_stat(func, "sumsq", arrays["sumsq"], lay)
