@@ -88,12 +88,46 @@ def _check_dtensor(rank):
                 _close(bd.grad.full_tensor(), db_ref, "dbias " + what, 1e-12)
 
 
+def _check_dtensor_add(rank):
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor, init_device_mesh
+
+    from polynorm.torch import add_rms_norm, rms_norm
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    gen = torch.Generator().manual_seed(2)
+    x, r, g, gh = (torch.randn(4, 10, generator=gen, dtype=torch.float64) for _ in range(4))
+    w, b = (torch.randn(10, generator=gen, dtype=torch.float64) for _ in range(2))
+    xr, rr = x.clone().requires_grad_(), r.clone().requires_grad_()
+    h_ref = xr + rr
+    y_ref = _formula(h_ref, w, b)
+    ((y_ref * g).sum() + (h_ref * gh).sum()).backward()
+    for placement in (Shard(0), Shard(1)):
+        xd, rd = (torch.nn.Parameter(distribute_tensor(t, mesh, [placement])) for t in (x, r))
+        y, h = add_rms_norm(xd, rd, w, b, eps=EPS, backend="array_api")
+        assert tuple(y.placements) == tuple(h.placements) == (placement,)
+        ((y * distribute_tensor(g, mesh, [placement])).sum()
+         + (h * distribute_tensor(gh, mesh, [placement])).sum()).backward()
+        _close(y.full_tensor(), y_ref.detach(), f"add y {placement}", 1e-12)
+        _close(h.full_tensor(), h_ref.detach(), f"add h {placement}", 1e-12)
+        _close(xd.grad.full_tensor(), xr.grad, f"add dx {placement}", 1e-12)
+        _close(rd.grad.full_tensor(), rr.grad, f"add dresidual {placement}", 1e-12)
+    partial = distribute_tensor(x, mesh, [Shard(0)]).redistribute(mesh, [Shard(0)])
+    partial = type(partial).from_local(partial.to_local(), mesh, [Partial()], run_check=False)
+    try:
+        rms_norm(partial, eps=EPS)
+    except ValueError as exc:
+        assert "Partial" in str(exc)
+    else:
+        raise AssertionError("a Partial DTensor x was not refused")
+
+
 def _worker(rank, path):
     dist.init_process_group("gloo", store=dist.FileStore(path, WORLD), rank=rank,
                             world_size=WORLD)
     try:
         _check_split(rank)
         _check_dtensor(rank)
+        _check_dtensor_add(rank)
     finally:
         dist.destroy_process_group()
 

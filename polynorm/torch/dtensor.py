@@ -1,4 +1,5 @@
-"""``torch.distributed.tensor.DTensor`` inputs of :func:`polynorm.torch.rms_norm`.
+"""``torch.distributed.tensor.DTensor`` inputs of :func:`polynorm.torch.rms_norm` and
+:func:`polynorm.torch.add_rms_norm`.
 
 Per mesh dimension, by ``x``'s placement there:
 
@@ -59,15 +60,15 @@ def _param(p, mesh, want, grad, name: str):
     return p.to_local(grad_placements=grad)
 
 
-def rms_norm(x, weight, bias, opts: Options, apply_local) -> Any:
+def rms_norm(x, weight, bias, opts: Options, apply_local, residual: Any = None) -> Any:
     """:func:`polynorm.torch.rms_norm` of a DTensor ``x`` (``opts`` with eps resolved);
-    ``apply_local(x, weight, bias)`` runs the op on plain tensors."""
+    ``apply_local(x, weight, bias)`` runs the op on plain tensors.  With ``residual``
+    (a DTensor like ``x``), :func:`polynorm.torch.add_rms_norm`: ``apply_local(x,
+    residual, weight, bias)`` returns ``(y, h)``, and so does this."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     from polynorm.torch import distributed as _dist
 
-    if not is_dtensor(x):
-        raise TypeError("x must be a DTensor when weight or bias is one (or pass plain tensors)")
     mesh = x.device_mesh
     axes = _axes(opts.axis, x.ndim)
     hidden = []  # mesh dims that shard the normalized axis
@@ -98,12 +99,34 @@ def rms_norm(x, weight, bias, opts: Options, apply_local) -> Any:
     w = _param(weight, mesh, w_place, w_grad, "weight")
     b = _param(bias, mesh, w_place, w_grad, "bias")
     local = x.to_local()
+    r_local = None
+    if residual is not None:
+        if not is_dtensor(residual) or residual.device_mesh != mesh:
+            raise TypeError("residual must be a DTensor on x's device mesh when x is a DTensor")
+        if tuple(residual.placements) != tuple(x.placements):
+            residual = residual.redistribute(mesh, x.placements)
+        r_local = residual.to_local()
+    h = None
     if hidden:
         group = mesh.get_group(hidden[0])
         kw = {n: v for n, v in opts._asdict().items() if n not in _dist._EXCLUDE}
+        if r_local is not None:
+            if opts.norm_input != "h" or opts.residual_dtype is not None:
+                raise ValueError("a DTensor x sharded over its normalized axis takes the "
+                                 "fused add with norm_input='h' and residual_dtype=None only")
+            # h = x + residual rounded once to the promoted dtype, as the kernels do
+            hdt = torch.promote_types(local.dtype, r_local.dtype)
+            h = local.to(hdt) + r_local.to(hdt)
+            local = h
         y = _dist.rms_norm(local, w, b, group=group, d_total=x.shape[axes[0]], **kw)
+    elif r_local is not None:
+        y, h = apply_local(local, r_local, w, b)
     else:
         y = apply_local(local, w, b)
     stride = torch.empty(x.shape, device="meta").stride()
-    return DTensor.from_local(y, mesh, x.placements, run_check=False, shape=x.shape,
-                              stride=stride)
+
+    def wrap(a):
+        return DTensor.from_local(a, mesh, x.placements, run_check=False, shape=x.shape,
+                                  stride=stride)
+
+    return wrap(y) if residual is None else (wrap(y), wrap(h))
