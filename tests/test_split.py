@@ -44,7 +44,7 @@ def _split_forward(x, w, b, shards, **kw):
     return np.concatenate(ys, axis=-1), total
 
 
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16])
 def test_one_shard_gives_the_unsplit_bits_on_numba(dtype):
     rng = np.random.default_rng(1)
     # d = 300: whole 16-bit lanes blocks and a partial one; rows of very different scales
