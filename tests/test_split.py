@@ -226,3 +226,25 @@ def test_dask_hidden_chunks_are_not_rechunked():
     np.testing.assert_allclose(sc, np.sum(x.astype(np.float64) ** 2, axis=1), rtol=1e-12)
     np.testing.assert_allclose(yc, want_y, rtol=2e-6, atol=2e-6)
     np.testing.assert_allclose(rc, want_r, rtol=2e-7)
+
+
+def test_dask_split_backward_keeps_the_hidden_chunks():
+    da = pytest.importorskip("dask.array")
+    import dask
+
+    rng = np.random.default_rng(7)
+    x, g = (rng.standard_normal((20, 48)) for _ in range(2))
+    w = rng.standard_normal(48)
+    xd, gd, wd = (da.from_array(a, chunks=(10, 16) if a.ndim == 2 else 16) for a in (x, g, w))
+    ss = pn.rms_norm_stats(xd)
+    dot = pn.rms_norm_backward_stats(gd, xd, wd, sumsq=ss, d_total=48)
+    dx, dw, _ = pn.rms_norm_backward_from_stats(gd, xd, wd, sumsq=ss, dot=dot, d_total=48)
+    assert dx.chunks == xd.chunks and dw.chunks == wd.chunks
+    assert not any("rechunk" in str(k) for k in dict(dx.__dask_graph__()))
+    # the backward formula written out (eps inside, k = d)
+    r = 1 / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + 1e-6)
+    xhat = x * r
+    c = np.sum(g * w * xhat, axis=1, keepdims=True)
+    got_dx, got_dw = dask.compute(dx, dw)
+    np.testing.assert_allclose(got_dx, r * (g * w - xhat * c / 48), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got_dw, np.sum(g * xhat, axis=0), rtol=1e-12, atol=1e-12)
