@@ -74,6 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
+    load = os.getloadavg()  # a shared machine: the timings are only as steady as this
     rng = np.random.default_rng(0)
     rows = []
     for n, d in SHAPES:
@@ -91,6 +92,7 @@ def main() -> None:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "load_average_before": [round(v, 2) for v in load],
         "command": "python bench/split.py --out bench/results/split-2026-12-06-cpu.json",
         "note": "median over paired rounds, microseconds per call; one shard (no collective)",
         "rows": rows,
