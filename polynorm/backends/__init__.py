@@ -156,3 +156,18 @@ def report() -> dict[str, tuple[bool, str]]:
     (True, 'ok')
     """
     return {name: status(name) for name in MODULES}
+
+
+@runtime_checkable
+class SplitKernels(Protocol):
+    """Optional: the split hidden axis (:func:`polynorm.rms_norm_stats`,
+    :func:`polynorm.rms_norm_from_stats`): a shard's float64 per-row sum of squares,
+    and its ``(y, rstd)`` from the whole rows' sum (fp32 casting).  Without them, and
+    for the backward, the front end runs the reference's ``split_*`` functions."""
+
+    def split_stats(self, x: Any, plan: Plan) -> Any:
+        ...
+
+    def split_forward(self, x: Any, weight: Any, bias: Any, sumsq: Any, k_total: int,
+                      plan: Plan) -> tuple[Any, Any]:
+        ...

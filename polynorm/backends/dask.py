@@ -510,3 +510,73 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
         h = da.map_blocks(_pick, parts, 2, new_axis=1, chunks=chunks2, dtype=hdt,
                           meta=_meta(x, 2, hdt))
     return q, scales, h
+
+
+# ------------------------------------------------------------------ split hidden axis
+# rms_norm_stats / rms_norm_from_stats on dask rows: each block (row chunk, column
+# chunk) sums its squares, the column chunks' sums are added (dask's tree reduction,
+# fixed by the chunks), and each block is normalized with its rows' total.  The
+# hidden axis is never rechunked whole (rms_norm itself does, for the in-memory
+# bits; here the sum order follows the column chunks).
+
+
+def _split_mod(block, plan: Plan):
+    from polynorm.backends import SplitKernels, get
+
+    mod = _inner(block)
+    return mod if not plan.llama and isinstance(mod, SplitKernels) else get("array_api")
+
+
+def _stats_chunk(x, *, plan: Plan):
+    if x.shape[0] == 0:
+        return x.astype(np.float64)[:, :1]
+    return _split_mod(x, plan).split_stats(x, plan)[:, None]
+
+
+def _split_y_chunk(x, weight, bias, sumsq, *, plan: Plan, k_total: int):
+    _check_rows(x, sumsq=sumsq)
+    if x.shape[0] == 0:
+        return x.astype(numpy_dtype(plan.out_dtype))
+    return _split_mod(x, plan).split_forward(x, weight, bias, sumsq, k_total, plan)[0]
+
+
+def _split_rstd_chunk(sumsq, *, plan: Plan, k_total: int):
+    from polynorm.backends import reference
+
+    # numpy float64 does the Numba kernel's operations in its order: its rstd bits
+    r = reference.split_rstd(np, np.asarray(sumsq, np.float64), k_total, plan)
+    return r.astype(numpy_dtype(plan.compute_dtype))
+
+
+def split_stats(x, plan: Plan):
+    """Per-row float64 sum of squares of 2-D dask rows, one task per block and a sum over
+    the column chunks; lazy."""
+    import dask.array as da
+
+    x = da.asarray(x)
+    parts = da.map_blocks(_stats_chunk, x, plan=plan,
+                          chunks=(x.chunks[0], (1,) * len(x.chunks[1])),
+                          dtype=np.float64, meta=_meta(x, 2, np.float64))
+    return parts.sum(axis=1, split_every=SPLIT_EVERY)
+
+
+def split_forward(x, weight, bias, sumsq, k_total: int, plan: Plan):
+    """``(y, rstd)`` of 2-D dask rows from the rows' total ``sumsq``, block by block
+    (x's chunks kept, columns included); lazy."""
+    import dask.array as da
+
+    x = da.asarray(x)
+    cols = x.chunks[1]
+    weight = _dask_vector(weight, cols)
+    bias = _dask_vector(bias, cols)
+    sumsq = _dask_vector(sumsq, x.chunks[0])
+    ydt = numpy_dtype(plan.out_dtype)
+    y = da.blockwise(
+        _split_y_chunk, "ij",
+        *_args([(x, "ij"), (weight, "j"), (bias, "j"), (sumsq, "i")]),
+        plan=plan, k_total=k_total, dtype=ydt, meta=_meta(x, 2, ydt),
+    )
+    cdt = numpy_dtype(plan.compute_dtype)
+    rstd = da.map_blocks(_split_rstd_chunk, sumsq, plan=plan, k_total=k_total, dtype=cdt,
+                         meta=_meta(x, 1, cdt))
+    return y, rstd

@@ -453,3 +453,88 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
     y, h, _ = forward(x, residual, weight, bias, qplan.plan)
     q, scales = quantize(_xp(x), y, qplan, scale)
     return q, scales, h
+
+
+# --------------------------------------------------------------------------- split hidden axis
+# One row's ``d`` elements lie in shards (tensor-parallel ranks, dask chunks); each shard
+# sums its squares (``split_stats``), the caller adds the shards' sums (an all-reduce),
+# and every shard normalizes its own elements with the total (``split_forward``).  The
+# backward's per-row coefficient ``c = sum_j (g*dy*xhat)_j`` is summed the same way
+# (``split_dot``, then ``split_backward``).  The sums are float64 (the stat dtype,
+# :func:`stat_dtype`): float32 and 16-bit squares neither overflow nor underflow there.
+
+
+def stat_dtype(xp, like) -> Any:
+    """The dtype of a shard's sums: float64, or the compute dtype where the library runs
+    without float64 (jax without ``jax_enable_x64``)."""
+    if type(like).__module__.split(".")[0] in ("jax", "jaxlib"):
+        import jax
+
+        if not jax.config.jax_enable_x64:
+            return namespace_dtype(xp, "float32", like)
+    return namespace_dtype(xp, "float64", like)
+
+
+def split_rstd(xp, sumsq, k_total: int, plan: Plan):
+    """``rstd`` from the whole row's sum of squares, in the stat dtype (the formula of the
+    Numba kernels' in-range branch, ``numba.kernels._rms_rstd``)."""
+    ms = sumsq / k_total
+    with _quiet():
+        if plan.eps_inside:
+            return 1 / xp.sqrt(ms + plan.eps)
+        return 1 / (xp.sqrt(ms) + plan.eps)
+
+
+def split_stats(x, plan: Plan):
+    """Per-row sum of squares of 2-D ``x`` in the stat dtype (one shard's part)."""
+    xp = _xp(x)
+    v = _c_rows(xp.astype(x, stat_dtype(xp, x)))
+    with _quiet():
+        return xp.sum(v * v, axis=1)
+
+
+def split_forward(x, weight, bias, sumsq, k_total: int, plan: Plan):
+    """``(y, rstd)`` of one shard's 2-D rows from the whole rows' ``sumsq`` (n,)."""
+    xp = _xp(x)
+    cdt = namespace_dtype(xp, plan.compute_dtype, x)
+    with _quiet():
+        r = xp.astype(split_rstd(xp, sumsq, k_total, plan), cdt)
+        xhat = xp.astype(x, cdt, copy=False) * r[:, None]
+        y = _affine(xp, xhat, x, weight, bias, plan, cdt)
+    return xp.astype(y, namespace_dtype(xp, plan.out_dtype, x), copy=False), r
+
+
+def _split_terms(dy, x, weight, sumsq, k_total: int, plan: Plan):
+    xp = _xp(x)
+    cdt = namespace_dtype(xp, plan.compute_dtype, x)
+    r = xp.astype(split_rstd(xp, sumsq, k_total, plan), cdt)
+    dyc = xp.astype(dy, cdt, copy=False)
+    g_dy = dyc if weight is None else dyc * (xp.astype(weight, cdt) + plan.offset)
+    xhat = xp.astype(x, cdt, copy=False) * r[:, None]
+    return xp, cdt, r, dyc, g_dy, xhat
+
+
+def split_dot(dy, x, weight, sumsq, k_total: int, plan: Plan):
+    """One shard's part of the backward's ``c = sum_j (g*dy*xhat)_j`` per row, in the
+    stat dtype."""
+    with _quiet():
+        xp, _, _, _, g_dy, xhat = _split_terms(dy, x, weight, sumsq, k_total, plan)
+        return xp.sum(_c_rows(xp.astype(g_dy * xhat, stat_dtype(xp, x))), axis=1)
+
+
+def split_backward(dy, x, weight, bias, sumsq, dot, k_total: int, plan: Plan):
+    """``(dx, dweight, dbias)`` of one shard from the whole rows' ``sumsq`` and ``dot``
+    (the shards' :func:`split_dot` summed): the formula of :func:`backward` with ``c``
+    and ``k`` of the whole row; dweight/dbias are this shard's columns."""
+    with _quiet():
+        xp, cdt, r, dyc, g_dy, xhat = _split_terms(dy, x, weight, sumsq, k_total, plan)
+        coef = dot / k_total
+        if not plan.eps_inside:
+            rms = xp.sqrt(sumsq / k_total)
+            s_safe = xp.where(rms == 0, xp.ones_like(rms), rms)
+            coef = xp.where(rms == 0, xp.zeros_like(coef), coef * ((rms + plan.eps) / s_safe))
+        dx = r[:, None] * (g_dy - xhat * xp.astype(coef, cdt)[:, None])
+        dx = xp.astype(dx, x.dtype, copy=False)
+        dweight = None if weight is None else xp.astype(xp.sum(dyc * xhat, axis=0), weight.dtype)
+        dbias = None if bias is None else xp.astype(xp.sum(dyc, axis=0), bias.dtype)
+    return dx, dweight, dbias

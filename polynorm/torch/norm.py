@@ -23,6 +23,7 @@ from polynorm.core.options import (
 )
 from polynorm.ops import lean as _lean
 from polynorm.ops import norm as _api
+from polynorm.torch import dtensor as _dtensor
 from polynorm.torch._custom_ops import (
     _NOPTS,
     _OPTS,
@@ -426,6 +427,9 @@ def rms_norm(
         if not _records(x, weight, bias) and _forward_ad._current_level < 0:
             return _api.forward(x, None, weight, bias, opts)
         return _apply_rms_norm(x, weight, bias, opts, save, in_place)
+    if _dtensor.is_dtensor(x):
+        return _dtensor.rms_norm(x, weight, bias, opts, functools.partial(
+            rms_norm, save=save, in_place=in_place, **opts._asdict()))
     if _functorch():
         return _RMSNormFuncFn.apply(x, weight, bias, *_op_args(opts), save)[0]
     return torch.ops.polynorm.rms_norm(x, weight, bias, *_op_args(opts), save)[0]
@@ -491,6 +495,9 @@ def add_rms_norm(
         if not _records(x, residual, weight, bias) and _forward_ad._current_level < 0:
             return _api.forward(x, residual, weight, bias, opts, fused=True)
         return _apply_add_rms_norm(x, residual, weight, bias, opts, save, in_place)
+    if _dtensor.is_dtensor(x):
+        return _dtensor.rms_norm(x, weight, bias, opts, functools.partial(
+            add_rms_norm, save=save, in_place=in_place, **opts._asdict()), residual=residual)
     if _functorch():
         y, h, _ = _AddRMSNormFuncFn.apply(x, residual, weight, bias, *_op_args(opts), save)
         return y, h

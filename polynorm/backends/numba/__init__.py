@@ -1065,3 +1065,56 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
     else:
         scales = _interop.from_numpy(sc, caller)
     return _wrap_q(q, caller, qplan.qdtype), scales, h
+
+
+# --------------------------------------------------------------------------- split hidden axis
+
+_split_kernels = None
+
+
+def _ks():
+    global _split_kernels
+    if _split_kernels is None:
+        from polynorm.backends.numba import split as _numba_split
+
+        _split_kernels = _numba_split
+    return _split_kernels
+
+
+def _unit_rows(x: np.ndarray) -> np.ndarray:
+    if x.shape[1] > 1 and x.strides[1] != x.itemsize:
+        return np.ascontiguousarray(x)  # the row reductions take adjacent elements
+    return x
+
+
+def split_stats(x, plan: Plan):
+    """One shard's per-row float64 sum of squares (:mod:`.numba.split`), in ``x``'s library."""
+    caller = x
+    x = _unit_rows(_interop.to_numpy(x))
+    n, d = x.shape
+    ss = _empty_for(caller)(n, _F64)
+    ks = _ks()
+    # every element of the shard (the split refuses pRMSNorm): d, not plan.k, so that a
+    # dask block of a wider row sums its own columns
+    _run_rows(ks.stats_parallel, ks.stats_rows, n, d, (_kview(x), ss, d))
+    return _interop.from_numpy(ss, caller)
+
+
+def split_forward(x, weight, bias, sumsq, k_total: int, plan: Plan):
+    """``(y, rstd)`` of one shard's rows from the whole rows' float64 ``sumsq``
+    (fp32 casting; the front end sends llama casting to the reference)."""
+    caller = x
+    to_numpy = _interop.to_numpy
+    x = _unit_rows(to_numpy(x))
+    n, d = x.shape
+    flags, y_dt, _, cdt = _info(plan)
+    empty = _empty_for(caller)
+    y = empty((n, d), y_dt)
+    rstd = empty(n, cdt)
+    ss = np.ascontiguousarray(to_numpy(sumsq), _F64)
+    w, b, offset = _affine(weight, bias, cdt, d, plan.offset)
+    ks = _ks()
+    args = (_kview(x), w, b, _kview(y), rstd, _kview(ss), flags, k_total, plan.eps, offset)
+    _run_rows(ks.given_parallel, ks.given_rows, n, d, args)
+    from_numpy = _interop.from_numpy
+    return from_numpy(y, caller), from_numpy(rstd, caller)

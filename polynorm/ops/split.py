@@ -1,0 +1,390 @@
+"""The hidden axis split across shards (tensor parallelism): the front end.
+
+A row's ``d`` elements lie in shards (ranks of a tensor-parallel group, chunks of a
+dask array).  Each shard sums the squares of its elements (:func:`rms_norm_stats`),
+the caller adds the shards' sums (one all-reduce of one float per token), and each
+shard normalizes its own elements with the total (:func:`rms_norm_from_stats`).  The
+backward does the same with its per-token coefficient
+(:func:`rms_norm_backward_stats`, then :func:`rms_norm_backward_from_stats`).  This
+is vLLM's split-hidden RMSNorm (MiniMax, ``_forward_qk_tp``), Megatron-LM's
+sequence/tensor-parallel norm and Flax's ``axis_name`` statistic.
+
+Validation and layout are :mod:`polynorm.ops.norm`'s; the kernels are a backend's
+:class:`polynorm.backends.SplitKernels` (Numba, dask) or the reference's ``split_*``
+functions (every other backend, ``casting="llama"``, and the backward).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Any
+
+from polynorm.backends import SplitKernels
+from polynorm.backends import reference as _ref
+from polynorm.core.dtypes import float_dtype_name
+from polynorm.core.options import NormOptions, Options, pack_options, takes_options
+from polynorm.ops import fast as _fast_mod
+from polynorm.ops import norm as _api
+from polynorm.ops.norm import Array
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["rms_norm_stats", "rms_norm_from_stats", "rms_norm_backward_stats",
+           "rms_norm_backward_from_stats"]
+
+#: options without meaning here: no residual
+_NO_RESIDUAL = ("norm_input", "residual_dtype")
+#: ... and, for the functions that return no y, no output dtype
+_NO_Y = (*_NO_RESIDUAL, "out_dtype")
+
+def _fixed(names: tuple[str, ...]) -> dict[str, Any]:
+    """The excluded options at their defaults (``pack_options``: a caller's keyword for
+    one of them is then a ``TypeError``)."""
+    return {n: getattr(_DEFAULTS, n) for n in names}
+
+
+_DEFAULTS = Options()
+
+_SPLIT_DOCS = {
+    "partial": "partial : float, default 1.0\n"
+               "    Must be 1.0 (``ValueError`` otherwise): the first ``k`` elements of a whole\n"
+               "    row lie in some shards only, and each shard would need its own count.",
+    "partial_size": "partial_size : int, optional\n"
+                    "    Must be None (``ValueError`` otherwise), as ``partial``.",
+}
+
+
+def _check_split(func: str, opts: Options) -> None:
+    if opts.partial != 1.0 or opts.partial_size is not None:
+        raise ValueError(
+            f"{func}: partial={opts.partial!r}, partial_size={opts.partial_size!r}: pRMSNorm "
+            "is not supported with a split hidden axis (the statistic's first k elements of "
+            "a whole row lie in some shards only); leave partial=1.0 and partial_size=None")
+
+
+def _d_total(func: str, d_total: Any, d: int) -> int:
+    if isinstance(d_total, bool):
+        raise TypeError(f"{func}: d_total must be an int, got {d_total!r}")
+    try:
+        value = operator.index(d_total)
+    except TypeError:
+        raise TypeError(f"{func}: d_total must be an int, got {d_total!r}") from None
+    if value < d:
+        raise ValueError(f"{func}: d_total must be at least this shard's d = {d} (the whole "
+                         f"row's size, all shards together), got {value}")
+    return value
+
+
+def _row_stat(func: str, argname: str, a: Any, lay) -> Any:
+    """``sumsq``/``dot`` checked (shape of x without the normalized axes, a float dtype)
+    and laid out as ``(n,)``."""
+    if a is None:
+        raise TypeError(f"{func}: {argname} must be an array (the shards' sums, all-reduced), "
+                        "got None")
+    _api._check_shape(argname, a, lay.batch_shape, "x's shape without the normalized axes")
+    float_dtype_name(argname, a)
+    return lay.batch_rows(a)
+
+
+_offers: dict[Any, bool] = {}
+
+
+def _kernels(call, plan) -> Any:
+    mod = call.backend
+    offers = _offers.get(mod)
+    if offers is None:  # a Protocol isinstance check costs ~20 us: once per module
+        offers = _offers[mod] = isinstance(mod, SplitKernels)
+    return mod if offers and not plan.llama else _ref
+
+
+# --------------------------------------------------------------------------- fast path
+# numpy rows, axis=-1, backend="auto": straight to the Numba kernels, as ops/fast.py does
+# for rms_norm (a decode step's split norm is a (1, d) call, where the general path's
+# checks cost several times the kernel).  Anything else returns None: the general path
+# takes the call, with its own checks and errors.
+
+
+def _fast(x, weight, bias, opts: Options, sumsq=None):
+    import numpy as np
+
+    mod = _fast_mod.numba_module(opts)
+    if mod is None or type(x) is not np.ndarray or (
+            sumsq is not None and type(sumsq) is not np.ndarray):
+        return None
+    head = _fast_mod._rows(x, weight, bias, None, None)
+    if head is None or opts.partial != 1.0 or opts.partial_size is not None:
+        return None
+    names, dtype, d, n, _ = head
+    if sumsq is not None and (sumsq.shape != x.shape[:-1] or sumsq.dtype not in names):
+        return None
+    plan = _fast_mod._plan(d, dtype, opts)
+    if plan is None or plan.llama or opts.residual_dtype is not None:
+        return None
+    return mod, plan, n, d
+
+
+def _prepare(func: str, x, weight, bias, arrays: dict, opts: Options):
+    _check_split(func, opts)
+    x, weight, bias = _api._native(x), _api._native(weight), _api._native(bias)
+    arrays = {k: _api._native(v) for k, v in arrays.items()}
+    weight, bias = _api._chunk_library_params(x, weight, bias)
+    call = _api._prepare(x=x, weight=weight, bias=bias,
+                         arrays={k: v for k, v in arrays.items() if v is not None}, opts=opts)
+    return x, weight, bias, arrays, call
+
+
+@takes_options(exclude=_NO_Y, docs=_SPLIT_DOCS)
+def rms_norm_stats(x: Array, **options: Unpack[NormOptions]) -> Array:
+    """One shard's sum of squares per token, for a hidden axis split across shards.
+
+    ``sumsq[t] = sum_j x[t, j]**2`` over this shard's elements of each normalized
+    slice, accumulated in float64 (float32 with jax without ``jax_enable_x64``),
+    where float32 and 16-bit squares neither overflow nor underflow.  Add the
+    shards' ``sumsq`` (an all-reduce of one float per token) and pass the total to
+    :func:`rms_norm_from_stats` on every shard.
+
+    Bits: on the Numba backend (numpy, torch and jax CPU arrays) the sum is the
+    unsplit forward's own (the same kernel code and order), so with one shard
+    ``rms_norm_from_stats(x, w, sumsq=rms_norm_stats(x), d_total=d)`` gives
+    :func:`rms_norm`'s ``y`` and ``rstd`` bit for bit for every token whose sum is
+    in range: not zero, Inf or NaN, and, for 16-bit input, at least ``2**-100``
+    (the rows the unsplit forward rescales from the whole slice; those agree to
+    rounding).  With several shards the shards' sums are added in another order
+    than one shard's loop: the result is within rounding of the unsplit call, not
+    bit-equal.  The reference (other libraries) sums in float64 where the unsplit
+    reference sums in the compute dtype: within rounding too.  float64 input whose
+    squares overflow or underflow float64 (``|x| > 1e154`` or all below
+    ``1e-154``) is outside the split path's range (the unsplit call rescales by the
+    whole slice's largest magnitude, which no shard knows).
+
+    Parameters
+    ----------
+    x : array
+        This shard's elements: the normalized axes hold this shard's part of each
+        slice.
+    {options}
+
+    Only ``axis`` and ``backend`` change the sums; the other options are
+    accepted so that one set of options serves every function of the split.
+
+    Returns
+    -------
+    sumsq : array
+        Shape of ``x`` without the normalized axes.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import polynorm as pn
+    >>> x = np.array([[3.0, 4.0, 12.0, 0.0]], dtype=np.float32)
+    >>> parts = [pn.rms_norm_stats(x[:, :2]), pn.rms_norm_stats(x[:, 2:])]
+    >>> parts[0], parts[1]
+    (array([25.]), array([144.]))
+    >>> total = parts[0] + parts[1]            # the all-reduce
+    >>> y1 = pn.rms_norm_from_stats(x[:, 2:], sumsq=total, d_total=4, eps=0.0)
+    >>> bool(np.allclose(y1, pn.rms_norm(x, eps=0.0)[:, 2:]))
+    True
+    """
+    opts = pack_options("rms_norm_stats", options, **_fixed(_NO_Y))
+    fast = _fast(x, None, None, opts)
+    if fast is not None:
+        mod, plan, n, d = fast
+        return mod.split_stats(x.reshape(n, d), plan).reshape(x.shape[:-1])
+    x, _, _, _, call = _prepare("rms_norm_stats", x, None, None, {}, opts)
+    lay, plan = call.lay, call.plan
+    with _api._no_autograd(x):
+        ss = _kernels(call, plan).split_stats(lay.rows(x), plan)
+    return lay.unbatch(ss)
+
+
+@takes_options(exclude=_NO_RESIDUAL, docs=_SPLIT_DOCS)
+def rms_norm_from_stats(
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    sumsq: Array,
+    d_total: int,
+    return_rstd: bool = False,
+    **options: Unpack[NormOptions],
+) -> Array | tuple[Array, Array]:
+    """RMSNorm of one shard's elements from the whole slices' sum of squares.
+
+    With ``sumsq`` the shards' :func:`rms_norm_stats` added up (an all-reduce)::
+
+        rstd = 1 / sqrt(sumsq / d_total + eps)      # eps_mode="inside"
+        rstd = 1 / (sqrt(sumsq / d_total) + eps)    # eps_mode="outside"
+        y    = x * rstd * (weight + offset) + bias  # this shard's elements
+
+    rstd is formed in float64 from ``sumsq`` and rounded to the compute dtype;
+    ``y`` then follows :func:`rms_norm` (casting, ``out_dtype``).  When bits equal
+    the unsplit call: see :func:`rms_norm_stats`.
+
+    Parameters
+    ----------
+    x : array
+        This shard's elements.
+    weight, bias : array, optional
+        This shard's part of them (shape of ``x`` over the normalized axes).
+    sumsq : array
+        The whole slices' sums of squares: shape of ``x`` without the normalized
+        axes, a float dtype (float64 keeps the bits, see :func:`rms_norm_stats`),
+        the library of ``x``.
+    d_total : int
+        The whole slice's length (all shards together): the mean's denominator.
+    return_rstd : bool
+        Also return ``rstd`` (shape of ``sumsq``, float32, float64 for float64 x).
+    {options}
+
+    Returns
+    -------
+    y or (y, rstd)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import polynorm as pn
+    >>> x = np.array([[1.0, -1.0]], dtype=np.float32)   # half of a row of d = 4
+    >>> pn.rms_norm_from_stats(x, np.full(2, 2.0, np.float32), sumsq=np.array([4.0]),
+    ...                        d_total=4, eps=0.0)
+    array([[ 2., -2.]], dtype=float32)
+    """
+    opts = pack_options("rms_norm_from_stats", options, **_fixed(_NO_RESIDUAL))
+    func = "rms_norm_from_stats"
+    fast = None if sumsq is None else _fast(x, weight, bias, opts, sumsq)
+    if fast is not None and d_total.__class__ is int and d_total >= fast[3]:
+        mod, plan, n, d = fast
+        y2, r = mod.split_forward(x.reshape(n, d), weight, bias, sumsq.reshape(n), d_total, plan)
+        y = y2.reshape(x.shape)
+        return (y, r.reshape(x.shape[:-1])) if return_rstd else y
+    x, weight, bias, arrays, call = _prepare(func, x, weight, bias, {"sumsq": sumsq}, opts)
+    lay, plan = call.lay, call.plan
+    ss = _row_stat(func, "sumsq", arrays["sumsq"], lay)
+    kt = _d_total(func, d_total, lay.d)
+    with _api._no_autograd(x):
+        y2, r = _kernels(call, plan).split_forward(lay.rows(x), lay.flat(weight),
+                                                   lay.flat(bias), ss, kt, plan)
+    y = lay.unrows(y2)
+    return (y, lay.unbatch(r)) if return_rstd else y
+
+
+@takes_options(exclude=_NO_Y, docs=_SPLIT_DOCS)
+def rms_norm_backward_stats(
+    dy: Array,
+    x: Array,
+    weight: Array | None = None,
+    *,
+    sumsq: Array,
+    d_total: int,
+    **options: Unpack[NormOptions],
+) -> Array:
+    """One shard's part of the backward's per-token coefficient, for the all-reduce.
+
+    ``dot[t] = sum_j (g * dy * xhat)[t, j]`` over this shard's elements, with
+    ``g = weight + offset`` (1 without a weight) and ``xhat = x * rstd`` (rstd from
+    ``sumsq`` as in :func:`rms_norm_from_stats`), in float64 (float32 with jax
+    without x64).  Add the shards' ``dot`` and pass the total to
+    :func:`rms_norm_backward_from_stats`.
+
+    Parameters
+    ----------
+    dy, x : array
+        This shard's gradient of ``y`` and input.
+    weight : array, optional
+        This shard's part of it.
+    sumsq, d_total
+        As in :func:`rms_norm_from_stats` (the forward's total).
+    {options}
+
+    Returns
+    -------
+    dot : array
+        Shape of ``x`` without the normalized axes.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import polynorm as pn
+    >>> x = np.array([[3.0, 4.0]])
+    >>> pn.rms_norm_backward_stats(np.ones_like(x), x, sumsq=np.array([25.0]), d_total=2,
+    ...                            eps=0.0)
+    array([1.97989899])
+    """
+    opts = pack_options("rms_norm_backward_stats", options, **_fixed(_NO_Y))
+    func = "rms_norm_backward_stats"
+    x, weight, _, arrays, call = _prepare(func, x, weight, None, {"dy": dy, "sumsq": sumsq}, opts)
+    lay, plan = call.lay, call.plan
+    ss = _row_stat(func, "sumsq", arrays["sumsq"], lay)
+    kt = _d_total(func, d_total, lay.d)
+    with _api._no_autograd(x):
+        dot = _ref.split_dot(lay.rows(arrays["dy"]), lay.rows(x), lay.flat(weight), ss, kt, plan)
+    return lay.unbatch(dot)
+
+
+@takes_options(exclude=_NO_Y, docs=_SPLIT_DOCS)
+def rms_norm_backward_from_stats(
+    dy: Array,
+    x: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    *,
+    sumsq: Array,
+    dot: Array,
+    d_total: int,
+    **options: Unpack[NormOptions],
+) -> tuple[Array, Array | None, Array | None]:
+    """Backward of :func:`rms_norm_from_stats` on one shard, from the all-reduced sums.
+
+    :func:`rms_norm_backward`'s formula with the whole slice's ``c = dot`` (the
+    shards' :func:`rms_norm_backward_stats` added up) and ``k = d_total``::
+
+        dx      = rstd * (g*dy - xhat * dot / d_total)   (eps inside; outside: times
+                                                          (s + eps) / s, s = rstd's rms)
+        dweight = sum over tokens of dy * xhat           (this shard's columns)
+        dbias   = sum over tokens of dy
+
+    ``dweight``/``dbias`` of a shard are its own columns' gradients: no
+    all-reduce over the hidden axis (a data-parallel reduction over tokens is
+    the caller's, as for any weight).  Runs the array-API reference.
+
+    Parameters
+    ----------
+    dy, x : array
+        This shard's gradient of ``y`` and input.
+    weight, bias : array, optional
+        This shard's part of them; ``dweight``/``dbias`` are None without them.
+    sumsq, d_total
+        As in :func:`rms_norm_from_stats`.
+    dot : array
+        The shards' :func:`rms_norm_backward_stats` added up.
+    {options}
+
+    Returns
+    -------
+    (dx, dweight, dbias)
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import polynorm as pn
+    >>> x, dy = np.array([[3.0, 4.0]]), np.ones((1, 2))
+    >>> ss = np.array([25.0])
+    >>> dot = pn.rms_norm_backward_stats(dy, x, sumsq=ss, d_total=2, eps=0.0)
+    >>> dx, _, _ = pn.rms_norm_backward_from_stats(dy, x, sumsq=ss, dot=dot, d_total=2,
+    ...                                            eps=0.0)
+    >>> bool(np.allclose(dx, pn.rms_norm_backward(dy, x, eps=0.0)[0]))
+    True
+    """
+    opts = pack_options("rms_norm_backward_from_stats", options, **_fixed(_NO_Y))
+    func = "rms_norm_backward_from_stats"
+    x, weight, bias, arrays, call = _prepare(
+        func, x, weight, bias, {"dy": dy, "sumsq": sumsq, "dot": dot}, opts)
+    lay, plan = call.lay, call.plan
+    ss = _row_stat(func, "sumsq", arrays["sumsq"], lay)
+    dt = _row_stat(func, "dot", arrays["dot"], lay)
+    kt = _d_total(func, d_total, lay.d)
+    with _api._no_autograd(x):
+        dx2, dw, db = _ref.split_backward(lay.rows(arrays["dy"]), lay.rows(x), lay.flat(weight),
+                                          lay.flat(bias), ss, dt, kt, plan)
+    return lay.unrows(dx2), lay.unflat(dw), lay.unflat(db)
