@@ -8,7 +8,7 @@ The semantics are in :mod:`polynorm.core.options`.
 
 from polynorm.core.pool import output_pool
 from polynorm.ops.gated import rms_norm_gated, rms_norm_gated_backward
-from polynorm.ops.norm import add_rms_norm, backends, rms_norm, rms_norm_backward
+from polynorm.ops.norm import add_rms_norm, add_rms_norm_, backends, rms_norm, rms_norm_backward
 from polynorm.ops.quant import rms_norm_quant
 
 __version__ = "0.1.0"
@@ -16,4 +16,5 @@ __version__ = "0.1.0"
 __all__ = [
     "rms_norm", "add_rms_norm", "rms_norm_backward", "rms_norm_gated", "rms_norm_gated_backward",
     "rms_norm_quant", "backends", "output_pool", "__version__",
+    "add_rms_norm_",
 ]
