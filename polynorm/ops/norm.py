@@ -599,16 +599,19 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
                            ("x", "weight", "bias", "out"))
         hout2 = _view_rows(lay, residual_out)
     into = getattr(call.backend, "forward_into", None) if hout2 is not None else None
-    if lay.n == 0:
-        y2, h2, rstd = _empty_forward(lay, x, residual, plan)
-    elif into is not None and not split_add(plan):
+    done = None
+    if into is not None and lay.n != 0 and not split_add(plan):
         # h and y written straight into the caller's buffers (add_rms_norm_)
         try:
             with _no_autograd(x):
-                y2, h2, rstd = into(lay.rows(x), lay.rows(residual), lay.flat(weight),
-                                    lay.flat(bias), plan, out2, hout2)
+                done = into(lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias),
+                            plan, out2, hout2)
         except Exception as exc:
             raise partly_written(exc) from exc
+    if done is not None:
+        y2, h2, rstd = done
+    elif lay.n == 0:
+        y2, h2, rstd = _empty_forward(lay, x, residual, plan)
     elif residual is not None and split_add(plan):
         with _no_autograd(x):
             try:

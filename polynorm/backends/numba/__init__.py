@@ -399,7 +399,8 @@ def forward_into(x, residual, weight, bias, plan: Plan, out, h_out):
     """The fused add of :func:`forward` with ``h`` written into ``h_out`` (an
     ``(n, d)`` array of ``plan.norm_dtype``, possibly ``residual`` itself) and
     ``y`` into ``out`` (possibly ``x``, or None): the in-place
-    ``add_rms_norm_`` allocates no token-sized array.
+    ``add_rms_norm_`` allocates no token-sized array.  None (the front end
+    computes apart and copies) for an ``h_out`` of non-adjacent columns.
 
     Alias-safe by the row order of the fused kernels: each row's ``h`` is
     summed element by element (``h[i, j]`` from ``x[i, j]`` and ``r[i, j]``
@@ -407,9 +408,12 @@ def forward_into(x, residual, weight, bias, plan: Plan, out, h_out):
     ``h``, never from ``x`` again; a row touches no other row's memory (the
     prefetch of the next row is a hint, no read of a value).
     """
+    to_numpy = _interop.to_numpy
+    hn = to_numpy(h_out)
+    if hn.shape[1] > 1 and hn.strides[1] != hn.itemsize:
+        return None  # the row reductions read h's adjacent elements (_unit_columns)
     kernels = _kernels or _k()
     caller = x
-    to_numpy = _interop.to_numpy
     x = to_numpy(x)
     n, d = x.shape
     flags, y_dt, _, cdt = _info(plan)
@@ -418,7 +422,7 @@ def forward_into(x, residual, weight, bias, plan: Plan, out, h_out):
     rstd = empty(n, cdt)
     xk, yk = _kview(x), _kview(y)
     r = _kview(to_numpy(residual))
-    hk = _kview(to_numpy(h_out))
+    hk = _kview(hn)
     w, b, offset = _affine(weight, bias, cdt, d, plan.offset, exact=plan.llama)
     args = (xk, r, w, b, yk, hk, rstd, flags | (_llama_codes(
         plan, None if weight is None else to_numpy(weight)) if plan.llama else 0),
