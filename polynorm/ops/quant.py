@@ -324,6 +324,6 @@ def _into_residual(x, weight, bias, residual, residual_out, opts: Options, kw: d
         float_dtype_name("x", x), float_dtype_name("residual", residual))
     _api.check_residual_out(residual_out, x, residual, h_dtype, (x, weight, bias),
                             ("x", "weight", "bias"))
-    q, scales, h = rms_norm_quant(x, weight, bias, residual=residual, **kw, **options)
-    residual_out[...] = h
-    return q, scales, residual_out
+    r = rms_norm_quant(x, weight, bias, residual=residual, **kw, **options)
+    residual_out[...] = r[-1]
+    return r[0], r[1], residual_out
