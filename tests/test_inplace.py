@@ -168,6 +168,13 @@ def test_quant_residual_out(rng):
         pn.rms_norm_quant(x, w, residual=r, residual_out=x)
 
 
+def _op_args_of(**options):
+    from polynorm.core.options import pack_options
+    from polynorm.torch._custom_ops import _op_args
+
+    return _op_args(pack_options("add_rms_norm_", options))
+
+
 def test_torch_inplace_op_declares_and_performs_the_mutation(rng):
     torch = pytest.importorskip("torch")
     import polynorm.torch as pt
@@ -178,8 +185,14 @@ def test_torch_inplace_op_declares_and_performs_the_mutation(rng):
     x, r, w = x.to(torch.bfloat16), r.to(torch.bfloat16), w.to(torch.bfloat16)
     y, h = pn.add_rms_norm(x, r, w, eps=1e-6)
     xi, ri = x.clone(), r.clone()
+    versions = xi._version, ri._version
     assert pt.add_rms_norm_(xi, ri, w, eps=1e-6) == (xi, ri)
     assert torch.equal(xi, y) and torch.equal(ri, h)
+    # autograd's saved-tensor checks see the write, as after the op's own dispatch
+    assert xi._version > versions[0] and ri._version > versions[1]
+    xo, ro = x.clone(), r.clone()
+    torch.ops.polynorm.add_rms_norm_(xo, ro, w, None, *_op_args_of(eps=1e-6))
+    assert torch.equal(xo, y) and torch.equal(ro, h)
     with pytest.raises(ValueError, match="x requires grad"):
         pt.add_rms_norm_(x.clone().requires_grad_(), r.clone(), w)
 

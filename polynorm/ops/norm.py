@@ -1135,6 +1135,8 @@ def add_rms_norm_(
     if residual is None:
         raise TypeError("residual must be an array, got None")
     opts = pack_options("add_rms_norm_", options)
+    if _inplace_fast(x, residual, weight, bias, opts):
+        return x, residual
     xp = _namespace({"x": x, "residual": residual, "weight": weight, "bias": bias})
     for argname, a in (("x", x), ("residual", residual)):
         if aac.is_jax_array(a):
@@ -1164,6 +1166,49 @@ def add_rms_norm_(
             f"{r_dt} (pass residual_dtype={r_dt!r} to round h to it)")
     forward(x, residual, weight, bias, opts, out=x, fused=True, residual_out=residual)
     return x, residual
+
+
+def _inplace_fast(x, residual, weight, bias, opts: Options) -> bool:
+    """:func:`add_rms_norm_` of the serving loop's call (numpy or torch CPU, 2-D,
+    C-contiguous, writable, one dtype, default conventions) straight to the Numba
+    backend's ``forward_into``; False where the general path decides (and raises)."""
+    mod = _fast.numba_module(opts)
+    if mod is None:
+        return False
+    if type(x) is not _np.ndarray:
+        if type(x).__module__ != "torch" or type(residual) is not type(x):
+            return False
+        views = _interop_torch_views((x, residual, weight, bias))
+        if views is None:
+            return False
+        x, residual, weight, bias = views
+    if type(residual) is not _np.ndarray or x.ndim != 2 or residual.shape != x.shape:
+        return False
+    if residual.dtype != x.dtype or not (x.flags.c_contiguous and x.flags.writeable
+                                         and residual.flags.c_contiguous
+                                         and residual.flags.writeable):
+        return False
+    head = _fast._rows(x, weight, bias, None, None)
+    if head is None or not x.dtype.isnative:
+        return False
+    names, dtype, d, _, _ = head
+    plan = _fast._plan(d, dtype, opts)
+    if plan is None or plan.llama or split_add(plan) or plan.out_dtype != dtype:
+        return False
+    share = _np.may_share_memory
+    for a in (weight, bias):  # a bounds test, as check_out_memory's first
+        if a is not None and (share(a, x) or share(a, residual)):
+            return False
+    if share(x, residual):
+        return False
+    mod.forward_into(x, residual, weight, bias, plan, x, residual)
+    return True
+
+
+def _interop_torch_views(arrays: tuple) -> Any:
+    from polynorm.core.interop import torch_host_views
+
+    return torch_host_views(arrays)
 
 
 # --------------------------------------------------------------------------- per-head weights
