@@ -8,7 +8,10 @@ Torch CPU tensors, interleaved in one run (machine noise hits every variant alik
   ``F.rms_norm(x, (D,), eps=eps) * W``, and ``pn.rms_norm`` with one shared (D,) weight
   (what the per-head loop costs over the plain kernel).
 
-    python bench/inplace_perhead.py [--reps R] [--out FILE]
+    python bench/inplace_perhead.py [--reps R] [--threads T] [--out FILE]
+
+``--threads 1`` (torch and Numba on one thread each) gives steadier numbers on a
+shared machine than the default thread counts.
 """
 
 from __future__ import annotations
@@ -87,8 +90,14 @@ def _head_rows(dtype, shape, reps):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=0, help="torch and Numba threads (0: defaults)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.threads:
+        import numba
+
+        torch.set_num_threads(a.threads)
+        numba.set_num_threads(a.threads)
     rows = []
     for kind, shapes, run in (("add", ADD_SHAPES, _add_rows), ("per-head", HEAD_SHAPES, _head_rows)):
         for dtype in DTYPES:
@@ -100,7 +109,8 @@ def main() -> None:
                              "ratio_to_torch": {k: round(v / base, 3) for k, v in med.items()}})
                 print(json.dumps(rows[-1]))
     cpu = platform.processor() or platform.machine()
-    out = {"what": f"python bench/inplace_perhead.py --reps {a.reps}: torch CPU tensors, "
+    out = {"what": f"python bench/inplace_perhead.py --reps {a.reps} --threads {a.threads}: "
+                   "torch CPU tensors, "
                    "median per call of interleaved runs; ratio < 1 is faster than torch's "
                    "composition",
            "machine": f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, "

@@ -429,10 +429,22 @@ def forward_into(x, residual, weight, bias, plan: Plan, out, h_out):
         plan.k, plan.eps, offset, None)
     if plan.llama:
         _run_rows(kernels.forward_llama_parallel, kernels.forward_llama_rows, n, d, args)
+    elif xk.dtype.itemsize == 2 and r.dtype == hk.dtype and _same_memory(r, hk):
+        # h over the residual, 16-bit: the drivers that see one pointer (numba/inplace.py)
+        from polynorm.backends.numba import inplace as _inplace
+
+        args = args[:5] + (None,) + args[6:]
+        _run_rows(_inplace.forward_add_inplace_parallel, _inplace.forward_add_inplace_rows, n, d,
+                  args)
     else:
         _run_rows(*kernels.forward_kernels(True, xk.dtype.itemsize == 2, False), n, d, args)
     from_numpy = _interop.from_numpy
     return (out if out is not None else from_numpy(y, caller), h_out, from_numpy(rstd, caller))
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.shape == b.shape and a.strides == b.strides)
 
 
 def forward_apart(x, residual, weight, bias, plan: Plan, plan_s: Plan, out=None):
