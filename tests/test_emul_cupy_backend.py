@@ -439,3 +439,31 @@ def test_emul_cupy_forward_into_writes_add_rms_norm_bits_over_the_inputs(fake_cu
     plan = _plan(8, "float32")
     f = _fake(np.ones((2, 8), np.float32))
     assert cupy_backend.forward_into(f, f, None, None, plan, None, _fake(np.ones((2, 8)))) is None
+
+
+def test_emul_cupy_per_head_rows_have_the_bits_of_contiguous_rows(fake_cupy):
+    """Per-head weights on the GPU: the front end (ops/norm.py forward_heads /
+    backward_heads) hands each head's (T, D) rows to the backend as a strided view
+    of x (T, H, D) with its weight row; the kernels take the row stride as it is
+    and give the bits of the same rows copied out, dweight included."""
+    rng = np.random.default_rng(11)
+    t, heads, d = 5, 3, 64
+    x = _rand(rng, (t, heads, d), "float16")
+    dy = _rand(rng, (t, heads, d), "float16")
+    w = _rand(rng, (heads, d), "float32")
+    plan = _plan(d, "float16")
+    fx = _fake(x.copy())
+    for j in range(heads):
+        y, _, rstd = cupy_backend.forward(fx[:, j, :], None, _fake(w[j].copy()), None, plan)
+        yc, _, rc = cupy_backend.forward(_fake(np.ascontiguousarray(x[:, j, :])), None,
+                                         _fake(w[j].copy()), None, plan)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(yc))
+        np.testing.assert_array_equal(np.asarray(rstd), np.asarray(rc))
+        dx, dw, _ = cupy_backend.backward(_fake(dy.copy())[:, j, :], fx[:, j, :],
+                                          _fake(w[j].copy()), None, None, None, plan)
+        dxc, dwc, _ = cupy_backend.backward(_fake(np.ascontiguousarray(dy[:, j, :])),
+                                            _fake(np.ascontiguousarray(x[:, j, :])),
+                                            _fake(w[j].copy()), None, None, None, plan)
+        np.testing.assert_array_equal(np.asarray(dx), np.asarray(dxc))
+        np.testing.assert_array_equal(np.asarray(dw), np.asarray(dwc))
+    np.testing.assert_array_equal(np.asarray(fx), x)  # x untouched
