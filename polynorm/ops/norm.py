@@ -1311,6 +1311,11 @@ def forward_heads(x, residual, weight, bias, opts: Options, *, out=None,
     hd = _heads(x, weight, bias, opts.axis)
     xp = hd.xp
     _check_shape("residual", residual, hd.shape, "the shape of x")
+    if type(x).__module__ == "torch" and hd.t * hd.heads != 0:
+        r = _heads_on_host(x, (residual, weight, bias, out, residual_out), opts, return_rstd,
+                           fused)
+        if r is not None:
+            return r
     if hd.t * hd.heads == 0 or hd.d == 0:
         # nothing per head to run: the shapes, dtypes and errors of one plain call
         w0 = None if weight is None else xp.reshape(weight, (-1,))[:hd.d]
@@ -1346,6 +1351,28 @@ def forward_heads(x, residual, weight, bias, opts: Options, *, out=None,
     if return_rstd:
         result.append(hd.join(rs, hd.shape[:len(hd.shape) - hd.nax]))
     return result[0] if len(result) == 1 else tuple(result)
+
+
+def _heads_on_host(x, others: tuple, opts: Options, return_rstd: bool, fused: bool):
+    """:func:`forward_heads` of torch CPU tensors on their zero-copy numpy views (each
+    head's call then takes the numpy fast path, not the tensor's), the results back
+    as tensors (``out``/``residual_out``: the caller's own); None where the views
+    cannot be had (the per-tensor path runs)."""
+    from polynorm.core.interop import torch_from_host, torch_host_views
+
+    views = torch_host_views((x, *others))
+    if views is None:
+        return None
+    vx, vr, vw, vb, vo, vh = views
+    r = forward_heads(vx, vr, vw, vb, opts, out=vo, return_rstd=return_rstd, fused=fused,
+                      residual_out=vh)
+    rs = list(r) if isinstance(r, tuple) else [r]
+    back = [torch_from_host(a) for a in rs]
+    if others[3] is not None:
+        back[0] = others[3]
+    if fused and others[4] is not None:
+        back[1] = others[4]
+    return tuple(back) if len(back) > 1 else back[0]
 
 
 def backward_heads(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
