@@ -8,7 +8,7 @@ The semantics are in :mod:`polynorm.core.options`.
 
 from polynorm.core.pool import output_pool
 from polynorm.ops.gated import rms_norm_gated, rms_norm_gated_backward
-from polynorm.ops.norm import add_rms_norm, backends, rms_norm, rms_norm_backward
+from polynorm.ops.norm import add_rms_norm, add_rms_norm_, backends, rms_norm, rms_norm_backward
 from polynorm.ops.quant import rms_norm_quant
 from polynorm.ops.split import (
     rms_norm_backward_from_stats,
@@ -24,4 +24,5 @@ __all__ = [
     "rms_norm_quant", "backends", "output_pool", "__version__",
     "rms_norm_stats", "rms_norm_from_stats", "rms_norm_backward_stats",
     "rms_norm_backward_from_stats",
+    "add_rms_norm_",
 ]

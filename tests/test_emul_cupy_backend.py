@@ -413,3 +413,57 @@ def test_emul_cupy_bfloat16_needs_a_cupy_that_has_it(fake_cupy, monkeypatch):
     monkeypatch.setattr(cupy, "__version__", "13.6.0", raising=False)
     with pytest.raises(TypeError, match="cupy 13.6.0 has no bfloat16"):
         namespace_dtype(xp, "bfloat16", like)
+
+
+@pytest.mark.parametrize("d", [300, 9000])  # the register kernel; the split / big kernels
+def test_emul_cupy_forward_into_writes_add_rms_norm_bits_over_the_inputs(fake_cupy, d):
+    """add_rms_norm_ on the GPU: h over the residual and y over x (both aliased in
+    one launch) carry the bits of the allocating fused add, also where pass 2
+    re-reads the row (pn_fwd_big / pn_fwd_split read h there, not the residual)."""
+    rng = np.random.default_rng(d)
+    n = 6
+    for xd, rd in (("float16", "float16"), ("float16", "float32")):
+        x, r, w = _rand(rng, (n, d), xd), _rand(rng, (n, d), rd), _rand(rng, d, "float32")
+        plan = _plan(d, np.promote_types(xd, rd).name)
+        y, h, rstd = cupy_backend.forward(_fake(x.copy()), _fake(r.copy()), _fake(w), None, plan)
+        xi, ri = _fake(x.copy()), _fake(r.copy())
+        same = plan.out_dtype == xd  # y can go over x
+        got = cupy_backend.forward_into(xi, ri, _fake(w), None, plan, xi if same else None, ri)
+        assert got is not None and got[1] is ri and (not same or got[0] is xi)
+        np.testing.assert_array_equal(np.asarray(ri), np.asarray(h))
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(y))
+        np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(rstd))
+        if same:
+            np.testing.assert_array_equal(np.asarray(xi), np.asarray(y))
+    # an h buffer of another dtype than the kernel's h: declined, the front end copies
+    plan = _plan(8, "float32")
+    f = _fake(np.ones((2, 8), np.float32))
+    assert cupy_backend.forward_into(f, f, None, None, plan, None, _fake(np.ones((2, 8)))) is None
+
+
+def test_emul_cupy_per_head_rows_have_the_bits_of_contiguous_rows(fake_cupy):
+    """Per-head weights on the GPU: the front end (ops/norm.py forward_heads /
+    backward_heads) hands each head's (T, D) rows to the backend as a strided view
+    of x (T, H, D) with its weight row; the kernels take the row stride as it is
+    and give the bits of the same rows copied out, dweight included."""
+    rng = np.random.default_rng(11)
+    t, heads, d = 5, 3, 64
+    x = _rand(rng, (t, heads, d), "float16")
+    dy = _rand(rng, (t, heads, d), "float16")
+    w = _rand(rng, (heads, d), "float32")
+    plan = _plan(d, "float16")
+    fx = _fake(x.copy())
+    for j in range(heads):
+        y, _, rstd = cupy_backend.forward(fx[:, j, :], None, _fake(w[j].copy()), None, plan)
+        yc, _, rc = cupy_backend.forward(_fake(np.ascontiguousarray(x[:, j, :])), None,
+                                         _fake(w[j].copy()), None, plan)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(yc))
+        np.testing.assert_array_equal(np.asarray(rstd), np.asarray(rc))
+        dx, dw, _ = cupy_backend.backward(_fake(dy.copy())[:, j, :], fx[:, j, :],
+                                          _fake(w[j].copy()), None, None, None, plan)
+        dxc, dwc, _ = cupy_backend.backward(_fake(np.ascontiguousarray(dy[:, j, :])),
+                                            _fake(np.ascontiguousarray(x[:, j, :])),
+                                            _fake(w[j].copy()), None, None, None, plan)
+        np.testing.assert_array_equal(np.asarray(dx), np.asarray(dxc))
+        np.testing.assert_array_equal(np.asarray(dw), np.asarray(dwc))
+    np.testing.assert_array_equal(np.asarray(fx), x)  # x untouched

@@ -93,6 +93,19 @@ class RowRangeBackward(Protocol):
                empty: Any = ...) -> tuple[Any, Any]:
         ...
 
+
+@runtime_checkable
+class InPlaceKernels(Protocol):
+    """Optional: the fused add with ``h`` written into ``h_out`` (possibly ``residual``
+    itself) and ``y`` into ``out`` (possibly ``x``, or None): ``add_rms_norm_`` and
+    ``residual_out=``.  Returns ``(y, h_out, rstd)``, or None where it cannot write
+    into these buffers (the front end then computes apart and copies)."""
+
+    def forward_into(self, x: Any, residual: Any, weight: Any, bias: Any, plan: Plan, out: Any,
+                     h_out: Any) -> tuple[Any, Any, Any] | None:
+        ...
+
+
 #: name -> module path.  Order matters only for listing.
 MODULES: dict[str, str] = {
     "numba": "polynorm.backends.numba",

@@ -39,7 +39,7 @@ def self_overlaps(a: np.ndarray) -> bool:
 
 
 def check_out_memory(out: np.ndarray, inputs: tuple, names: tuple,
-                     in_place: tuple = ("x", "residual")) -> None:
+                     in_place: tuple = ("x", "residual"), name: str = "out") -> None:
     """``out`` (a numpy view) must be writable, in native byte order, free of
     overlapping elements, and share no memory with an input, except being
     exactly the same elements as one named in ``in_place`` (an in-place call).
@@ -51,15 +51,17 @@ def check_out_memory(out: np.ndarray, inputs: tuple, names: tuple,
     """
     flags = out.flags
     if not flags.writeable:
-        raise ValueError("out is read-only; pass a writable array (or out=None)")
+        hint = f" (or {name}=None)" if name.endswith("out") else ""
+        raise ValueError(f"{name} is read-only; pass a writable array{hint}")
     if not out.dtype.isnative:
         raise TypeError(
-            f"out must have the machine's byte order, got dtype {out.dtype.str!r}; "
-            f"pass an array of dtype {out.dtype.newbyteorder('=').str!r} (or out=None)"
+            f"{name} must have the machine's byte order, got dtype {out.dtype.str!r}; "
+            f"pass an array of dtype {out.dtype.newbyteorder('=').str!r}"
+            + (f" (or {name}=None)" if name.endswith("out") else "")
         )
     if not (flags.c_contiguous or flags.f_contiguous) and self_overlaps(out):
         raise ValueError(
-            f"out's elements overlap (strides {out.strides}, e.g. a broadcast view); "
+            f"{name}'s elements overlap (strides {out.strides}, e.g. a broadcast view); "
             "pass an array whose elements are distinct"
         )
     owner = out.base is None
@@ -78,8 +80,8 @@ def check_out_memory(out: np.ndarray, inputs: tuple, names: tuple,
             shared = True
         if shared:
             allowed = "" if argname not in in_place else (
-                f" (out may be exactly {argname}: the same memory, shape and strides)")
-            raise ValueError(f"out overlaps {argname}{allowed}; pass a separate array")
+                f" ({name} may be exactly {argname}: the same memory, shape and strides)")
+            raise ValueError(f"{name} overlaps {argname}{allowed}; pass a separate array")
 
 
 def plain_out_ok(out: np.ndarray, x, residual, weight, bias) -> bool:

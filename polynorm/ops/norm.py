@@ -37,7 +37,7 @@ from polynorm.ops import fast_cuda as _fast_cuda
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["rms_norm", "add_rms_norm", "rms_norm_backward", "backends"]
+__all__ = ["rms_norm", "add_rms_norm", "rms_norm_backward", "backends", "add_rms_norm_"]
 
 #: any array of a supported library (numpy, cupy, torch, jax, dask, array-api-strict, ...)
 Array: TypeAlias = Any
@@ -559,13 +559,14 @@ def _prepare(*, x: Any, weight: Any, bias: Any, arrays: dict[str, Any], opts: Op
 
 
 def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: bool = False,
-            fused: bool = False):
+            fused: bool = False, residual_out=None):
     """:func:`rms_norm` (``fused=False``) or :func:`add_rms_norm` with the options packed.
 
     The entry of :mod:`polynorm.torch` and :mod:`polynorm.jax` too: the fast path
-    when it takes the call, else the general path.
+    when it takes the call, else the general path.  ``residual_out`` receives ``h``
+    (:func:`add_rms_norm`'s keyword); per-head weights go to :func:`forward_heads`.
     """
-    mod = _fast.numba_module(opts)
+    mod = _fast.numba_module(opts) if residual_out is None else None
     if mod is not None:
         views = _jax_host_views(x, residual, weight, bias) if out is None else None
         if views is not None:
@@ -576,12 +577,15 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
         r = _fast.forward(mod, x, residual, weight, bias, out, return_rstd, opts, fused)
         if r is not None:
             return r
-    if type(x).__module__ == "torch":
+    if type(x).__module__ == "torch" and residual_out is None:
         r = _fast_cuda.forward(x, residual, weight, bias, out, return_rstd, opts, fused)
         if r is not None:
             return r
     x, residual, weight, bias = _native(x), _native(residual), _native(weight), _native(bias)
     weight, bias = _chunk_library_params(x, weight, bias)
+    if per_head(x, weight, bias, opts.axis):
+        return forward_heads(x, residual, weight, bias, opts, out=out, return_rstd=return_rstd,
+                             fused=fused, residual_out=residual_out)
     call = _prepare(x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out},
                     opts=opts)
     lay, plan = call.lay, call.plan
@@ -589,7 +593,24 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
         no_residual(opts)
     _check_out(out, x, plan.out_dtype, (x, residual, weight, bias))
     out2 = _view_rows(lay, out) if out is not None else None
-    if lay.n == 0:
+    hout2 = None
+    if residual_out is not None:
+        check_residual_out(residual_out, x, residual, plan.h_dtype, (x, weight, bias, out),
+                           ("x", "weight", "bias", "out"))
+        hout2 = _view_rows(lay, residual_out)
+    into = getattr(call.backend, "forward_into", None) if hout2 is not None else None
+    done = None
+    if into is not None and lay.n != 0 and not split_add(plan):
+        # h and y written straight into the caller's buffers (add_rms_norm_)
+        try:
+            with _no_autograd(x):
+                done = into(lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias),
+                            plan, out2, hout2)
+        except Exception as exc:
+            raise partly_written(exc) from exc
+    if done is not None:
+        y2, h2, rstd = done
+    elif lay.n == 0:
         y2, h2, rstd = _empty_forward(lay, x, residual, plan)
     elif residual is not None and split_add(plan):
         with _no_autograd(x):
@@ -618,7 +639,11 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
             out[...] = y
             y = out
     result = [y]
-    if fused:
+    if residual_out is not None:
+        if h2 is not hout2:
+            residual_out[...] = lay.unrows(h2)
+        result.append(residual_out)
+    elif fused:
         result.append(lay.unrows(h2))
     if return_rstd:
         result.append(lay.unbatch(rstd))
@@ -801,6 +826,7 @@ def add_rms_norm(
     *,
     return_rstd: bool = False,
     out: Array | None = None,
+    residual_out: Array | None = None,
     **options: Unpack[NormOptions],
 ) -> tuple[Array, Array] | tuple[Array, Array, Array]:
     """Fused residual add and RMSNorm: ``h = x + residual``, ``y = rms_norm(h)``.
@@ -827,6 +853,14 @@ def add_rms_norm(
     out : array, optional
         Preallocated ``y`` (same type, shape and dtype as ``y``); may be ``x``
         or ``residual`` itself.
+    residual_out : array, optional
+        Preallocated ``h`` (same type and shape as ``x``, ``h``'s dtype); may be
+        ``residual`` itself (the same memory, shape and strides), else it must
+        not overlap an input or ``out``, with ``out=``'s other rules.  The
+        returned ``h`` is this array.  The Numba backend writes ``h`` into it
+        (with the default ``norm_input``/``residual_dtype``); the others, and
+        layouts that do not reshape to rows without a copy, copy into it.
+        :func:`add_rms_norm_` is ``out=x, residual_out=residual``.
     {options}
 
     Returns
@@ -856,7 +890,8 @@ def add_rms_norm(
     if residual is None:
         raise TypeError("residual must be an array, got None")
     opts = pack_options("add_rms_norm", options)
-    return forward(x, residual, weight, bias, opts, out=out, return_rstd=return_rstd, fused=True)
+    return forward(x, residual, weight, bias, opts, out=out, return_rstd=return_rstd, fused=True,
+                   residual_out=residual_out)
 
 
 @takes_options()
@@ -972,6 +1007,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
     # chunks' library
     weight, bias = _chunk_library_params(x, weight, bias)
     rstd = _chunk_library_params(x, rstd, None)[0]
+    if per_head(x, weight, bias, opts.axis):
+        return backward_heads(dy, x, weight, bias, rstd, grad_residual, opts, out)
     call = _prepare(x=x, weight=weight, bias=bias,
                     arrays={"dy": dy, "rstd": rstd, "grad_residual": grad_residual}, opts=opts)
     lay, plan = call.lay, call.plan
@@ -1010,3 +1047,372 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
             out[...] = lay.unrows(dx2)
         dx = out
     return dx, lay.unflat(dw), lay.unflat(db)
+
+
+# --------------------------------------------------------------------------- in place
+
+
+def check_residual_out(residual_out: Any, x: Any, residual: Any, h_dtype: str, others: tuple,
+                       names: tuple) -> None:
+    """``residual_out`` (where ``h`` goes) by ``out=``'s rules: the type and shape of
+    ``x``, dtype ``h_dtype``, writable, native byte order, and no overlap with
+    ``others`` (called ``names``) or with ``residual`` other than being it exactly."""
+    if type(residual_out) is not type(x):
+        raise TypeError(f"residual_out must be of the same type as x ({type(x).__name__}), "
+                        f"got {type(residual_out).__name__}")
+    if aac.is_jax_array(residual_out):
+        raise TypeError("residual_out= is not supported for jax arrays, which are immutable")
+    if aac.is_dask_array(residual_out) and any(_unknown(s) for s in residual_out.shape):
+        raise ValueError("residual_out= is not supported for dask arrays of unknown chunk sizes")
+    _check_shape("residual_out", residual_out, tuple(x.shape), "the shape of x")
+    got = float_dtype_name("residual_out", residual_out)
+    if got != h_dtype:
+        raise TypeError(f"residual_out must have dtype {h_dtype} (that of h = x + residual), "
+                        f"got {got}")
+    ov = host_view(residual_out)
+    if ov is not None:
+        check_out_memory(ov, tuple(host_view(a) for a in (residual, *others)),
+                         ("residual", *names), ("residual",), name="residual_out")
+
+
+@takes_options()
+def add_rms_norm_(
+    x: Array,
+    residual: Array,
+    weight: Array | None = None,
+    bias: Array | None = None,
+    **options: Unpack[NormOptions],
+) -> tuple[Array, Array]:
+    """In-place fused add and RMSNorm: ``residual <- x + residual``, ``x <- y``.
+
+    The bits of :func:`add_rms_norm` (``residual`` receives its ``h``, ``x``
+    its ``y``), written over the inputs: vLLM's ``fused_add_rms_norm`` and
+    FlashInfer's ``fused_add_rmsnorm`` (both ``(input, residual, weight,
+    eps)``, mutating both).  The Numba backend allocates no token-sized array
+    (the kernel reads each row of ``x`` and ``residual`` whole before it
+    writes that row); the other backends, and layouts that do not reshape to
+    rows without a copy, compute apart and copy.
+
+    Parameters
+    ----------
+    x : array
+        The block's output; receives ``y``.  Writable, native byte order, not
+        overlapping ``residual``, ``weight`` or ``bias``.  ``y`` must have
+        ``x``'s dtype: ``y``'s default dtype is ``h``'s, so bfloat16 ``x``
+        with a float32 ``residual`` needs ``out_dtype="bfloat16"``.
+    residual : array
+        The residual stream; receives ``h``, so ``h``'s dtype (the promoted
+        dtype of ``x`` and ``residual``, or ``residual_dtype``) must be
+        ``residual``'s own: float32 ``x`` with a bfloat16 ``residual`` needs
+        ``residual_dtype="bfloat16"``.
+    weight, bias : array, optional
+        As in :func:`rms_norm`.
+    {options}
+
+    Returns
+    -------
+    (x, residual)
+        The two arrays passed, now holding ``y`` and ``h`` (torch's ``add_``
+        returns its tensor too; vLLM's and FlashInfer's ops return None, and
+        ignoring the result gives their usage).  jax arrays are immutable: a
+        ``TypeError`` that points to :func:`add_rms_norm` (under ``jax.jit``
+        with ``donate_argnums`` XLA reuses the donated buffers for ``y`` and
+        ``h``).  Dask arrays are a ``TypeError`` too: a dask graph has no
+        memory to reuse.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import polynorm as pn
+    >>> x = np.array([[1.0, 2.0]], dtype=np.float32)
+    >>> residual = np.array([[2.0, 2.0]], dtype=np.float32)
+    >>> _ = pn.add_rms_norm_(x, residual, eps=0.0)
+    >>> residual
+    array([[3., 4.]], dtype=float32)
+    >>> x
+    array([[0.84852815, 1.1313709 ]], dtype=float32)
+    """
+    if residual is None:
+        raise TypeError("residual must be an array, got None")
+    opts = pack_options("add_rms_norm_", options)
+    if _inplace_fast(x, residual, weight, bias, opts):
+        return x, residual
+    xp = _namespace({"x": x, "residual": residual, "weight": weight, "bias": bias})
+    for argname, a in (("x", x), ("residual", residual)):
+        if aac.is_jax_array(a):
+            raise TypeError(
+                f"{argname} is a jax array, which is immutable: use add_rms_norm (under jax.jit "
+                "with donate_argnums, XLA may reuse the donated buffers for y and h)")
+        if aac.is_dask_array(a):
+            raise TypeError(f"{argname} is a dask array, whose graph has no memory to update in "
+                            "place: use add_rms_norm")
+    x_dt = float_dtype_name("x", x)
+    r_dt = float_dtype_name("residual", residual)
+    _check_shape("residual", residual, tuple(x.shape), "the shape of x")
+    for argname, a, rest, names in (
+            ("x", x, (residual, weight, bias), ("residual", "weight", "bias")),
+            ("residual", residual, (weight, bias), ("weight", "bias"))):
+        view = host_view(a)
+        if view is not None:
+            check_out_memory(view, tuple(host_view(b) for b in rest), names, (), name=argname)
+    lay = _layout(xp, x, opts.axis)
+    plan = make_plan(lay.d, promote(x_dt, r_dt), opts)
+    if plan.out_dtype != x_dt:
+        raise TypeError(f"x receives y, whose dtype is {plan.out_dtype}; x has {x_dt} (pass "
+                        f"out_dtype={x_dt!r} to round y to it)")
+    if plan.h_dtype != r_dt:
+        raise TypeError(
+            f"residual receives h = x + residual, whose dtype is {plan.h_dtype}; residual has "
+            f"{r_dt} (pass residual_dtype={r_dt!r} to round h to it)")
+    forward(x, residual, weight, bias, opts, out=x, fused=True, residual_out=residual)
+    return x, residual
+
+
+def _inplace_fast(x, residual, weight, bias, opts: Options) -> bool:
+    """:func:`add_rms_norm_` of the serving loop's call (numpy or torch CPU, 2-D,
+    C-contiguous, writable, one dtype, default conventions) straight to the Numba
+    backend's ``forward_into``; False where the general path decides (and raises)."""
+    mod = _fast.numba_module(opts)
+    if mod is None:
+        return False
+    if type(x) is not _np.ndarray:
+        if type(x).__module__ != "torch" or type(residual) is not type(x):
+            return False
+        views = _interop_torch_views((x, residual, weight, bias))
+        if views is None:
+            return False
+        x, residual, weight, bias = views
+    if type(residual) is not _np.ndarray or x.ndim != 2 or residual.shape != x.shape:
+        return False
+    if residual.dtype != x.dtype or not (x.flags.c_contiguous and x.flags.writeable
+                                         and residual.flags.c_contiguous
+                                         and residual.flags.writeable):
+        return False
+    head = _fast._rows(x, weight, bias, None, None)
+    if head is None or not x.dtype.isnative:
+        return False
+    names, dtype, d, _, _ = head
+    plan = _fast._plan(d, dtype, opts)
+    if plan is None or plan.llama or split_add(plan) or plan.out_dtype != dtype:
+        return False
+    share = _np.may_share_memory
+    for a in (weight, bias):  # a bounds test, as check_out_memory's first
+        if a is not None and (share(a, x) or share(a, residual)):
+            return False
+    if share(x, residual):
+        return False
+    mod.forward_into(x, residual, weight, bias, plan, x, residual)
+    return True
+
+
+def _interop_torch_views(arrays: tuple) -> Any:
+    from polynorm.core.interop import torch_host_views
+
+    return torch_host_views(arrays)
+
+
+# --------------------------------------------------------------------------- per-head weights
+
+
+def per_head(x: Any, weight: Any, bias: Any, axis: Any) -> bool:
+    """Whether ``weight`` or ``bias`` has more axes than the normalized ones (per-head
+    weights, :func:`forward_heads`); their shapes are checked there."""
+    nax = len(axis) if isinstance(axis, (tuple, list)) else 1
+    return ((weight is not None and getattr(weight, "ndim", 0) > nax)
+            or (bias is not None and getattr(bias, "ndim", 0) > nax))
+
+
+@dataclass
+class _Heads:
+    """``x`` as ``(t, heads, d)``: each head a ``(t, d)`` strided view with its own
+    weight row."""
+
+    xp: Any
+    shape: tuple[int, ...]
+    wshape: tuple[int, ...]
+    t: int
+    heads: int
+    d: int
+    nax: int
+
+    def split(self, a: Any) -> Any:
+        return None if a is None else self.xp.reshape(a, (self.t, self.heads, self.d))
+
+    def params(self, a: Any) -> Any:
+        return None if a is None else self.xp.reshape(a, (self.heads, self.d))
+
+    def view(self, a: Any) -> Any:
+        """``a`` (shape of x) as ``(t, heads, d)`` without a copy, or None."""
+        if a is None:
+            return None
+        if aac.is_torch_array(a):
+            try:
+                return a.view(self.t, self.heads, self.d)
+            except RuntimeError:
+                return None
+        if hasattr(a, "__array_interface__") or aac.is_cupy_array(a):
+            v = a.view()
+            try:
+                v.shape = (self.t, self.heads, self.d)
+            except AttributeError:
+                return None
+            return v
+        return None
+
+    def join(self, parts: list, tail: tuple[int, ...]) -> Any:
+        return self.xp.reshape(self.xp.stack(parts, axis=1), tail)
+
+
+def _heads(x: Any, weight: Any, bias: Any, axis: Any) -> _Heads:
+    """The per-head layout, or the ``ValueError`` of weights that do not span x's
+    trailing axes that way."""
+    xp = _namespace({"x": x, "weight": weight, "bias": bias})
+    shape = tuple(x.shape)
+    if any(_unknown(s) for s in shape):
+        raise ValueError(f"per-head weights need x of known sizes, got shape {shape}; "
+                         "call x.compute_chunk_sizes() first")
+    nd = len(shape)
+    axes = _normalize_axis(axis, nd)
+    nax = len(axes)
+    wide = weight if weight is not None and weight.ndim > nax else bias
+    argname = "weight" if wide is weight else "bias"
+    wshape = tuple(wide.shape)
+    if axes != tuple(range(nd - nax, nd)):
+        raise ValueError(
+            f"{argname} of shape {wshape} spans axes besides the normalized ones (per-head "
+            f"weights), which needs the normalized axes last; got axis={axis!r} for x of shape "
+            f"{shape}")
+    wn = len(wshape)
+    if wn > nd or wshape != shape[nd - wn:]:
+        norm = shape[nd - nax:]
+        raise ValueError(
+            f"{argname} must have shape {norm} (x's shape over the normalized axes) or, for "
+            f"per-head weights, a trailing part of x's shape longer than that (e.g. "
+            f"{shape[max(0, nd - nax - 1):]}), got {wshape}")
+    for other, name in ((weight, "weight"), (bias, "bias")):
+        if other is not None and tuple(other.shape) != wshape:
+            raise ValueError(f"{name} must have the shape of {argname} ({wshape}) with per-head "
+                             f"weights, got {tuple(other.shape)}")
+    return _Heads(xp=xp, shape=shape, wshape=wshape, t=math.prod(shape[:nd - wn]),
+                  heads=math.prod(shape[nd - wn:nd - nax]), d=math.prod(shape[nd - nax:]),
+                  nax=nax)
+
+
+def forward_heads(x, residual, weight, bias, opts: Options, *, out=None,
+                  return_rstd: bool = False, fused: bool = False, residual_out=None):
+    """:func:`forward` with per-head weights (QuACK's ``(H, N)`` weight, Flax's
+    ``feature_axes``): ``weight``/``bias`` of shape ``x.shape[-m:]`` with ``m`` more
+    than the normalized axes (the last ones).  Each head's ``(t, d)`` rows -- a
+    strided view of ``x`` -- run the plain kernels with that head's weight row, so
+    every row has the bits of :func:`rms_norm` of that row with that weight row
+    (the kernels keep their speed and specialisations; a call pays per head).
+    ``out``/``residual_out`` are written through per-head views where they reshape
+    without a copy, else copied into."""
+    hd = _heads(x, weight, bias, opts.axis)
+    xp = hd.xp
+    _check_shape("residual", residual, hd.shape, "the shape of x")
+    if type(x).__module__ == "torch" and hd.t * hd.heads != 0:
+        r = _heads_on_host(x, (residual, weight, bias, out, residual_out), opts, return_rstd,
+                           fused)
+        if r is not None:
+            return r
+    if hd.t * hd.heads == 0 or hd.d == 0:
+        # nothing per head to run: the shapes, dtypes and errors of one plain call
+        w0 = None if weight is None else xp.reshape(weight, (-1,))[:hd.d]
+        b0 = None if bias is None else xp.reshape(bias, (-1,))[:hd.d]
+        if w0 is not None and w0.shape[0] != hd.d or b0 is not None and b0.shape[0] != hd.d:
+            w0 = b0 = None
+        return forward(x, residual, w0, b0, opts, out=out, return_rstd=return_rstd,
+                       fused=fused, residual_out=residual_out)
+    ho = opts._replace(axis=-1)
+    x3, r3, w2, b2 = hd.split(x), hd.split(residual), hd.params(weight), hd.params(bias)
+    out3, hout3 = hd.view(out), hd.view(residual_out)
+    ys, hs, rs = [], [], []
+    for j in range(hd.heads):
+        r = forward(x3[:, j, :], None if r3 is None else r3[:, j, :],
+                    None if w2 is None else w2[j, :], None if b2 is None else b2[j, :], ho,
+                    out=None if out3 is None else out3[:, j, :], return_rstd=True, fused=fused,
+                    residual_out=None if hout3 is None else hout3[:, j, :])
+        ys.append(r[0])
+        if fused:
+            hs.append(r[1])
+        rs.append(r[-1])
+    y = out if out3 is not None else hd.join(ys, hd.shape)
+    if out is not None and out3 is None:
+        out[...] = y
+        y = out
+    result = [y]
+    if fused:
+        h = residual_out if hout3 is not None else hd.join(hs, hd.shape)
+        if residual_out is not None and hout3 is None:
+            residual_out[...] = h
+            h = residual_out
+        result.append(h)
+    if return_rstd:
+        result.append(hd.join(rs, hd.shape[:len(hd.shape) - hd.nax]))
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+def _heads_on_host(x, others: tuple, opts: Options, return_rstd: bool, fused: bool):
+    """:func:`forward_heads` of torch CPU tensors on their zero-copy numpy views (each
+    head's call then takes the numpy fast path, not the tensor's), the results back
+    as tensors (``out``/``residual_out``: the caller's own); None where the views
+    cannot be had (the per-tensor path runs)."""
+    from polynorm.core.interop import torch_from_host, torch_host_views
+
+    views = torch_host_views((x, *others))
+    if views is None:
+        return None
+    vx, vr, vw, vb, vo, vh = views
+    r = forward_heads(vx, vr, vw, vb, opts, out=vo, return_rstd=return_rstd, fused=fused,
+                      residual_out=vh)
+    rs = list(r) if isinstance(r, tuple) else [r]
+    back = [torch_from_host(a) for a in rs]
+    if others[3] is not None:
+        back[0] = others[3]
+    if fused and others[4] is not None:
+        back[1] = others[4]
+    return tuple(back) if len(back) > 1 else back[0]
+
+
+def backward_heads(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
+    """:func:`backward` with per-head weights (:func:`forward_heads`): each head's rows
+    run the plain backward, so ``dweight[h]``/``dbias[h]`` are summed over that
+    head's tokens in the row tree's fixed order (``backends/rowtree.py``), the
+    bits of ``rms_norm_backward`` on that head's rows alone."""
+    hd = _heads(x, weight, bias, opts.axis)
+    xp = hd.xp
+    for argname in ("dy", "grad_residual"):
+        _check_shape(argname, {"dy": dy, "grad_residual": grad_residual}[argname], hd.shape,
+                     "the shape of x")
+    batch = hd.shape[:len(hd.shape) - hd.nax]
+    _check_shape("rstd", rstd, batch, "x's shape without the normalized axes")
+    if hd.t * hd.heads == 0 or hd.d == 0:
+        dev = result_device(x)
+        dx = xp.zeros(hd.shape, dtype=x.dtype, device=dev) if out is None else out
+        dw = None if weight is None else xp.zeros(weight.shape, dtype=weight.dtype, device=dev)
+        db = None if bias is None else xp.zeros(bias.shape, dtype=bias.dtype, device=dev)
+        return dx, dw, db
+    ho = opts._replace(axis=-1)
+    dy3, x3, g3 = hd.split(dy), hd.split(x), hd.split(grad_residual)
+    w2, b2 = hd.params(weight), hd.params(bias)
+    r2 = None if rstd is None else xp.reshape(rstd, (hd.t, hd.heads))
+    out3 = hd.view(out)
+    dxs, dws, dbs = [], [], []
+    for j in range(hd.heads):
+        dx, dw, db = backward(
+            dy3[:, j, :], x3[:, j, :], None if w2 is None else w2[j, :],
+            None if b2 is None else b2[j, :], None if r2 is None else r2[:, j],
+            None if g3 is None else g3[:, j, :], ho,
+            out=None if out3 is None else out3[:, j, :])
+        dxs.append(dx)
+        dws.append(dw)
+        dbs.append(db)
+    dx = out if out3 is not None else hd.join(dxs, hd.shape)
+    if out is not None and out3 is None:
+        out[...] = dx
+        dx = out
+    dw = None if weight is None else hd.join([xp.reshape(a, (1, hd.d)) for a in dws],
+                                             hd.wshape)
+    db = None if bias is None else hd.join([xp.reshape(a, (1, hd.d)) for a in dbs], hd.wshape)
+    return dx, dw, db

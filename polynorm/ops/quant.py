@@ -116,6 +116,7 @@ def rms_norm_quant(
     scale: float | Array | None = None,
     group_size: int | None = None,
     scale_mode: str = "divide",
+    residual_out: Array | None = None,
     **options: Unpack[NormOptions],
 ) -> tuple[Array, Array] | tuple[Array, Array, Array]:
     """RMSNorm with quantized output (float8 e4m3 or e5m2, or int8), for serving.
@@ -201,6 +202,12 @@ def rms_norm_quant(
         from ``y * float32(1 / s)``, the bits of vLLM's static fp8 and
         per-token int8 kernels and FlashInfer's quantized norms; for static
         and dynamic scales alike (the scales returned are the same).
+    residual_out : array, optional
+        With ``residual``: receives ``h`` (as :func:`polynorm.add_rms_norm`'s
+        ``residual_out``: ``h``'s dtype, may be ``residual`` itself for vLLM's
+        ``fused_add_rms_norm_static_fp8_quant`` convention of updating the
+        residual in place); the ``h`` returned is this array.  Computed apart
+        and copied in.
     {options}
 
     Returns
@@ -224,6 +231,9 @@ def rms_norm_quant(
     """
     qdtype = parse_quant_dtype(dtype)
     opts = pack_options("rms_norm_quant", options, out_dtype="float32")
+    if residual_out is not None:
+        return _into_residual(x, weight, bias, residual, residual_out, opts, dict(
+            dtype=dtype, scale=scale, group_size=group_size, scale_mode=scale_mode), options)
     scale_num, scale_arr = _scale_arg(scale)
     fast = _fast(x, weight, bias, residual, qdtype,
                  scale_num if scale_arr is None else scale_arr, group_size, scale_mode, opts)
@@ -300,3 +310,20 @@ def _quant_result(lay, xp, q2, s2, h2, qplan, group_size) -> tuple:
     if h2 is None:
         return q, scales
     return q, scales, lay.unrows(h2)
+
+
+def _into_residual(x, weight, bias, residual, residual_out, opts: Options, kw: dict,
+                   options: Any) -> tuple:
+    """:func:`rms_norm_quant` with ``residual_out``: checked before the kernel by
+    ``out=``'s rules, the call, then ``h`` copied into it."""
+    from polynorm.core.dtypes import parse_dtype
+
+    if residual is None:
+        raise TypeError("residual_out= receives h = x + residual: pass residual= too")
+    h_dtype = parse_dtype("residual_dtype", opts.residual_dtype) or promote(
+        float_dtype_name("x", x), float_dtype_name("residual", residual))
+    _api.check_residual_out(residual_out, x, residual, h_dtype, (x, weight, bias),
+                            ("x", "weight", "bias"))
+    r = rms_norm_quant(x, weight, bias, residual=residual, **kw, **options)
+    residual_out[...] = r[-1]
+    return r[0], r[1], residual_out

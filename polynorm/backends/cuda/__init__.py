@@ -348,6 +348,45 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
         return y, h, _interop.from_cupy(rstd, x)
 
 
+def forward_into(x, residual, weight, bias, plan: Plan, out, h_out):
+    """The fused add of :func:`forward` with ``h`` written into ``h_out`` (possibly
+    ``residual`` itself) and ``y`` into ``out`` (possibly ``x``, or None): the
+    in-place ``add_rms_norm_``; None where the kernel cannot write ``h_out``
+    directly (another dtype than the kernel's ``h``, non-adjacent columns), and
+    the front end copies.  Alias-safe: see forward.cu.j2 (no ``__restrict__``
+    on ``x``/``res``; each element read before the same thread writes it)."""
+    types = cl.forward_types(_name(x), _name(residual), _name(weight), plan.out_dtype, plan.llama)
+    if types is None or types.h != _name(h_out):
+        return None
+    with _on_callers_stream(x):
+        hc = h_out if _is_torch(h_out) else _interop.to_cupy(h_out)
+        if hc.shape[1] > 1 and _col_stride(hc) != 1:
+            return None
+        xk, rk = _cast(x, types.x), _cast(residual, types.res)
+        wk, bk = _cast(weight, types.weight), _cast(bias, compute_dtype(types.h))
+        xc, resc, wc, bc = _dev(xk), _dev(rk), _dev(wk), _dev(bk)
+        n, d = xc.shape
+        yc = None
+        direct = out is not None and types.out == plan.out_dtype
+        if direct:
+            yc = out if _is_torch(out) else _interop.to_cupy(out)
+            if yc.shape[1] > 1 and _col_stride(yc) != 1:
+                yc, direct = None, False
+        if yc is None:
+            yc = _empty((n, d), types.out, like=x)
+        rstd = _empty((n,), compute_dtype(types.h), like=x)
+        num_sms, max_smem = _device()
+        launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out,
+                                   max_smem=max_smem, num_sms=num_sms)
+        head = (_ptr(xc), _rs(xc), _ptr(resc), _rs(resc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
+                _ptr(yc), _rs(yc), _ptr(rstd))
+        tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
+                np.int32(plan.llama))
+        _launch_rows(launch, head, tail, n, d, plan.k, sums=1, like=x)
+        y = out if direct else _cast(_interop.from_cupy(yc, x, types.out), plan.out_dtype)
+        return y, h_out, _interop.from_cupy(rstd, x)
+
+
 def _launch_rows(launch, head: tuple, tail: tuple, n: int, d: int, k: int, sums: int,
                  like: Any = None) -> None:
     """A row kernel's launch (``head``, the row scalars, ``tail``), or pn_*_split's two

@@ -348,6 +348,12 @@ __device__ __forceinline__ CT pn_yval(CT xv, CT r, bool has_w, WT wv, bool has_b
 // With `res` non-null this is the fused add: h = round_HT(x + res) is written
 // to `h` and normalized.  `w`, `b`, `res`/`h` may be null (absent).
 //
+// `x` and `res` carry no __restrict__ (here, in pn_fwd_big and pn_fwd_split):
+// `y` may be x's memory (out=x) and `h` the residual's (add_rms_norm_).  That
+// is safe because an element is read by the thread that later writes it,
+// before the write, and the passes after the statistic read h (or x without a
+// residual), never the residual again.
+//
 // Every load of a thread's chunks (x, residual, weight) is issued before the
 // first of them is used, and the row is held in its storage type (h is
 // rounded to HT anyway), so a thread keeps ITEMS * (1-3) 16-byte requests in
@@ -357,8 +363,8 @@ __device__ __forceinline__ CT pn_yval(CT xv, CT r, bool has_w, WT wv, bool has_b
 
 template <typename XT, typename RT, typename WT, typename OT, int ITEMS, bool VA>
 __device__ __forceinline__ void pn_fwd_rows(
-    const XT* __restrict__ x, long long sx,
-    const RT* __restrict__ res, long long sr,
+    const XT* x, long long sx,
+    const RT* res, long long sr,
     typename pn_promote<XT, RT>::type* h, long long sh,
     const WT* __restrict__ w,
     const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
@@ -543,8 +549,8 @@ __device__ __forceinline__ void pn_fwd_rows(
 // At most 64 registers (two 512-thread blocks, 50% occupancy, per SM).
 template <typename XT, typename RT, typename WT, typename OT, int ITEMS>
 __global__ void __launch_bounds__(512, 2) pn_fwd(
-    const XT* __restrict__ x, long long sx,
-    const RT* __restrict__ res, long long sr,
+    const XT* x, long long sx,
+    const RT* res, long long sr,
     typename pn_promote<XT, RT>::type* h, long long sh,
     const WT* __restrict__ w,
     const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
@@ -580,8 +586,8 @@ __global__ void __launch_bounds__(512, 2) pn_fwd(
 // vectors) and its element-by-element twin, as for pn_fwd.
 template <typename XT, typename RT, typename WT, typename OT, bool VA>
 __device__ __forceinline__ void pn_fwd_big_rows(
-    const XT* __restrict__ x, long long sx,
-    const RT* __restrict__ res, long long sr,
+    const XT* x, long long sx,
+    const RT* res, long long sr,
     typename pn_promote<XT, RT>::type* h, long long sh,
     const WT* __restrict__ w,
     const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
@@ -763,8 +769,8 @@ __device__ __forceinline__ void pn_fwd_big_rows(
 // At most 64 registers (1024-thread blocks).
 template <typename XT, typename RT, typename WT, typename OT>
 __global__ void __launch_bounds__(1024) pn_fwd_big(
-    const XT* __restrict__ x, long long sx,
-    const RT* __restrict__ res, long long sr,
+    const XT* x, long long sx,
+    const RT* res, long long sr,
     typename pn_promote<XT, RT>::type* h, long long sh,
     const WT* __restrict__ w,
     const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
@@ -842,8 +848,8 @@ __device__ __forceinline__ void pn_st_raw(T* p, bool vec, const T (&v)[N]) {
 
 template <typename XT, typename RT, typename WT, typename OT, int ITEMS, bool WIDE, bool VA>
 __device__ __forceinline__ void pn_fwd_small_rows(
-    const XT* __restrict__ x, long long sx,
-    const RT* __restrict__ res, long long sr,
+    const XT* x, long long sx,
+    const RT* res, long long sr,
     typename pn_promote<XT, RT>::type* h, long long sh,
     const WT* __restrict__ w,
     const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
@@ -1018,8 +1024,8 @@ __device__ __forceinline__ void pn_fwd_small_rows(
 // At most 64 registers: four 256-thread blocks (50% occupancy) per SM.
 template <typename XT, typename RT, typename WT, typename OT, int ITEMS, bool WIDE>
 __global__ void __launch_bounds__(256, 4) pn_fwd_small(
-    const XT* __restrict__ x, long long sx,
-    const RT* __restrict__ res, long long sr,
+    const XT* x, long long sx,
+    const RT* res, long long sr,
     typename pn_promote<XT, RT>::type* h, long long sh,
     const WT* __restrict__ w,
     const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
@@ -3009,8 +3015,8 @@ __global__ void __launch_bounds__(1024) pn_quant_fwd(
 
 template <typename XT, typename RT, typename WT, typename OT, int PHASE, bool VA>
 __device__ __forceinline__ void pn_fwd_split_rows(
-    const XT* __restrict__ x, long long sx,
-    const RT* __restrict__ res, long long sr,
+    const XT* x, long long sx,
+    const RT* res, long long sr,
     typename pn_promote<XT, RT>::type* h, long long sh,
     const WT* __restrict__ w,
     const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,
@@ -3126,8 +3132,8 @@ __device__ __forceinline__ void pn_fwd_split_rows(
 // slices, block = pn_fwd_big's block for the row (at most 64 registers).
 template <typename XT, typename RT, typename WT, typename OT, int PHASE>
 __global__ void __launch_bounds__(1024) pn_fwd_split(
-    const XT* __restrict__ x, long long sx,
-    const RT* __restrict__ res, long long sr,
+    const XT* x, long long sx,
+    const RT* res, long long sr,
     typename pn_promote<XT, RT>::type* h, long long sh,
     const WT* __restrict__ w,
     const typename pn_compute<typename pn_promote<XT, RT>::type>::type* __restrict__ b,

@@ -395,6 +395,58 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
             None if h is None else from_numpy(h, caller), from_numpy(rstd, caller))
 
 
+def forward_into(x, residual, weight, bias, plan: Plan, out, h_out):
+    """The fused add of :func:`forward` with ``h`` written into ``h_out`` (an
+    ``(n, d)`` array of ``plan.norm_dtype``, possibly ``residual`` itself) and
+    ``y`` into ``out`` (possibly ``x``, or None): the in-place
+    ``add_rms_norm_`` allocates no token-sized array.  None (the front end
+    computes apart and copies) for an ``h_out`` of non-adjacent columns.
+
+    Alias-safe by the row order of the fused kernels: each row's ``h`` is
+    summed element by element (``h[i, j]`` from ``x[i, j]`` and ``r[i, j]``
+    only) before that row's ``y`` is written, and ``y`` is computed from
+    ``h``, never from ``x`` again; a row touches no other row's memory (the
+    prefetch of the next row is a hint, no read of a value).
+    """
+    to_numpy = _interop.to_numpy
+    hn = to_numpy(h_out)
+    if hn.shape[1] > 1 and hn.strides[1] != hn.itemsize:
+        return None  # the row reductions read h's adjacent elements (_unit_columns)
+    kernels = _kernels or _k()
+    caller = x
+    x = to_numpy(x)
+    n, d = x.shape
+    flags, y_dt, _, cdt = _info(plan)
+    empty = _empty_for(caller)
+    y = empty((n, d), y_dt) if out is None else to_numpy(out)
+    rstd = empty(n, cdt)
+    xk, yk = _kview(x), _kview(y)
+    r = _kview(to_numpy(residual))
+    hk = _kview(hn)
+    w, b, offset = _affine(weight, bias, cdt, d, plan.offset, exact=plan.llama)
+    args = (xk, r, w, b, yk, hk, rstd, flags | (_llama_codes(
+        plan, None if weight is None else to_numpy(weight)) if plan.llama else 0),
+        plan.k, plan.eps, offset, None)
+    if plan.llama:
+        _run_rows(kernels.forward_llama_parallel, kernels.forward_llama_rows, n, d, args)
+    elif xk.dtype.itemsize == 2 and r.dtype == hk.dtype and _same_memory(r, hk):
+        # h over the residual, 16-bit: the drivers that see one pointer (numba/inplace.py)
+        from polynorm.backends.numba import inplace as _inplace
+
+        args = args[:5] + (None,) + args[6:]
+        _run_rows(_inplace.forward_add_inplace_parallel, _inplace.forward_add_inplace_rows, n, d,
+                  args)
+    else:
+        _run_rows(*kernels.forward_kernels(True, xk.dtype.itemsize == 2, False), n, d, args)
+    from_numpy = _interop.from_numpy
+    return (out if out is not None else from_numpy(y, caller), h_out, from_numpy(rstd, caller))
+
+
+def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.shape == b.shape and a.strides == b.strides)
+
+
 def forward_apart(x, residual, weight, bias, plan: Plan, plan_s: Plan, out=None):
     """A fused add with a non-default ``norm_input``/``residual_dtype`` in one pass,
     or None where it takes the front end's add apart (:func:`add_apart`).
