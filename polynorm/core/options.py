@@ -118,13 +118,14 @@ class Options(NamedTuple):
     backend: Any = "auto"
     norm_input: Any = "h"
     residual_dtype: Any = None
+    group_size: Any = None
 
 
 #: Each option's type in torch's custom-op schema language (``polynorm.torch``).
 OPTION_TYPES: dict[str, str] = {
     "eps": "float", "axis": "int[]", "partial": "float", "partial_size": "int?", "offset": "float",
     "eps_mode": "str", "casting": "str", "out_dtype": "str?", "backend": "str",
-    "norm_input": "str", "residual_dtype": "str?",
+    "norm_input": "str", "residual_dtype": "str?", "group_size": "int?",
 }
 assert tuple(OPTION_TYPES) == Options._fields
 
@@ -151,6 +152,7 @@ class _SharedOptions(TypedDict, total=False):
     backend: str
     norm_input: NormInput
     residual_dtype: DTypeLike | None
+    group_size: int | None
 
 
 class NormOptions(_SharedOptions, total=False):
@@ -209,6 +211,12 @@ OPTION_DOCS: dict[str, str] = {
                       "    residual stream from bfloat16 inputs); default the promoted dtype of ``x`` and\n"
                       "    ``residual``.  ``y``'s default dtype stays the promoted one.  A dtype without\n"
                       "    a residual is a ``ValueError``; the backward ignores it.",
+    "group_size": "group_size : int, optional\n"
+                  "    Grouped RMSNorm (Mamba's ``RMSNormGated`` without a gate): each run of\n"
+                  "    ``group_size`` consecutive elements of the normalized slice gets its own\n"
+                  "    statistic, and ``rstd`` a trailing axis of ``d // group_size`` groups.  Must\n"
+                  "    divide ``d`` (``ValueError``); with more than one group ``partial`` and\n"
+                  "    ``partial_size`` must be left at their defaults (``ValueError``).",
 }
 
 _DEFAULT_OPTIONS = Options()
@@ -268,7 +276,9 @@ def takes_options(*, exclude: tuple[str, ...] = (), docs: Mapping[str, str] | No
     def decorate(func: F) -> F:
         sig = inspect.signature(func)
         params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-        names = [n for n in Options._fields if n not in exclude]
+        # an option the function takes as its own parameter (rms_norm_gated's
+        # group_size) is documented and bound there
+        names = [n for n in Options._fields if n not in exclude and n not in sig.parameters]
         given = {**_SharedOptions.__annotations__, **NormOptions.__annotations__}
         dflt = {**_DEFAULT_OPTIONS._asdict(), **(defaults or {})}
         params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=dflt[n],
@@ -342,6 +352,12 @@ class Plan:
     memo : dict
         Per-plan values a backend derives once (its flag words, dtype
         objects); not part of the plan's identity.
+    groups : int
+        ``d // group_size`` (1 without ``group_size``): the statistic is taken
+        per group of ``d // groups`` consecutive elements, and ``rstd`` is
+        ``(tokens, groups)`` when ``groups > 1``.  The backends never see a
+        plan with ``groups > 1``: the front end runs each group as rows of
+        ``group_size`` elements (``polynorm.ops.norm._grouped_forward``).
     """
 
     d: int
@@ -356,6 +372,7 @@ class Plan:
     norm_sum: bool = False
     h_dtype: str = ""
     memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    groups: int = 1
 
     @property
     def rstd_dtype(self) -> str:
@@ -401,16 +418,17 @@ def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
     15
     """
     (eps, _, partial, partial_size, offset, eps_mode, casting, out_dtype, _,
-     norm_input, residual_dtype) = opts
+     norm_input, residual_dtype, group_size) = opts
     exact = (eps.__class__ in _EXACT and partial.__class__ in _EXACT
              and (partial_size is None or partial_size.__class__ is int)
              and offset.__class__ in _EXACT and eps_mode.__class__ is str
              and casting.__class__ is str and (out_dtype is None or out_dtype.__class__ is str)
              and norm_input.__class__ is str
-             and (residual_dtype is None or residual_dtype.__class__ is str))
+             and (residual_dtype is None or residual_dtype.__class__ is str)
+             and (group_size is None or group_size.__class__ is int))
     if exact:
         key = (d, norm_dtype, eps, partial, partial_size, offset, eps_mode, casting, out_dtype,
-               norm_input, residual_dtype)
+               norm_input, residual_dtype, group_size)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan
@@ -436,6 +454,8 @@ def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
                     offset=_check_real("offset", offset), eps_mode=eps_mode, casting=casting,
                     out_dtype=out_name, norm_sum=norm_input == "sum",
                     h_dtype=h_name or norm_dtype)
+    if group_size is not None:
+        plan = _grouped(plan, group_size)
     if exact:
         if len(_PLANS) >= 1024:
             _PLANS.clear()
@@ -535,6 +555,22 @@ def _resolve(
         norm_sum=norm_sum,
         h_dtype=h_dtype or norm_dtype,
     )
+
+
+def _grouped(plan: Plan, group_size: Any) -> Plan:
+    """``plan`` with the statistic per group of ``group_size`` (Mamba's ungated
+    ``RMSNormGated``).  pRMSNorm's leading ``k`` has no per-group meaning in any peer,
+    so a ``k < d`` with several groups is refused, as :func:`make_gated_plan` does."""
+    import dataclasses
+
+    gs = _group_size(group_size, plan.d)
+    if gs == plan.d:
+        return plan
+    if plan.k != plan.d:
+        raise ValueError(
+            f"group_size={gs} < d={plan.d} cannot be combined with partial or partial_size "
+            f"(k={plan.k}): each group's statistic takes all of its elements")
+    return dataclasses.replace(plan, groups=plan.d // gs)
 
 
 # --------------------------------------------------------------------------- gated RMSNorm

@@ -54,6 +54,8 @@ def numba_module(opts: Options):
 
 
 def _plan(d: int, dtype: str, opts: Options) -> Plan | None:
+    if opts.group_size is not None:
+        return None  # the general path runs the groups (ops.norm._grouped_forward)
     try:
         return make_plan(d, dtype, opts)
     except (TypeError, ValueError):

@@ -591,6 +591,8 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     out2 = _view_rows(lay, out) if out is not None else None
     if lay.n == 0:
         y2, h2, rstd = _empty_forward(lay, x, residual, plan)
+    elif opts.group_size is not None:
+        y2, h2, rstd = _grouped_forward(lay, x, residual, weight, bias, plan, opts)
     elif residual is not None and split_add(plan):
         with _no_autograd(x):
             try:
@@ -621,7 +623,7 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     if fused:
         result.append(lay.unrows(h2))
     if return_rstd:
-        result.append(lay.unbatch(rstd))
+        result.append(lay.unbatch(rstd, () if opts.group_size is None else (plan.groups,)))
     return result[0] if len(result) == 1 else tuple(result)
 
 
@@ -976,12 +978,14 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
                     arrays={"dy": dy, "rstd": rstd, "grad_residual": grad_residual}, opts=opts)
     lay, plan = call.lay, call.plan
     rstd1 = None
+    tail = () if opts.group_size is None else (plan.groups,)
     if rstd is not None:
-        _check_shape("rstd", rstd, lay.batch_shape, "x's shape without the normalized axes")
+        _check_shape("rstd", rstd, lay.batch_shape + tail, "x's shape without the normalized axes"
+                     + ("" if opts.group_size is None else ", plus the groups"))
         got = float_dtype_name("rstd", rstd)
         if got != plan.rstd_dtype:
             raise TypeError(f"rstd must have dtype {plan.rstd_dtype}, got {got}")
-        rstd1 = lay.batch_rows(rstd)
+        rstd1 = lay.batch_rows(rstd, tail)
     _check_out(out, x, float_dtype_name("x", x), (dy, grad_residual, x, weight, bias, rstd),
                ("dy", "grad_residual", "x", "weight", "bias", "rstd"), ("dy", "grad_residual"),
                "x's dtype, that of dx")
@@ -994,11 +998,15 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
         db = None if bias is None else xp.zeros(bias.shape, dtype=bias.dtype, device=dev)
         return dx, dw, db
     try:
-        with _no_autograd(x):
-            dx2, dw, db = call.backend.backward(
-                lay.rows(dy), lay.rows(x), lay.flat(weight), lay.flat(bias), rstd1,
-                lay.rows(grad_residual), plan, out2,
-            )
+        if opts.group_size is not None:
+            dx2, dw, db = _grouped_backward(lay, dy, x, weight, bias, rstd1, grad_residual,
+                                            plan, opts)
+        else:
+            with _no_autograd(x):
+                dx2, dw, db = call.backend.backward(
+                    lay.rows(dy), lay.rows(x), lay.flat(weight), lay.flat(bias), rstd1,
+                    lay.rows(grad_residual), plan, out2,
+                )
     except Exception as exc:
         if out2 is None:
             raise
@@ -1010,3 +1018,60 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
             out[...] = lay.unrows(dx2)
         dx = out
     return dx, lay.unflat(dw), lay.unflat(db)
+
+
+# --------------------------------------------------------------------------- grouped RMSNorm
+# ``group_size`` (Mamba's RMSNormGated without a gate): every group of ``group_size``
+# consecutive columns is normalized as rows of ``group_size`` elements, by the same front
+# end and backend as any plain call.  A group's rstd, y, h and dx are then the bits
+# rms_norm gives those columns as rows (the statistic of a row depends on that row only),
+# and each dweight/dbias column is summed over the same row tree as in an ungrouped call:
+# batch invariance and the fixed reduction order carry over unchanged.
+
+
+def _group_slices(lay: _Layout, plan: Plan) -> list[slice]:
+    g = lay.d // plan.groups
+    return [slice(i * g, (i + 1) * g) for i in range(plan.groups)]
+
+
+def _cols(a: Any, sl: slice) -> Any:
+    return None if a is None else a[:, sl]
+
+
+def _grouped_forward(lay: _Layout, x, residual, weight, bias, plan: Plan, opts: Options):
+    """``(y, h, rstd)`` rows of a grouped call, ``rstd`` of shape ``(n, groups)``."""
+    xp = lay.xp
+    sub = opts._replace(axis=-1, group_size=None)
+    x2, r2, w1, b1 = lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias)
+    ys, hs, rs = [], [], []
+    for sl in _group_slices(lay, plan):
+        w, b = (None if a is None else a[sl] for a in (w1, b1))
+        if r2 is None:
+            y, r = forward(x2[:, sl], None, w, b, sub, return_rstd=True)
+        else:
+            y, h, r = forward(x2[:, sl], r2[:, sl], w, b, sub, return_rstd=True, fused=True)
+            hs.append(h)
+        ys.append(y)
+        rs.append(r)
+    h2 = xp.concat(hs, axis=1) if hs else None
+    return xp.concat(ys, axis=1), h2, xp.stack(rs, axis=1)
+
+
+def _grouped_backward(lay: _Layout, dy, x, weight, bias, rstd1, grad_residual, plan: Plan,
+                      opts: Options):
+    """``(dx rows, dweight, dbias)`` of a grouped call; ``rstd1`` is ``(n, groups)`` or None."""
+    xp = lay.xp
+    sub = opts._replace(axis=-1, group_size=None)
+    dy2, x2, g2 = lay.rows(dy), lay.rows(x), lay.rows(grad_residual)
+    w1, b1 = lay.flat(weight), lay.flat(bias)
+    dxs, dws, dbs = [], [], []
+    for i, sl in enumerate(_group_slices(lay, plan)):
+        dx, dw, db = backward(dy2[:, sl], x2[:, sl], None if w1 is None else w1[sl],
+                              None if b1 is None else b1[sl],
+                              None if rstd1 is None else rstd1[:, i], _cols(g2, sl), sub)
+        dxs.append(dx)
+        dws.append(dw)
+        dbs.append(db)
+    dw = None if w1 is None else xp.concat(dws, axis=0)
+    db = None if b1 is None else xp.concat(dbs, axis=0)
+    return xp.concat(dxs, axis=1), dw, db
