@@ -81,6 +81,9 @@ CONFIGS = [
     Cfg("grouped", shape=(3, 6), weight=True, bias=True, options=dict(group_size=2)),
     Cfg("grouped-add-outside-offset", shape=(2, 8), weight=True, add=True,
         options=dict(group_size=4, eps_mode="outside", offset=1.0)),
+    # Liger's casting_mode "none": in float64 every rounding of the mode is exact
+    Cfg("casting-none-outside-bias", weight=True, bias=True,
+        options=dict(casting="none", eps_mode="outside", offset=1.0)),
 ]
 
 

@@ -24,6 +24,8 @@ Casting
     with bfloat16 input give a float32 product); bias is added in the compute
     dtype and the result is rounded to the output dtype.  With
     ``out_dtype=promote(...)`` this is HF's ``LlamaRMSNorm`` exactly.
+    ``"none"``: Liger-Kernel's ``casting_mode="none"``, every step rounded to
+    the normalized input's dtype ``T`` (see :data:`NONE_CASTING`).
 
 The backward, with ``g = weight + offset`` (1 when no weight),
 ``c = sum_j(g*dy*xhat)_j`` over all ``d`` columns and ``m_i = [i < k]``::
@@ -67,7 +69,7 @@ from typing import Any, ForwardRef, Literal, NamedTuple, TypeAlias, TypedDict, T
 from polynorm.core.dtypes import FLOAT_DTYPES, parse_dtype
 
 EPS_MODES = ("inside", "outside")
-CASTINGS = ("fp32", "llama")
+CASTINGS = ("fp32", "llama", "none")
 NORM_INPUTS = ("h", "sum")
 
 #: Result of a float dtype combination, by the usual promotion lattice
@@ -137,7 +139,7 @@ new_options = tuple.__new__
 #: a dtype name (``"bfloat16"``) or a dtype object of any array library
 DTypeLike: TypeAlias = Any
 EpsMode: TypeAlias = Literal["inside", "outside"]
-Casting: TypeAlias = Literal["fp32", "llama"]
+Casting: TypeAlias = Literal["fp32", "llama", "none"]
 NormInput: TypeAlias = Literal["h", "sum"]
 
 
@@ -191,9 +193,13 @@ OPTION_DOCS: dict[str, str] = {
               "    Added to ``weight`` (``offset=1.0`` is Gemma's ``1 + w``); not used without a weight.",
     "eps_mode": "eps_mode : {\"inside\", \"outside\"}, default \"inside\"\n"
                 "    ``1 / sqrt(ms + eps)`` or ``1 / (sqrt(ms) + eps)``.",
-    "casting": "casting : {\"fp32\", \"llama\"}, default \"fp32\"\n"
+    "casting": "casting : {\"fp32\", \"llama\", \"none\"}, default \"fp32\"\n"
                "    ``\"llama\"`` rounds the normalized value to ``x``'s dtype before the weight\n"
-               "    multiply, as Hugging Face Llama does.",
+               "    multiply, as Hugging Face Llama does.  ``\"none\"`` (Liger's casting mode\n"
+               "    ``\"none\"``) rounds every step to ``x``'s dtype: the squares, their mean,\n"
+               "    ``rstd`` and the products; no overflow protection (float16 ``x`` beyond\n"
+               "    256 overflows its square, as in Liger).  The backward is Liger's: float32\n"
+               "    math with that rounded ``rstd``.",
     "out_dtype": "out_dtype : dtype or str, optional\n"
                  "    The result's dtype; defaults to the normalized input's.",
     "backend": "backend : {\"auto\", \"numba\", \"cupy\", \"dask\", \"array_api\"}, default \"auto\"\n"
@@ -358,6 +364,8 @@ class Plan:
         ``(tokens, groups)`` when ``groups > 1``.  The backends never see a
         plan with ``groups > 1``: the front end runs each group as rows of
         ``group_size`` elements (``polynorm.ops.norm._grouped_forward``).
+    cast_none : bool
+        ``casting == "none"`` (:data:`NONE_CASTING`).
     """
 
     d: int
@@ -373,6 +381,7 @@ class Plan:
     h_dtype: str = ""
     memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
     groups: int = 1
+    cast_none: bool = False
 
     @property
     def rstd_dtype(self) -> str:
@@ -445,6 +454,10 @@ def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
         raise ValueError(
             "norm_input='sum' with casting='llama': llama casting rounds the normalized value "
             "to the input's dtype, and no peer does that to an unrounded sum; use one of them")
+    if norm_input == "sum" and casting == "none":
+        raise ValueError(
+            "norm_input='sum' with casting='none': casting 'none' does every step in the "
+            "normalized input's dtype, which the unrounded sum does not have; use one of them")
     h_name = parse_dtype("residual_dtype", residual_dtype)
     if h_name is not None and h_name not in FLOAT_DTYPES:
         raise TypeError(f"residual_dtype must be one of {FLOAT_DTYPES}, got {residual_dtype!r}")
@@ -554,7 +567,29 @@ def _resolve(
         out_dtype=out_dtype,
         norm_sum=norm_sum,
         h_dtype=h_dtype or norm_dtype,
+        cast_none=casting == "none",
     )
+
+
+#: ``casting="none"``, Liger-Kernel's ``_CASTING_MODE_NONE``: with ``T`` the normalized
+#: input's dtype, ``P = promote(T, weight dtype)``, ``T(a)`` rounding to ``T`` (each
+#: operation computed in the compute dtype and rounded once, as torch does for 16-bit
+#: tensors)::
+#:
+#:     sq   = T(x * x)
+#:     ms   = T(sum(sq[:k]) / k)             # the sum in the compute dtype, fixed order
+#:     rstd = T(1 / sqrt(T(ms + T(eps))))    # eps_mode="inside"
+#:     rstd = T(1 / T(T(sqrt(ms)) + T(eps))) # eps_mode="outside"
+#:     xhat = T(x * rstd)
+#:     y    = P(xhat * P(weight + T(offset)))          # xhat without a weight
+#:     y    = promote(P, bias dtype)(y + bias)        # with a bias
+#:
+#: then ``y`` is rounded to the output dtype; ``rstd`` is returned in the compute dtype
+#: (its value is a ``T`` value: Liger stores it in ``T``).  The backward is Liger's
+#: ``_rms_norm_backward_kernel`` for this mode: :class:`Plan`'s backward in the compute
+#: dtype with that ``rstd``.  For float32 and float64 input every ``T(...)`` is exact
+#: and this is the ``"fp32"`` arithmetic without its overflow-safe statistic.
+NONE_CASTING = "none"
 
 
 def _grouped(plan: Plan, group_size: Any) -> Plan:

@@ -59,7 +59,7 @@ def _rstd_shape(lay, gplan: GatedPlan, group_size) -> tuple[int, ...]:
 
 
 @takes_options()
-def rms_norm_gated(
+def rms_norm_gated(  # type: ignore[misc]  # its own group_size takes the option's name
     x: Array,
     z: Array | None,
     weight: Array | None = None,
@@ -246,7 +246,7 @@ def gated_forward(x, z, weight, bias, opts: Options, *, group_size, norm_before_
 
 
 @takes_options()
-def rms_norm_gated_backward(
+def rms_norm_gated_backward(  # type: ignore[misc]  # as rms_norm_gated
     dy: Array,
     x: Array,
     z: Array,

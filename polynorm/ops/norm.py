@@ -585,6 +585,8 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     call = _prepare(x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out},
                     opts=opts)
     lay, plan = call.lay, call.plan
+    if plan.cast_none:
+        call.backend = _none_backend(call.backend)
     if residual is None:
         no_residual(opts)
     _check_out(out, x, plan.out_dtype, (x, residual, weight, bias))
@@ -986,6 +988,9 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
         if got != plan.rstd_dtype:
             raise TypeError(f"rstd must have dtype {plan.rstd_dtype}, got {got}")
         rstd1 = lay.batch_rows(rstd, tail)
+    if plan.cast_none and rstd1 is None and lay.n and opts.group_size is None:
+        # the backends' backward recomputes the "fp32" rstd; "none" has its own
+        rstd1 = _backends.get("array_api").none_rstd(lay.xp, lay.rows(x), plan)
     _check_out(out, x, float_dtype_name("x", x), (dy, grad_residual, x, weight, bias, rstd),
                ("dy", "grad_residual", "x", "weight", "bias", "rstd"), ("dy", "grad_residual"),
                "x's dtype, that of dx")
@@ -1075,3 +1080,14 @@ def _grouped_backward(lay: _Layout, dy, x, weight, bias, rstd1, grad_residual, p
     dw = None if w1 is None else xp.concat(dws, axis=0)
     db = None if b1 is None else xp.concat(dbs, axis=0)
     return xp.concat(dxs, axis=1), dw, db
+
+
+# --------------------------------------------------------------------------- casting="none"
+
+
+def _none_backend(backend: Any) -> Any:
+    """The backend that runs a ``casting="none"`` forward: ``backend`` where it has the
+    mode's kernels (``CASTING_NONE``), else the array-API reference on the same arrays."""
+    if getattr(backend, "CASTING_NONE", False):
+        return backend
+    return _backends.get("array_api")
