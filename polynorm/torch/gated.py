@@ -42,7 +42,9 @@ from polynorm.torch.norm import rms_norm as _rms_norm
 
 __all__ = ["rms_norm_gated", "RMSNormGated"]
 
-_GATE = "int? group_size, bool norm_before_gate"
+# the op's own group_size under another name: the options' schema has a group_size too
+# (the plain norm's), and torch.compile refuses duplicate argument names
+_GATE = "int? gate_group_size, bool norm_before_gate"
 
 
 def _rstd_shape(x, axis, group_size, batch):

@@ -52,7 +52,7 @@ def _qdtype(dtype: Any) -> torch.dtype:
 @torch.library.custom_op(
     "polynorm::rms_norm_quant", mutates_args=(),
     schema=f"(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, Tensor? scale, "
-    f"float? scale_value, ScalarType dtype, int? group_size, str scale_mode, {_OPTS}) "
+    f"float? scale_value, ScalarType dtype, int? scale_group_size, str scale_mode, {_OPTS}) "
     "-> (Tensor, Tensor, Tensor)",
 )
 def _quant_op(x, weight, bias, residual, scale, scale_value, dtype, group_size, scale_mode,
