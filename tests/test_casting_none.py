@@ -199,3 +199,8 @@ def test_none_errors():
         pn.add_rms_norm(x, x, casting="none", norm_input="sum")
     with pytest.raises(ValueError, match="'none'"):
         pn.rms_norm(x, casting="nope")
+    # no peer gates or quantizes in this mode; the kernels would ignore it
+    with pytest.raises(ValueError, match="casting='none' is not available for rms_norm_gated"):
+        pn.rms_norm_gated(x, x, casting="none")
+    with pytest.raises(ValueError, match="casting='none' is not available for rms_norm_quant"):
+        pn.rms_norm_quant(x, dtype="int8", casting="none")

@@ -608,6 +608,13 @@ def _grouped(plan: Plan, group_size: Any) -> Plan:
     return dataclasses.replace(plan, groups=plan.d // gs)
 
 
+def _no_cast_none(plan: Plan, func: str) -> None:
+    """``casting="none"`` is the plain norm's (Liger's RMSNorm); no peer gates or
+    quantizes in it, and these kernels do not run it."""
+    if plan.cast_none:
+        raise ValueError(f"casting='none' is not available for {func}: use 'fp32' or 'llama'")
+
+
 # --------------------------------------------------------------------------- gated RMSNorm
 
 
@@ -695,6 +702,7 @@ def make_gated_plan(plan: Plan, *, group_size: Any, norm_before_gate: Any) -> Ga
     """
     if not isinstance(norm_before_gate, (bool, int)) or norm_before_gate not in (0, 1):
         raise TypeError(f"norm_before_gate must be True or False, got {norm_before_gate!r}")
+    _no_cast_none(plan, "rms_norm_gated")
     d = plan.d
     if group_size is None:
         gs = d
@@ -801,6 +809,7 @@ def make_quant_plan(plan: Plan, *, qdtype: str, scale: Any, scale_is_array: bool
     >>> make_quant_plan(p, qdtype="int8", scale=None, scale_is_array=False, group_size=4).groups
     2
     """
+    _no_cast_none(plan, "rms_norm_quant")
     d = plan.d
     if not (isinstance(scale_mode, str) and scale_mode in SCALE_MODES):
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
