@@ -239,6 +239,10 @@ def rng() -> np.random.Generator:
 # one place (``*`` is the only wildcard); a parameter left out of a pattern stays
 # in the default run.
 SLOW_SWEEPS = (
+    # group_size: the fused-add/eps-outside fd config and the group-size sweep (the plain
+    # grouped fd config and the per-backend formula tests stay in the default run)
+    "tests/test_backward_fd.py::test_backward_matches_central_differences[*-grouped-add-*",
+    "tests/test_group_conventions.py::test_grouped_float64_matches_the_formula_closely",
     # quantized output: every dtype x format x scale mode x options (test_quant's targeted
     # cases stay in the default run)
     "tests/test_quant.py::test_sweep[*",

@@ -77,6 +77,13 @@ CONFIGS = [
     Cfg("d=1-outside", shape=(4, 1), weight=True, options=dict(eps_mode="outside")),
     Cfg("3-D", shape=(2, 3, 5), weight=True, bias=True),
     Cfg("3-D-trailing-tuple", shape=(2, 3, 4), axis=(-2, -1), weight=True, add=True),
+    # Mamba's grouped RMSNormGated without a gate: one statistic per group
+    Cfg("grouped", shape=(3, 6), weight=True, bias=True, options=dict(group_size=2)),
+    Cfg("grouped-add-outside-offset", shape=(2, 8), weight=True, add=True,
+        options=dict(group_size=4, eps_mode="outside", offset=1.0)),
+    # Liger's casting_mode "none": in float64 every rounding of the mode is exact
+    Cfg("casting-none-outside-bias", weight=True, bias=True,
+        options=dict(casting="none", eps_mode="outside", offset=1.0)),
 ]
 
 
@@ -138,7 +145,8 @@ def test_backward_matches_central_differences(case, cfg, rng):
             return_rstd=True, backend=case.backend, **kw,
         )
         xin = A(x)
-    assert tuple(rstd.shape) == batch_shape(shape, axis)
+    groups = kw.get("group_size") and int(np.prod(nshape)) // kw["group_size"]
+    assert tuple(rstd.shape) == batch_shape(shape, axis) + ((groups,) if groups else ())
     grads = {}
     for passed in (False, True):
         grads[passed] = pn.rms_norm_backward(

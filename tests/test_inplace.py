@@ -214,3 +214,18 @@ def test_torch_inplace_under_compile_fullgraph(rng):
     twice = compiled(xc, rc, w)
     # functionalization must write the mutation back to the caller's tensors
     assert torch.equal(xc, y) and torch.equal(rc, h) and torch.equal(twice, y * 2)
+
+
+@pytest.mark.parametrize("kw", [{"group_size": 4}, {"casting": "none"}])
+def test_in_place_add_keeps_groups_and_casting_none(kw):
+    # add_rms_norm_ with the options that the in-place kernel does not carry: the same
+    # bits as add_rms_norm (written apart, then copied in)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    r = rng.standard_normal((3, 8)).astype(np.float32)
+    w = rng.standard_normal(8).astype(np.float32)
+    y, h = pn.add_rms_norm(x, r, w, **kw)
+    xi, ri = x.copy(), r.copy()
+    pn.add_rms_norm_(xi, ri, w, **kw)
+    np.testing.assert_array_equal(xi, y)
+    np.testing.assert_array_equal(ri, h)

@@ -19,7 +19,7 @@ import math
 from typing import Any
 
 from polynorm.core.dtypes import namespace_dtype
-from polynorm.core.options import Plan, promote
+from polynorm.core.options import Plan, compute_dtype, promote
 
 name = "array_api"
 
@@ -186,6 +186,9 @@ def _forward(x, residual, weight, bias, plan: Plan):
             copy=False,
         )
         x = h
+    if plan.cast_none:
+        y, r = _none_forward(xp, x, weight, bias, plan)
+        return xp.astype(y, namespace_dtype(xp, plan.out_dtype, x), copy=False), h, r
     v = xp.astype(x, cdt, copy=False)
     r = _rstd_from_rms(xp, _rms(xp, v, plan), plan)
     xhat = v * r[:, None]
@@ -223,6 +226,8 @@ def _backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     dyc = g_dy
     need_rms = rstd is None or not plan.eps_inside
     rms = _rms(xp, v, plan) if need_rms else None
+    if rstd is None and plan.cast_none:
+        rstd = none_rstd(xp, x, plan)
     r = _rstd_from_rms(xp, rms, plan) if rstd is None else xp.astype(rstd, cdt)
     xhat = v * r[:, None]
     if weight is not None:
@@ -250,6 +255,65 @@ def _backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     dweight = None if weight is None else xp.astype(xp.sum(dyc * xhat, axis=0), weight.dtype)
     dbias = None if bias is None else xp.astype(xp.sum(dyc, axis=0), bias.dtype)
     return dx, dweight, dbias
+
+
+# --------------------------------------------------------------------------- casting="none"
+
+
+def _to_t(xp, a, tdt, cdt):
+    """``a`` rounded to the dtype ``tdt`` and held in ``cdt`` (exact)."""
+    return xp.astype(xp.astype(a, tdt, copy=False), cdt, copy=False)
+
+
+def _scalar_in(name: str, value: float) -> float:
+    """A Python float rounded to the float dtype ``name`` (Liger's ``eps.to(X_row_dtype)``)."""
+    import numpy as np
+
+    from polynorm.core.dtypes import numpy_dtype
+
+    return float(np.asarray(value, dtype=numpy_dtype(name)))
+
+
+def none_rstd(xp, x, plan: Plan):
+    """``rstd`` of ``casting="none"`` (:data:`polynorm.core.options.NONE_CASTING`) per row
+    of ``x`` (dtype ``plan.norm_dtype``), a ``T`` value in the compute dtype."""
+    cdt = namespace_dtype(xp, plan.compute_dtype, x)
+    tdt = namespace_dtype(xp, plan.norm_dtype, x)
+    v = xp.astype(x, cdt, copy=False)
+    vk = _c_rows(v if plan.k == plan.d else v[:, : plan.k])
+    with _quiet():
+        sq = _to_t(xp, vk * vk, tdt, cdt)
+        ms = _to_t(xp, xp.sum(sq, axis=1) / plan.k, tdt, cdt)
+        eps = _scalar_in(plan.norm_dtype, plan.eps)
+        if plan.eps_inside:
+            denom = xp.sqrt(_to_t(xp, ms + eps, tdt, cdt))
+        else:
+            denom = _to_t(xp, _to_t(xp, xp.sqrt(ms), tdt, cdt) + eps, tdt, cdt)
+        return _to_t(xp, 1 / denom, tdt, cdt)
+
+
+def _none_forward(xp, x, weight, bias, plan: Plan):
+    """``(y in its last dtype before the output rounding, rstd)`` of ``casting="none"``."""
+    cdt = namespace_dtype(xp, plan.compute_dtype, x)
+    tdt = namespace_dtype(xp, plan.norm_dtype, x)
+    r = none_rstd(xp, x, plan)
+    xhat = _to_t(xp, xp.astype(x, cdt, copy=False) * r[:, None], tdt, cdt)
+    last = plan.norm_dtype
+    y = xhat
+    # each product and sum in the compute dtype of its result's dtype (float64 for a
+    # float64 weight or bias), rounded once to that dtype
+    if weight is not None:
+        last = promote(plan.norm_dtype, _name(weight))
+        wdt = namespace_dtype(xp, compute_dtype(last), x)
+        off = _scalar_in(plan.norm_dtype, plan.offset)
+        g = _to_t(xp, xp.astype(weight, wdt) + off, namespace_dtype(xp, last, x), wdt)
+        y = _to_t(xp, xp.astype(y, wdt) * g, namespace_dtype(xp, last, x), wdt)
+    if bias is not None:
+        last = promote(last, _name(bias))
+        bdt = namespace_dtype(xp, compute_dtype(last), x)
+        y = _to_t(xp, xp.astype(y, bdt) + xp.astype(bias, bdt), namespace_dtype(xp, last, x),
+                  bdt)
+    return y, r
 
 
 # --------------------------------------------------------------------------- gated RMSNorm

@@ -24,6 +24,8 @@ Casting
     with bfloat16 input give a float32 product); bias is added in the compute
     dtype and the result is rounded to the output dtype.  With
     ``out_dtype=promote(...)`` this is HF's ``LlamaRMSNorm`` exactly.
+    ``"none"``: Liger-Kernel's ``casting_mode="none"``, every step rounded to
+    the normalized input's dtype ``T`` (see :data:`NONE_CASTING`).
 
 The backward, with ``g = weight + offset`` (1 when no weight),
 ``c = sum_j(g*dy*xhat)_j`` over all ``d`` columns and ``m_i = [i < k]``::
@@ -67,7 +69,7 @@ from typing import Any, ForwardRef, Literal, NamedTuple, TypeAlias, TypedDict, T
 from polynorm.core.dtypes import FLOAT_DTYPES, parse_dtype
 
 EPS_MODES = ("inside", "outside")
-CASTINGS = ("fp32", "llama")
+CASTINGS = ("fp32", "llama", "none")
 NORM_INPUTS = ("h", "sum")
 
 #: Result of a float dtype combination, by the usual promotion lattice
@@ -118,13 +120,14 @@ class Options(NamedTuple):
     backend: Any = "auto"
     norm_input: Any = "h"
     residual_dtype: Any = None
+    group_size: Any = None
 
 
 #: Each option's type in torch's custom-op schema language (``polynorm.torch``).
 OPTION_TYPES: dict[str, str] = {
     "eps": "float", "axis": "int[]", "partial": "float", "partial_size": "int?", "offset": "float",
     "eps_mode": "str", "casting": "str", "out_dtype": "str?", "backend": "str",
-    "norm_input": "str", "residual_dtype": "str?",
+    "norm_input": "str", "residual_dtype": "str?", "group_size": "int?",
 }
 assert tuple(OPTION_TYPES) == Options._fields
 
@@ -136,7 +139,7 @@ new_options = tuple.__new__
 #: a dtype name (``"bfloat16"``) or a dtype object of any array library
 DTypeLike: TypeAlias = Any
 EpsMode: TypeAlias = Literal["inside", "outside"]
-Casting: TypeAlias = Literal["fp32", "llama"]
+Casting: TypeAlias = Literal["fp32", "llama", "none"]
 NormInput: TypeAlias = Literal["h", "sum"]
 
 
@@ -151,6 +154,7 @@ class _SharedOptions(TypedDict, total=False):
     backend: str
     norm_input: NormInput
     residual_dtype: DTypeLike | None
+    group_size: int | None
 
 
 class NormOptions(_SharedOptions, total=False):
@@ -189,9 +193,13 @@ OPTION_DOCS: dict[str, str] = {
               "    Added to ``weight`` (``offset=1.0`` is Gemma's ``1 + w``); not used without a weight.",
     "eps_mode": "eps_mode : {\"inside\", \"outside\"}, default \"inside\"\n"
                 "    ``1 / sqrt(ms + eps)`` or ``1 / (sqrt(ms) + eps)``.",
-    "casting": "casting : {\"fp32\", \"llama\"}, default \"fp32\"\n"
+    "casting": "casting : {\"fp32\", \"llama\", \"none\"}, default \"fp32\"\n"
                "    ``\"llama\"`` rounds the normalized value to ``x``'s dtype before the weight\n"
-               "    multiply, as Hugging Face Llama does.",
+               "    multiply, as Hugging Face Llama does.  ``\"none\"`` (Liger's casting mode\n"
+               "    ``\"none\"``) rounds every step to ``x``'s dtype: the squares, their mean,\n"
+               "    ``rstd`` and the products; no overflow protection (float16 ``x`` beyond\n"
+               "    256 overflows its square, as in Liger).  The backward is Liger's: float32\n"
+               "    math with that rounded ``rstd``.",
     "out_dtype": "out_dtype : dtype or str, optional\n"
                  "    The result's dtype; defaults to the normalized input's.",
     "backend": "backend : {\"auto\", \"numba\", \"cupy\", \"dask\", \"array_api\"}, default \"auto\"\n"
@@ -209,6 +217,12 @@ OPTION_DOCS: dict[str, str] = {
                       "    residual stream from bfloat16 inputs); default the promoted dtype of ``x`` and\n"
                       "    ``residual``.  ``y``'s default dtype stays the promoted one.  A dtype without\n"
                       "    a residual is a ``ValueError``; the backward ignores it.",
+    "group_size": "group_size : int, optional\n"
+                  "    Grouped RMSNorm (Mamba's ``RMSNormGated`` without a gate): each run of\n"
+                  "    ``group_size`` consecutive elements of the normalized slice gets its own\n"
+                  "    statistic, and ``rstd`` a trailing axis of ``d // group_size`` groups.  Must\n"
+                  "    divide ``d`` (``ValueError``); with more than one group ``partial`` and\n"
+                  "    ``partial_size`` must be left at their defaults (``ValueError``).",
 }
 
 _DEFAULT_OPTIONS = Options()
@@ -268,7 +282,9 @@ def takes_options(*, exclude: tuple[str, ...] = (), docs: Mapping[str, str] | No
     def decorate(func: F) -> F:
         sig = inspect.signature(func)
         params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-        names = [n for n in Options._fields if n not in exclude]
+        # an option the function takes as its own parameter (rms_norm_gated's
+        # group_size) is documented and bound there
+        names = [n for n in Options._fields if n not in exclude and n not in sig.parameters]
         given = {**_SharedOptions.__annotations__, **NormOptions.__annotations__}
         dflt = {**_DEFAULT_OPTIONS._asdict(), **(defaults or {})}
         params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=dflt[n],
@@ -342,6 +358,14 @@ class Plan:
     memo : dict
         Per-plan values a backend derives once (its flag words, dtype
         objects); not part of the plan's identity.
+    groups : int
+        ``d // group_size`` (1 without ``group_size``): the statistic is taken
+        per group of ``d // groups`` consecutive elements, and ``rstd`` is
+        ``(tokens, groups)`` when ``groups > 1``.  The backends never see a
+        plan with ``groups > 1``: the front end runs each group as rows of
+        ``group_size`` elements (``polynorm.ops.norm._grouped_forward``).
+    cast_none : bool
+        ``casting == "none"`` (:data:`NONE_CASTING`).
     """
 
     d: int
@@ -356,6 +380,8 @@ class Plan:
     norm_sum: bool = False
     h_dtype: str = ""
     memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    groups: int = 1
+    cast_none: bool = False
 
     @property
     def rstd_dtype(self) -> str:
@@ -401,16 +427,17 @@ def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
     15
     """
     (eps, _, partial, partial_size, offset, eps_mode, casting, out_dtype, _,
-     norm_input, residual_dtype) = opts
+     norm_input, residual_dtype, group_size) = opts
     exact = (eps.__class__ in _EXACT and partial.__class__ in _EXACT
              and (partial_size is None or partial_size.__class__ is int)
              and offset.__class__ in _EXACT and eps_mode.__class__ is str
              and casting.__class__ is str and (out_dtype is None or out_dtype.__class__ is str)
              and norm_input.__class__ is str
-             and (residual_dtype is None or residual_dtype.__class__ is str))
+             and (residual_dtype is None or residual_dtype.__class__ is str)
+             and (group_size is None or group_size.__class__ is int))
     if exact:
         key = (d, norm_dtype, eps, partial, partial_size, offset, eps_mode, casting, out_dtype,
-               norm_input, residual_dtype)
+               norm_input, residual_dtype, group_size)
         plan = _PLANS.get(key)
         if plan is not None:
             return plan
@@ -427,6 +454,10 @@ def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
         raise ValueError(
             "norm_input='sum' with casting='llama': llama casting rounds the normalized value "
             "to the input's dtype, and no peer does that to an unrounded sum; use one of them")
+    if norm_input == "sum" and casting == "none":
+        raise ValueError(
+            "norm_input='sum' with casting='none': casting 'none' does every step in the "
+            "normalized input's dtype, which the unrounded sum does not have; use one of them")
     h_name = parse_dtype("residual_dtype", residual_dtype)
     if h_name is not None and h_name not in FLOAT_DTYPES:
         raise TypeError(f"residual_dtype must be one of {FLOAT_DTYPES}, got {residual_dtype!r}")
@@ -436,6 +467,8 @@ def make_plan(d: int, norm_dtype: str, opts: Options) -> Plan:
                     offset=_check_real("offset", offset), eps_mode=eps_mode, casting=casting,
                     out_dtype=out_name, norm_sum=norm_input == "sum",
                     h_dtype=h_name or norm_dtype)
+    if group_size is not None:
+        plan = _grouped(plan, group_size)
     if exact:
         if len(_PLANS) >= 1024:
             _PLANS.clear()
@@ -534,7 +567,52 @@ def _resolve(
         out_dtype=out_dtype,
         norm_sum=norm_sum,
         h_dtype=h_dtype or norm_dtype,
+        cast_none=casting == "none",
     )
+
+
+#: ``casting="none"``, Liger-Kernel's ``_CASTING_MODE_NONE``: with ``T`` the normalized
+#: input's dtype, ``P = promote(T, weight dtype)``, ``T(a)`` rounding to ``T`` (each
+#: operation computed in the compute dtype and rounded once, as torch does for 16-bit
+#: tensors)::
+#:
+#:     sq   = T(x * x)
+#:     ms   = T(sum(sq[:k]) / k)             # the sum in the compute dtype, fixed order
+#:     rstd = T(1 / sqrt(T(ms + T(eps))))    # eps_mode="inside"
+#:     rstd = T(1 / T(T(sqrt(ms)) + T(eps))) # eps_mode="outside"
+#:     xhat = T(x * rstd)
+#:     y    = P(xhat * P(weight + T(offset)))          # xhat without a weight
+#:     y    = promote(P, bias dtype)(y + bias)        # with a bias
+#:
+#: then ``y`` is rounded to the output dtype; ``rstd`` is returned in the compute dtype
+#: (its value is a ``T`` value: Liger stores it in ``T``).  The backward is Liger's
+#: ``_rms_norm_backward_kernel`` for this mode: :class:`Plan`'s backward in the compute
+#: dtype with that ``rstd``.  For float32 and float64 input every ``T(...)`` is exact
+#: and this is the ``"fp32"`` arithmetic without its overflow-safe statistic.
+NONE_CASTING = "none"
+
+
+def _grouped(plan: Plan, group_size: Any) -> Plan:
+    """``plan`` with the statistic per group of ``group_size`` (Mamba's ungated
+    ``RMSNormGated``).  pRMSNorm's leading ``k`` has no per-group meaning in any peer,
+    so a ``k < d`` with several groups is refused, as :func:`make_gated_plan` does."""
+    import dataclasses
+
+    gs = _group_size(group_size, plan.d)
+    if gs == plan.d:
+        return plan
+    if plan.k != plan.d:
+        raise ValueError(
+            f"group_size={gs} < d={plan.d} cannot be combined with partial or partial_size "
+            f"(k={plan.k}): each group's statistic takes all of its elements")
+    return dataclasses.replace(plan, groups=plan.d // gs)
+
+
+def _no_cast_none(plan: Plan, func: str) -> None:
+    """``casting="none"`` is the plain norm's (Liger's RMSNorm); no peer gates or
+    quantizes in it, and these kernels do not run it."""
+    if plan.cast_none:
+        raise ValueError(f"casting='none' is not available for {func}: use 'fp32' or 'llama'")
 
 
 # --------------------------------------------------------------------------- gated RMSNorm
@@ -624,6 +702,7 @@ def make_gated_plan(plan: Plan, *, group_size: Any, norm_before_gate: Any) -> Ga
     """
     if not isinstance(norm_before_gate, (bool, int)) or norm_before_gate not in (0, 1):
         raise TypeError(f"norm_before_gate must be True or False, got {norm_before_gate!r}")
+    _no_cast_none(plan, "rms_norm_gated")
     d = plan.d
     if group_size is None:
         gs = d
@@ -730,6 +809,7 @@ def make_quant_plan(plan: Plan, *, qdtype: str, scale: Any, scale_is_array: bool
     >>> make_quant_plan(p, qdtype="int8", scale=None, scale_is_array=False, group_size=4).groups
     2
     """
+    _no_cast_none(plan, "rms_norm_quant")
     d = plan.d
     if not (isinstance(scale_mode, str) and scale_mode in SCALE_MODES):
         raise ValueError(f"scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")

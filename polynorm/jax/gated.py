@@ -15,6 +15,7 @@ import jax
 
 from polynorm.core.options import NormOptions, Options, pack_options, takes_options
 from polynorm.jax.norm import _static
+from polynorm.jax.norm import rms_norm as _rms_norm
 from polynorm.ops import gated as _gated
 
 if TYPE_CHECKING:
@@ -65,7 +66,9 @@ def rms_norm_gated(x, z, weight=None, bias=None, *, group_size: int | None = Non
     ----------
     x, z, weight, bias : jax.Array
         As in :func:`polynorm.rms_norm_gated`.
-    group_size, norm_before_gate
+    group_size : int, optional
+        As in :func:`polynorm.rms_norm_gated`.
+    norm_before_gate : bool
         As in :func:`polynorm.rms_norm_gated`.
     {options}
 
@@ -89,4 +92,7 @@ def rms_norm_gated(x, z, weight=None, bias=None, *, group_size: int | None = Non
     """
 
     opts = pack_options("rms_norm_gated", options)
+    if z is None:  # Mamba's RMSNormGated(z=None): the grouped norm, no gate
+        return _rms_norm(x, weight, bias,
+                        **_gated.ungated_options(opts, group_size, norm_before_gate)._asdict())
     return _gated_fn((group_size, bool(norm_before_gate), _static(opts)), x, z, weight, bias)

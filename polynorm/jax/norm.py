@@ -127,7 +127,8 @@ def _keeps_output(save: str, weight, static: Options, rstd) -> bool:
     zeros of ``weight + offset`` (then ``x`` is kept); a traced one cannot be, and
     ``y`` is kept (such columns give NaN gradients, as documented at :func:`rms_norm`).
     """
-    if save != "output":
+    if save != "output" or static.group_size is not None:
+        # x is recovered with one rstd per slice only: grouped calls keep x
         return False
     return (isinstance(weight, jax.core.Tracer)
             or _lean.recoverable(weight, static.offset, rstd.dtype))

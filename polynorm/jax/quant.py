@@ -36,7 +36,9 @@ def rms_norm_quant(x, weight=None, bias=None, *, residual=None, dtype: Any = "fl
     ----------
     x, weight, bias, residual : jax.Array
         As in :func:`polynorm.rms_norm_quant`.
-    dtype, scale, group_size, scale_mode
+    dtype, scale, scale_mode
+        As in :func:`polynorm.rms_norm_quant`.
+    group_size : int, optional
         As in :func:`polynorm.rms_norm_quant`.
     {options}
 

@@ -54,10 +54,15 @@ def numba_module(opts: Options):
 
 
 def _plan(d: int, dtype: str, opts: Options) -> Plan | None:
+    if opts.group_size is not None:
+        return None  # the general path runs the groups (ops.norm._grouped_forward)
     try:
-        return make_plan(d, dtype, opts)
+        plan = make_plan(d, dtype, opts)
     except (TypeError, ValueError):
         return None  # the general path raises it, in its own order
+    if plan.cast_none:
+        return None  # the general path chooses the backend that has it (ops.norm._none_backend)
+    return plan
 
 
 def _apart(plan: Plan, residual, opts: Options) -> bool:

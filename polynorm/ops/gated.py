@@ -59,9 +59,9 @@ def _rstd_shape(lay, gplan: GatedPlan, group_size) -> tuple[int, ...]:
 
 
 @takes_options()
-def rms_norm_gated(
+def rms_norm_gated(  # type: ignore[misc]  # its own group_size takes the option's name
     x: Array,
-    z: Array,
+    z: Array | None,
     weight: Array | None = None,
     bias: Array | None = None,
     *,
@@ -91,6 +91,8 @@ def rms_norm_gated(
     ----------
     x, z : array
         Same shape, library and device; float dtypes (``z`` may have another).
+        ``z=None`` (Mamba's ``RMSNormGated`` without a gate) is
+        :func:`polynorm.rms_norm` with ``group_size``: the same bits and ``rstd``.
     weight, bias : array, optional
         Shape of ``x`` over the normalized axes (over all ``d``, not a group).
     group_size : int, optional
@@ -180,9 +182,22 @@ def _decode_forward(x, z, weight, bias, opts, group_size, norm_before_gate, retu
     return y
 
 
+def ungated_options(opts: Options, group_size: Any, norm_before_gate: Any) -> Options:
+    """The options of :func:`polynorm.rms_norm` that a call with ``z=None`` is (Mamba's
+    ``RMSNormGated(x, z=None)``: the grouped norm without a gate; ``norm_before_gate``
+    has nothing to order and is only checked)."""
+    if not isinstance(norm_before_gate, (bool, int)) or norm_before_gate not in (0, 1):
+        raise TypeError(f"norm_before_gate must be True or False, got {norm_before_gate!r}")
+    return opts._replace(group_size=group_size)
+
+
 def gated_forward(x, z, weight, bias, opts: Options, *, group_size, norm_before_gate,
                   out=None, return_rstd: bool = False):
     """:func:`rms_norm_gated` with the options packed (the entry of torch and jax)."""
+    if z is None:
+        return _api.forward(x, None, weight, bias,
+                            ungated_options(opts, group_size, norm_before_gate), out=out,
+                            return_rstd=return_rstd)
     if (out is None and type(x) is _np.ndarray and type(z) is _np.ndarray
             and (weight is None or type(weight) is _np.ndarray)
             and (bias is None or type(bias) is _np.ndarray)):
@@ -231,7 +246,7 @@ def gated_forward(x, z, weight, bias, opts: Options, *, group_size, norm_before_
 
 
 @takes_options()
-def rms_norm_gated_backward(
+def rms_norm_gated_backward(  # type: ignore[misc]  # as rms_norm_gated
     dy: Array,
     x: Array,
     z: Array,
@@ -259,7 +274,9 @@ def rms_norm_gated_backward(
     rstd : array, optional
         The forward's ``rstd`` (``return_rstd=True``), of its shape and dtype
         (float32, float64 for float64 ``x``); saves recomputing it.
-    group_size, norm_before_gate
+    group_size : int, optional
+        As in the forward.
+    norm_before_gate : bool
         As in the forward.
     return_rstd, out
         Accepted for a signature uniform with the forward's; must be left at
@@ -274,7 +291,8 @@ def rms_norm_gated_backward(
     -------
     (dx, dz, dweight, dbias)
         ``dx``/``dz`` have the dtypes of ``x``/``z``; ``dweight``/``dbias``
-        those of ``weight``/``bias``, or ``None`` without them.
+        those of ``weight``/``bias``, or ``None`` without them.  ``dz`` is
+        ``None`` for ``z=None``.
 
     Examples
     --------
@@ -302,6 +320,10 @@ def rms_norm_gated_backward(
 def gated_backward(dy, x, z, weight, bias, rstd, opts: Options, *, group_size,
                    norm_before_gate):
     """:func:`rms_norm_gated_backward` with the options packed."""
+    if z is None:
+        dx, dw, db = _api.backward(dy, x, weight, bias, rstd, None,
+                                   ungated_options(opts, group_size, norm_before_gate))
+        return dx, None, dw, db
     dy, x, z, weight, bias, rstd = (_api._native(a) for a in (dy, x, z, weight, bias, rstd))
     lay, gplan, mod, weight, bias = _prepare(x, z, weight, bias, {"dy": dy, "rstd": rstd},
                                              opts, group_size, norm_before_gate)

@@ -589,6 +589,8 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     call = _prepare(x=x, weight=weight, bias=bias, arrays={"residual": residual, "out": out},
                     opts=opts)
     lay, plan = call.lay, call.plan
+    if plan.cast_none:
+        call.backend = _none_backend(call.backend)
     if residual is None:
         no_residual(opts)
     _check_out(out, x, plan.out_dtype, (x, residual, weight, bias))
@@ -600,7 +602,8 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
         hout2 = _view_rows(lay, residual_out)
     into = getattr(call.backend, "forward_into", None) if hout2 is not None else None
     done = None
-    if into is not None and lay.n != 0 and not split_add(plan):
+    if (into is not None and lay.n != 0 and not split_add(plan) and opts.group_size is None
+            and not plan.cast_none):
         # h and y written straight into the caller's buffers (add_rms_norm_)
         try:
             with _no_autograd(x):
@@ -612,6 +615,8 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
         y2, h2, rstd = done
     elif lay.n == 0:
         y2, h2, rstd = _empty_forward(lay, x, residual, plan)
+    elif opts.group_size is not None:
+        y2, h2, rstd = _grouped_forward(lay, x, residual, weight, bias, plan, opts)
     elif residual is not None and split_add(plan):
         with _no_autograd(x):
             try:
@@ -646,7 +651,7 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     elif fused:
         result.append(lay.unrows(h2))
     if return_rstd:
-        result.append(lay.unbatch(rstd))
+        result.append(lay.unbatch(rstd, () if opts.group_size is None else (plan.groups,)))
     return result[0] if len(result) == 1 else tuple(result)
 
 
@@ -1013,12 +1018,17 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
                     arrays={"dy": dy, "rstd": rstd, "grad_residual": grad_residual}, opts=opts)
     lay, plan = call.lay, call.plan
     rstd1 = None
+    tail = () if opts.group_size is None else (plan.groups,)
     if rstd is not None:
-        _check_shape("rstd", rstd, lay.batch_shape, "x's shape without the normalized axes")
+        _check_shape("rstd", rstd, lay.batch_shape + tail, "x's shape without the normalized axes"
+                     + ("" if opts.group_size is None else ", plus the groups"))
         got = float_dtype_name("rstd", rstd)
         if got != plan.rstd_dtype:
             raise TypeError(f"rstd must have dtype {plan.rstd_dtype}, got {got}")
-        rstd1 = lay.batch_rows(rstd)
+        rstd1 = lay.batch_rows(rstd, tail)
+    if plan.cast_none and rstd1 is None and lay.n and opts.group_size is None:
+        # the backends' backward recomputes the "fp32" rstd; "none" has its own
+        rstd1 = _backends.get("array_api").none_rstd(lay.xp, lay.rows(x), plan)
     _check_out(out, x, float_dtype_name("x", x), (dy, grad_residual, x, weight, bias, rstd),
                ("dy", "grad_residual", "x", "weight", "bias", "rstd"), ("dy", "grad_residual"),
                "x's dtype, that of dx")
@@ -1031,11 +1041,15 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
         db = None if bias is None else xp.zeros(bias.shape, dtype=bias.dtype, device=dev)
         return dx, dw, db
     try:
-        with _no_autograd(x):
-            dx2, dw, db = call.backend.backward(
-                lay.rows(dy), lay.rows(x), lay.flat(weight), lay.flat(bias), rstd1,
-                lay.rows(grad_residual), plan, out2,
-            )
+        if opts.group_size is not None:
+            dx2, dw, db = _grouped_backward(lay, dy, x, weight, bias, rstd1, grad_residual,
+                                            plan, opts)
+        else:
+            with _no_autograd(x):
+                dx2, dw, db = call.backend.backward(
+                    lay.rows(dy), lay.rows(x), lay.flat(weight), lay.flat(bias), rstd1,
+                    lay.rows(grad_residual), plan, out2,
+                )
     except Exception as exc:
         if out2 is None:
             raise
@@ -1416,3 +1430,71 @@ def backward_heads(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=
                                              hd.wshape)
     db = None if bias is None else hd.join([xp.reshape(a, (1, hd.d)) for a in dbs], hd.wshape)
     return dx, dw, db
+
+
+# --------------------------------------------------------------------------- grouped RMSNorm
+# ``group_size`` (Mamba's RMSNormGated without a gate): every group of ``group_size``
+# consecutive columns is normalized as rows of ``group_size`` elements, by the same front
+# end and backend as any plain call.  A group's rstd, y, h and dx are then the bits
+# rms_norm gives those columns as rows (the statistic of a row depends on that row only),
+# and each dweight/dbias column is summed over the same row tree as in an ungrouped call:
+# batch invariance and the fixed reduction order carry over unchanged.
+
+
+def _group_slices(lay: _Layout, plan: Plan) -> list[slice]:
+    g = lay.d // plan.groups
+    return [slice(i * g, (i + 1) * g) for i in range(plan.groups)]
+
+
+def _cols(a: Any, sl: slice) -> Any:
+    return None if a is None else a[:, sl]
+
+
+def _grouped_forward(lay: _Layout, x, residual, weight, bias, plan: Plan, opts: Options):
+    """``(y, h, rstd)`` rows of a grouped call, ``rstd`` of shape ``(n, groups)``."""
+    xp = lay.xp
+    sub = opts._replace(axis=-1, group_size=None)
+    x2, r2, w1, b1 = lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias)
+    ys, hs, rs = [], [], []
+    for sl in _group_slices(lay, plan):
+        w, b = (None if a is None else a[sl] for a in (w1, b1))
+        if r2 is None:
+            y, r = forward(x2[:, sl], None, w, b, sub, return_rstd=True)
+        else:
+            y, h, r = forward(x2[:, sl], r2[:, sl], w, b, sub, return_rstd=True, fused=True)
+            hs.append(h)
+        ys.append(y)
+        rs.append(r)
+    h2 = xp.concat(hs, axis=1) if hs else None
+    return xp.concat(ys, axis=1), h2, xp.stack(rs, axis=1)
+
+
+def _grouped_backward(lay: _Layout, dy, x, weight, bias, rstd1, grad_residual, plan: Plan,
+                      opts: Options):
+    """``(dx rows, dweight, dbias)`` of a grouped call; ``rstd1`` is ``(n, groups)`` or None."""
+    xp = lay.xp
+    sub = opts._replace(axis=-1, group_size=None)
+    dy2, x2, g2 = lay.rows(dy), lay.rows(x), lay.rows(grad_residual)
+    w1, b1 = lay.flat(weight), lay.flat(bias)
+    dxs, dws, dbs = [], [], []
+    for i, sl in enumerate(_group_slices(lay, plan)):
+        dx, dw, db = backward(dy2[:, sl], x2[:, sl], None if w1 is None else w1[sl],
+                              None if b1 is None else b1[sl],
+                              None if rstd1 is None else rstd1[:, i], _cols(g2, sl), sub)
+        dxs.append(dx)
+        dws.append(dw)
+        dbs.append(db)
+    dw = None if w1 is None else xp.concat(dws, axis=0)
+    db = None if b1 is None else xp.concat(dbs, axis=0)
+    return xp.concat(dxs, axis=1), dw, db
+
+
+# --------------------------------------------------------------------------- casting="none"
+
+
+def _none_backend(backend: Any) -> Any:
+    """The backend that runs a ``casting="none"`` forward: ``backend`` where it has the
+    mode's kernels (``CASTING_NONE``), else the array-API reference on the same arrays."""
+    if getattr(backend, "CASTING_NONE", False):
+        return backend
+    return _backends.get("array_api")

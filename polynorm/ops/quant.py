@@ -106,7 +106,7 @@ def _fast(x, weight, bias, residual, qdtype, scale, group_size, scale_mode, opts
 
 
 @takes_options(exclude=("out_dtype",))
-def rms_norm_quant(
+def rms_norm_quant(  # type: ignore[misc]  # its own group_size (the scales') takes the option's name
     x: Array,
     weight: Array | None = None,
     bias: Array | None = None,

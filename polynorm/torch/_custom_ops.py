@@ -74,6 +74,8 @@ def _fake_checks(x, dtype: torch.dtype, args):
         make_plan(d, name, opts)
     rstd_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     batch = [s for i, s in enumerate(x.shape) if i not in axes]
+    if opts.group_size is not None:  # grouped rstd: one per group, on a trailing axis
+        batch.append(d // opts.group_size)
     y_dtype = dtype if opts.out_dtype is None else _TORCH_DTYPES[opts.out_dtype]
     return y_dtype, rstd_dtype, batch
 

@@ -38,10 +38,13 @@ from polynorm.torch._custom_ops import (
     _vmap_loop,
     _vmapped_opts,
 )
+from polynorm.torch.norm import rms_norm as _rms_norm
 
 __all__ = ["rms_norm_gated", "RMSNormGated"]
 
-_GATE = "int? group_size, bool norm_before_gate"
+# the op's own group_size under another name: the options' schema has a group_size too
+# (the plain norm's), and torch.compile refuses duplicate argument names
+_GATE = "int? gate_group_size, bool norm_before_gate"
 
 
 def _rstd_shape(x, axis, group_size, batch):
@@ -136,7 +139,7 @@ _GatedFn = _function("_GatedFn", _gated_op, _setup, _bwd, "rms_norm_gated")
 @takes_options()
 def rms_norm_gated(
     x: torch.Tensor,
-    z: torch.Tensor,
+    z: torch.Tensor | None,
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     *,
@@ -150,7 +153,9 @@ def rms_norm_gated(
     ----------
     x, z, weight, bias : torch.Tensor
         As in :func:`polynorm.rms_norm_gated`; any of them may require grad.
-    group_size, norm_before_gate
+    group_size : int, optional
+        As in :func:`polynorm.rms_norm_gated`.
+    norm_before_gate : bool
         As in :func:`polynorm.rms_norm_gated`.
     {options}
 
@@ -171,6 +176,9 @@ def rms_norm_gated(
     (torch.Size([2, 8]), torch.Size([2, 8]))
     """
     opts = pack_options("rms_norm_gated", options)
+    if z is None:  # Mamba's RMSNormGated(z=None): the grouped norm, no gate
+        return _rms_norm(x, weight, bias,
+                        **_gated.ungated_options(opts, group_size, norm_before_gate)._asdict())
     args = (x, z, weight, bias, group_size, bool(norm_before_gate), *_op_args(opts))
     # torch.func and forward-mode AD: the Function (the op's own autograd has no
     # setup_context for torch.func, and no jvp to refuse forward mode clearly)
@@ -219,7 +227,7 @@ class RMSNormGated(torch.nn.Module):
         if group_size is not None and hidden_size % group_size:
             raise ValueError(f"group_size={group_size} must divide hidden_size={hidden_size}")
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         return rms_norm_gated(x, z, self.weight, group_size=self.group_size,
                               norm_before_gate=self.norm_before_gate, eps=self.eps,
                               **self.options)

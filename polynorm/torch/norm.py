@@ -64,6 +64,7 @@ def _keep(ctx, x, y, weight, bias, rstd, opts: Options, save: str, check: bool) 
     kept and such columns give NaN gradients (documented at :func:`rms_norm`).
     """
     lean = save == "output" and (not check or _lean.recoverable(weight, opts.offset, rstd.dtype))
+    lean = lean and opts.group_size is None  # x is recovered with one rstd per slice only
     ctx.save_for_backward(y if lean else x, weight, bias, rstd)
     ctx.lean = lean
     ctx.x_dtype = x.dtype

@@ -52,7 +52,7 @@ def _qdtype(dtype: Any) -> torch.dtype:
 @torch.library.custom_op(
     "polynorm::rms_norm_quant", mutates_args=(),
     schema=f"(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, Tensor? scale, "
-    f"float? scale_value, ScalarType dtype, int? group_size, str scale_mode, {_OPTS}) "
+    f"float? scale_value, ScalarType dtype, int? scale_group_size, str scale_mode, {_OPTS}) "
     "-> (Tensor, Tensor, Tensor)",
 )
 def _quant_op(x, weight, bias, residual, scale, scale_value, dtype, group_size, scale_mode,
@@ -60,6 +60,7 @@ def _quant_op(x, weight, bias, residual, scale, scale_value, dtype, group_size, 
     # every option by its field, so that a new one is not dropped here
     o = _from_op(opts)._asdict()
     del o["out_dtype"]
+    del o["group_size"]  # the op's own group_size (the scales') is the function's
     out = _quant.rms_norm_quant(
         x, weight, bias, residual=residual, dtype=_QDTYPES[dtype],
         scale=scale if scale is not None else scale_value, group_size=group_size,
@@ -128,7 +129,9 @@ def rms_norm_quant(
     scale : float or torch.Tensor, optional
         A static scale: a float (a constant of a compiled graph) or a
         one-element float tensor (an input of it).
-    group_size, scale_mode
+    group_size : int, optional
+        As in :func:`polynorm.rms_norm_quant`.
+    scale_mode : str
         As in :func:`polynorm.rms_norm_quant`.
     {options}
 

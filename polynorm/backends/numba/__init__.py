@@ -362,6 +362,8 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     itself) receives ``y`` in place; then no token-sized array is allocated
     besides ``h`` for the fused add.
     """
+    if plan.cast_none:
+        return none_forward(x, residual, weight, bias, plan, out)
     kernels = _kernels or _k()
     caller = x
     to_numpy = _interop.to_numpy
@@ -1170,3 +1172,63 @@ def split_forward(x, weight, bias, sumsq, k_total: int, plan: Plan):
     _run_rows(ks.given_parallel, ks.given_rows, n, d, args)
     from_numpy = _interop.from_numpy
     return from_numpy(y, caller), from_numpy(rstd, caller)
+
+
+# --------------------------------------------------------------------------- casting="none"
+
+#: this backend runs ``casting="none"`` (:mod:`.numba.none`); the front end sends such
+#: calls of a backend without it to the reference
+CASTING_NONE = True
+
+
+def none_forward(x, residual, weight, bias, plan: Plan, out=None):
+    """``casting="none"`` forward on 2-D rows (:data:`polynorm.core.options.NONE_CASTING`).
+
+    The fused add runs on the reference (``h``, then the mode's steps).  ``out`` of
+    C rows and ``plan.out_dtype`` is written in place.
+    """
+    from polynorm.backends import reference
+    from polynorm.backends.numba import none as N
+    from polynorm.backends.numba.codec import FORMAT_CODE
+    from polynorm.core.dtypes import dtype_name
+    from polynorm.core.options import compute_dtype, promote
+
+    if residual is not None:
+        return reference.forward(x, residual, weight, bias, plan, out)
+    caller = x
+    to_numpy = _interop.to_numpy
+    xn = np.ascontiguousarray(to_numpy(x))
+    n, d = xn.shape
+    _, y_dt, _, cdt = _info(plan)
+    tname = plan.norm_dtype
+    pname = bname = tname
+    g = bb = None
+    flags = N.EPS_INSIDE if plan.eps_inside else 0
+    if weight is not None:
+        wn = to_numpy(weight)
+        pname = bname = promote(tname, dtype_name(wn.dtype))
+        pc = numpy_dtype(compute_dtype(pname))
+        off = float(np.asarray(plan.offset, numpy_dtype(tname)))
+        g = (wn.astype(pc) + pc.type(off)).astype(numpy_dtype(pname))
+    if bias is not None:
+        bn = to_numpy(bias)
+        bname = promote(pname, dtype_name(bn.dtype))
+        flags |= N.HAS_B
+    # the row's product and bias sum in one type: float64 where either needs it
+    wide = numpy_dtype(compute_dtype(promote(compute_dtype(tname), compute_dtype(bname))))
+    g = np.ones(d, wide) if g is None else np.ascontiguousarray(g, wide)
+    bb = np.zeros(1, wide) if bias is None else np.ascontiguousarray(bn, wide)
+    o = None if out is None else to_numpy(out)
+    direct = o is not None and o.flags.c_contiguous and o.dtype == y_dt
+    y = o if direct else _empty_for(caller)((n, d), y_dt)
+    rstd = _empty_for(caller)(n, cdt)
+    eps = float(np.asarray(plan.eps, numpy_dtype(tname)))
+    args = (_kview(xn), g, bb, _kview(y), rstd, plan.k, cdt.type(plan.k), cdt.type(1),
+            cdt.type(eps), FORMAT_CODE[tname], FORMAT_CODE[pname], FORMAT_CODE[bname], flags)
+    _run_rows(N.forward_parallel, N.forward_rows, n, d, args)
+    from_numpy = _interop.from_numpy
+    if o is not None:
+        if not direct:
+            o[...] = y
+        return out, None, from_numpy(rstd, caller)
+    return from_numpy(y, caller), None, from_numpy(rstd, caller)
