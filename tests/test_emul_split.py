@@ -63,7 +63,7 @@ def _exact_sumsq(x):
 
 
 # pn_fwd_small (d <= 256), pn_fwd (registers), pn_fwd_big (two slices, a tail) rows
-ONE_SHARD = [("float32", 37), ("float32", 1001), ("float16", 300), ("float32", 9003)]
+ONE_SHARD = [("float32", 37), ("float32", 1001), ("float16", 300), ("bfloat16", 72), ("float32", 9003)]
 
 
 @pytest.mark.parametrize("dtype,d", ONE_SHARD)

@@ -9,9 +9,11 @@ backward does the same with its per-token coefficient
 is vLLM's split-hidden RMSNorm (MiniMax, ``_forward_qk_tp``), Megatron-LM's
 sequence/tensor-parallel norm and Flax's ``axis_name`` statistic.
 
-Validation and layout are :mod:`polynorm.ops.norm`'s; the kernels are a backend's
-:class:`polynorm.backends.SplitKernels` (Numba, dask) or the reference's ``split_*``
-functions (every other backend, ``casting="llama"``, and the backward).
+Validation, layout and the from-stats calls are :mod:`polynorm.ops.norm`'s (whose
+``rms_norm`` takes ``sumsq=``/``d_total=`` as the same call); the kernels are a
+backend's :class:`polynorm.backends.SplitKernels` (Numba, CUDA, dask) or the
+reference's ``split_*`` functions (every other backend, ``casting="llama"``, and the
+backward).
 """
 
 from __future__ import annotations
@@ -77,7 +79,10 @@ def rms_norm_stats(x: Array, **options: Unpack[NormOptions]) -> Array:
     :func:`rms_norm`'s ``y`` and ``rstd`` bit for bit for every token whose sum is
     in range: not zero, Inf or NaN, and, for 16-bit input, at least ``2**-100``
     (the rows the unsplit forward rescales from the whole slice; those agree to
-    rounding).  With several shards the shards' sums are added in another order
+    rounding).  On the CUDA backend the sum is the CUDA forward's (its tree for
+    this ``d``), and one shard gives :func:`rms_norm`'s bits for every float32 and
+    16-bit token (float64: within rounding).  With several shards the shards'
+    sums are added in another order
     than one shard's loop: the result is within rounding of the unsplit call, not
     bit-equal.  The reference (other libraries) sums in float64 where the unsplit
     reference sums in the compute dtype: within rounding too.  float64 input whose
@@ -146,7 +151,8 @@ def rms_norm_from_stats(
 
     rstd is formed in float64 from ``sumsq`` and rounded to the compute dtype;
     ``y`` then follows :func:`rms_norm` (casting, ``out_dtype``).  When bits equal
-    the unsplit call: see :func:`rms_norm_stats`.
+    the unsplit call: see :func:`rms_norm_stats`.  ``rms_norm(x, weight, bias,
+    sumsq=, d_total=)`` is the same call.
 
     Parameters
     ----------
@@ -260,6 +266,8 @@ def rms_norm_backward_from_stats(
     ``dweight``/``dbias`` of a shard are its own columns' gradients: no
     all-reduce over the hidden axis (a data-parallel reduction over tokens is
     the caller's, as for any weight).  Runs the array-API reference.
+    ``rms_norm_backward(dy, x, weight, bias, sumsq=, dot=, d_total=)`` is the
+    same call.
 
     Parameters
     ----------
