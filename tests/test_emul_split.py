@@ -235,3 +235,41 @@ def test_nvrtc_split_kernels_compile_without_spills():
     spills = sass.ptxas_spills(res.log)
     assert len(spills) == len(names)
     assert all(s == (0, 0) for s in spills.values()), spills
+
+
+@pytest.mark.parametrize("dtype,dy_dtype,mode", [("float32", "float32", "inside"),
+                                                 ("float16", "float32", "outside"),
+                                                 ("float16", "float16", "inside")])
+def test_emul_split_backward_matches_the_reference(fake_cupy, dtype, dy_dtype, mode):
+    """pn_split_dot: the reference's split_dot to rounding (another summation order);
+    pn_split_bwd: the reference's split_backward dx bits, dweight/dbias to rounding
+    (summed in double by pn_colsum)."""
+    from polynorm.backends import reference
+
+    rng = np.random.default_rng(9)
+    n, d, d_total = 5, 70, 100
+    x = _rows(rng, n, d, dtype)
+    dy = rng.standard_normal((n, d)).astype(dy_dtype)
+    w = rng.standard_normal(d).astype(np.float32)
+    b = rng.standard_normal(d).astype(dtype)
+    total = _exact_sumsq(x) + rng.uniform(1, 50, n)  # the other shards' part
+    plan = _plan(d, dtype, offset=0.5, eps_mode=mode)
+    fdy, fx, fw, fb = (E._fake(a.copy()) for a in (dy, x, w, b))
+    dot = np.asarray(cupy_backend.split_dot(fdy, fx, fw, E._fake(total.copy()), d_total, plan))
+    want_dot = reference.split_dot(dy, x, w, total, d_total, plan)
+    assert dot.dtype == np.float64
+    np.testing.assert_allclose(dot, want_dot, rtol=1e-6, atol=1e-9)
+    dot = dot + rng.uniform(-5, 5, n)  # the other shards' part
+    dx, dw, db = cupy_backend.split_backward(fdy, fx, fw, fb, E._fake(total.copy()),
+                                             E._fake(dot.copy()), d_total, plan)
+    rdx, rdw, rdb = reference.split_backward(dy, x, w, b, total, dot, d_total, plan)
+    assert dx.dtype == rdx.dtype and dw.dtype == rdw.dtype and db.dtype == rdb.dtype
+    np.testing.assert_array_equal(_bits(dx), _bits(rdx))
+    assert_close(np.asarray(dw), rdw, Tol(1e-5, 1e-5))
+    assert_close(np.asarray(db), rdb, Tol(2e-3, 2e-3) if dtype == "float16" else Tol(1e-5, 1e-5))
+    no_w = cupy_backend.split_backward(fdy, fx, None, None, E._fake(total.copy()),
+                                       E._fake(dot.copy()), d_total, plan)
+    assert no_w[1] is None and no_w[2] is None
+    np.testing.assert_array_equal(
+        _bits(no_w[0]), _bits(reference.split_backward(dy, x, None, None, total, dot, d_total,
+                                                       plan)[0]))

@@ -1168,9 +1168,7 @@ def from_stats(func: str, x, weight, bias, sumsq, d_total, opts: Options, return
 def backward_from_stats(func: str, dy, x, weight, bias, sumsq, dot, d_total, opts: Options):
     """One shard's ``(dx, dweight, dbias)`` from the whole rows' ``sumsq`` and ``dot``: the
     core of ``rms_norm_backward(sumsq=, dot=, d_total=)`` and
-    :func:`polynorm.rms_norm_backward_from_stats` (the reference on every backend)."""
-    from polynorm.backends import reference
-
+    :func:`polynorm.rms_norm_backward_from_stats`."""
     x, weight, bias, arrays, call = split_prepare(
         func, x, weight, bias, {"dy": dy, "sumsq": sumsq, "dot": dot}, opts)
     lay, plan = call.lay, call.plan
@@ -1178,9 +1176,22 @@ def backward_from_stats(func: str, dy, x, weight, bias, sumsq, dot, d_total, opt
     dt = split_row_stat(func, "dot", arrays["dot"], lay)
     kt = split_d_total(func, d_total, lay.d)
     with _no_autograd(x):
-        dx2, dw, db = reference.split_backward(lay.rows(arrays["dy"]), lay.rows(x),
-                                               lay.flat(weight), lay.flat(bias), ss, dt, kt, plan)
+        dx2, dw, db = split_bwd_kernels(call).split_backward(
+            lay.rows(arrays["dy"]), lay.rows(x), lay.flat(weight), lay.flat(bias), ss, dt, kt,
+            plan)
     return lay.unrows(dx2), lay.unflat(dw), lay.unflat(db)
+
+
+def split_bwd_kernels(call) -> Any:
+    """The backend's split backward kernels (CUDA), else the reference's."""
+    from polynorm.backends import reference
+
+    mod = call.backend
+    key = ("bwd", mod)
+    offers = _split_offers.get(key)
+    if offers is None:
+        offers = _split_offers[key] = isinstance(mod, _backends.SplitBackwardKernels)
+    return mod if offers else reference
 
 
 def _rms_norm_from_stats(x, weight, bias, sumsq, d_total, return_rstd, out, options):

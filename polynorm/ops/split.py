@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from polynorm.backends import reference as _ref
 from polynorm.core.options import NormOptions, Options, pack_options, takes_options
 from polynorm.ops import norm as _api
 from polynorm.ops.norm import Array
@@ -237,7 +236,8 @@ def rms_norm_backward_stats(
     ss = _row_stat(func, "sumsq", arrays["sumsq"], lay)
     kt = _d_total(func, d_total, lay.d)
     with _api._no_autograd(x):
-        dot = _ref.split_dot(lay.rows(arrays["dy"]), lay.rows(x), lay.flat(weight), ss, kt, plan)
+        dot = _api.split_bwd_kernels(call).split_dot(lay.rows(arrays["dy"]), lay.rows(x),
+                                                     lay.flat(weight), ss, kt, plan)
     return lay.unbatch(dot)
 
 

@@ -772,7 +772,9 @@ def split_specialisations() -> list[str]:
     """pn_split_stats for every x dtype, pn_split_fwd for the plain forward's (x, weight,
     out) dtypes (fp32 casting: the front end runs llama casting on the reference)."""
     return ([split_stats_name(t) for t in FLOAT_DTYPES]
-            + [split_fwd_name(t[0], t[2], t[3]) for t in FWD_TYPES if t[0] == t[1]])
+            + [split_fwd_name(t[0], t[2], t[3]) for t in FWD_TYPES if t[0] == t[1]]
+            + [f(t, g) for f in (split_dot_name, split_bwd_name) for t in FLOAT_DTYPES
+               for g in _options(t)])
 
 
 @dataclass(frozen=True)
@@ -825,3 +827,28 @@ def split_forward_launch(n: int, d: int, x: str, weight: str | None = None,
     block = _row_block(n, tpr)
     return Launch(split_fwd_name(x, weight or x, out or x), grid=math.ceil(n / (block // tpr)),
                   block=block, shared=0, tpr=tpr, big=False)
+
+
+def split_dot_name(x: str, dy: str) -> str:
+    return f"pn_split_dot<{_ct(x, dy)}>"
+
+
+def split_bwd_name(x: str, dy: str) -> str:
+    return f"pn_split_bwd<{_ct(x, dy)}>"
+
+
+@lru_cache(maxsize=4096)
+def split_backward_launch(n: int, d: int, x: str, dy: str | None = None, phase: int = 1) -> Launch:
+    """Launch of pn_split_dot (``phase`` 1) or pn_split_bwd (2): ``tpr`` threads per row
+    (a power of two, at most :data:`ROW_BLOCK`) looping over its columns.  ``dy`` is the
+    kernel's dy dtype (``backward_types(...).dy``: x's or the compute dtype).
+
+    >>> bl = split_backward_launch(4, 4096, "bfloat16", "float32", 2)
+    >>> bl.name, bl.tpr, bl.block, bl.grid
+    ('pn_split_bwd<__nv_bfloat16, float>', 256, 256, 4)
+    """
+    tpr = min(ROW_BLOCK, _pow2ceil(d))
+    block = _row_block(n, tpr)
+    name = (split_dot_name if phase == 1 else split_bwd_name)(x, dy or x)
+    return Launch(name, grid=math.ceil(n / (block // tpr)), block=block, shared=0, tpr=tpr,
+                  big=False)

@@ -3431,3 +3431,87 @@ __global__ void __launch_bounds__(1024) pn_split_fwd(
                                                      has_b, has_b ? b[j] : (CT)0, off, false));
 }
 
+// pn_split_dot / pn_split_bwd: the split backward (polynorm.rms_norm_backward_stats,
+// rms_norm_backward_from_stats), the reference's split_dot / split_backward element
+// for element in CT: rstd from the whole rows' ss as pn_split_fwd forms it,
+// g = dy * (w + offset) (dy without a weight), xhat = x * rstd.  pn_split_dot writes
+// the shard's sum of (CT)(g * xhat) per row in double (tpr threads per row, thread tr
+// adding columns tr, tr + tpr, ..., then pn_row_reduce); pn_split_bwd writes
+// dx = rstd * (g - xhat * (CT)coef), coef = dot / kt (eps outside: times
+// (rms + eps) / rms, 0 where rms is 0), and the per-row dweight / dbias leaves
+// dy * xhat and dy (C-contiguous (n, d) in CT; null when not wanted), which the
+// caller sums over rows with pn_colsum.  w is in CT; dy in XT or CT.
+template <typename XT, typename DYT>
+__global__ void __launch_bounds__(1024) pn_split_dot(
+    const DYT* __restrict__ dy, long long sdy,
+    const XT* __restrict__ x, long long sx,
+    const typename pn_compute<XT>::type* __restrict__ w,
+    const double* __restrict__ ss,
+    double* dot,
+    long long n, int d, int tpr, long long kt,
+    double eps, int eps_inside, double offset)
+{
+    typedef typename pn_compute<XT>::type CT;
+    __shared__ double red[32];
+    const int tr = threadIdx.x % tpr;
+    const long long row = (long long)blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr;
+    const bool active = row < n;
+    const long long rr = active ? row : 0;
+    const XT* xr = x + rr * sx;
+    const DYT* dyr = dy + rr * sdy;
+    const double ms = ss[rr] / (double)kt;
+    const CT r = (CT)(eps_inside ? 1.0 / sqrt(ms + eps) : 1.0 / (sqrt(ms) + eps));
+    const CT off = (CT)offset;
+    double acc = 0.0;
+    for (int j = tr; active && j < d; j += tpr) {
+        const CT dyv = pn_conv<CT>::in(dyr[j]);
+        const CT g = w != nullptr ? dyv * (w[j] + off) : dyv;
+        const CT xh = pn_conv<CT>::in(xr[j]) * r;
+        const CT p = g * xh;
+        acc += (double)p;
+    }
+    acc = pn_row_reduce<false>(acc, tpr, red);
+    if (active && tr == 0) dot[row] = acc;
+}
+
+template <typename XT, typename DYT>
+__global__ void __launch_bounds__(1024) pn_split_bwd(
+    const DYT* __restrict__ dy, long long sdy,
+    const XT* __restrict__ x, long long sx,
+    const typename pn_compute<XT>::type* __restrict__ w,
+    const double* __restrict__ ss,
+    const double* __restrict__ dot,
+    XT* dx, long long sdx,
+    typename pn_compute<XT>::type* lw,
+    typename pn_compute<XT>::type* lb,
+    long long n, int d, int tpr, long long kt,
+    double eps, int eps_inside, double offset)
+{
+    typedef typename pn_compute<XT>::type CT;
+    const int tr = threadIdx.x % tpr;
+    const long long row = (long long)blockIdx.x * (blockDim.x / tpr) + threadIdx.x / tpr;
+    if (row >= n) return;  // no block-wide step below
+    const XT* xr = x + row * sx;
+    const DYT* dyr = dy + row * sdy;
+    XT* dxr = dx + row * sdx;
+    const double ms = ss[row] / (double)kt;
+    const CT r = (CT)(eps_inside ? 1.0 / sqrt(ms + eps) : 1.0 / (sqrt(ms) + eps));
+    double coef = dot[row] / (double)kt;
+    if (!eps_inside) {
+        const double rms = sqrt(ms);
+        coef = rms == 0.0 ? 0.0 : coef * ((rms + eps) / rms);
+    }
+    const CT cf = (CT)coef;
+    const CT off = (CT)offset;
+    for (int j = tr; j < d; j += tpr) {
+        const CT dyv = pn_conv<CT>::in(dyr[j]);
+        const CT g = w != nullptr ? dyv * (w[j] + off) : dyv;
+        const CT xh = pn_conv<CT>::in(xr[j]) * r;
+        const CT t = xh * cf;
+        const CT v = r * (g - t);
+        dxr[j] = pn_out<XT>::from(v);
+        if (lw != nullptr) lw[row * d + j] = dyv * xh;
+        if (lb != nullptr) lb[row * d + j] = dyv;
+    }
+}
+
