@@ -162,8 +162,9 @@ def report() -> dict[str, tuple[bool, str]]:
 class SplitKernels(Protocol):
     """Optional: the split hidden axis (:func:`polynorm.rms_norm_stats`,
     :func:`polynorm.rms_norm_from_stats`): a shard's float64 per-row sum of squares,
-    and its ``(y, rstd)`` from the whole rows' sum (fp32 casting).  Without them, and
-    for the backward, the front end runs the reference's ``split_*`` functions."""
+    and its ``(y, rstd)`` from the whole rows' sum (fp32 casting).  Without them the
+    front end runs the reference's ``split_*`` functions (the backward:
+    :class:`SplitBackwardKernels`)."""
 
     def split_stats(self, x: Any, plan: Plan) -> Any:
         ...

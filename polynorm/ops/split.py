@@ -11,9 +11,9 @@ sequence/tensor-parallel norm and Flax's ``axis_name`` statistic.
 
 Validation, layout and the from-stats calls are :mod:`polynorm.ops.norm`'s (whose
 ``rms_norm`` takes ``sumsq=``/``d_total=`` as the same call); the kernels are a
-backend's :class:`polynorm.backends.SplitKernels` (Numba, CUDA, dask) or the
-reference's ``split_*`` functions (every other backend, ``casting="llama"``, and the
-backward).
+backend's :class:`polynorm.backends.SplitKernels` (Numba, CUDA, dask) and
+:class:`polynorm.backends.SplitBackwardKernels` (CUDA), or the reference's ``split_*``
+functions (every other backend, ``casting="llama"``).
 """
 
 from __future__ import annotations
@@ -265,7 +265,9 @@ def rms_norm_backward_from_stats(
 
     ``dweight``/``dbias`` of a shard are its own columns' gradients: no
     all-reduce over the hidden axis (a data-parallel reduction over tokens is
-    the caller's, as for any weight).  Runs the array-API reference.
+    the caller's, as for any weight).  The array-API reference's arithmetic;
+    on CUDA its kernels (``dx`` bit for bit, ``dweight``/``dbias`` summed in
+    double).
     ``rms_norm_backward(dy, x, weight, bias, sumsq=, dot=, d_total=)`` is the
     same call.
 
