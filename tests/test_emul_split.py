@@ -273,3 +273,47 @@ def test_emul_split_backward_matches_the_reference(fake_cupy, dtype, dy_dtype, m
     np.testing.assert_array_equal(
         _bits(no_w[0]), _bits(reference.split_backward(dy, x, None, None, total, dot, d_total,
                                                        plan)[0]))
+
+
+@pytest.mark.parametrize("mode", ["inside", "outside"])
+def test_emul_split_backward_matches_finite_differences(fake_cupy, mode):
+    """float64, two shards: the CUDA split backward (dot of each shard summed, then dx,
+    dweight, dbias per shard) against central differences of sum(G * y), y the CUDA
+    split forward of the shards."""
+    rng = np.random.default_rng(21)
+    n, d, h = 3, 8, 1e-6
+    cuts = (slice(0, 3), slice(3, 8))
+    x, g = rng.standard_normal((n, d)), rng.standard_normal((n, d))
+    w, b = rng.standard_normal(d), rng.standard_normal(d)
+    plan = {c.start: _plan(c.stop - c.start, "float64", eps=0.1, offset=0.5, eps_mode=mode)
+            for c in cuts}
+
+    def f(a):
+        return E._fake(np.ascontiguousarray(a))
+
+    def loss(x, w, b):
+        total = sum(np.asarray(cupy_backend.split_stats(f(x[:, c]), plan[c.start])) for c in cuts)
+        ys = [cupy_backend.split_forward(f(x[:, c]), f(w[c]), f(b[c]), f(total), d,
+                                         plan[c.start])[0]
+              for c in cuts]
+        return float(np.sum(g * np.concatenate([np.asarray(y) for y in ys], axis=1)))
+
+    def fd(arr, i):
+        up, dn = arr.copy(), arr.copy()
+        up[i] += h
+        dn[i] -= h
+        args = {"x": x, "w": w, "b": b}
+        name = next(k for k, v in args.items() if v is arr)
+        return (loss(**{**args, name: up}) - loss(**{**args, name: dn})) / (2 * h)
+
+    total = np.sum(x * x, axis=1)
+    dot = sum(np.asarray(cupy_backend.split_dot(f(g[:, c]), f(x[:, c]), f(w[c]), f(total), d,
+                                                plan[c.start])) for c in cuts)
+    parts = [cupy_backend.split_backward(f(g[:, c]), f(x[:, c]), f(w[c]), f(b[c]), f(total),
+                                         f(dot), d, plan[c.start]) for c in cuts]
+    dx = np.concatenate([np.asarray(p[0]) for p in parts], axis=1)
+    dw = np.concatenate([np.asarray(p[1]) for p in parts])
+    db = np.concatenate([np.asarray(p[2]) for p in parts])
+    for got, arr in ((dx, x), (dw, w), (db, b)):
+        want = np.array([fd(arr, i) for i in np.ndindex(arr.shape)]).reshape(arr.shape)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
