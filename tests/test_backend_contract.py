@@ -12,7 +12,8 @@ import polynorm  # noqa: F401  (registers polynorm.backends)
 
 registry = sys.modules["polynorm.backends"]
 CAPABILITIES = (registry.Backend, registry.GatedKernels, registry.QuantKernels,
-                registry.SmallCalls, registry.RowRangeBackward)
+                registry.SmallCalls, registry.RowRangeBackward, registry.SplitKernels,
+                registry.SplitBackwardKernels)
 CAPABILITIES += (registry.InPlaceKernels,)
 
 

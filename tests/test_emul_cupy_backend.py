@@ -64,7 +64,7 @@ def _library(family: str):
     first = {v: k for k, v in cl.CTYPE.items()}
 
     def fam(n: str) -> str:
-        return first[n.split("<", 1)[1].split(",")[0].strip()]
+        return first[n.split("<", 1)[1].split(",")[0].strip(" >")]
 
     names = [n for n in cl.specialisations() if not n.startswith("pn_colsum") and fam(n) == family]
     names += [n for n in cl.specialisations() if n.startswith("pn_colsum")]
@@ -77,7 +77,7 @@ class _Kernel:
     def __init__(self, name: str):
         self.name = name
         self.max_dynamic_shared_size_bytes = 48 * 1024
-        first = name.split("<", 1)[1].split(",")[0].strip()
+        first = name.split("<", 1)[1].split(",")[0].strip(" >")
         family = {v: k for k, v in cl.CTYPE.items()}[first]
         self.lib = _library("float32" if name.startswith("pn_colsum") else family)
 

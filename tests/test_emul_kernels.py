@@ -47,7 +47,7 @@ def _name(a) -> str | None:
 
 def _family(name: str) -> str:
     """x dtype of a kernel name expression (the first template argument)."""
-    first = name.split("<", 1)[1].split(",")[0].strip()
+    first = name.split("<", 1)[1].split(",")[0].strip(" >")
     return {v: k for k, v in cl.CTYPE.items()}[first]
 
 

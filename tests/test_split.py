@@ -248,3 +248,71 @@ def test_dask_split_backward_keeps_the_hidden_chunks():
     got_dx, got_dw = dask.compute(dx, dw)
     np.testing.assert_allclose(got_dx, r * (g * w - xhat * c / 48), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(got_dw, np.sum(g * xhat, axis=0), rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- keyword form
+# pn.rms_norm(x, w, sumsq=, d_total=) and pn.rms_norm_backward(..., sumsq=, dot=, d_total=)
+
+
+def test_rms_norm_keywords_are_the_from_stats_call():
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((2, 3, 12)).astype(np.float32)
+    w = rng.standard_normal(12).astype(np.float32)
+    b = rng.standard_normal(12).astype(np.float32)
+    cuts = _cuts(12, 3)
+    total = sum(pn.rms_norm_stats(x[..., c]) for c in cuts)
+    want, want_r = _formula(x, w, b)
+    for c in cuts:
+        y, r = pn.rms_norm(x[..., c], w[c], b[c], sumsq=total, d_total=12, eps=EPS,
+                           return_rstd=True)
+        np.testing.assert_allclose(y, want[..., c], rtol=2e-6, atol=2e-6)
+        np.testing.assert_allclose(r, want_r, rtol=2e-6)
+        y2 = pn.rms_norm_from_stats(x[..., c], w[c], b[c], sumsq=total, d_total=12, eps=EPS)
+        np.testing.assert_array_equal(y, y2)
+    # the general path (another axis), same bits as the explicit name
+    xt = np.ascontiguousarray(np.moveaxis(x, -1, 0))
+    y3 = pn.rms_norm(xt[4:8], w[4:8], b[4:8], sumsq=total, d_total=12, eps=EPS, axis=0)
+    np.testing.assert_allclose(np.moveaxis(y3, 0, -1), want[..., 4:8], rtol=2e-6, atol=2e-6)
+
+
+def test_rms_norm_backward_keywords_are_the_from_stats_call():
+    rng = np.random.default_rng(12)
+    x, dy = rng.standard_normal((2, 4, 10)), rng.standard_normal((2, 4, 10))
+    w = rng.standard_normal(10)
+    total = np.sum(x * x, axis=-1)
+    c = slice(3, 10)
+    dot = sum(pn.rms_norm_backward_stats(dy[..., s], x[..., s], w[s], sumsq=total, d_total=10,
+                                         eps=EPS) for s in (slice(0, 3), c))
+    got = pn.rms_norm_backward(dy[..., c], x[..., c], w[c], sumsq=total, dot=dot, d_total=10,
+                               eps=EPS)
+    full = pn.rms_norm_backward(dy, x, w, eps=EPS)  # the unsplit backward's columns
+    np.testing.assert_allclose(got[0], full[0][..., c], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[1], full[1][c], rtol=1e-12, atol=1e-12)
+    assert got[2] is None
+    ref = pn.rms_norm_backward_from_stats(dy[..., c], x[..., c], w[c], sumsq=total, dot=dot,
+                                          d_total=10, eps=EPS)
+    np.testing.assert_array_equal(got[0], ref[0])
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    ({"sumsq": np.ones(3)}, TypeError, "sumsq given without d_total"),
+    ({"d_total": 8}, TypeError, "d_total given without sumsq"),
+    ({"sumsq": np.ones(3), "d_total": 8, "out": np.empty((3, 4), np.float32)}, ValueError,
+     "out= is not supported"),
+    ({"sumsq": np.ones(3), "d_total": 8, "partial": 0.5}, ValueError, "partial=0.5"),
+    ({"sumsq": np.ones(3), "d_total": 8, "residual_dtype": "float32"}, ValueError,
+     "residual_dtype"),
+    ({"sumsq": np.ones(3), "d_total": 2}, ValueError, "d_total must be at least"),
+    ({"sumsq": np.ones(4), "d_total": 8}, ValueError, "sumsq"),
+])
+def test_rms_norm_keyword_errors(kw, err, match):
+    with pytest.raises(err, match=match):
+        pn.rms_norm(np.ones((3, 4), np.float32), **kw)
+
+
+def test_rms_norm_backward_keyword_errors():
+    x = np.ones((3, 4))
+    with pytest.raises(TypeError, match="sumsq, d_total given without dot"):
+        pn.rms_norm_backward(x, x, sumsq=np.ones(3), d_total=8)
+    with pytest.raises(ValueError, match="rstd= is not supported"):
+        pn.rms_norm_backward(x, x, sumsq=np.ones(3), dot=np.ones(3), d_total=8, rstd=np.ones(3))

@@ -175,12 +175,30 @@ def report() -> dict[str, tuple[bool, str]]:
 class SplitKernels(Protocol):
     """Optional: the split hidden axis (:func:`polynorm.rms_norm_stats`,
     :func:`polynorm.rms_norm_from_stats`): a shard's float64 per-row sum of squares,
-    and its ``(y, rstd)`` from the whole rows' sum (fp32 casting).  Without them, and
-    for the backward, the front end runs the reference's ``split_*`` functions."""
+    and its ``(y, rstd)`` from the whole rows' sum (fp32 casting).  Without them the
+    front end runs the reference's ``split_*`` functions (the backward:
+    :class:`SplitBackwardKernels`)."""
 
     def split_stats(self, x: Any, plan: Plan) -> Any:
         ...
 
     def split_forward(self, x: Any, weight: Any, bias: Any, sumsq: Any, k_total: int,
                       plan: Plan) -> tuple[Any, Any]:
+        ...
+
+
+@runtime_checkable
+class SplitBackwardKernels(Protocol):
+    """Optional: the split hidden axis's backward (:func:`polynorm.rms_norm_backward_stats`,
+    :func:`polynorm.rms_norm_backward_from_stats`): a shard's float64 per-row
+    ``sum(g * dy * xhat)``, and its ``(dx, dweight, dbias)`` from the whole rows' sums,
+    with the reference's ``split_dot`` / ``split_backward`` arithmetic.  Without them
+    the front end runs those reference functions."""
+
+    def split_dot(self, dy: Any, x: Any, weight: Any, sumsq: Any, k_total: int,
+                  plan: Plan) -> Any:
+        ...
+
+    def split_backward(self, dy: Any, x: Any, weight: Any, bias: Any, sumsq: Any, dot: Any,
+                       k_total: int, plan: Plan) -> tuple[Any, Any, Any]:
         ...

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -758,6 +759,8 @@ def rms_norm(
     *,
     return_rstd: bool = False,
     out: Array | None = None,
+    sumsq: Array | None = None,
+    d_total: int | None = None,
     **options: Unpack[NormOptions],
 ) -> Array | tuple[Array, Array]:
     """Root-mean-square normalization (RMSNorm, and pRMSNorm with ``partial < 1``).
@@ -803,6 +806,14 @@ def rms_norm(
         (else ``TypeError``), sharing no memory with any input in another way
         and with no two elements at one address (else ``ValueError``).
         Inputs in non-native byte order are converted (a copy).
+    sumsq, d_total : array and int, optional
+        The hidden axis split across shards (tensor parallelism, docs/split.rst):
+        ``x`` is one shard's part of each slice, ``sumsq`` the whole slices' sums
+        of squares (the shards' :func:`polynorm.rms_norm_stats` all-reduced: shape
+        of ``x`` without the normalized axes) and ``d_total`` the whole slice's
+        length; ``rstd`` is ``1 / sqrt(sumsq / d_total + eps)``.  The same call
+        as :func:`polynorm.rms_norm_from_stats`.  Both or neither; not with
+        ``out``, ``partial`` or ``partial_size``.
     {options}
 
     Returns
@@ -817,7 +828,14 @@ def rms_norm(
     >>> pn.rms_norm(x, eps=0.0)
     array([[ 0.84852815,  1.1313709 ],
            [ 1.        , -1.        ]], dtype=float32)
+    >>> halves = (x[:, :1], x[:, 1:])                 # two shards of the hidden axis
+    >>> total = sum(pn.rms_norm_stats(h) for h in halves)   # the all-reduce
+    >>> pn.rms_norm(halves[1], sumsq=total, d_total=2, eps=0.0)
+    array([[ 1.1313709],
+           [-1.       ]], dtype=float32)
     """
+    if sumsq is not None or d_total is not None:
+        return _rms_norm_from_stats(x, weight, bias, sumsq, d_total, return_rstd, out, options)
     opts = pack_options("rms_norm", options)
     return forward(x, None, weight, bias, opts, out=out, return_rstd=return_rstd)
 
@@ -910,6 +928,9 @@ def rms_norm_backward(
     grad_residual: Array | None = None,
     return_rstd: bool = False,
     out: Array | None = None,
+    sumsq: Array | None = None,
+    dot: Array | None = None,
+    d_total: int | None = None,
     **options: Unpack[NormOptions],
 ) -> tuple[Array, Array | None, Array | None]:
     """Hand-written backward of :func:`rms_norm` (no autograd).
@@ -965,6 +986,13 @@ def rms_norm_backward(
         ``in_place``); ``dy`` then holds ``dx`` afterwards, so only pass it
         where nothing else reads ``dy`` later.  Otherwise it must not overlap
         an input.  The Numba backend writes into it; the others copy into it.
+    sumsq, dot, d_total : arrays and int, optional
+        The hidden axis split across shards (docs/split.rst): the backward of
+        ``rms_norm(x, ..., sumsq=, d_total=)`` on one shard, with ``dot`` the
+        shards' :func:`polynorm.rms_norm_backward_stats` all-reduced; the same
+        call as :func:`polynorm.rms_norm_backward_from_stats` (``dweight`` /
+        ``dbias`` are this shard's columns').  All three or none; not with
+        ``rstd``, ``grad_residual`` or ``out``.
     {options}
 
     The options are the forward's.  ``casting`` does not change the backward
@@ -992,6 +1020,14 @@ def rms_norm_backward(
     if return_rstd or opts.out_dtype is not None:
         bad = "return_rstd" if return_rstd else "out_dtype"
         raise ValueError(f"{bad} is not used by rms_norm_backward; leave it at its default")
+    if sumsq is not None or dot is not None or d_total is not None:
+        split_given("rms_norm_backward", {"sumsq": sumsq, "dot": dot, "d_total": d_total})
+        for name, v in (("rstd", rstd), ("grad_residual", grad_residual), ("out", out)):
+            if v is not None:
+                raise ValueError(f"rms_norm_backward: {name}= is not supported with sumsq=/dot= "
+                                 "(the split hidden axis); leave it None")
+        return backward_from_stats("rms_norm_backward", dy, x, weight, bias, sumsq, dot, d_total,
+                                   opts)
     return backward(dy, x, weight, bias, rstd, grad_residual, opts, out)
 
 
@@ -1498,3 +1534,160 @@ def _none_backend(backend: Any) -> Any:
     if getattr(backend, "CASTING_NONE", False):
         return backend
     return _backends.get("array_api")
+
+
+# --------------------------------------------------------------------------- split hidden axis
+# ``rms_norm(x, w, sumsq=, d_total=)`` and ``rms_norm_backward(..., sumsq=, dot=, d_total=)``:
+# one shard's normalize / backward from the all-reduced per-token sums.  The front-end
+# core lives here so that rms_norm can take the keywords; polynorm.ops.split (the stats
+# functions and the explicit names rms_norm_from_stats / rms_norm_backward_from_stats)
+# builds on it.  Kernels: a backend's SplitKernels, else the reference's split_* functions.
+
+
+def split_check(func: str, opts: Options) -> None:
+    """pRMSNorm has no split form: a whole row's first ``k`` elements lie in some shards."""
+    if opts.partial != 1.0 or opts.partial_size is not None:
+        raise ValueError(
+            f"{func}: partial={opts.partial!r}, partial_size={opts.partial_size!r}: pRMSNorm "
+            "is not supported with a split hidden axis (the statistic's first k elements of "
+            "a whole row lie in some shards only); leave partial=1.0 and partial_size=None")
+
+
+def split_d_total(func: str, d_total: Any, d: int) -> int:
+    """``d_total`` checked: an int of at least this shard's ``d``."""
+    if isinstance(d_total, bool):
+        raise TypeError(f"{func}: d_total must be an int, got {d_total!r}")
+    try:
+        value = operator.index(d_total)
+    except TypeError:
+        raise TypeError(f"{func}: d_total must be an int, got {d_total!r}") from None
+    if value < d:
+        raise ValueError(f"{func}: d_total must be at least this shard's d = {d} (the whole "
+                         f"row's size, all shards together), got {value}")
+    return value
+
+
+def split_row_stat(func: str, argname: str, a: Any, lay) -> Any:
+    """``sumsq``/``dot`` checked (shape of x without the normalized axes, a float dtype)
+    and laid out as ``(n,)``."""
+    if a is None:
+        raise TypeError(f"{func}: {argname} must be an array (the shards' sums, all-reduced), "
+                        "got None")
+    _check_shape(argname, a, lay.batch_shape, "x's shape without the normalized axes")
+    float_dtype_name(argname, a)
+    return lay.batch_rows(a)
+
+
+def split_given(func: str, given: dict[str, Any]) -> None:
+    """The split keywords come together: a ``TypeError`` naming the missing ones."""
+    missing = [k for k, v in given.items() if v is None]
+    if missing and len(missing) < len(given):
+        have = [k for k in given if k not in missing]
+        raise TypeError(f"{func}: {', '.join(have)} given without {', '.join(missing)}: the "
+                        f"split hidden axis needs all of {', '.join(given)} (or none)")
+
+
+_split_offers: dict[Any, bool] = {}
+
+
+def split_kernels(call, plan) -> Any:
+    """The backend's split kernels, or the reference's (llama casting, no SplitKernels)."""
+    from polynorm.backends import reference
+
+    mod = call.backend
+    offers = _split_offers.get(mod)
+    if offers is None:  # a Protocol isinstance check costs ~20 us: once per module
+        offers = _split_offers[mod] = isinstance(mod, _backends.SplitKernels)
+    return mod if offers and not plan.llama else reference
+
+
+def split_fast(x, weight, bias, opts: Options, sumsq=None):
+    """numpy rows, axis=-1, backend="auto": straight to the Numba split kernels, as
+    ops/fast.py does for rms_norm (a decode step's split norm is a (1, d) call, where
+    the general path's checks cost several times the kernel); None for anything else
+    (the general path takes the call, with its own checks and errors)."""
+    mod = _fast.numba_module(opts)
+    if mod is None or type(x) is not _np.ndarray or (
+            sumsq is not None and type(sumsq) is not _np.ndarray):
+        return None
+    head = _fast._rows(x, weight, bias, None, None)
+    if head is None or opts.partial != 1.0 or opts.partial_size is not None:
+        return None
+    names, dtype, d, n, _ = head
+    if sumsq is not None and (sumsq.shape != x.shape[:-1] or sumsq.dtype not in names):
+        return None
+    plan = _fast._plan(d, dtype, opts)
+    if plan is None or plan.llama or opts.residual_dtype is not None:
+        return None
+    return mod, plan, n, d
+
+
+def split_prepare(func: str, x, weight, bias, arrays: dict, opts: Options):
+    """Validation and layout of a split call (:func:`_prepare`'s, pRMSNorm refused)."""
+    split_check(func, opts)
+    x, weight, bias = _native(x), _native(weight), _native(bias)
+    arrays = {k: _native(v) for k, v in arrays.items()}
+    weight, bias = _chunk_library_params(x, weight, bias)
+    call = _prepare(x=x, weight=weight, bias=bias,
+                    arrays={k: v for k, v in arrays.items() if v is not None}, opts=opts)
+    return x, weight, bias, arrays, call
+
+
+def from_stats(func: str, x, weight, bias, sumsq, d_total, opts: Options, return_rstd: bool):
+    """One shard's ``y`` (and ``rstd``) from the whole rows' ``sumsq``: the core of
+    ``rms_norm(sumsq=, d_total=)`` and :func:`polynorm.rms_norm_from_stats`."""
+    fast = None if sumsq is None else split_fast(x, weight, bias, opts, sumsq)
+    if fast is not None and d_total.__class__ is int and d_total >= fast[3]:
+        mod, plan, n, d = fast
+        y2, r = mod.split_forward(x.reshape(n, d), weight, bias, sumsq.reshape(n), d_total, plan)
+        y = y2.reshape(x.shape)
+        return (y, r.reshape(x.shape[:-1])) if return_rstd else y
+    x, weight, bias, arrays, call = split_prepare(func, x, weight, bias, {"sumsq": sumsq}, opts)
+    lay, plan = call.lay, call.plan
+    ss = split_row_stat(func, "sumsq", arrays["sumsq"], lay)
+    kt = split_d_total(func, d_total, lay.d)
+    with _no_autograd(x):
+        y2, r = split_kernels(call, plan).split_forward(lay.rows(x), lay.flat(weight),
+                                                        lay.flat(bias), ss, kt, plan)
+    y = lay.unrows(y2)
+    return (y, lay.unbatch(r)) if return_rstd else y
+
+
+def backward_from_stats(func: str, dy, x, weight, bias, sumsq, dot, d_total, opts: Options):
+    """One shard's ``(dx, dweight, dbias)`` from the whole rows' ``sumsq`` and ``dot``: the
+    core of ``rms_norm_backward(sumsq=, dot=, d_total=)`` and
+    :func:`polynorm.rms_norm_backward_from_stats`."""
+    x, weight, bias, arrays, call = split_prepare(
+        func, x, weight, bias, {"dy": dy, "sumsq": sumsq, "dot": dot}, opts)
+    lay, plan = call.lay, call.plan
+    ss = split_row_stat(func, "sumsq", arrays["sumsq"], lay)
+    dt = split_row_stat(func, "dot", arrays["dot"], lay)
+    kt = split_d_total(func, d_total, lay.d)
+    with _no_autograd(x):
+        dx2, dw, db = split_bwd_kernels(call).split_backward(
+            lay.rows(arrays["dy"]), lay.rows(x), lay.flat(weight), lay.flat(bias), ss, dt, kt,
+            plan)
+    return lay.unrows(dx2), lay.unflat(dw), lay.unflat(db)
+
+
+def split_bwd_kernels(call) -> Any:
+    """The backend's split backward kernels (CUDA), else the reference's."""
+    from polynorm.backends import reference
+
+    mod = call.backend
+    key = ("bwd", mod)
+    offers = _split_offers.get(key)
+    if offers is None:
+        offers = _split_offers[key] = isinstance(mod, _backends.SplitBackwardKernels)
+    return mod if offers else reference
+
+
+def _rms_norm_from_stats(x, weight, bias, sumsq, d_total, return_rstd, out, options):
+    """:func:`rms_norm` with ``sumsq=``/``d_total=``: :func:`from_stats`."""
+    split_given("rms_norm", {"sumsq": sumsq, "d_total": d_total})
+    if out is not None:
+        raise ValueError("rms_norm: out= is not supported with sumsq=/d_total= (the split "
+                         "hidden axis); leave it None")
+    opts = pack_options("rms_norm", options)
+    no_residual(opts)
+    return from_stats("rms_norm", x, weight, bias, sumsq, d_total, opts, return_rstd)

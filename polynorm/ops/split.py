@@ -9,21 +9,18 @@ backward does the same with its per-token coefficient
 is vLLM's split-hidden RMSNorm (MiniMax, ``_forward_qk_tp``), Megatron-LM's
 sequence/tensor-parallel norm and Flax's ``axis_name`` statistic.
 
-Validation and layout are :mod:`polynorm.ops.norm`'s; the kernels are a backend's
-:class:`polynorm.backends.SplitKernels` (Numba, dask) or the reference's ``split_*``
-functions (every other backend, ``casting="llama"``, and the backward).
+Validation, layout and the from-stats calls are :mod:`polynorm.ops.norm`'s (whose
+``rms_norm`` takes ``sumsq=``/``d_total=`` as the same call); the kernels are a
+backend's :class:`polynorm.backends.SplitKernels` (Numba, CUDA, dask) and
+:class:`polynorm.backends.SplitBackwardKernels` (CUDA), or the reference's ``split_*``
+functions (every other backend, ``casting="llama"``).
 """
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING, Any
 
-from polynorm.backends import SplitKernels
-from polynorm.backends import reference as _ref
-from polynorm.core.dtypes import float_dtype_name
 from polynorm.core.options import NormOptions, Options, pack_options, takes_options
-from polynorm.ops import fast as _fast_mod
 from polynorm.ops import norm as _api
 from polynorm.ops.norm import Array
 
@@ -55,83 +52,14 @@ _SPLIT_DOCS = {
 }
 
 
-def _check_split(func: str, opts: Options) -> None:
-    if opts.partial != 1.0 or opts.partial_size is not None:
-        raise ValueError(
-            f"{func}: partial={opts.partial!r}, partial_size={opts.partial_size!r}: pRMSNorm "
-            "is not supported with a split hidden axis (the statistic's first k elements of "
-            "a whole row lie in some shards only); leave partial=1.0 and partial_size=None")
-
-
-def _d_total(func: str, d_total: Any, d: int) -> int:
-    if isinstance(d_total, bool):
-        raise TypeError(f"{func}: d_total must be an int, got {d_total!r}")
-    try:
-        value = operator.index(d_total)
-    except TypeError:
-        raise TypeError(f"{func}: d_total must be an int, got {d_total!r}") from None
-    if value < d:
-        raise ValueError(f"{func}: d_total must be at least this shard's d = {d} (the whole "
-                         f"row's size, all shards together), got {value}")
-    return value
-
-
-def _row_stat(func: str, argname: str, a: Any, lay) -> Any:
-    """``sumsq``/``dot`` checked (shape of x without the normalized axes, a float dtype)
-    and laid out as ``(n,)``."""
-    if a is None:
-        raise TypeError(f"{func}: {argname} must be an array (the shards' sums, all-reduced), "
-                        "got None")
-    _api._check_shape(argname, a, lay.batch_shape, "x's shape without the normalized axes")
-    float_dtype_name(argname, a)
-    return lay.batch_rows(a)
-
-
-_offers: dict[Any, bool] = {}
-
-
-def _kernels(call, plan) -> Any:
-    mod = call.backend
-    offers = _offers.get(mod)
-    if offers is None:  # a Protocol isinstance check costs ~20 us: once per module
-        offers = _offers[mod] = isinstance(mod, SplitKernels)
-    return mod if offers and not plan.llama else _ref
-
-
-# --------------------------------------------------------------------------- fast path
-# numpy rows, axis=-1, backend="auto": straight to the Numba kernels, as ops/fast.py does
-# for rms_norm (a decode step's split norm is a (1, d) call, where the general path's
-# checks cost several times the kernel).  Anything else returns None: the general path
-# takes the call, with its own checks and errors.
-
-
-def _fast(x, weight, bias, opts: Options, sumsq=None):
-    import numpy as np
-
-    mod = _fast_mod.numba_module(opts)
-    if mod is None or type(x) is not np.ndarray or (
-            sumsq is not None and type(sumsq) is not np.ndarray):
-        return None
-    head = _fast_mod._rows(x, weight, bias, None, None)
-    if head is None or opts.partial != 1.0 or opts.partial_size is not None:
-        return None
-    names, dtype, d, n, _ = head
-    if sumsq is not None and (sumsq.shape != x.shape[:-1] or sumsq.dtype not in names):
-        return None
-    plan = _fast_mod._plan(d, dtype, opts)
-    if plan is None or plan.llama or opts.residual_dtype is not None:
-        return None
-    return mod, plan, n, d
-
-
-def _prepare(func: str, x, weight, bias, arrays: dict, opts: Options):
-    _check_split(func, opts)
-    x, weight, bias = _api._native(x), _api._native(weight), _api._native(bias)
-    arrays = {k: _api._native(v) for k, v in arrays.items()}
-    weight, bias = _api._chunk_library_params(x, weight, bias)
-    call = _api._prepare(x=x, weight=weight, bias=bias,
-                         arrays={k: v for k, v in arrays.items() if v is not None}, opts=opts)
-    return x, weight, bias, arrays, call
+# The checks, layout, kernel choice and numpy fast path are polynorm.ops.norm's split
+# section (rms_norm takes sumsq=/d_total= too, and norm.py cannot import this module).
+_check_split = _api.split_check
+_d_total = _api.split_d_total
+_row_stat = _api.split_row_stat
+_kernels = _api.split_kernels
+_fast = _api.split_fast
+_prepare = _api.split_prepare
 
 
 @takes_options(exclude=_NO_Y, docs=_SPLIT_DOCS)
@@ -150,7 +78,10 @@ def rms_norm_stats(x: Array, **options: Unpack[NormOptions]) -> Array:
     :func:`rms_norm`'s ``y`` and ``rstd`` bit for bit for every token whose sum is
     in range: not zero, Inf or NaN, and, for 16-bit input, at least ``2**-100``
     (the rows the unsplit forward rescales from the whole slice; those agree to
-    rounding).  With several shards the shards' sums are added in another order
+    rounding).  On the CUDA backend the sum is the CUDA forward's (its tree for
+    this ``d``), and one shard gives :func:`rms_norm`'s bits for every float32 and
+    16-bit token (float64: within rounding).  With several shards the shards'
+    sums are added in another order
     than one shard's loop: the result is within rounding of the unsplit call, not
     bit-equal.  The reference (other libraries) sums in float64 where the unsplit
     reference sums in the compute dtype: within rounding too.  float64 input whose
@@ -219,7 +150,8 @@ def rms_norm_from_stats(
 
     rstd is formed in float64 from ``sumsq`` and rounded to the compute dtype;
     ``y`` then follows :func:`rms_norm` (casting, ``out_dtype``).  When bits equal
-    the unsplit call: see :func:`rms_norm_stats`.
+    the unsplit call: see :func:`rms_norm_stats`.  ``rms_norm(x, weight, bias,
+    sumsq=, d_total=)`` is the same call.
 
     Parameters
     ----------
@@ -251,22 +183,8 @@ def rms_norm_from_stats(
     array([[ 2., -2.]], dtype=float32)
     """
     opts = pack_options("rms_norm_from_stats", options, **_fixed(_NO_RESIDUAL))
-    func = "rms_norm_from_stats"
-    fast = None if sumsq is None else _fast(x, weight, bias, opts, sumsq)
-    if fast is not None and d_total.__class__ is int and d_total >= fast[3]:
-        mod, plan, n, d = fast
-        y2, r = mod.split_forward(x.reshape(n, d), weight, bias, sumsq.reshape(n), d_total, plan)
-        y = y2.reshape(x.shape)
-        return (y, r.reshape(x.shape[:-1])) if return_rstd else y
-    x, weight, bias, arrays, call = _prepare(func, x, weight, bias, {"sumsq": sumsq}, opts)
-    lay, plan = call.lay, call.plan
-    ss = _row_stat(func, "sumsq", arrays["sumsq"], lay)
-    kt = _d_total(func, d_total, lay.d)
-    with _api._no_autograd(x):
-        y2, r = _kernels(call, plan).split_forward(lay.rows(x), lay.flat(weight),
-                                                   lay.flat(bias), ss, kt, plan)
-    y = lay.unrows(y2)
-    return (y, lay.unbatch(r)) if return_rstd else y
+    return _api.from_stats("rms_norm_from_stats", x, weight, bias, sumsq, d_total, opts,
+                           return_rstd)
 
 
 @takes_options(exclude=_NO_Y, docs=_SPLIT_DOCS)
@@ -318,7 +236,8 @@ def rms_norm_backward_stats(
     ss = _row_stat(func, "sumsq", arrays["sumsq"], lay)
     kt = _d_total(func, d_total, lay.d)
     with _api._no_autograd(x):
-        dot = _ref.split_dot(lay.rows(arrays["dy"]), lay.rows(x), lay.flat(weight), ss, kt, plan)
+        dot = _api.split_bwd_kernels(call).split_dot(lay.rows(arrays["dy"]), lay.rows(x),
+                                                     lay.flat(weight), ss, kt, plan)
     return lay.unbatch(dot)
 
 
@@ -346,7 +265,11 @@ def rms_norm_backward_from_stats(
 
     ``dweight``/``dbias`` of a shard are its own columns' gradients: no
     all-reduce over the hidden axis (a data-parallel reduction over tokens is
-    the caller's, as for any weight).  Runs the array-API reference.
+    the caller's, as for any weight).  The array-API reference's arithmetic;
+    on CUDA its kernels (``dx`` bit for bit, ``dweight``/``dbias`` summed in
+    double).
+    ``rms_norm_backward(dy, x, weight, bias, sumsq=, dot=, d_total=)`` is the
+    same call.
 
     Parameters
     ----------
@@ -377,14 +300,5 @@ def rms_norm_backward_from_stats(
     True
     """
     opts = pack_options("rms_norm_backward_from_stats", options, **_fixed(_NO_Y))
-    func = "rms_norm_backward_from_stats"
-    x, weight, bias, arrays, call = _prepare(
-        func, x, weight, bias, {"dy": dy, "sumsq": sumsq, "dot": dot}, opts)
-    lay, plan = call.lay, call.plan
-    ss = _row_stat(func, "sumsq", arrays["sumsq"], lay)
-    dt = _row_stat(func, "dot", arrays["dot"], lay)
-    kt = _d_total(func, d_total, lay.d)
-    with _api._no_autograd(x):
-        dx2, dw, db = _ref.split_backward(lay.rows(arrays["dy"]), lay.rows(x), lay.flat(weight),
-                                          lay.flat(bias), ss, dt, kt, plan)
-    return lay.unrows(dx2), lay.unflat(dw), lay.unflat(db)
+    return _api.backward_from_stats("rms_norm_backward_from_stats", dy, x, weight, bias, sumsq,
+                                    dot, d_total, opts)

@@ -626,3 +626,94 @@ def _interop_reshape(scale: Any) -> Any:
     from array_api_compat import array_namespace
 
     return array_namespace(scale).reshape(scale, (1,))
+
+
+# ------------------------------------------------------------------ hidden axis split across shards
+
+
+def split_stats(x, plan: Plan):
+    """One shard's per-row float64 sum of squares: pn_split_stats, summed over the tree of
+    the forward kernel that rows of this ``d`` get (``cuda.launch.split_stats_launch``),
+    so that one shard's sum is the forward's."""
+    xd = _name(x)
+    with _on_callers_stream(x):
+        xc = _dev(x)
+        n, d = xc.shape
+        ss = _empty((n,), "float64", like=x)
+        if n:
+            launch = cl.split_stats_launch(n, d, xd)
+            _launch(launch, (_ptr(xc), _rs(xc), _ptr(ss), np.int64(n), np.int32(d),
+                             np.int32(launch.tpr), np.int32(launch.span),
+                             np.int32(launch.tail_first)))
+        return _interop.from_cupy(ss, x)
+
+
+def split_forward(x, weight, bias, sumsq, k_total: int, plan: Plan):
+    """``(y, rstd)`` of one shard's rows from the whole rows' ``sumsq``: pn_split_fwd
+    (fp32 casting; the front end sends llama casting to the reference).  ``sumsq`` is
+    taken in float64 (an exact cast from any float dtype)."""
+    types = cl.forward_types(_name(x), None, _name(weight), plan.out_dtype, False)
+    assert types is not None  # fp32 casting always has a kernel
+    ct = compute_dtype(types.h)
+    with _on_callers_stream(x):
+        xc = _dev(_cast(x, types.x))
+        wc, bc = _dev(_cast(weight, types.weight)), _dev(_cast(bias, ct))
+        ssc = _dev(_cast(sumsq, "float64"))
+        n, d = xc.shape
+        yc = _empty((n, d), types.out, like=x)
+        rstd = _empty((n,), ct, like=x)
+        if n:
+            launch = cl.split_forward_launch(n, d, types.x, types.weight, types.out)
+            _launch(launch, (_ptr(xc), _rs(xc), _ptr(wc), _ptr(bc), _ptr(yc), _rs(yc), _ptr(rstd),
+                             _ptr(ssc), np.int64(n), np.int32(d), np.int32(launch.tpr),
+                             np.int64(k_total), np.float64(plan.eps), np.int32(plan.eps_inside),
+                             np.float64(plan.offset)))
+        y = _cast(_interop.from_cupy(yc, x, types.out), plan.out_dtype)
+        return y, _interop.from_cupy(rstd, x)
+
+
+def split_dot(dy, x, weight, sumsq, k_total: int, plan: Plan):
+    """One shard's float64 ``sum(g * dy * xhat)`` per row: pn_split_dot (the reference's
+    ``split_dot`` products, summed in double over a tree instead of its order)."""
+    xd = _name(x)
+    types = cl.backward_types(xd, _name(dy), None, None)
+    ct = types.compute
+    with _on_callers_stream(x):
+        xc, dyc = _dev(x), _dev(_cast(dy, types.dy))
+        wc, ssc = _dev(_cast(weight, ct)), _dev(_cast(sumsq, "float64"))
+        n, d = xc.shape
+        dot = _empty((n,), "float64", like=x)
+        if n:
+            launch = cl.split_backward_launch(n, d, xd, types.dy, 1)
+            _launch(launch, (_ptr(dyc), _rs(dyc), _ptr(xc), _rs(xc), _ptr(wc), _ptr(ssc), _ptr(dot),
+                             np.int64(n), np.int32(d), np.int32(launch.tpr), np.int64(k_total),
+                             np.float64(plan.eps), np.int32(plan.eps_inside),
+                             np.float64(plan.offset)))
+        return _interop.from_cupy(dot, x)
+
+
+def split_backward(dy, x, weight, bias, sumsq, dot, k_total: int, plan: Plan):
+    """``(dx, dweight, dbias)`` of one shard: pn_split_bwd (dx with the reference's
+    ``split_backward`` bits) and pn_colsum of its per-row leaves (dweight / dbias summed
+    in double: within rounding of the reference's compute-dtype sums)."""
+    xd, wd, bd = _name(x), _name(weight), _name(bias)
+    types = cl.backward_types(xd, _name(dy), None, None)
+    ct = types.compute
+    with _on_callers_stream(x):
+        xc, dyc = _dev(x), _dev(_cast(dy, types.dy))
+        wc = _dev(_cast(weight, ct))
+        ssc, dotc = _dev(_cast(sumsq, "float64")), _dev(_cast(dot, "float64"))
+        n, d = xc.shape
+        dxc = _empty((n, d), xd, like=x)
+        lw = _empty((n, d), ct, like=x) if weight is not None else None
+        lb = _empty((n, d), ct, like=x) if bias is not None else None
+        if n:
+            launch = cl.split_backward_launch(n, d, xd, types.dy, 2)
+            _launch(launch, (_ptr(dyc), _rs(dyc), _ptr(xc), _rs(xc), _ptr(wc), _ptr(ssc), _ptr(dotc),
+                             _ptr(dxc), _rs(dxc), _ptr(lw), _ptr(lb), np.int64(n), np.int32(d),
+                             np.int32(launch.tpr), np.int64(k_total), np.float64(plan.eps),
+                             np.int32(plan.eps_inside), np.float64(plan.offset)))
+        dx = _interop.from_cupy(dxc, x, xd)
+        dweight = _colsum(lw, d, ct, wd, x) if weight is not None else None
+        dbias = _colsum(lb, d, ct, bd, x) if bias is not None else None
+        return dx, dweight, dbias

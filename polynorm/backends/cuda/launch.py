@@ -246,6 +246,7 @@ def specialisations() -> list[str]:
     names += [gated_fwd_name(*t) for t in GATED_FWD_TYPES]
     names += [gated_bwd_name(*t) for t in GATED_BWD_TYPES]
     names += [quant_name(t, q) for t in FLOAT_DTYPES for q in QUANT_FMT]
+    names += split_specialisations()
     return names
 
 
@@ -750,3 +751,104 @@ def quant_launch(n: int, d: int, x: str, fp8: str | bool = True) -> Launch:
     True
     """
     return _segment_launch(quant_name(x, fp8), n, d, x)
+
+
+# ------------------------------------------------------------------ hidden axis split across shards
+# pn_split_stats sums a shard's squares over the forward's tree for that d (the same
+# tpr, slices and tail order as the forward kernel forward_launch picks, pn_fwd_small
+# standing for pn_fwd), so one shard's sum is the forward's; pn_split_fwd writes y
+# from the all-reduced sum.  See codegen/templates/split_stats.cu.j2.
+
+
+def split_stats_name(x: str) -> str:
+    return f"pn_split_stats<{_ct(x)}>"
+
+
+def split_fwd_name(x: str, w: str, out: str) -> str:
+    return f"pn_split_fwd<{_ct(x, w, out)}>"
+
+
+def split_specialisations() -> list[str]:
+    """pn_split_stats for every x dtype, pn_split_fwd for the plain forward's (x, weight,
+    out) dtypes (fp32 casting: the front end runs llama casting on the reference)."""
+    return ([split_stats_name(t) for t in FLOAT_DTYPES]
+            + [split_fwd_name(t[0], t[2], t[3]) for t in FWD_TYPES if t[0] == t[1]]
+            + [f(t, g) for f in (split_dot_name, split_bwd_name) for t in FLOAT_DTYPES
+               for g in _options(t)])
+
+
+@dataclass(frozen=True)
+class SplitStatsLaunch(Launch):
+    """A :class:`Launch` of pn_split_stats plus its tree: ``span`` chunks per slice and
+    whether the tail element opens slice 0 (``pn_fwd_big``) or closes it (``pn_fwd``)."""
+
+    span: int = 0
+    tail_first: bool = False
+
+
+@lru_cache(maxsize=4096)
+def split_stats_launch(n: int, d: int, x: str) -> SplitStatsLaunch:
+    """Launch of pn_split_stats for ``n`` rows of ``d`` (kernel dtype ``x``): the tree
+    of the forward kernel :func:`forward_launch` gives rows of ``d`` (pn_fwd's for the
+    rows pn_fwd_small takes, pn_fwd_big's for pn_fwd_split's).
+
+    >>> sl = split_stats_launch(3, 4096, "bfloat16")
+    >>> sl.name, sl.tpr == forward_launch(3, 4096, "bfloat16").tpr, sl.span, sl.tail_first
+    ('pn_split_stats<__nv_bfloat16>', True, 512, False)
+    >>> sl = split_stats_launch(2, 262144, "bfloat16")
+    >>> sl.block, sl.tpr, sl.span == slice_span(262144, "bfloat16"), sl.tail_first, sl.grid
+    (1024, 1024, True, True, 2)
+    """
+    fl = forward_launch(n, d, x, small=False, split=False)
+    body = d // VEC[x]
+    if fl.big:
+        tpr = block = fl.block
+        passes = max(1, -(-body // tpr))
+        span = slice_span(d, x) if compute_dtype(x) == "float32" else passes * tpr
+        tail_first = True
+    else:
+        tpr, span, tail_first = fl.tpr, max(1, body), False
+        block = _row_block(n, tpr)
+    return SplitStatsLaunch(split_stats_name(x), grid=math.ceil(n / (block // tpr)), block=block,
+                            shared=0, tpr=tpr, big=False, span=span, tail_first=tail_first)
+
+
+@lru_cache(maxsize=4096)
+def split_forward_launch(n: int, d: int, x: str, weight: str | None = None,
+                         out: str | None = None) -> Launch:
+    """Launch of pn_split_fwd (elementwise once rstd is known: ``tpr`` threads per row,
+    at most :data:`ROW_BLOCK`, looping over its chunks).
+
+    >>> fl = split_forward_launch(4, 4096, "float32")
+    >>> fl.name, fl.tpr, fl.block, fl.grid
+    ('pn_split_fwd<float, float, float>', 256, 256, 4)
+    """
+    tpr = min(ROW_BLOCK, _pow2ceil(-(-d // VEC[x])))
+    block = _row_block(n, tpr)
+    return Launch(split_fwd_name(x, weight or x, out or x), grid=math.ceil(n / (block // tpr)),
+                  block=block, shared=0, tpr=tpr, big=False)
+
+
+def split_dot_name(x: str, dy: str) -> str:
+    return f"pn_split_dot<{_ct(x, dy)}>"
+
+
+def split_bwd_name(x: str, dy: str) -> str:
+    return f"pn_split_bwd<{_ct(x, dy)}>"
+
+
+@lru_cache(maxsize=4096)
+def split_backward_launch(n: int, d: int, x: str, dy: str | None = None, phase: int = 1) -> Launch:
+    """Launch of pn_split_dot (``phase`` 1) or pn_split_bwd (2): ``tpr`` threads per row
+    (a power of two, at most :data:`ROW_BLOCK`) looping over its columns.  ``dy`` is the
+    kernel's dy dtype (``backward_types(...).dy``: x's or the compute dtype).
+
+    >>> bl = split_backward_launch(4, 4096, "bfloat16", "float32", 2)
+    >>> bl.name, bl.tpr, bl.block, bl.grid
+    ('pn_split_bwd<__nv_bfloat16, float>', 256, 256, 4)
+    """
+    tpr = min(ROW_BLOCK, _pow2ceil(d))
+    block = _row_block(n, tpr)
+    name = (split_dot_name if phase == 1 else split_bwd_name)(x, dy or x)
+    return Launch(name, grid=math.ceil(n / (block // tpr)), block=block, shared=0, tpr=tpr,
+                  big=False)
