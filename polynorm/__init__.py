@@ -10,6 +10,7 @@ from polynorm.core.pool import output_pool
 from polynorm.ops.gated import rms_norm_gated, rms_norm_gated_backward
 from polynorm.ops.norm import add_rms_norm, backends, rms_norm, rms_norm_backward
 from polynorm.ops.quant import rms_norm_quant
+from polynorm.ops.qk import qk_norm, qk_norm_pair
 
 __version__ = "0.1.0"
 
@@ -17,3 +18,4 @@ __all__ = [
     "rms_norm", "add_rms_norm", "rms_norm_backward", "rms_norm_gated", "rms_norm_gated_backward",
     "rms_norm_quant", "backends", "output_pool", "__version__",
 ]
+__all__ += ["qk_norm", "qk_norm_pair"]

@@ -12,7 +12,7 @@ import polynorm  # noqa: F401  (registers polynorm.backends)
 
 registry = sys.modules["polynorm.backends"]
 CAPABILITIES = (registry.Backend, registry.GatedKernels, registry.QuantKernels,
-                registry.SmallCalls, registry.RowRangeBackward)
+                registry.SmallCalls, registry.RowRangeBackward, registry.QKKernels)
 
 
 def _members(proto) -> dict[str, inspect.Signature | None]:
