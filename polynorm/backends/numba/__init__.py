@@ -1065,3 +1065,55 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
     else:
         scales = _interop.from_numpy(sc, caller)
     return _wrap_q(q, caller, qplan.qdtype), scales, h
+
+
+# --------------------------------------------------------------------------- QK-norm (+ RoPE)
+
+_qk_kernels = None
+
+
+def _kq():
+    global _qk_kernels
+    if _qk_kernels is None:
+        from polynorm.backends.numba import qk as _numba_qk
+
+        _qk_kernels = _numba_qk
+    return _qk_kernels
+
+
+def qk_forward(x, weight, plan: Plan, rope, out=None):
+    """QK-norm (+ RoPE) of ``(T, H, D)`` heads (:class:`polynorm.backends.QKKernels`).
+
+    ``out`` may be ``x`` itself (any strides): the kernel runs in place on it;
+    a last axis that is not contiguous runs on a contiguous copy written back.
+    Without ``out`` the heads are copied first and the copy returned.
+    """
+    kq = _kq()
+    caller = x
+    to_numpy = _interop.to_numpy
+    xn = to_numpy(x)
+    t, h, d = xn.shape
+    flags, _, _, cdt = _info(plan)
+    inplace = out is not None and xn.strides[2] == xn.itemsize
+    if inplace:
+        y = to_numpy(out)
+    else:
+        y = np.empty((t, h, d), xn.dtype)
+        y[...] = xn
+    w, _, offset = _affine(weight, None, cdt, d, plan.offset, exact=plan.llama)
+    if plan.llama:
+        flags |= _llama_codes(plan, None if weight is None else to_numpy(weight))
+    if rope is None:
+        cs, neox = np.empty((0, 0), cdt), True
+    else:
+        cs, neox = np.ascontiguousarray(to_numpy(rope[0]), cdt), bool(rope[1])
+    args = (_kview(y), w, np.empty(h, cdt), flags, plan.k, plan.eps, offset, cs, neox)
+    if plan.llama:
+        _run_rows(kq.qk_llama_parallel, kq.qk_llama_rows, t, h * d, args)
+    else:
+        _run_rows(kq.qk_parallel, kq.qk_rows, t, h * d, args)
+    if out is not None:
+        if not inplace:
+            to_numpy(out)[...] = y
+        return out
+    return _interop.from_numpy(y, caller)
