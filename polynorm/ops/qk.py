@@ -113,7 +113,13 @@ def _rope_rows(xp, rope: Any, t: int, d: int, plan: Plan, like: Any):
     cdt = namespace_dtype(xp, plan.compute_dtype, like)
     if aac.is_dask_array(like):
         return _dask_rows(cache, positions, cdt), neox
-    cs = xp.astype(xp.take(cache, positions, axis=0), cdt)
+    if aac.is_jax_array(positions):
+        import jax.numpy as jnp
+
+        rows = jnp.take(cache, positions, axis=0)  # out of range: NaN rows (mode "fill")
+    else:
+        rows = xp.take(cache, positions, axis=0)
+    cs = xp.astype(rows, cdt)
     return cs, neox
 
 
@@ -245,7 +251,12 @@ def qk_norm(
     >>> x[0, :4]   # NeoX, 90 degrees: (a, b) -> (-b, a)
     array([-1., -1.,  1.,  1.], dtype=float32)
     """
-    opts = _opts("qk_norm", options)
+    return packed(qkv, q_weight, k_weight, num_heads_q, num_heads_k, head_dim, rope,
+                  _opts("qk_norm", options))
+
+
+def packed(qkv, q_weight, k_weight, num_heads_q, num_heads_k, head_dim, rope, opts: Options):
+    """:func:`qk_norm` with its options packed (:mod:`polynorm.torch`, :mod:`polynorm.jax`)."""
     hq = _pos_int("num_heads_q", num_heads_q)
     hk = _pos_int("num_heads_k", num_heads_k)
     d = _pos_int("head_dim", head_dim)
