@@ -115,3 +115,20 @@ def test_ops_pass_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.polynorm.qk_norm.default, (qkv, *args),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_pair_op_backward_fd_and_compile():
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(T, HQ, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(T, HK, D, generator=g, dtype=torch.float64, requires_grad=True)
+    qw, kw = (w.requires_grad_() for w in _weights())
+    rope = (_cache(D), torch.tensor([2, 0, 1]), False, D)
+
+    def f(a, b, c, e):
+        return pt.qk_norm_pair(a, b, c, e, rope=rope, eps=0.05)
+
+    assert torch.autograd.gradcheck(f, (q, k, qw, kw), eps=1e-6, atol=1e-6, rtol=1e-6)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for a, b in zip(compiled(q, k, qw, kw), f(q, k, qw, kw), strict=True):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()

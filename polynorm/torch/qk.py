@@ -22,7 +22,7 @@ import torch
 import polynorm.ops.qk as _qk
 from polynorm.core.options import Options
 
-__all__ = ["qk_norm", "qk_norm_"]
+__all__ = ["qk_norm", "qk_norm_", "qk_norm_pair"]
 
 _ARGS = ("Tensor? q_weight, Tensor? k_weight, int num_heads_q, int num_heads_k, int head_dim, "
          "Tensor? cos_sin_cache, Tensor? positions, bool is_neox, float eps, float offset, "
@@ -72,35 +72,22 @@ def _setup(ctx, inputs, output):
 
 def _bwd(ctx, grad):
     qkv, qw, kw, cache, positions = ctx.saved_tensors
-    hq, hk, d, is_neox, (eps, offset, eps_mode, casting, backend) = ctx.meta
-    opts = _qk._opts("qk_norm", dict(eps=eps, offset=offset, eps_mode=eps_mode,
-                                      casting=casting, backend=backend))
+    hq, hk, d, is_neox, opts = ctx.meta
     t = qkv.shape[0]
-    from polynorm.core.dtypes import float_dtype_name
-    from polynorm.core.options import make_plan
+    qe, ke = hq * d, (hq + hk) * d
 
-    plan = make_plan(d, float_dtype_name("qkv", qkv), opts)
-    cs = None
-    if cache is not None:
-        cdt = torch.float64 if plan.compute_dtype == "float64" else torch.float32
-        cs = (cache[positions].to(cdt), is_neox)
-    grad = grad.contiguous()
-    parts, dws = [], []
-    with torch.no_grad():
-        for lo, h, w in ((0, hq, qw), (hq * d, hk, kw)):
-            g3 = grad[:, lo:lo + h * d].reshape(t, h, d)
-            x3 = qkv[:, lo:lo + h * d].reshape(t, h, d)
-            dx, dw = _qk.qk_backward(g3, x3, w, plan, cs, opts)
-            parts.append(dx.reshape(t, h * d))
-            dws.append(dw)
-        parts.append(grad[:, (hq + hk) * d:])
-        dqkv = torch.cat(parts, dim=1)
+    def heads(a, lo, hi, h):
+        return a[:, lo:hi].reshape(t, h, d)
+
+    dxq, dxk, dwq, dwk = _qk_norm_pair_backward_op(
+        heads(grad, 0, qe, hq), heads(grad, qe, ke, hk), heads(qkv, 0, qe, hq),
+        heads(qkv, qe, ke, hk), qw, kw, cache, positions, is_neox, *opts)
+    dqkv = torch.cat([dxq.reshape(t, qe), dxk.reshape(t, ke - qe), grad[:, ke:]], dim=1)
     need = ctx.needs_input_grad
-    return (dqkv if need[0] else None, dws[0] if need[1] else None,
-            dws[1] if need[2] else None, *(None,) * 11)
+    return (dqkv if need[0] else None, dwq if qw is not None and need[1] else None,
+            dwk if kw is not None and need[2] else None, *(None,) * 11)
 
 
-_qk_norm_op.register_autograd(_bwd, setup_context=_setup)
 
 
 def _args(q_weight, k_weight, num_heads_q, num_heads_k, head_dim, rope, options):
@@ -158,3 +145,102 @@ def qk_norm_(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.T
     torch.ops.polynorm.qk_norm_(qkv, *_args(q_weight, k_weight, num_heads_q, num_heads_k,
                                             head_dim, rope, options))
     return qkv
+
+
+# ------------------------------------------------------------------ q and k apart (the HF patch)
+
+_PAIR_ARGS = ("Tensor? q_weight, Tensor? k_weight, Tensor? cos_sin_cache, Tensor? positions, "
+              "bool is_neox, float eps, float offset, str eps_mode, str casting, str backend")
+
+
+@torch.library.custom_op("polynorm::qk_norm_pair", mutates_args=(),
+                         schema=f"(Tensor q, Tensor k, {_PAIR_ARGS}) -> (Tensor, Tensor)")
+def _qk_norm_pair_op(q, k, q_weight, k_weight, cache, positions, is_neox, eps, offset, eps_mode,
+                     casting, backend):
+    q2, k2 = q.contiguous().clone(), k.contiguous().clone()
+    _qk.qk_norm_pair(q2, k2, q_weight, k_weight, rope=_rope(cache, positions, is_neox), eps=eps,
+                     offset=offset, eps_mode=eps_mode, casting=casting, backend=backend)
+    return q2, k2
+
+
+@_qk_norm_pair_op.register_fake
+def _(q, k, *args):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format))
+
+
+def _setup_pair(ctx, inputs, output):
+    q, k, qw, kw, cache, positions, is_neox, *opts = inputs
+    ctx.save_for_backward(q, k, qw, kw, cache, positions)
+    ctx.meta = (is_neox, opts)
+
+
+def _pair_grads(dq, dk, q, k, qw, kw, cache, positions, is_neox, eps, offset, eps_mode,
+                casting, backend):
+    opts = _qk._opts("qk_norm_pair", dict(eps=eps, offset=offset, eps_mode=eps_mode,
+                                           casting=casting, backend=backend))
+    from polynorm.core.dtypes import float_dtype_name
+    from polynorm.core.options import make_plan
+
+    plan = make_plan(q.shape[-1], float_dtype_name("q", q), opts)
+    cs = None
+    if cache is not None:
+        cdt = torch.float64 if plan.compute_dtype == "float64" else torch.float32
+        cs = (cache[positions].to(cdt), is_neox)
+    with torch.no_grad():
+        dxq, dwq = _qk.qk_backward(dq.contiguous(), q, qw, plan, cs, opts)
+        dxk, dwk = _qk.qk_backward(dk.contiguous(), k, kw, plan, cs, opts)
+    return dxq, dxk, dwq, dwk
+
+
+@torch.library.custom_op(
+    "polynorm::qk_norm_pair_backward", mutates_args=(),
+    schema=f"(Tensor dq, Tensor dk, Tensor q, Tensor k, {_PAIR_ARGS}) "
+    "-> (Tensor, Tensor, Tensor, Tensor)")
+def _qk_norm_pair_backward_op(dq, dk, q, k, qw, kw, *args):
+    dxq, dxk, dwq, dwk = _pair_grads(dq, dk, q, k, qw, kw, *args)
+    return (dxq.contiguous(), dxk.contiguous(),
+            q.new_empty(0) if dwq is None else dwq.contiguous(),
+            q.new_empty(0) if dwk is None else dwk.contiguous())
+
+
+@_qk_norm_pair_backward_op.register_fake
+def _(dq, dk, q, k, qw, kw, *args):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            q.new_empty(0) if qw is None else torch.empty_like(qw),
+            q.new_empty(0) if kw is None else torch.empty_like(kw))
+
+
+def _bwd_pair(ctx, dq, dk):
+    q, k, qw, kw, cache, positions = ctx.saved_tensors
+    is_neox, opts = ctx.meta
+    dxq, dxk, dwq, dwk = _qk_norm_pair_backward_op(dq, dk, q, k, qw, kw, cache, positions,
+                                                   is_neox, *opts)
+    need = ctx.needs_input_grad
+    return (dxq if need[0] else None, dxk if need[1] else None,
+            dwq if qw is not None and need[2] else None,
+            dwk if kw is not None and need[3] else None, *(None,) * 8)
+
+
+_qk_norm_pair_op.register_autograd(_bwd_pair, setup_context=_setup_pair)
+
+
+def qk_norm_pair(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, *, rope: tuple | None = None,
+                 **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable :func:`polynorm.qk_norm_pair`: new ``(q, k)`` from ``(T, H, D)`` heads.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import polynorm.torch as pnt
+    >>> q, k = torch.full((1, 2, 4), 3.0), torch.full((1, 1, 4), -2.0)
+    >>> pnt.qk_norm_pair(q, k, None, None, eps=0.0)[1]
+    tensor([[[-1., -1., -1., -1.]]])
+    """
+    a = _args(q_weight, k_weight, 0, 0, 0, rope, options)
+    return _qk_norm_pair_op(q, k, a[0], a[1], *a[5:])
+
+
+_qk_norm_op.register_autograd(_bwd, setup_context=_setup)
