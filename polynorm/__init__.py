@@ -9,8 +9,8 @@ The semantics are in :mod:`polynorm.core.options`.
 from polynorm.core.pool import output_pool
 from polynorm.ops.gated import rms_norm_gated, rms_norm_gated_backward
 from polynorm.ops.norm import add_rms_norm, backends, rms_norm, rms_norm_backward
-from polynorm.ops.quant import rms_norm_quant
 from polynorm.ops.qk import qk_norm, qk_norm_pair
+from polynorm.ops.quant import rms_norm_quant
 
 __version__ = "0.1.0"
 

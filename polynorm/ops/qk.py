@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import array_api_compat as aac
 
+from polynorm.backends.reference import _eager
 from polynorm.core.dtypes import float_dtype_name, namespace_dtype
 from polynorm.core.options import NormOptions, Options, Plan, make_plan, pack_options, takes_options
 from polynorm.ops import norm as _api
 from polynorm.ops.norm import Array
-from polynorm.backends.reference import _eager
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
