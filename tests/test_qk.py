@@ -200,3 +200,19 @@ def test_qk_norm_errors(rng):
     with pytest.raises(ValueError, match="read-only"):
         pn.qk_norm(ro, qw, kw, **kw_)
     np.testing.assert_array_equal(qkv, before)
+
+
+def test_qk_norm_dask_blockwise_over_tokens(rng):
+    """dask: a new array, blockwise over token chunks, with the in-memory call's bits."""
+    da = pytest.importorskip("dask.array")
+    qkv, qw, kw = _inputs(rng, np.float32)
+    cache = _cache(rng, D // 2)
+    pos = rng.integers(0, cache.shape[0], T)
+    want = qkv.copy()
+    pn.qk_norm(want, qw, kw, num_heads_q=HQ, num_heads_k=HK, head_dim=D,
+               rope=(cache, pos, True, None))
+    x = da.from_array(qkv, chunks=(2, 24))
+    got = pn.qk_norm(x, da.from_array(qw), kw, num_heads_q=HQ, num_heads_k=HK, head_dim=D,
+                     rope=(cache, da.from_array(pos, chunks=3), True, None))
+    assert isinstance(got, da.Array)
+    np.testing.assert_array_equal(_bits(got.compute()), _bits(want))

@@ -112,7 +112,7 @@ def _rope_rows(xp, rope: Any, t: int, d: int, plan: Plan, like: Any):
                              f"got values in [{lo}, {hi}]")
     cdt = namespace_dtype(xp, plan.compute_dtype, like)
     if aac.is_dask_array(like):
-        return _dask_rows(cache, positions, cdt), neox
+        return _dask_rows(cache, positions, cdt, like.chunks[0]), neox
     if aac.is_jax_array(positions):
         import jax.numpy as jnp
 
@@ -123,14 +123,13 @@ def _rope_rows(xp, rope: Any, t: int, d: int, plan: Plan, like: Any):
     return cs, neox
 
 
-def _dask_rows(cache, positions, cdt):
+def _dask_rows(cache, positions, cdt, like_chunks):
     """The cache rows of dask ``positions``, chunked as they are (lazy)."""
     import dask.array as da
     import numpy as np
 
     if not aac.is_dask_array(positions):
-        raise TypeError(f"rope's positions must be a dask array like qkv, got "
-                        f"{type(positions).__name__}")
+        positions = da.from_array(np.asarray(positions), chunks=(like_chunks,))
     cache = cache if aac.is_dask_array(cache) else da.from_array(np.asarray(cache))
     cache = cache.rechunk(-1)
     return da.blockwise(lambda p, c: np.asarray(c)[p].astype(cdt), "tr", positions, "t",
@@ -147,6 +146,7 @@ def _writable(a: Any) -> bool:
 def _heads(func: str, q3, k3, q_weight, k_weight, rope, opts: Options, *, inplace: bool):
     """Norm (+ RoPE) of the ``(T, H, D)`` heads ``q3`` and ``k3``: the new heads, written
     into ``q3``/``k3`` themselves where ``inplace``."""
+    q_weight, k_weight = _api._chunk_library_params(q3, q_weight, k_weight)
     xp = _api._namespace({"q": q3, "k": k3, "q_weight": q_weight, "k_weight": k_weight})
     name = float_dtype_name("q", q3)
     if float_dtype_name("k", k3) != name:
