@@ -86,7 +86,10 @@ def run(tokens: list[int], dtypes: list[str], rounds: int, reps: int) -> dict:
                              "polynorm_s": med["polynorm"], "torch_s": med["torch"],
                              "torch_over_polynorm": med["torch"] / med["polynorm"]})
                 print(json.dumps(rows[-1]), flush=True)
-    return {"shape": {"Hq": HQ, "Hk": HK, "D": D}, "rounds": rounds, "reps": reps,
+    return {"what": "QK-norm (+ RoPE), Qwen3 shape (Hq=32, Hk=8, D=128): pn.qk_norm in place "
+                    "vs torch's composition, paired, one thread; NUMBA_NUM_THREADS=1 python "
+                    "bench/qk_norm.py --out bench/results/qk-norm-2026-12-06-cpu.json",
+            "shape": {"Hq": HQ, "Hk": HK, "D": D}, "rounds": rounds, "reps": reps,
             "threads": 1, "machine": platform.machine(), "cpus": os.cpu_count(),
             "torch_composition": "split, F.rms_norm per q/k (weight in the dtype), NeoX rope "
                                  "with cos/sin cast to the dtype (vLLM forward_native), cat",
