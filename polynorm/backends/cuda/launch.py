@@ -246,6 +246,7 @@ def specialisations() -> list[str]:
     names += [gated_fwd_name(*t) for t in GATED_FWD_TYPES]
     names += [gated_bwd_name(*t) for t in GATED_BWD_TYPES]
     names += [quant_name(t, q) for t in FLOAT_DTYPES for q in QUANT_FMT]
+    names += [qk_name(t, nx) for t in FLOAT_DTYPES for nx in (False, True)]
     return names
 
 
@@ -750,3 +751,28 @@ def quant_launch(n: int, d: int, x: str, fp8: str | bool = True) -> Launch:
     True
     """
     return _segment_launch(quant_name(x, fp8), n, d, x)
+
+
+# ------------------------------------------------------------------ QK-norm (+ RoPE)
+
+
+def qk_name(x: str, neox: bool = True) -> str:
+    """pn_qk_fwd's instance for heads of dtype ``x`` and a RoPE style (NeoX or GPT-J;
+    either without RoPE).
+
+    >>> qk_name("bfloat16")
+    'pn_qk_fwd<__nv_bfloat16, 1>'
+    """
+    return f"pn_qk_fwd<{_ct(x)}, {int(neox)}>"
+
+
+@lru_cache(maxsize=4096)
+def qk_launch(segments: int, d: int, x: str, neox: bool = True) -> Launch:
+    """Launch of pn_qk_fwd: one segment per (token, head) of ``d`` columns; ``tpr``
+    is pn_fwd's for a row of ``d`` (:func:`segment_tpr`), whatever the token count.
+
+    >>> ql = qk_launch(40, 128, "bfloat16")
+    >>> ql.name, ql.tpr == forward_launch(1, 128, "bfloat16").tpr
+    ('pn_qk_fwd<__nv_bfloat16, 1>', True)
+    """
+    return _segment_launch(qk_name(x, neox), segments, d, x)
