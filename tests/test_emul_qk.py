@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_emul_fusions import fake_cupy  # noqa: F401  (the stand-in cupy)
 from test_emul_kernels import NP, _name, emul_forward, module
 
 from polynorm.backends.cuda import launch as cl
@@ -89,3 +90,25 @@ def test_emul_qk_bits(dtype, d, rot, neox, opts):
     one = qkv[3:4].copy()
     emul_qk(one[:, :HQ * d].reshape(1, HQ, d), w, plan, None if cs is None else cs[3:4], neox)
     np.testing.assert_array_equal(_bits(one[0, :HQ * d]), _bits(a[3, :HQ * d]))
+
+
+def test_emul_qk_backend_glue(fake_cupy):  # noqa: F811  (the fixture imported above)
+    """The cupy backend's qk_forward (pointers, token/head strides, casts of the weight
+    and the cache rows) writes the launcher's bits in place into a packed qkv's views;
+    llama casting runs the reference on the device arrays."""
+    backend, fake, launches = fake_cupy
+    rng = np.random.default_rng(7)
+    d = 64
+    qkv = (rng.standard_normal((T, (HQ + 2 * HK) * d)) * 3).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    ang = rng.standard_normal((T, d // 2))
+    cs = np.concatenate([np.cos(ang), np.sin(ang)], 1).astype(np.float32)
+    plan = make_plan(d, "float32", Options(eps=1e-5))
+    want = qkv.copy()
+    emul_qk(want[:, :HQ * d].reshape(T, HQ, d), w, plan, cs, False)
+    fq = fake(qkv.copy())
+    q3 = fq[:, :HQ * d].reshape(T, HQ, d)
+    got = backend.qk_forward(q3, fake(w), plan, (fake(cs), False), q3)
+    assert got is q3
+    np.testing.assert_array_equal(_bits(np.asarray(fq)), _bits(want))
+    assert [nm for nm, *_ in launches] == ["pn_qk_fwd<float, 0>"]
