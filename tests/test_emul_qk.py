@@ -112,3 +112,23 @@ def test_emul_qk_backend_glue(fake_cupy):  # noqa: F811  (the fixture imported a
     assert got is q3
     np.testing.assert_array_equal(_bits(np.asarray(fq)), _bits(want))
     assert [nm for nm, *_ in launches] == ["pn_qk_fwd<float, 0>"]
+
+
+def test_nvrtc_compiles_pn_qk_fwd():
+    """Every pn_qk_fwd instantiation compiles with NVRTC (sm_90), without warnings, and
+    is in the cubin under its lowered name."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) is not installed")
+    from polynorm.backends.cuda import nvrtc as _nvrtc
+
+    ok, why = _nvrtc.available()
+    if not ok:
+        pytest.skip(why)
+    names = [cl.qk_name(t, nx) for t in ("float16", "bfloat16", "float32", "float64")
+             for nx in (False, True)]
+    assert set(names) <= set(cl.specialisations())
+    res = _nvrtc.compile_names(names, "sm_90", ())
+    assert res.ok, res.log
+    assert "warning" not in res.log.lower(), res.log
+    assert set(res.lowered) == set(names)
+    for low in res.lowered.values():
+        assert low.encode() in res.cubin
