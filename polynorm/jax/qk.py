@@ -86,6 +86,11 @@ def qk_norm(qkv, q_weight, k_weight, *, num_heads_q: int, num_heads_k: int, head
         As in :func:`polynorm.qk_norm`.
     {options}
 
+    Returns
+    -------
+    jax.Array
+        The new ``qkv``.
+
     Examples
     --------
     >>> import jax, jax.numpy as jnp

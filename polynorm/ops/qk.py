@@ -245,7 +245,7 @@ def qk_norm(
     >>> out is qkv, bool((qkv[:, :12] == ref.reshape(T, 12)).all())
     (True, True)
     >>> cache = np.array([[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]], np.float32)  # 0 and 90 deg
-    >>> x = np.ones((1, 4 * D), np.float32)
+    >>> x = np.ones((1, 3 * D), np.float32)
     >>> _ = pn.qk_norm(x, None, None, num_heads_q=1, num_heads_k=1, head_dim=D, eps=0.0,
     ...                rope=(cache, np.array([1]), True, 4))
     >>> x[0, :4]   # NeoX, 90 degrees: (a, b) -> (-b, a)

@@ -112,6 +112,16 @@ def qk_norm(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Te
     The same arguments, options and bits as :func:`polynorm.qk_norm`; gradients
     reach ``qkv``, ``q_weight`` and ``k_weight``.
 
+    Parameters
+    ----------
+    qkv, q_weight, k_weight, num_heads_q, num_heads_k, head_dim, rope, **options
+        As in :func:`polynorm.qk_norm` (``rope``'s cache and positions as tensors).
+
+    Returns
+    -------
+    torch.Tensor
+        The new ``qkv`` (C-contiguous), differentiable.
+
     Examples
     --------
     >>> import torch
@@ -132,6 +142,16 @@ def qk_norm_(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.T
              **options) -> torch.Tensor:
     """In-place :func:`polynorm.qk_norm` as the custom op ``torch.ops.polynorm.qk_norm_``
     (``torch.compile`` keeps it in its graph); returns ``qkv``.  Not differentiable.
+
+    Parameters
+    ----------
+    qkv, q_weight, k_weight, num_heads_q, num_heads_k, head_dim, rope, **options
+        As in :func:`polynorm.qk_norm`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``qkv``, modified.
 
     Examples
     --------
@@ -230,6 +250,16 @@ def qk_norm_pair(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None
                  k_weight: torch.Tensor | None, *, rope: tuple | None = None,
                  **options) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable :func:`polynorm.qk_norm_pair`: new ``(q, k)`` from ``(T, H, D)`` heads.
+
+    Parameters
+    ----------
+    q, k, q_weight, k_weight, rope, **options
+        As in :func:`polynorm.qk_norm_pair`.
+
+    Returns
+    -------
+    (torch.Tensor, torch.Tensor)
+        New C-contiguous ``q`` and ``k``; gradients reach q, k and the weights.
 
     Examples
     --------

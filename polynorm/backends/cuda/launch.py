@@ -772,7 +772,7 @@ def qk_launch(segments: int, d: int, x: str, neox: bool = True) -> Launch:
     is pn_fwd's for a row of ``d`` (:func:`segment_tpr`), whatever the token count.
 
     >>> ql = qk_launch(40, 128, "bfloat16")
-    >>> ql.name, ql.tpr == forward_launch(1, 128, "bfloat16").tpr
-    ('pn_qk_fwd<__nv_bfloat16, 1>', True)
+    >>> ql.name, ql.tpr == segment_tpr(128, "bfloat16"), ql.grid * ql.block // ql.tpr >= 40
+    ('pn_qk_fwd<__nv_bfloat16, 1>', True, True)
     """
     return _segment_launch(qk_name(x, neox), segments, d, x)
