@@ -1107,9 +1107,12 @@ def qk_forward(x, weight, plan: Plan, rope, out=None):
         cs, neox = np.empty((0, 0), cdt), True
     else:
         cs, neox = np.ascontiguousarray(to_numpy(rope[0]), cdt), bool(rope[1])
-    args = (_kview(y), w, np.empty(h, cdt), flags, plan.k, plan.eps, offset, cs, neox)
+    yk, h0, h1 = _qk_c_view(_kview(y))
+    args = (yk, h0, h1, w, np.empty(yk.shape[1], cdt), flags, plan.k, plan.eps, offset, cs, neox)
     if plan.llama:
         _run_rows(kq.qk_llama_parallel, kq.qk_llama_rows, t, h * d, args)
+    elif xn.dtype.itemsize == 2:
+        _run_rows(kq.qk_bits_parallel, kq.qk_bits_rows, t, h * d, args)
     else:
         _run_rows(kq.qk_parallel, kq.qk_rows, t, h * d, args)
     if out is not None:
@@ -1117,3 +1120,23 @@ def qk_forward(x, weight, plan: Plan, rope, out=None):
             to_numpy(out)[...] = y
         return out
     return _interop.from_numpy(y, caller)
+
+
+def _qk_c_view(y: np.ndarray) -> tuple:
+    """``(x, h0, h1)``: heads ``[h0, h1)`` of a C-contiguous ``(T, H', D)`` array over the
+    memory of ``y``'s ``(T, H, D)`` heads where its token stride is a whole number of
+    heads (a packed qkv's q or k view), else ``y`` itself with ``[0, H)``.
+
+    Numba compiles the row loops for a C-contiguous array with unit strides known
+    (vectorized, as the plain forward's rows); on the strided view's "A" layout they
+    run about twice as long.  The wider view reaches past ``y``'s last token by
+    ``H' - H`` heads, which the kernels never read or write (their head range is
+    ``[0, H)``; a prefetch of the next row does not fault).
+    """
+    t, h, d = y.shape
+    it = y.itemsize
+    st, sh, sd = y.strides
+    if t < 2 or d < 1 or sd != it or sh != d * it or st < h * d * it or st % (d * it):
+        return y, 0, h
+    wide = st // (d * it)
+    return np.lib.stride_tricks.as_strided(y, (t, wide, d), (st, sh, sd)), 0, h

@@ -1,8 +1,8 @@
 """Numba kernel of QK-norm (+ RoPE) on ``(T, H, D)`` heads, in place (:func:`polynorm.qk_norm`).
 
-Each ``(t, h)`` row goes through the plain forward's own row functions
-(:func:`.numba.kernels._row_sumsq`, ``_fwd_norm_row``; ``_fwd_norm_row_llama`` in
-llama casting), called on the token's ``(H, D)`` view with the row index ``h``: the
+Each token's ``(H, D)`` view goes through the plain forward's own row drivers
+(:func:`.numba.kernels._plain_rows`, ``_bits_rows`` for 16-bit rows;
+``_fwd_norm_row_llama`` per row in llama casting), with ``y`` the view itself: the
 bits of :func:`polynorm.rms_norm` (16-bit rows included), stored in the heads' own
 dtype.  RoPE then reads those stored values back (:func:`.numba.codec.load`), rotates
 each pair in the compute type (``a*c - b*s``, ``b*c + a*s``: no fused multiply-add,
@@ -20,22 +20,21 @@ from numba import prange
 
 from polynorm.backends.numba.codec import load, store
 from polynorm.backends.numba.kernels import (
-    _NO_BLOCKS,
-    _fwd_norm_row,
+    _bits_rows,
     _fwd_norm_row_llama,
     _jit,
+    _plain_rows,
     _range_bounds,
     _range_count,
-    _row_sumsq,
 )
 
 
 @_jit()
-def _rope_token(a, cs, t, neox):
-    """RoPE of every head of token ``t`` (``a``: its ``(H, D)`` heads) in place."""
+def _rope_token(a, h0, h1, cs, t, neox):
+    """RoPE of heads ``[h0, h1)`` of token ``t`` (``a``: its heads) in place."""
     rot = cs.shape[1]
     half = rot // 2
-    for h in range(a.shape[0]):
+    for h in range(h0, h1):
         for i in range(half):
             c = cs[t, i]
             s = cs[t, half + i]
@@ -50,42 +49,61 @@ def _rope_token(a, cs, t, neox):
 
 
 @_jit()
-def qk_rows(lo, hi, x, w, rstd, flags, k, eps, offset, cs, neox):
-    """Tokens ``[lo, hi)``: norm of each head row (fp32 casting), then RoPE where
-    ``cs`` has columns (``(T, rot)`` rows ``[cos | sin]``; ``(0, 0)`` without)."""
+def qk_rows(lo, hi, x, h0, h1, w, rstd, flags, k, eps, offset, cs, neox):
+    """Tokens ``[lo, hi)``: norm of each head row (fp32 casting; float32/float64 rows:
+    the plain forward's two passes per row), then RoPE where ``cs`` has columns
+    (``(T, rot)`` rows ``[cos | sin]``; ``(0, 0)`` without)."""
     for t in range(lo, hi):
         a = x[t]
-        for h in range(a.shape[0]):
-            ss = _row_sumsq(a, h, k)
-            _fwd_norm_row(h, h + 1, a, w, None, a, rstd, flags, k, eps, offset, ss, _NO_BLOCKS)
+        _plain_rows(h0, h1, a, w, None, a, rstd, flags, k, eps, offset)
         if cs.shape[1] > 0:
-            _rope_token(a, cs, t, neox)
+            _rope_token(a, h0, h1, cs, t, neox)
 
 
 @_jit()
-def qk_llama_rows(lo, hi, x, w, rstd, flags, k, eps, offset, cs, neox):
-    """:func:`qk_rows` in llama casting."""
+def qk_bits_rows(lo, hi, x, h0, h1, w, rstd, flags, k, eps, offset, cs, neox):
+    """:func:`qk_rows` for 16-bit rows: the forward's pipeline over a token's heads (the
+    next head's sum taken during this head's output pass, its block output)."""
     for t in range(lo, hi):
         a = x[t]
-        for h in range(a.shape[0]):
-            _fwd_norm_row_llama(h, a, w, None, a, rstd, flags, k, eps, offset)
+        _bits_rows(h0, h1, a, w, None, a, rstd, flags, k, eps, offset)
         if cs.shape[1] > 0:
-            _rope_token(a, cs, t, neox)
+            _rope_token(a, h0, h1, cs, t, neox)
 
 
 @_jit(parallel=True)
-def qk_parallel(x, w, rstd, flags, k, eps, offset, cs, neox):
-    n = x.shape[0]
-    for c in prange(_range_count(n)):
-        lo, hi = _range_bounds(c, n)
-        own = np.empty_like(rstd)  # one rstd scratch row per task
-        qk_rows(lo, hi, x, w, own, flags, k, eps, offset, cs, neox)
-
-
-@_jit(parallel=True)
-def qk_llama_parallel(x, w, rstd, flags, k, eps, offset, cs, neox):
+def qk_bits_parallel(x, h0, h1, w, rstd, flags, k, eps, offset, cs, neox):
     n = x.shape[0]
     for c in prange(_range_count(n)):
         lo, hi = _range_bounds(c, n)
         own = np.empty_like(rstd)
-        qk_llama_rows(lo, hi, x, w, own, flags, k, eps, offset, cs, neox)
+        qk_bits_rows(lo, hi, x, h0, h1, w, own, flags, k, eps, offset, cs, neox)
+
+
+@_jit()
+def qk_llama_rows(lo, hi, x, h0, h1, w, rstd, flags, k, eps, offset, cs, neox):
+    """:func:`qk_rows` in llama casting."""
+    for t in range(lo, hi):
+        a = x[t]
+        for h in range(h0, h1):
+            _fwd_norm_row_llama(h, a, w, None, a, rstd, flags, k, eps, offset)
+        if cs.shape[1] > 0:
+            _rope_token(a, h0, h1, cs, t, neox)
+
+
+@_jit(parallel=True)
+def qk_parallel(x, h0, h1, w, rstd, flags, k, eps, offset, cs, neox):
+    n = x.shape[0]
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
+        own = np.empty_like(rstd)  # one rstd scratch row per task
+        qk_rows(lo, hi, x, h0, h1, w, own, flags, k, eps, offset, cs, neox)
+
+
+@_jit(parallel=True)
+def qk_llama_parallel(x, h0, h1, w, rstd, flags, k, eps, offset, cs, neox):
+    n = x.shape[0]
+    for c in prange(_range_count(n)):
+        lo, hi = _range_bounds(c, n)
+        own = np.empty_like(rstd)
+        qk_llama_rows(lo, hi, x, h0, h1, w, own, flags, k, eps, offset, cs, neox)
