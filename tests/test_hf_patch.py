@@ -217,8 +217,9 @@ def test_model_logits_and_gradients_match_hf(arch, dtype, monkeypatch):
         if g is not None:
             assert g.dtype == ref_grads[k].dtype
             assert _rel(g, ref_grads[k]) <= tol_g, k
-    # Qwen3's q_norm, k_norm and RoPE run as one fused QK-norm call per layer
-    assert len(fused_calls) == (model.config.num_hidden_layers if arch == "qwen3" else 0)
+    # Qwen3's and Gemma-3's q_norm, k_norm and RoPE run as one fused QK-norm call per layer
+    fused = arch in ("qwen3", "gemma3")
+    assert len(fused_calls) == (model.config.num_hidden_layers if fused else 0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "t5"])

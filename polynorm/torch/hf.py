@@ -413,6 +413,8 @@ def patched(
 FUSED_ATTENTION: dict[str, str] = {
     "transformers.models.qwen3.modeling_qwen3.Qwen3Attention": "qwen3",
     "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention": "qwen3",
+    # the same forward, q/k normalized after the transpose (per head all the same)
+    "transformers.models.gemma3.modeling_gemma3.Gemma3Attention": "qwen3",
 }
 KNOWN_CLASSES.setdefault("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeRMSNorm",
                          "llama")
@@ -449,7 +451,8 @@ def _fused_qk(attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torc
 
 def _qwen3_attention_forward(self, hidden_states, position_embeddings, attention_mask=None,
                              cache=None, **kwargs):
-    """Qwen3Attention.forward (transformers 5) with q_norm, k_norm and the RoPE fused."""
+    """Qwen3Attention.forward (transformers 5; Qwen3-MoE's and Gemma-3's are the same
+    steps) with q_norm, k_norm and the RoPE fused."""
     import sys
 
     mod = sys.modules[type(self).__module__]
