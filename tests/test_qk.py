@@ -216,3 +216,12 @@ def test_qk_norm_dask_blockwise_over_tokens(rng):
                      rope=(cache, da.from_array(pos, chunks=3), True, None))
     assert isinstance(got, da.Array)
     np.testing.assert_array_equal(_bits(got.compute()), _bits(want))
+
+
+def test_qk_norm_rope_arrays_of_another_library(rng):
+    torch = pytest.importorskip("torch")
+    qkv, qw, kw = _inputs(rng, np.float32)
+    cache = torch.ones(4, D)
+    with pytest.raises(TypeError, match="cos_sin_cache"):
+        pn.qk_norm(qkv.copy(), qw, kw, num_heads_q=HQ, num_heads_k=HK, head_dim=D,
+                   rope=(cache, np.zeros(T, np.int64), True, None))

@@ -143,11 +143,16 @@ def _writable(a: Any) -> bool:
     return flags is None or getattr(flags, "writeable", True)
 
 
-def _heads(func: str, q3, k3, q_weight, k_weight, rope, opts: Options, *, inplace: bool):
+def _heads(q3, k3, q_weight, k_weight, rope, opts: Options, *, inplace: bool):
     """Norm (+ RoPE) of the ``(T, H, D)`` heads ``q3`` and ``k3``: the new heads, written
     into ``q3``/``k3`` themselves where ``inplace``."""
     q_weight, k_weight = _api._chunk_library_params(q3, q_weight, k_weight)
-    xp = _api._namespace({"q": q3, "k": k3, "q_weight": q_weight, "k_weight": k_weight})
+    arrays = {"q": q3, "k": k3, "q_weight": q_weight, "k_weight": k_weight}
+    if (isinstance(rope, (tuple, list)) and len(rope) == 4
+            and type(q3).__module__.split(".")[0] in ("numpy", "torch", "cupy")):
+        # one library and device for the cache and positions too: a clean error, not the gather's
+        arrays.update({"rope's cos_sin_cache": rope[0], "rope's positions": rope[1]})
+    xp = _api._namespace(arrays)
     name = float_dtype_name("q", q3)
     if float_dtype_name("k", k3) != name:
         raise TypeError(f"q and k must have one dtype, got {name} and {float_dtype_name('k', k3)}")
@@ -281,7 +286,7 @@ def packed(qkv, q_weight, k_weight, num_heads_q, num_heads_k, head_dim, rope, op
     if inplace and not _shares(q3, qkv):
         raise ValueError("qkv: its q slice has no (T, H, head_dim) view (strides); pass a "
                          "contiguous qkv or use qk_norm_pair on views")
-    yq, yk = _heads("qk_norm", q3, k3, q_weight, k_weight, rope, opts, inplace=inplace)
+    yq, yk = _heads(q3, k3, q_weight, k_weight, rope, opts, inplace=inplace)
     if inplace:
         return qkv
     return xp.concat([xp.reshape(yq, (t, hq * d)), xp.reshape(yk, (t, hk * d)),
@@ -356,7 +361,7 @@ def qk_norm_pair(
     inplace = _writable(q) and _writable(k)
     if not inplace and not (aac.is_jax_array(q) or aac.is_dask_array(q)):
         raise ValueError("q or k is read-only: qk_norm_pair works in place")
-    return _heads("qk_norm_pair", q, k, q_weight, k_weight, rope, opts, inplace=inplace)
+    return _heads(q, k, q_weight, k_weight, rope, opts, inplace=inplace)
 
 
 qk_norm.__doc__ = (qk_norm.__doc__ or "").replace("{rope_doc}", _ROPE_DOC)
