@@ -260,8 +260,34 @@ def qk_norm(
                   _opts("qk_norm", options))
 
 
+def _torch_cpu_views(arrays: tuple) -> list | None:
+    """numpy views of torch CPU tensors (None passes), or None unless every array is one.
+
+    A torch call on the CPU runs as the numpy call on views of its tensors (zero copy,
+    in place through them): each tensor converted once instead of at every step."""
+    from polynorm.core.interop import to_numpy
+
+    out = []
+    for a in arrays:
+        if a is None:
+            out.append(None)
+        elif type(a).__module__.split(".")[0] == "torch" and a.device.type == "cpu":
+            out.append(to_numpy(a))
+        else:
+            return None
+    return out
+
+
 def packed(qkv, q_weight, k_weight, num_heads_q, num_heads_k, head_dim, rope, opts: Options):
     """:func:`qk_norm` with its options packed (:mod:`polynorm.torch`, :mod:`polynorm.jax`)."""
+    if type(qkv).__module__.split(".")[0] == "torch" and (
+            rope is None or (isinstance(rope, (tuple, list)) and len(rope) == 4)):
+        views = _torch_cpu_views((qkv, q_weight, k_weight) + (
+            () if rope is None else (rope[0], rope[1])))
+        if views is not None and views[0].flags.writeable:
+            r = None if rope is None else (views[3], views[4], rope[2], rope[3])
+            packed(views[0], views[1], views[2], num_heads_q, num_heads_k, head_dim, r, opts)
+            return qkv
     hq = _pos_int("num_heads_q", num_heads_q)
     hk = _pos_int("num_heads_k", num_heads_k)
     d = _pos_int("head_dim", head_dim)
@@ -352,6 +378,19 @@ def qk_norm_pair(
     (array([1., 1., 1., 1.], dtype=float32), array([-1., -1., -1., -1.], dtype=float32))
     """
     opts = _opts("qk_norm_pair", options)
+    return pair(q, k, q_weight, k_weight, rope, opts)
+
+
+def pair(q, k, q_weight, k_weight, rope, opts: Options):
+    """:func:`qk_norm_pair` with its options packed."""
+    if type(q).__module__.split(".")[0] == "torch" and (
+            rope is None or (isinstance(rope, (tuple, list)) and len(rope) == 4)):
+        views = _torch_cpu_views((q, k, q_weight, k_weight) + (
+            () if rope is None else (rope[0], rope[1])))
+        if views is not None and views[0].flags.writeable and views[1].flags.writeable:
+            r = None if rope is None else (views[4], views[5], rope[2], rope[3])
+            pair(views[0], views[1], views[2], views[3], r, opts)
+            return q, k
     q, k = _api._native(q), _api._native(k)
     for name, a in (("q", q), ("k", k)):
         if not aac.is_array_api_obj(a):
