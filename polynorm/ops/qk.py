@@ -351,7 +351,8 @@ def qk_norm_pair(
     The same operation and bits as :func:`qk_norm`, for callers that hold q and k
     apart (or as views of a packed tensor in another layout): any strides, no copy
     where the library has views (numpy, torch: ``qkv[:, :Hq*D].view(T, Hq, D)``).
-    jax and dask arrays get new ones.
+    jax and dask arrays get new ones.  ``q`` and ``k`` must not overlap in memory
+    (not checked: each is written as it is read).
 
     Parameters
     ----------
