@@ -9,6 +9,7 @@ The semantics are in :mod:`polynorm.core.options`.
 from polynorm.core.pool import output_pool
 from polynorm.ops.gated import rms_norm_gated, rms_norm_gated_backward
 from polynorm.ops.norm import add_rms_norm, add_rms_norm_, backends, rms_norm, rms_norm_backward
+from polynorm.ops.qk import qk_norm, qk_norm_pair
 from polynorm.ops.quant import rms_norm_quant
 from polynorm.ops.split import (
     rms_norm_backward_from_stats,
@@ -26,3 +27,4 @@ __all__ = [
     "rms_norm_backward_from_stats",
     "add_rms_norm_",
 ]
+__all__ += ["qk_norm", "qk_norm_pair"]

@@ -342,6 +342,14 @@ SLOW_SWEEPS = (
     "[(64, 16, 4096)-float64]",
     "tests/test_jax.py::test_jit_runs_the_kernels_with_the_eager_bits[bfloat16-llama-axis]",
     "tests/test_quant.py::test_residual[numba]",
+    # QK-norm: float16 and the llama kernels of float32/float16 compile kernels of their own;
+    # float32/bfloat16 and llama bfloat16 (Qwen3's) stay in the default run
+    "tests/test_qk.py::test_qk_norm_is_rms_norm_per_head[*-float16-*",
+    "tests/test_qk.py::test_qk_norm_is_rms_norm_per_head[llama-float32-*",
+    "tests/test_qk.py::test_qk_norm_rope_bits[*-*-float32-array_api]",
+    "tests/test_qk_torch.py::test_qk_norm_backward_fd[gemma-outside-neox-partial]",
+    "tests/test_qk_torch.py::test_qk_norm_backward_fd[gemma-outside-gptj]",
+    "tests/test_emul_qk.py::test_emul_qk_bits[norm-only-d40-bfloat16]",
 )
 
 

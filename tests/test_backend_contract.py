@@ -13,7 +13,7 @@ import polynorm  # noqa: F401  (registers polynorm.backends)
 registry = sys.modules["polynorm.backends"]
 CAPABILITIES = (registry.Backend, registry.GatedKernels, registry.QuantKernels,
                 registry.SmallCalls, registry.RowRangeBackward, registry.SplitKernels,
-                registry.SplitBackwardKernels)
+                registry.SplitBackwardKernels, registry.QKKernels)
 CAPABILITIES += (registry.InPlaceKernels,)
 
 

@@ -185,7 +185,13 @@ def _fwd_bwd(model, batch, params_of=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("arch", sorted(BUILD))
-def test_model_logits_and_gradients_match_hf(arch, dtype):
+def test_model_logits_and_gradients_match_hf(arch, dtype, monkeypatch):
+    import polynorm.ops.qk as qk
+
+    fused_calls = []
+    plain_pair = qk.qk_norm_pair
+    monkeypatch.setattr(qk, "qk_norm_pair",
+                        lambda *a, **k: fused_calls.append(1) or plain_pair(*a, **k))
     ref = _model(arch, dtype)
     model = copy.deepcopy(ref)
     params = dict(model.named_parameters())
@@ -211,6 +217,9 @@ def test_model_logits_and_gradients_match_hf(arch, dtype):
         if g is not None:
             assert g.dtype == ref_grads[k].dtype
             assert _rel(g, ref_grads[k]) <= tol_g, k
+    # Qwen3's and Gemma-3's q_norm, k_norm and RoPE run as one fused QK-norm call per layer
+    fused = arch in ("qwen3", "gemma3")
+    assert len(fused_calls) == (model.config.num_hidden_layers if fused else 0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "t5"])

@@ -106,6 +106,17 @@ class InPlaceKernels(Protocol):
         ...
 
 
+@runtime_checkable
+class QKKernels(Protocol):
+    """Optional: QK-norm (+ RoPE) of ``(T, H, D)`` heads (:func:`polynorm.qk_norm`):
+    each head's row as :meth:`Backend.forward`'s, then RoPE with ``rope = (cs, neox)``
+    (``cs``: ``(T, rot)`` rows ``[cos | sin]`` in the compute dtype), or None.  Writes
+    into ``out`` (may be ``x`` itself: in place) where it can and returns the heads."""
+
+    def qk_forward(self, x: Any, weight: Any, plan: Plan, rope: Any, out: Any = None) -> Any:
+        ...
+
+
 #: name -> module path.  Order matters only for listing.
 MODULES: dict[str, str] = {
     "numba": "polynorm.backends.numba",

@@ -580,3 +580,40 @@ def split_forward(x, weight, bias, sumsq, k_total: int, plan: Plan):
     rstd = da.map_blocks(_split_rstd_chunk, sumsq, plan=plan, k_total=k_total, dtype=cdt,
                          meta=_meta(x, 1, cdt))
     return y, rstd
+
+
+# --------------------------------------------------------------------------- QK-norm (+ RoPE)
+
+
+def _qk_chunk(x, weight, cs, *, plan: Plan, neox: bool):
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        return x.copy()
+    mod = _inner(x)
+    if not hasattr(mod, "qk_forward"):
+        from polynorm.backends import get
+
+        mod = get("array_api")
+    return mod.qk_forward(x, weight, plan, None if cs is None else (cs, neox), None)
+
+
+def qk_forward(x, weight, plan: Plan, rope, out=None):
+    """QK-norm (+ RoPE) of dask ``(T, H, D)`` heads: blockwise over token chunks (heads
+    and head_dim in one chunk), each chunk by its memory's backend; ``rope``'s
+    ``(T, rot)`` rows chunked as the tokens.  A new dask array (``out`` is ignored)."""
+    import dask.array as da
+
+    x = x.rechunk({1: -1, 2: -1})
+    args: list = [x, "thd"]
+    args += [None, None] if weight is None else [weight.rechunk(-1), "d"]
+    neox = True
+    if rope is None:
+        args += [None, None]
+    else:
+        cs, neox = rope
+        args += [cs.rechunk((x.chunks[0], -1)), "tr"]
+
+    def block(xb, wb, csb):
+        return _qk_chunk(xb, wb, csb, plan=plan, neox=neox)
+
+    return da.blockwise(block, "thd", *args, dtype=x.dtype, concatenate=True,
+                        meta=_meta(x, 3, x.dtype))

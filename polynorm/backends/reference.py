@@ -602,3 +602,56 @@ def split_backward(dy, x, weight, bias, sumsq, dot, k_total: int, plan: Plan):
         dweight = None if weight is None else xp.astype(xp.sum(dyc * xhat, axis=0), weight.dtype)
         dbias = None if bias is None else xp.astype(xp.sum(dyc, axis=0), bias.dtype)
     return dx, dweight, dbias
+
+
+# --------------------------------------------------------------------------- QK-norm (+ RoPE)
+
+
+def rope_rotate(xp, v, cs, neox: bool, inverse: bool = False):
+    """RoPE of the first ``rot = cs.shape[1]`` columns of ``v`` (``(T, H, D)``, compute
+    dtype); the other columns pass through.  ``cs``: ``(T, rot)`` rows ``[cos | sin]``
+    of each token (vLLM's ``cos_sin_cache`` rows), in ``v``'s dtype.
+
+    NeoX pairs column ``i`` with ``i + rot/2``, GPT-J ``2i`` with ``2i + 1``; each pair
+    ``(a, b)`` becomes ``(a*cos - b*sin, b*cos + a*sin)``, each product and sum rounded
+    in ``v``'s dtype.  ``inverse``: the transposed rotation (``sin`` negated, which
+    is exact), the backward.
+    """
+    rot = cs.shape[1]
+    half = rot // 2
+    c = cs[:, None, :half]
+    s = cs[:, None, half:]
+    if inverse:
+        s = -s
+    if neox:
+        a, b = v[:, :, :half], v[:, :, half:rot]
+    else:
+        a, b = v[:, :, 0:rot:2], v[:, :, 1:rot:2]
+    o1 = a * c - b * s
+    o2 = b * c + a * s
+    if neox:
+        r = xp.concat([o1, o2], axis=2)
+    else:
+        t, h = v.shape[0], v.shape[1]
+        r = xp.reshape(xp.stack([o1, o2], axis=3), (t, h, rot))
+    if rot == v.shape[2]:
+        return r
+    return xp.concat([r, v[:, :, rot:]], axis=2)
+
+
+def qk_forward(x, weight, plan: Plan, rope, out=None):
+    """QK-norm of the heads ``x`` (``(T, H, D)``): each ``(t, h)`` row is
+    :func:`forward`'s row (the same bits as ``rms_norm``), then, with ``rope = (cs, neox)``
+    (:func:`rope_rotate`), rotated in the compute dtype from those rounded values and
+    rounded once more to the output dtype.  Returns the new heads; ``out`` is
+    ignored (the front end writes into the caller's array)."""
+    xp = _xp(x)
+    t, h, d = x.shape
+    y, _, _ = forward(xp.reshape(x, (t * h, d)), None, weight, None, plan)
+    y = xp.reshape(y, (t, h, d))
+    if rope is None:
+        return y
+    cs, neox = rope
+    cdt = namespace_dtype(xp, plan.compute_dtype, x)
+    v = rope_rotate(xp, xp.astype(y, cdt), cs, neox)
+    return xp.astype(v, namespace_dtype(xp, plan.out_dtype, x), copy=False)

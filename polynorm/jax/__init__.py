@@ -61,6 +61,8 @@ Needs ``pip install 'polynorm[jax]'``.
 
 from polynorm.jax.gated import rms_norm_gated
 from polynorm.jax.norm import add_rms_norm, rms_norm
+from polynorm.jax.qk import qk_norm
 from polynorm.jax.quant import rms_norm_quant
 
 __all__ = ["rms_norm", "add_rms_norm", "rms_norm_gated", "rms_norm_quant"]
+__all__ += ["qk_norm"]

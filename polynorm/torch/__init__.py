@@ -47,9 +47,11 @@ from polynorm.torch.gated import RMSNormGated, rms_norm_gated
 from polynorm.torch.hf import PatchedRMSNorm, patch, patched, unpatch
 from polynorm.torch.inplace import add_rms_norm_
 from polynorm.torch.norm import RMSNorm, add_rms_norm, rms_norm
+from polynorm.torch.qk import qk_norm, qk_norm_, qk_norm_pair
 from polynorm.torch.quant import rms_norm_quant
 
 __all__ = [
     "rms_norm", "add_rms_norm", "RMSNorm", "patch", "unpatch", "patched", "PatchedRMSNorm",
     "rms_norm_gated", "RMSNormGated", "rms_norm_quant", "add_rms_norm_",
 ]
+__all__ += ["qk_norm", "qk_norm_", "qk_norm_pair"]

@@ -289,8 +289,11 @@ def patch(
         elif _looks_like_norm(child):
             why = "unknown class" if _kind_of(child) is None else "excluded"
             left.setdefault(f"{_class_name(cls)} ({why})", []).append(qualname)
+    fused = _fuse_attention(model)
     if verbose:
         _report(replaced.values(), left)
+        if fused:
+            print(f"  {fused:4d} x attention with q_norm, k_norm and RoPE fused (qk_norm_pair)")
     return len(replaced)
 
 
@@ -348,6 +351,7 @@ def unpatch(model: torch.nn.Module) -> int:
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _unfuse_attention(model)
     restored: dict[int, torch.nn.Module] = {}
     for _, parent, attr, child in list(_children(model)):
         if isinstance(child, PatchedRMSNorm):
@@ -398,3 +402,109 @@ def patched(
         yield n
     finally:
         unpatch(model)
+
+
+# ---------------------------------------------------------------- fused QK-norm + RoPE
+
+#: attention classes whose q_norm/k_norm and RoPE :func:`patch` fuses into one
+#: :func:`polynorm.torch.qk_norm_pair` call (per-head norm, then NeoX RoPE from
+#: ``position_embeddings``), when both norms were patched and reproduce the class's
+#: order in ``x``'s dtype.  Their forward is otherwise the class's own.
+FUSED_ATTENTION: dict[str, str] = {
+    "transformers.models.qwen3.modeling_qwen3.Qwen3Attention": "qwen3",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention": "qwen3",
+    # the same forward, q/k normalized after the transpose (per head all the same)
+    "transformers.models.gemma3.modeling_gemma3.Gemma3Attention": "qwen3",
+}
+KNOWN_CLASSES.setdefault("transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeRMSNorm",
+                         "llama")
+
+
+def _fused_qk(attn: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q/k ``(B, S, H, D)`` normalized and rotated by one fused call, or None where the
+    fused call would not reproduce the modules (then the caller runs them)."""
+    qn, kn = attn.q_norm, attn.k_norm
+    if not (isinstance(qn, PatchedRMSNorm) and isinstance(kn, PatchedRMSNorm)):
+        return None
+    opts = qn._options(q)
+    if opts is None or opts != kn._options(k) or opts.get("out_dtype") is not None:
+        return None
+    if qn.eps != kn.eps or k.dtype != q.dtype:
+        return None
+    opts = {key: v for key, v in opts.items() if key != "out_dtype"}
+    *lead, hq, d = q.shape
+    hk = k.shape[-2]
+    if cos.shape[-1] != d or d % 2:
+        return None
+    t = q.numel() // (hq * d)
+    half = d // 2
+    # HF's cos/sin are cat(freqs, freqs) per token: the halves are vLLM's [cos | sin] rows
+    cs = torch.cat([cos[..., :half], sin[..., :half]], dim=-1).expand(*lead, d).reshape(t, d)
+    positions = torch.arange(t, device=q.device)
+    from polynorm.torch.qk import qk_norm_pair
+
+    q2, k2 = qk_norm_pair(q.reshape(t, hq, d), k.reshape(t, hk, d), qn.weight, kn.weight,
+                          rope=(cs, positions, True, d), eps=qn.eps, **opts)
+    return q2.view(*lead, hq, d), k2.view(*lead, hk, d)
+
+
+def _qwen3_attention_forward(self, hidden_states, position_embeddings, attention_mask=None,
+                             cache=None, **kwargs):
+    """Qwen3Attention.forward (transformers 5; Qwen3-MoE's and Gemma-3's are the same
+    steps) with q_norm, k_norm and the RoPE fused."""
+    import sys
+
+    mod = sys.modules[type(self).__module__]
+    if cache is None:
+        cache = kwargs.pop("past_key_values", None)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(hidden_shape)
+    k = self.k_proj(hidden_states).view(hidden_shape)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    fused = _fused_qk(self, q, k, cos, sin)
+    if fused is None:
+        query_states, key_states = mod.apply_rotary_pos_emb(
+            self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), cos, sin)
+    else:
+        query_states, key_states = fused[0].transpose(1, 2), fused[1].transpose(1, 2)
+    if cache is not None:
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx,
+                                                kwargs=kwargs)
+    attention_interface = mod.ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, mod.eager_attention_forward)
+    attn_output, attn_weights = attention_interface(
+        self, query_states, key_states, value_states, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling, sliding_window=self.sliding_window, **kwargs)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights
+
+
+_FUSED_FORWARD = {"qwen3": _qwen3_attention_forward}
+
+
+def _fuse_attention(model: torch.nn.Module) -> int:
+    """Give every attention of :data:`FUSED_ATTENTION` whose q_norm and k_norm are
+    patched the fused forward (an instance attribute, removed by :func:`_unfuse_attention`)."""
+    import types
+
+    n = 0
+    for m in model.modules():
+        kind = FUSED_ATTENTION.get(_class_name(type(m)))
+        if kind is None or "forward" in m.__dict__:
+            continue
+        if isinstance(getattr(m, "q_norm", None), PatchedRMSNorm) and isinstance(
+                getattr(m, "k_norm", None), PatchedRMSNorm):
+            m.forward = types.MethodType(_FUSED_FORWARD[kind], m)
+            n += 1
+    return n
+
+
+def _unfuse_attention(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        fwd = m.__dict__.get("forward")
+        if getattr(fwd, "__func__", None) in _FUSED_FORWARD.values():
+            del m.forward

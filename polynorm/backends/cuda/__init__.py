@@ -717,3 +717,33 @@ def split_backward(dy, x, weight, bias, sumsq, dot, k_total: int, plan: Plan):
         dweight = _colsum(lw, d, ct, wd, x) if weight is not None else None
         dbias = _colsum(lb, d, ct, bd, x) if bias is not None else None
         return dx, dweight, dbias
+
+
+def qk_forward(x, weight, plan: Plan, rope, out=None):
+    """QK-norm (+ RoPE) of ``(T, H, D)`` heads (:class:`polynorm.backends.QKKernels`):
+    pn_qk_fwd in place on ``out`` when it is ``x`` with a contiguous last axis and the
+    casting is fp32; otherwise (llama casting, a new result, a strided last axis)
+    the reference's arrays on the device."""
+    from polynorm.backends import reference
+
+    c = _interop.to_cupy(x) if out is x else None
+    if plan.llama or c is None or c.ndim != 3 or (c.shape[2] > 1 and c.strides[2] != c.itemsize):
+        return reference.qk_forward(x, weight, plan, rope, out)
+    xd = _name(x)
+    ct = plan.compute_dtype
+    t, h, d = c.shape
+    neox = True if rope is None else bool(rope[1])
+    with _on_callers_stream(x):
+        wc = _rows_for(weight, ct)
+        csc = None if rope is None else _view(_cast(rope[0], ct))
+        rot = 0 if csc is None else int(csc.shape[1])
+        launch = cl.qk_launch(t * h, d, xd, neox)
+        it = c.itemsize
+        args = (
+            np.uint64(c.data.ptr), np.int64(c.strides[0] // it), np.int64(c.strides[1] // it),
+            np.int32(h), _ptr(wc), _ptr(csc), _rs(csc), np.int32(rot),
+            np.int64(t * h), np.int32(d), np.int32(plan.k), np.int32(launch.tpr),
+            np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
+        )
+        _launch(launch, args)
+    return out

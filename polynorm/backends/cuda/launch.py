@@ -247,6 +247,7 @@ def specialisations() -> list[str]:
     names += [gated_bwd_name(*t) for t in GATED_BWD_TYPES]
     names += [quant_name(t, q) for t in FLOAT_DTYPES for q in QUANT_FMT]
     names += split_specialisations()
+    names += [qk_name(t, nx) for t in FLOAT_DTYPES for nx in (False, True)]
     return names
 
 
@@ -852,3 +853,28 @@ def split_backward_launch(n: int, d: int, x: str, dy: str | None = None, phase: 
     name = (split_dot_name if phase == 1 else split_bwd_name)(x, dy or x)
     return Launch(name, grid=math.ceil(n / (block // tpr)), block=block, shared=0, tpr=tpr,
                   big=False)
+
+
+# ------------------------------------------------------------------ QK-norm (+ RoPE)
+
+
+def qk_name(x: str, neox: bool = True) -> str:
+    """pn_qk_fwd's instance for heads of dtype ``x`` and a RoPE style (NeoX or GPT-J;
+    either without RoPE).
+
+    >>> qk_name("bfloat16")
+    'pn_qk_fwd<__nv_bfloat16, 1>'
+    """
+    return f"pn_qk_fwd<{_ct(x)}, {int(neox)}>"
+
+
+@lru_cache(maxsize=4096)
+def qk_launch(segments: int, d: int, x: str, neox: bool = True) -> Launch:
+    """Launch of pn_qk_fwd: one segment per (token, head) of ``d`` columns; ``tpr``
+    is pn_fwd's for a row of ``d`` (:func:`segment_tpr`), whatever the token count.
+
+    >>> ql = qk_launch(40, 128, "bfloat16")
+    >>> ql.name, ql.tpr == segment_tpr(128, "bfloat16"), ql.grid * ql.block // ql.tpr >= 40
+    ('pn_qk_fwd<__nv_bfloat16, 1>', True, True)
+    """
+    return _segment_launch(qk_name(x, neox), segments, d, x)

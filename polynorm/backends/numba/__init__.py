@@ -1232,3 +1232,78 @@ def none_forward(x, residual, weight, bias, plan: Plan, out=None):
             o[...] = y
         return out, None, from_numpy(rstd, caller)
     return from_numpy(y, caller), None, from_numpy(rstd, caller)
+
+
+# --------------------------------------------------------------------------- QK-norm (+ RoPE)
+
+_qk_kernels = None
+
+
+def _kq():
+    global _qk_kernels
+    if _qk_kernels is None:
+        from polynorm.backends.numba import qk as _numba_qk
+
+        _qk_kernels = _numba_qk
+    return _qk_kernels
+
+
+def qk_forward(x, weight, plan: Plan, rope, out=None):
+    """QK-norm (+ RoPE) of ``(T, H, D)`` heads (:class:`polynorm.backends.QKKernels`).
+
+    ``out`` may be ``x`` itself (any strides): the kernel runs in place on it;
+    a last axis that is not contiguous runs on a contiguous copy written back.
+    Without ``out`` the heads are copied first and the copy returned.
+    """
+    kq = _kq()
+    caller = x
+    to_numpy = _interop.to_numpy
+    xn = to_numpy(x)
+    t, h, d = xn.shape
+    flags, _, _, cdt = _info(plan)
+    inplace = out is not None and xn.strides[2] == xn.itemsize
+    if inplace:
+        y = to_numpy(out)
+    else:
+        y = np.empty((t, h, d), xn.dtype)
+        y[...] = xn
+    w, _, offset = _affine(weight, None, cdt, d, plan.offset, exact=plan.llama)
+    if plan.llama:
+        flags |= _llama_codes(plan, None if weight is None else to_numpy(weight))
+    if rope is None:
+        cs, neox = np.empty((0, 0), cdt), True
+    else:
+        cs, neox = np.ascontiguousarray(to_numpy(rope[0]), cdt), bool(rope[1])
+    yk, h0, h1 = _qk_c_view(_kview(y))
+    args = (yk, h0, h1, w, np.empty(yk.shape[1], cdt), flags, plan.k, plan.eps, offset, cs, neox)
+    if plan.llama:
+        _run_rows(kq.qk_llama_parallel, kq.qk_llama_rows, t, h * d, args)
+    elif xn.dtype.itemsize == 2:
+        _run_rows(kq.qk_bits_parallel, kq.qk_bits_rows, t, h * d, args)
+    else:
+        _run_rows(kq.qk_parallel, kq.qk_rows, t, h * d, args)
+    if out is not None:
+        if not inplace:
+            to_numpy(out)[...] = y
+        return out
+    return _interop.from_numpy(y, caller)
+
+
+def _qk_c_view(y: np.ndarray) -> tuple:
+    """``(x, h0, h1)``: heads ``[h0, h1)`` of a C-contiguous ``(T, H', D)`` array over the
+    memory of ``y``'s ``(T, H, D)`` heads where its token stride is a whole number of
+    heads (a packed qkv's q or k view), else ``y`` itself with ``[0, H)``.
+
+    Numba compiles the row loops for a C-contiguous array with unit strides known
+    (vectorized, as the plain forward's rows); on the strided view's "A" layout they
+    run about twice as long.  The wider view reaches past ``y``'s last token by
+    ``H' - H`` heads, which the kernels never read or write (their head range is
+    ``[0, H)``; a prefetch of the next row does not fault).
+    """
+    t, h, d = y.shape
+    it = y.itemsize
+    st, sh, sd = y.strides
+    if t < 2 or d < 1 or sd != it or sh != d * it or st < h * d * it or st % (d * it):
+        return y, 0, h
+    wide = st // (d * it)
+    return np.lib.stride_tricks.as_strided(y, (t, wide, d), (st, sh, sd)), 0, h
