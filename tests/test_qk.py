@@ -225,3 +225,13 @@ def test_qk_norm_rope_arrays_of_another_library(rng):
     with pytest.raises(TypeError, match="cos_sin_cache"):
         pn.qk_norm(qkv.copy(), qw, kw, num_heads_q=HQ, num_heads_k=HK, head_dim=D,
                    rope=(cache, np.zeros(T, np.int64), True, None))
+
+
+def test_options_qk_norm_does_not_carry_are_refused():
+    # group_size is not an option of qk_norm; casting='none' has no QK kernels: both errors
+    qkv = np.ones((2, 4 * 8), np.float32)
+    kw = dict(num_heads_q=2, num_heads_k=1, head_dim=8)
+    with pytest.raises(TypeError, match="group_size"):
+        pn.qk_norm(qkv, None, None, group_size=4, **kw)
+    with pytest.raises(ValueError, match="casting='none'"):
+        pn.qk_norm(qkv, None, None, casting="none", **kw)

@@ -316,3 +316,19 @@ def test_rms_norm_backward_keyword_errors():
         pn.rms_norm_backward(x, x, sumsq=np.ones(3), d_total=8)
     with pytest.raises(ValueError, match="rstd= is not supported"):
         pn.rms_norm_backward(x, x, sumsq=np.ones(3), dot=np.ones(3), d_total=8, rstd=np.ones(3))
+
+
+@pytest.mark.parametrize("kw", [{"group_size": 4}, {"casting": "none"}])
+def test_options_without_a_split_form_are_refused(kw):
+    # a grouped norm's and casting='none''s statistic cannot be summed across shards:
+    # refused by every split entry, not silently dropped
+    x = np.ones((2, 8), np.float32)
+    s = pn.rms_norm_stats(x)
+    dot = pn.rms_norm_backward_stats(x, x, sumsq=s, d_total=8)
+    calls = [lambda: pn.rms_norm_stats(x, **kw),
+             lambda: pn.rms_norm(x, sumsq=s, d_total=8, **kw),
+             lambda: pn.rms_norm_backward_stats(x, x, sumsq=s, d_total=8, **kw),
+             lambda: pn.rms_norm_backward(x, x, sumsq=s, dot=dot, d_total=8, **kw)]
+    for call in calls:
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            call()

@@ -1551,6 +1551,14 @@ def split_check(func: str, opts: Options) -> None:
             f"{func}: partial={opts.partial!r}, partial_size={opts.partial_size!r}: pRMSNorm "
             "is not supported with a split hidden axis (the statistic's first k elements of "
             "a whole row lie in some shards only); leave partial=1.0 and partial_size=None")
+    if opts.group_size is not None:
+        raise ValueError(
+            f"{func}: group_size={opts.group_size!r}: a grouped norm has no split form here "
+            "(each group's statistic is its own; shard along whole groups and call rms_norm "
+            "with group_size on each shard instead); leave group_size=None")
+    if opts.casting == "none":
+        raise ValueError(f"{func}: casting='none' has no split form (its sum is rounded to "
+                         "x's dtype per step, not summed across shards); use 'fp32' or 'llama'")
 
 
 def split_d_total(func: str, d_total: Any, d: int) -> int:

@@ -36,9 +36,10 @@ __all__ = ["qk_norm", "qk_norm_pair"]
 
 #: options that have no meaning for per-head norms (one normalized axis, the
 #: storage dtype out, no fused add), set by the functions themselves
-EXCLUDED = ("axis", "partial", "partial_size", "out_dtype", "norm_input", "residual_dtype")
+EXCLUDED = ("axis", "partial", "partial_size", "out_dtype", "norm_input", "residual_dtype",
+            "group_size")
 _FIXED = {"axis": -1, "partial": 1.0, "partial_size": None, "out_dtype": None,
-          "norm_input": "h", "residual_dtype": None}
+          "norm_input": "h", "residual_dtype": None, "group_size": None}
 
 _ROPE_DOC = """rope : tuple (cos_sin_cache, positions, is_neox, rotary_dim), optional
         RoPE after the norm, as vLLM's ``fused_qk_norm_rope``: ``cos_sin_cache`` of shape
@@ -163,6 +164,10 @@ def _heads(q3, k3, q_weight, k_weight, rope, opts: Options, *, inplace: bool):
     _check_weight("q_weight", q_weight, d)
     _check_weight("k_weight", k_weight, d)
     plan = make_plan(d, name, opts)
+    if plan.cast_none:
+        # the QK kernels round as rms_norm's fp32/llama castings do; Liger's mode has no
+        # QK-norm to match
+        raise ValueError("casting='none' is not supported by qk_norm; use 'fp32' or 'llama'")
     cs = _rope_rows(xp, rope, t, d, plan, q3)
     if aac.is_dask_array(q3):
         from polynorm.backends import dask as dmod
