@@ -40,11 +40,12 @@ def test_readme_and_performance_page_are_generated_from_the_committed_results(ca
 
 
 def test_readme_is_a_short_manual():
+    # a manual with one short example per feature; the details live in docs/
     lines = README.read_text().splitlines()
-    assert len(lines) <= 300
+    assert len(lines) <= 360
     text = "\n".join(lines)
     for section in ("## Set-up", "## Install", "## Quick start", "## API", "## Semantics",
-                    "## Performance", "## Documentation"):
+                    "## What serving and training stacks use", "## Performance", "## Documentation"):
         assert section in text
     # the two set-up commands, exactly
     assert "\nbash .ci/run " in text and "\n.ci-venv/bin/polynorm bench --quick " in text
