@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_check.sh --prepare   # HERE, where pip works: wheels the GPU box lacks -> .whl/
 #   bash bench/gpu_check.sh --dry-run   # here: everything that needs no GPU
-#   bash bench/gpu_check.sh             # on the GPU machine, < 8 minutes
+#   bash bench/gpu_check.sh             # on the GPU machine, < 10 minutes (timeouts bound each step)
 #
 # With the device tool: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # after `--prepare` here (the H200 image has cupy, CUDA torch, cuda-bindings, NVRTC, numpy,
@@ -17,13 +17,18 @@
 #   gpu_overhead.txt    a small call's host time against its kernels alone, and its profile
 #   gpu_model.txt       the launch model's prediction for every case (no GPU needed), to set
 #                       beside the measured table
+#   tune-<date>.json    the pn_fwd_rows launch sweep (polynorm.bench.tune: every candidate of
+#   tuning/<dev>.json   each case, kernels alone) and the table it makes, also installed into
+#                       this checkout's polynorm/backends/cuda/tuning/ so the benchmark uses it
+#                       (commit the table from $OUT)
 #   hf-gpu-<date>.json  bench/hf.py on the GPU: a tiny Llama training step, HF vs patched
 #                       (where transformers imports; hf_bench.txt says why not otherwise)
 #
 # No virtual environment: the machine's python3 (PYTHON=...) keeps its own packages (on the
 # H200 image python3 is itself a venv, which a nested venv would hide); extra wheels go to
 # $PN_SITE (default $TMPDIR/polynorm-site) on PYTHONPATH, after this checkout.
-# Knobs: PN_WHEELHOUSE (default .whl), PN_BENCH_BUDGET (s, default 300), PN_GPU_TORCH=1
+# Knobs: PN_WHEELHOUSE (default .whl), PN_BENCH_BUDGET (s, default 240), PN_TUNE_BUDGET (s,
+# default 90; the sweep, 60 cases, stops starting cases after it), PN_GPU_TORCH=1
 # (pip-install torch==2.13.0 when no CUDA torch is there and an index is reachable).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +46,8 @@ done
 PY="${PYTHON:-python3}"
 WH="${PN_WHEELHOUSE:-$ROOT/.whl}"
 SITE="${PN_SITE:-${TMPDIR:-/tmp}/polynorm-site}"
-BUDGET="${PN_BENCH_BUDGET:-300}"
+BUDGET="${PN_BENCH_BUDGET:-240}"
+TUNE_BUDGET="${PN_TUNE_BUDGET:-90}"
 
 if [ "$MODE" = prepare ]; then
     # pure-Python wheels for the GPU image's Python 3.12; .whl/ is git-ignored locally
@@ -133,7 +139,7 @@ fi
 # ---- tests (they skip cleanly where there is no usable GPU): tests/test_cupy_gpu.py and every
 # case of the backend-parametrised suite that runs on the cupy backend
 status=0
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs -k "cupy and not emul" \
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs -k "cupy and not emul" \
     tests/ >"$RESULTS/gpu_tests.txt" 2>&1 || status=$?
 tail -n 15 "$RESULTS/gpu_tests.txt"
 log "GPU tests exit status $status (5: nothing collected)"
@@ -148,6 +154,19 @@ fi
 # error on the committed H200 records and its prediction of every case's launches)
 "$PY" -m polynorm.bench.model >"$RESULTS/gpu_model.txt" 2>&1
 log "launch model exit status $? (gpu_model.txt)"
+
+# ---- the launch sweep of pn_fwd_rows and its tuning table (before the benchmark, which then
+# launches the tuned configs); JSON rewritten after every case
+if [ "$MODE" = dry ]; then
+    "$PY" -m polynorm.bench.tune --dry-run >"$RESULTS/gpu_tune.txt" 2>&1
+    tstatus=$?
+else
+    timeout $((TUNE_BUDGET + 60)) "$PY" -m polynorm.bench.tune --budget "$TUNE_BUDGET" --out "$RESULTS" \
+        --install >"$RESULTS/gpu_tune.txt" 2>&1
+    tstatus=$?
+    tail -n 30 "$RESULTS/gpu_tune.txt"
+fi
+log "tuning sweep exit status $tstatus (gpu_tune.txt)"
 
 # ---- benchmark
 stamp=$(date -u +%Y%m%dT%H%M)

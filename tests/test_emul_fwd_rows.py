@@ -143,8 +143,10 @@ def test_tuning_table_is_read_per_device(tmp_path, monkeypatch):
     cl.tuning_table.cache_clear()
     cl.rows_launch.cache_clear()
     key = cl.tuning_key("fwd", "bfloat16", 4096, 32768)
+    bad = cl.tuning_key("fwd", "bfloat16", 2048, 32768)  # no such launch: the rule
     (tmp_path / "Test_GPU.json").write_text(json.dumps(
-        {"device": "Test GPU", "cases": {key: {"warps_per_row": 4, "rows_per_block": 1}}}))
+        {"device": "Test GPU", "cases": {key: {"warps_per_row": 4, "rows_per_block": 1},
+                                         bad: {"warps_per_row": 1, "rows_per_block": 64}}}))
     try:
         tuned = cl.rows_launch(32768, 4096, "bfloat16", device="Test GPU")
         rule = cl.rows_launch(32768, 4096, "bfloat16", device="Other GPU")
@@ -152,6 +154,10 @@ def test_tuning_table_is_read_per_device(tmp_path, monkeypatch):
         assert cl.rows_shape(tuned.tpr)[2] == 4 and tuned.block == 128
         assert rule == add == cl.rows_launch(32768, 4096, "bfloat16")
         assert rule.name.split(",")[:4] == tuned.name.split(",")[:4]
+        # a smaller n takes the nearest measured bucket below it; a larger one its own
+        assert cl.rows_launch(40000, 4096, "bfloat16", device="Test GPU") == cl.rows_launch(
+            40000, 4096, "bfloat16", config=(4, 1))
+        assert cl.rows_launch(32768, 2048, "bfloat16", device="Test GPU") == cl.rows_launch(32768, 2048, "bfloat16")
     finally:
         cl.tuning_table.cache_clear()
         cl.rows_launch.cache_clear()

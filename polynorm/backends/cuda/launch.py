@@ -893,6 +893,11 @@ def _rows_rule(n: int, d: int, x: str, num_sms: int) -> tuple[int, int] | None:
     return r, rpb
 
 
+def _rows_fits(x: str, d: int, r: int, rpb: int) -> bool:
+    """Whether pn_fwd_rows has a launch of ``r`` warps per row and ``rpb`` rows per block."""
+    return (r, rpb) in rows_candidates(d, x)
+
+
 @cache
 def tuning_table(device: str) -> dict:
     """The committed tuning table of ``device`` (``tuning/<device>.json``, spaces as '_'):
@@ -941,18 +946,22 @@ def rows_launch(n: int, d: int, x: str, res: str | None = None, weight: str | No
         return None
     t, it, tail_first = tree
     nw = t // 32
-    if config is None:
-        key = tuning_key("add" if has_res else "fwd", x, d, n)
-        e = tuning_table(device).get(key)
-        if e is not None:
-            config = (int(e["warps_per_row"]), int(e["rows_per_block"]))
+    if config is None and device:
+        # the entry of n's bucket, else of the nearest measured bucket below it
+        tab = tuning_table(device)
+        b = min(_pow2ceil(n), 1 << 15)
+        while b >= 1 and config is None:
+            e = tab.get(tuning_key("add" if has_res else "fwd", x, d, b))
+            if e is not None and _rows_fits(x, d, int(e["warps_per_row"]), int(e["rows_per_block"])):
+                config = (int(e["warps_per_row"]), int(e["rows_per_block"]))
+            b //= 2
     if config is None:
         config = _rows_rule(n, d, x, num_sms)
         if config is None:
             return None
     r, rpb = config
     inst = _rows_inst(x, it, nw // r) if r <= nw and nw % r == 0 else None
-    if inst is None or rpb * nw > ROWS_RED or 32 * r * rpb > ROWS_THREADS:
+    if inst is None or not _rows_fits(x, d, r, rpb):
         raise ValueError(f"pn_fwd_rows has no launch of {r} warps per row and {rpb} rows per block for d={d} {x}")
     return Launch(fwd_rows_name(x, res, weight, out, *inst), grid=max(1, math.ceil(n / rpb)),
                   block=32 * r * rpb, shared=0, tpr=pack_rows_shape(nw, tail_first, r), big=False)
