@@ -3,6 +3,8 @@
 #
 #   bash bench/gpu_check.sh --prepare   # HERE, where pip works: wheels the GPU box lacks -> .whl/
 #   bash bench/gpu_check.sh --dry-run   # here: everything that needs no GPU
+#   bash bench/gpu_check.sh --kernels   # GPU, short: environment, warm-up, model, tuning sweep and
+#                                       # benchmark only (no GPU tests, host profile or HF step)
 #   bash bench/gpu_check.sh             # on the GPU machine, < 10 minutes (timeouts bound each step)
 #
 # With the device tool: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600)
@@ -35,11 +37,13 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 MODE=run
+KERNELS_ONLY=0
 for a in "$@"; do
     case "$a" in
         --dry-run) MODE=dry ;;
         --prepare) MODE=prepare ;;
-        *) echo "usage: bash bench/gpu_check.sh [--prepare | --dry-run]" >&2; exit 2 ;;
+        --kernels) KERNELS_ONLY=1 ;;
+        *) echo "usage: bash bench/gpu_check.sh [--prepare | --dry-run | --kernels]" >&2; exit 2 ;;
     esac
 done
 
@@ -139,13 +143,14 @@ fi
 # ---- tests (they skip cleanly where there is no usable GPU): tests/test_cupy_gpu.py and every
 # case of the backend-parametrised suite that runs on the cupy backend
 status=0
-timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs -k "cupy and not emul" \
+[ "$KERNELS_ONLY" = 1 ] && status=5 && log "--kernels: GPU tests skipped"
+[ "$KERNELS_ONLY" = 1 ] || timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs -k "cupy and not emul" \
     tests/ >"$RESULTS/gpu_tests.txt" 2>&1 || status=$?
-tail -n 15 "$RESULTS/gpu_tests.txt"
+[ -f "$RESULTS/gpu_tests.txt" ] && tail -n 15 "$RESULTS/gpu_tests.txt"
 log "GPU tests exit status $status (5: nothing collected)"
 
 # ---- a small call's host time against its kernels alone (bench/gpu_overhead.py)
-if [ "$MODE" = run ]; then
+if [ "$MODE" = run ] && [ "$KERNELS_ONLY" = 0 ]; then
     timeout 90 "$PY" bench/gpu_overhead.py --op fwd --calls 200 >"$RESULTS/gpu_overhead.txt" 2>&1
     log "host-overhead profile exit status $? (gpu_overhead.txt)"
 fi
@@ -186,7 +191,9 @@ fi
 log "benchmark exit status $bstatus; results in $RESULTS"
 
 # ---- Hugging Face Llama step, HF vs polynorm.torch.patch (tiny model, a few pairs)
-if has transformers && "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
+if [ "$KERNELS_ONLY" = 1 ]; then
+    log "--kernels: HF bench skipped"
+elif has transformers && "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
     timeout 100 "$PY" bench/hf.py --device cuda --sizes tiny --dtype bfloat16 --pairs 5 --no-rss \
         --json "$RESULTS/hf-gpu-$stamp.json" >"$RESULTS/hf_bench.txt" 2>&1
     log "HF bench exit status $? (hf_bench.txt)"

@@ -154,7 +154,7 @@ def test_tuning_table_is_read_per_device(tmp_path, monkeypatch):
         assert cl.rows_shape(tuned.tpr)[2] == 4 and tuned.block == 128
         assert rule == add == cl.rows_launch(32768, 4096, "bfloat16")
         assert rule.name.split(",")[:4] == tuned.name.split(",")[:4]
-        # a smaller n takes the nearest measured bucket below it; a larger one its own
+        # n above the largest bucket takes the largest; a case without an entry, the rule
         assert cl.rows_launch(40000, 4096, "bfloat16", device="Test GPU") == cl.rows_launch(
             40000, 4096, "bfloat16", config=(4, 1))
         assert cl.rows_launch(32768, 2048, "bfloat16", device="Test GPU") == cl.rows_launch(32768, 2048, "bfloat16")

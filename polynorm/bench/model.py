@@ -39,9 +39,12 @@ error) of both fractions on the 364 records of ``bench/results/gpu-2026-12-04b-h
 ``polynorm bench --gpu-model`` prints the error and the prediction beside each measurement;
 ``--json`` writes them (``bench/results/model-2026-12-06-h200.json``).
 
->>> p = predict("fwd", "bfloat16", 32768, 4096)
+>>> p = predict("fwd", "bfloat16", 32768, 4096, rows=False)  # the launch measured on 12-04
 >>> p["kernels"][0]["kernel"].split("<")[0], 0.3 < p["copy_kernel"] < 0.7
 ('pn_fwd', True)
+>>> p = predict("fwd", "bfloat16", 32768, 4096)  # pn_fwd_rows: estimated numbers (ESTIMATED_Z/C)
+>>> p["kernels"][0]["kernel"].split("<")[0], 0.7 < p["copy_kernel"] < 0.8
+('pn_fwd_rows', True)
 """
 
 from __future__ import annotations
@@ -348,7 +351,7 @@ def predict(op: str, dtype: str, n: int, d: int, prm: Params = PARAMS, dev: Devi
 
     >>> p = predict("add", "bfloat16", 32768, 4096)
     >>> [k["kernel"].split("<")[0] for k in p["kernels"]], p["copy_kernel"] > p["copy"]
-    (['pn_fwd'], True)
+    (['pn_fwd_rows'], True)
     """
     shapes = launches(op, dtype, n, d, dev, kernels, rows)
     dev_t = sum(launch_time(s, prm, dev) for s in shapes)
