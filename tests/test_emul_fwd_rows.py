@@ -106,6 +106,32 @@ def test_rows_extreme_values_same_bits():
     _same_bits(wide, wide[::-1].copy(), w, None, _plan(1001, "bfloat16"), "misaligned")
 
 
+def test_rows_sum_the_tree_warps_left_to_right():
+    """A float32 row (d = 1024: 8 tree warps of 32 tree threads, one run each) whose
+    tree-warp sums are 1.0 and squares of a few 2^-28 multiples, and an eps that puts rstd
+    at a float32 rounding boundary: left to right (the tree) gives 31.999998, right to left
+    or any fold that starts elsewhere 32.0.  Every launch of pn_fwd_rows gives the tree's
+    bits (a wrong order shows here, where random rows almost never tell orders apart)."""
+    d, eps = 1024, 5.820766037136632e-11
+    ms = [2, 6, 9, 7, 0, 4, 5, 5]  # tree warp 4 holds 1.0
+    runs = [1.0 if w == 4 else (m * 2.0**-28) ** 2 for w, m in enumerate(ms)]
+    ltr = runs[0]
+    for v in runs[1:]:
+        ltr = ltr + v
+    rtl = 0.0
+    for v in reversed(runs):
+        rtl = v + rtl
+    want = np.float32(1.0 / np.sqrt(ltr / d + eps))
+    assert want != np.float32(1.0 / np.sqrt(rtl / d + eps))  # the orders differ in the bits
+    x = np.zeros((3, d), np.float32)
+    for w, m in enumerate(ms):  # chunk 32 * w (columns 128 * w ..): tree thread 32 * w
+        x[:, 128 * w] = 1.0 if w == 4 else m * 2.0**-28
+    plan = _plan(d, "float32", eps=eps)
+    for cfg in cl.rows_candidates(d, "float32"):
+        got = _same_bits(x, None, None, None, plan, f"tree order {cfg}", rows_config=cfg)
+        np.testing.assert_array_equal(got[2], np.full(3, want), err_msg=f"{cfg}")
+
+
 def test_rows_launch_rule():
     """The rule's launches: whole warps, at most ROWS_THREADS per block, slots that cover
     the row, the same tree for every n; tuning configs that do not fit are a ValueError."""
