@@ -55,7 +55,7 @@ def test_rows_same_bits_as_before_for_every_tree(dtype):
 
 #: OPTIONS of test_emul_kernels that pn_fwd_rows takes (h and y in x's dtype)
 ROWS_OPTS = ("everything", "no_weight", "bias", "partial", "offset", "eps_outside", "eps_inside_large", "llama",
-             "llama_offset_bias", "residual", "weight_f32")
+             "llama_offset_bias", "residual", "weight_f32", "out_f32")
 
 
 @pytest.mark.parametrize("dtype", ROWS_DTYPES)
@@ -155,7 +155,7 @@ def test_rows_launch_rule():
                 assert it * mw <= cl.ROWS_CHUNKS
     assert not cl.forward_launch(64, 4096, "bfloat16", rows=False).name.startswith("pn_fwd_rows")
     assert not cl.forward_launch(64, 4096, "float64").name.startswith("pn_fwd_rows")
-    assert not cl.forward_launch(64, 4096, "bfloat16", out="float32").name.startswith("pn_fwd_rows")
+    assert not cl.forward_launch(64, 4096, "bfloat16", "float32").name.startswith("pn_fwd_rows")
     with pytest.raises(ValueError, match="warps per row"):
         cl.rows_launch(64, 4096, "bfloat16", config=(1, 8))
 
