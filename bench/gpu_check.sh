@@ -3,7 +3,9 @@
 #
 #   bash bench/gpu_check.sh --prepare   # HERE, where pip works: wheels the GPU box lacks -> .whl/
 #   bash bench/gpu_check.sh --dry-run   # here: everything that needs no GPU
-#   bash bench/gpu_check.sh             # on the GPU machine, < 8 minutes
+#   bash bench/gpu_check.sh --kernels   # GPU, short: environment, warm-up, model, tuning sweep and
+#                                       # benchmark only (no GPU tests, host profile or HF step)
+#   bash bench/gpu_check.sh             # on the GPU machine, < 10 minutes (timeouts bound each step)
 #
 # With the device tool: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # after `--prepare` here (the H200 image has cupy, CUDA torch, cuda-bindings, NVRTC, numpy,
@@ -17,31 +19,39 @@
 #   gpu_overhead.txt    a small call's host time against its kernels alone, and its profile
 #   gpu_model.txt       the launch model's prediction for every case (no GPU needed), to set
 #                       beside the measured table
+#   tune-<date>.json    the pn_fwd_rows launch sweep (polynorm.bench.tune: every candidate of
+#   tuning/<dev>.json   each case, kernels alone) and the table it makes, also installed into
+#                       this checkout's polynorm/backends/cuda/tuning/ so the benchmark uses it
+#                       (commit the table from $OUT)
 #   hf-gpu-<date>.json  bench/hf.py on the GPU: a tiny Llama training step, HF vs patched
 #                       (where transformers imports; hf_bench.txt says why not otherwise)
 #
 # No virtual environment: the machine's python3 (PYTHON=...) keeps its own packages (on the
 # H200 image python3 is itself a venv, which a nested venv would hide); extra wheels go to
 # $PN_SITE (default $TMPDIR/polynorm-site) on PYTHONPATH, after this checkout.
-# Knobs: PN_WHEELHOUSE (default .whl), PN_BENCH_BUDGET (s, default 300), PN_GPU_TORCH=1
+# Knobs: PN_WHEELHOUSE (default .whl), PN_BENCH_BUDGET (s, default 240), PN_TUNE_BUDGET (s,
+# default 90; the sweep, 60 cases, stops starting cases after it), PN_GPU_TORCH=1
 # (pip-install torch==2.13.0 when no CUDA torch is there and an index is reachable).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 MODE=run
+KERNELS_ONLY=0
 for a in "$@"; do
     case "$a" in
         --dry-run) MODE=dry ;;
         --prepare) MODE=prepare ;;
-        *) echo "usage: bash bench/gpu_check.sh [--prepare | --dry-run]" >&2; exit 2 ;;
+        --kernels) KERNELS_ONLY=1 ;;
+        *) echo "usage: bash bench/gpu_check.sh [--prepare | --dry-run | --kernels]" >&2; exit 2 ;;
     esac
 done
 
 PY="${PYTHON:-python3}"
 WH="${PN_WHEELHOUSE:-$ROOT/.whl}"
 SITE="${PN_SITE:-${TMPDIR:-/tmp}/polynorm-site}"
-BUDGET="${PN_BENCH_BUDGET:-300}"
+BUDGET="${PN_BENCH_BUDGET:-240}"
+TUNE_BUDGET="${PN_TUNE_BUDGET:-90}"
 
 if [ "$MODE" = prepare ]; then
     # pure-Python wheels for the GPU image's Python 3.12; .whl/ is git-ignored locally
@@ -133,13 +143,14 @@ fi
 # ---- tests (they skip cleanly where there is no usable GPU): tests/test_cupy_gpu.py and every
 # case of the backend-parametrised suite that runs on the cupy backend
 status=0
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs -k "cupy and not emul" \
+[ "$KERNELS_ONLY" = 1 ] && status=5 && log "--kernels: GPU tests skipped"
+[ "$KERNELS_ONLY" = 1 ] || timeout 180 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rs -k "cupy and not emul" \
     tests/ >"$RESULTS/gpu_tests.txt" 2>&1 || status=$?
-tail -n 15 "$RESULTS/gpu_tests.txt"
+[ -f "$RESULTS/gpu_tests.txt" ] && tail -n 15 "$RESULTS/gpu_tests.txt"
 log "GPU tests exit status $status (5: nothing collected)"
 
 # ---- a small call's host time against its kernels alone (bench/gpu_overhead.py)
-if [ "$MODE" = run ]; then
+if [ "$MODE" = run ] && [ "$KERNELS_ONLY" = 0 ]; then
     timeout 90 "$PY" bench/gpu_overhead.py --op fwd --calls 200 >"$RESULTS/gpu_overhead.txt" 2>&1
     log "host-overhead profile exit status $? (gpu_overhead.txt)"
 fi
@@ -148,6 +159,19 @@ fi
 # error on the committed H200 records and its prediction of every case's launches)
 "$PY" -m polynorm.bench.model >"$RESULTS/gpu_model.txt" 2>&1
 log "launch model exit status $? (gpu_model.txt)"
+
+# ---- the launch sweep of pn_fwd_rows and its tuning table (before the benchmark, which then
+# launches the tuned configs); JSON rewritten after every case
+if [ "$MODE" = dry ]; then
+    "$PY" -m polynorm.bench.tune --dry-run >"$RESULTS/gpu_tune.txt" 2>&1
+    tstatus=$?
+else
+    timeout $((TUNE_BUDGET + 60)) "$PY" -m polynorm.bench.tune --budget "$TUNE_BUDGET" --out "$RESULTS" \
+        --install >"$RESULTS/gpu_tune.txt" 2>&1
+    tstatus=$?
+    tail -n 30 "$RESULTS/gpu_tune.txt"
+fi
+log "tuning sweep exit status $tstatus (gpu_tune.txt)"
 
 # ---- benchmark
 stamp=$(date -u +%Y%m%dT%H%M)
@@ -167,7 +191,9 @@ fi
 log "benchmark exit status $bstatus; results in $RESULTS"
 
 # ---- Hugging Face Llama step, HF vs polynorm.torch.patch (tiny model, a few pairs)
-if has transformers && "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
+if [ "$KERNELS_ONLY" = 1 ]; then
+    log "--kernels: HF bench skipped"
+elif has transformers && "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
     timeout 100 "$PY" bench/hf.py --device cuda --sizes tiny --dtype bfloat16 --pairs 5 --no-rss \
         --json "$RESULTS/hf-gpu-$stamp.json" >"$RESULTS/hf_bench.txt" 2>&1
     log "HF bench exit status $? (hf_bench.txt)"

@@ -97,7 +97,7 @@ def _rs(a) -> np.int64:
 
 
 def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=cl.DEFAULT_SMEM, out=None,
-                 small=True, split=True, num_sms=cl.DEFAULT_SMS):
+                 small=True, split=True, num_sms=cl.DEFAULT_SMS, rows=True, rows_config=None):
     """``polynorm.backends.cuda.forward`` with numpy buffers for device memory.
 
     Returns ``(y, h, rstd, launch)``, or ``None`` where the backend has no
@@ -118,7 +118,7 @@ def emul_forward(x, residual, weight, bias, plan, *, force_big=False, max_smem=c
     rstd = _garbage((n,), ct)
     launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out,
                                max_smem=max_smem, force_big=force_big, small=small, split=split,
-                               num_sms=num_sms)  # fmt: skip
+                               num_sms=num_sms, rows=rows, rows_config=rows_config)  # fmt: skip
     head = (xk, _rs(xk), rk, _rs(rk), hc, _rs(hc), wk, bk, yc, _rs(yc), rstd)
     tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset), np.int32(plan.llama))
     if launch.slices:  # pn_fwd_split: phase 1 and 2 around the per-slice sums
@@ -279,7 +279,7 @@ def test_emul_forward_big_kernel_sizes_and_stash(dtype):
     d_big = 2 * cl.REG_THREADS * cl.FWD_ITEMS_BY_X[dtype][-1] * vec + 5  # past pn_fwd's reach
     x = _data(rng, 2, d_big, dtype)
     w = _data(rng, 1, d_big, dtype)[0]
-    launch = _check_forward(x, None, w, None, _plan(d_big, dtype), split=False)
+    launch = _check_forward(x, None, w, None, _plan(d_big, dtype), split=False, rows=False)
     assert launch.big and launch.block == 1024
     x = _data(rng, 3, 4101, dtype)
     w = _data(rng, 1, 4101, dtype)[0]

@@ -120,6 +120,15 @@ def test_launch_shapes_cover_the_row(d, x):
                     assert launch.tpr & (launch.tpr - 1) == 0 and launch.tpr <= 32
                     assert launch.tpr * int(items) >= pn_fwd_tpr
                     assert (wide.strip(" >") == "true") == (pn_fwd_tpr > 32)
+                elif launch.name.startswith("pn_fwd_rows"):
+                    # tpr packs (tree warps, tail first, warps per row); the slots cover the tree
+                    nw, _, r = cl.rows_shape(launch.tpr)
+                    it, mw = (int(v) for v in launch.name.rstrip(">").split(",")[-2:])
+                    assert launch.block <= cl.ROWS_THREADS and launch.block % (32 * r) == 0
+                    assert r * mw == nw and (cl.fwd_tree(d, x) or (0,))[0] == 32 * nw
+                    assert d // vec <= 32 * nw * it
+                    assert launch.grid * (launch.block // (32 * r)) >= n
+                    continue
                 elif launch.name.startswith("pn_bwd_small"):
                     # lanes stand for pn_bwd's threads, ITEMS each (WIDE: one warp per row)
                     items, lpr = int(launch.name.split(",")[3]), int(launch.name.rsplit(",", 1)[1].strip(" >"))
@@ -174,6 +183,15 @@ def test_sass_targets(compiled, arch, tmp_path):
         u = usage[low]
         stores, loads = spills.get(low, (0, 0))
         assert stores == loads == 0, f"{arch} {nm}: spills {stores} B stored, {loads} B loaded"
+        if nm.startswith("pn_fwd_rows"):
+            # fewer, wider lanes instead of occupancy: the bytes of x in flight per SM (resident
+            # warps x 32 lanes x 16-byte loads pending) at least pn_fwd's 32 warps x 2 chunks
+            inflight = sass.ldg128_inflight(funcs[low])[0]
+            for la in shapes.get(nm, []):
+                occ, _ = sass.occupancy(arch, u["REG"], la["block"], la["shared"], u["SHARED"])
+                warps = occ * sass.LIMITS[arch]["warps"]
+                assert warps * 32 * inflight * 16 >= 32 * 32 * 2 * 16, f"{arch} {nm} {la}: {warps} warps x {inflight}"
+            continue
         for la in shapes.get(nm, []):
             if la["d"] <= sass.OCC_D_MAX:
                 occ, why = sass.occupancy(arch, u["REG"], la["block"], la["shared"], u["SHARED"])

@@ -341,7 +341,8 @@ def _launch_info(op: str, dtype: str, n: int, d: int) -> dict:
         elif op == "quant":
             la = cl.quant_launch(n, d, dtype)
         else:
-            la = cl.forward_launch(n, d, dtype, dtype if op == "add" else None, dtype, dtype, max_smem=smem)
+            la = cl.forward_launch(n, d, dtype, dtype if op == "add" else None, dtype, dtype, max_smem=smem,
+                                   num_sms=sms, has_res=op == "add", device=cupy_backend._device_name())
         paths = sorted({v for (_, name), v in cupy_backend.compile_paths.items() if name == la.name})
         return {"kernel": la.name, "grid": la.grid, "block": la.block, "shared": la.shared,
                 "compile": paths[0] if len(paths) == 1 else paths}

@@ -39,9 +39,12 @@ error) of both fractions on the 364 records of ``bench/results/gpu-2026-12-04b-h
 ``polynorm bench --gpu-model`` prints the error and the prediction beside each measurement;
 ``--json`` writes them (``bench/results/model-2026-12-06-h200.json``).
 
->>> p = predict("fwd", "bfloat16", 32768, 4096)
+>>> p = predict("fwd", "bfloat16", 32768, 4096, rows=False)  # the launch measured on 12-04
 >>> p["kernels"][0]["kernel"].split("<")[0], 0.3 < p["copy_kernel"] < 0.7
 ('pn_fwd', True)
+>>> p = predict("fwd", "bfloat16", 32768, 4096)  # pn_fwd_rows: estimated numbers (ESTIMATED_Z/C)
+>>> p["kernels"][0]["kernel"].split("<")[0], 0.7 < p["copy_kernel"] < 0.8
+('pn_fwd_rows', True)
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ H200 = Device("H200", "sm_90", 132, 4.8e12, 64, 32, 228 * 1024, 227 * 1024)
 
 #: kernel families: the part of the name before '<', split kernels by phase
 FAMILIES = ("fwd", "fwd_small", "fwd_big", "fwd_split", "bwd", "bwd_small", "bwd_big", "bwd_split",
-            "colsum", "gated", "quant")
+            "colsum", "gated", "quant", "fwd_rows")
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,39 @@ PARAMS = Params(
        "quant": 6.479e-10},
     host_op={"fwd": 1.403e-04, "add": 1.538e-04, "bwd": 1.900e-04, "gated": 2.816e-04, "quant": 3.498e-04},
 )
+
+#: families not yet measured: their numbers are ESTIMATES, not fitted (see ESTIMATE_NOTES);
+#: launch_time uses them where PARAMS has no entry
+ESTIMATED_Z = {"fwd_rows": 2.175e-06}
+ESTIMATED_C = {"fwd_rows": 1.095e-10}
+#: the SASS figures the estimates rest on (sm_90, static instructions per kernel / elements per
+#: thread of one row iteration); filled from polynorm.bench.sass
+ESTIMATE_SASS: dict = {
+    "method": ("static sm_90 SASS instructions (NOPs left out) of the vector twin without the exact "
+               "fallback, per element a thread (lane) holds; c_rows = c_fwd x per_element(rows 2,4) / "
+               "per_element(pn_fwd 2)"),
+    "kernels": {
+        "pn_fwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2>":
+            {"instructions": 1504, "fp64": 129, "elements_per_thread": 16, "per_element": 94.0, "fp64_per_element": 8.06},
+        "pn_fwd_rows<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2, 4>":
+            {"instructions": 3794, "fp64": 164, "elements_per_thread": 64, "per_element": 59.28, "fp64_per_element": 2.56},
+        "pn_fwd_rows<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, 8>":
+            {"instructions": 3895, "fp64": 188, "elements_per_thread": 64, "per_element": 60.86, "fp64_per_element": 2.94},
+        "pn_fwd<float, float, float, float, 2>":
+            {"instructions": 955, "fp64": 129, "elements_per_thread": 8, "per_element": 119.38, "fp64_per_element": 16.12},
+        "pn_fwd_rows<float, float, float, float, 2, 4>":
+            {"instructions": 1647, "fp64": 171, "elements_per_thread": 32, "per_element": 51.47, "fp64_per_element": 5.34},
+    },
+    "ratio": 0.6306,
+}
+ESTIMATE_NOTES = {
+    "fwd_rows.z": "pn_fwd's fitted Z_f (2.175 us): one row group per block goes through the same "
+                  "chain (loads, float runs, butterflies, one double epilogue, weight, y, store), "
+                  "with block barriers only for R > 1; an estimate, not a fit",
+    "fwd_rows.c": "pn_fwd's fitted c_f (1.737e-10 s per element per SM) scaled by the static SASS "
+                  "instructions per element of a lane (sm_90, both twins and the exact fallback "
+                  "counted as pn_fwd's are): see ESTIMATE_SASS; an estimate, not a fit",
+}
 
 HEADLINE = (("fwd", "bfloat16", 32768, 4096), ("add", "bfloat16", 32768, 4096),
             ("bwd", "bfloat16", 32768, 4096), ("fwd", "bfloat16", 4096, 16384),
@@ -190,8 +226,9 @@ class Shape:
 
 
 def launches(op: str, dtype: str, n: int, d: int, dev: Device = H200,
-             kernels: dict | None = None) -> list[Shape]:
-    """The launches the cupy backend makes for the case, described for the model."""
+             kernels: dict | None = None, rows: bool = True) -> list[Shape]:
+    """The launches the cupy backend makes for the case, described for the model
+    (``rows=False``: the forward's launches without pn_fwd_rows, as measured on 12-04)."""
     kernels = kernels if kernels is not None else _kernels()
     item = cl.ITEMSIZE[dtype]
     vec = cl.VEC[dtype]
@@ -211,9 +248,12 @@ def launches(op: str, dtype: str, n: int, d: int, dev: Device = H200,
     arrays = {"fwd": 2, "add": 4, "bwd": 3, "gated": 3}  # token-sized arrays moved
     if op in ("fwd", "add"):
         la = cl.forward_launch(n, d, dtype, dtype if op == "add" else None, dtype, dtype,
-                               max_smem=smem_cap, num_sms=dev.sms)
+                               max_smem=smem_cap, num_sms=dev.sms, rows=rows, has_res=op == "add")
         row = arrays[op] * d * item
-        if la.slices:  # two phases over (row, slice) blocks; phase 2 re-reads the slice
+        if la.name.startswith("pn_fwd_rows"):  # rows per block = block / (32 * warps per row)
+            rpb = la.block // (32 * cl.rows_shape(la.tpr)[2])
+            shape(la.name, la.grid, la.block, 0, 1, 1, rpb * row, rpb * d)
+        elif la.slices:  # two phases over (row, slice) blocks; phase 2 re-reads the slice
             span = d / la.slices
             cpt = math.ceil(span / vec / la.block)
             first = (1 if op == "fwd" else 3) * span * item
@@ -285,8 +325,8 @@ def smax(vals: list[float], p: float) -> float:
 
 def launch_time(s: Shape, prm: Params, dev: Device = H200) -> float:
     """Device seconds of one launch (see the module docstring)."""
-    z = prm.z.get(s.family, 0.0)
-    c = prm.c.get(s.family, 0.0)
+    z = prm.z.get(s.family, ESTIMATED_Z.get(s.family, 0.0))
+    c = prm.c.get(s.family, ESTIMATED_C.get(s.family, 0.0))
     b_sm = prm.bw / dev.sms
     per_sm = max(1, s.per_sm)
 
@@ -306,14 +346,14 @@ def copy_time(nbytes: int, prm: Params) -> float:
 
 
 def predict(op: str, dtype: str, n: int, d: int, prm: Params = PARAMS, dev: Device = H200,
-            kernels: dict | None = None) -> dict:
+            kernels: dict | None = None, rows: bool = True) -> dict:
     """Predicted kernel and end-to-end seconds and fractions of a copy for one case.
 
     >>> p = predict("add", "bfloat16", 32768, 4096)
     >>> [k["kernel"].split("<")[0] for k in p["kernels"]], p["copy_kernel"] > p["copy"]
-    (['pn_fwd'], True)
+    (['pn_fwd_rows'], True)
     """
-    shapes = launches(op, dtype, n, d, dev, kernels)
+    shapes = launches(op, dtype, n, d, dev, kernels, rows)
     dev_t = sum(launch_time(s, prm, dev) for s in shapes)
     kern = smax([len(shapes) * prm.host_launch, dev_t], prm.p)
     e2e = smax([prm.host_op[op], kern], prm.p)
@@ -335,12 +375,17 @@ def load_records(path: Path = RECORDS) -> list[dict]:
     return [r for r in recs if "copy_kernel" in r["ratios"] and "kernel_seconds" in r["extra"]]
 
 
+def _rows_record(r: dict) -> bool:
+    """Whether a record's forward ran pn_fwd_rows (records before it: the launches then)."""
+    return any(k.startswith("pn_fwd_rows") for k in r["extra"].get("launches", []))
+
+
 def compare(records: list[dict], prm: Params = PARAMS, kernels: dict | None = None) -> list[dict]:
     """Prediction beside measurement for each record (its case and launches)."""
     kernels = kernels if kernels is not None else _kernels()
     rows = []
     for r in records:
-        p = predict(r["op"], r["dtype"], r["tokens"], r["d"], prm, kernels=kernels)
+        p = predict(r["op"], r["dtype"], r["tokens"], r["d"], prm, kernels=kernels, rows=_rows_record(r))
         e = r["extra"]
         rows.append({"op": r["op"], "dtype": r["dtype"], "tokens": r["tokens"], "d": r["d"],
                      "kernel": e["kernel"], "grid": e["grid"], "block": e["block"], "shared": e["shared"],
@@ -403,7 +448,8 @@ def calibrate(records: list[dict], start: Params = PARAMS, time_weight: float = 
     from scipy.optimize import least_squares
 
     kernels = _kernels()
-    shapes = [launches(r["op"], r["dtype"], r["tokens"], r["d"], kernels=kernels) for r in records]
+    shapes = [launches(r["op"], r["dtype"], r["tokens"], r["d"], kernels=kernels, rows=_rows_record(r))
+              for r in records]
     x0 = _pack(start)
     ip = [f.name for f in fields(Params)].index("p")
 
@@ -478,6 +524,36 @@ def predictions(cases: list[tuple[str, str, int, int]], prm: Params = PARAMS) ->
     return out
 
 
+#: the forward cases whose pn_fwd_rows launches are predicted against the launches before
+ROWS_CASES = [(op, dt, n, d) for op in ("fwd", "add") for dt in ("bfloat16", "float16", "float32")
+              for n in (4096, 32768) for d in (1024, 4096, 8192, 16384)]
+
+
+def rows_prediction(prm: Params = PARAMS, records_path: Path = RECORDS) -> dict:
+    """pn_fwd_rows' predicted fractions of a copy beside the launches before it (the
+    prediction of those and, where the 12-04 records have the case, their measurement)."""
+    measured = {(r["op"], r["dtype"], r["tokens"], r["d"]): r["ratios"].get("copy_kernel")
+                for r in load_records(records_path)}
+    out = []
+    for c in ROWS_CASES:
+        new, old = predict(*c, prm), predict(*c, prm, rows=False)
+        k = new["kernels"][0]
+        out.append({"op": c[0], "dtype": c[1], "tokens": c[2], "d": c[3],
+                    "kernel": k["kernel"], "grid": k["grid"], "block": k["block"], "per_sm": k["per_sm"],
+                    "pred_copy_kernel": round(new["copy_kernel"], 4),
+                    "before_kernel": old["kernels"][0]["kernel"].split("<")[0],
+                    "before_pred_copy_kernel": round(old["copy_kernel"], 4),
+                    "before_measured_copy_kernel": measured.get(c)})
+    return {"what": "Launch model (polynorm/bench/model.py) prediction of pn_fwd_rows (the forward and "
+                    "fused add) on the H200 beside the launches before it; kernels alone as a fraction "
+                    "of a device copy (python -m polynorm.bench.model --predict-rows FILE)",
+            "device": H200.name, "estimated": {"z": ESTIMATED_Z, "c": ESTIMATED_C, "notes": ESTIMATE_NOTES,
+                                               "sass": ESTIMATE_SASS},
+            "fitted_params": "PARAMS (fitted on gpu-2026-12-04b-h200.json); pn_fwd_rows' own numbers are "
+                             "the estimates above, to be refitted on the first records that run it",
+            "rows": out}
+
+
 def report(records_path: Path = RECORDS, prm: Params = PARAMS, headline_only: bool = False) -> tuple[str, dict]:
     """The text ``polynorm bench --gpu-model`` prints and the JSON document it can write."""
     rows = compare(load_records(records_path), prm)
@@ -505,7 +581,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the predictions and errors here")
     p.add_argument("--fit", action="store_true", help="refit the parameters on --records and print them (scipy)")
     p.add_argument("--holdout", action="store_true", help="fit on half of the shapes, report the other half (scipy)")
+    p.add_argument("--predict-rows", type=Path, help="write pn_fwd_rows' predictions (beside the kernels before) here")
     args = p.parse_args(argv)
+    if args.predict_rows:
+        doc = rows_prediction()
+        args.predict_rows.write_text(json.dumps(doc, indent=1) + "\n")
+        for r in doc["rows"]:
+            print(f"{r['op']:4} {r['dtype']:9} {r['tokens']:6}x{r['d']:<6} {r['kernel'].split('<')[0]:12} "
+                  f"pred {r['pred_copy_kernel']:.3f} | before {r['before_kernel']:11} pred "
+                  f"{r['before_pred_copy_kernel']:.3f} measured {r['before_measured_copy_kernel']}")
+        return 0
     prm = PARAMS
     extra: dict = {}
     if args.fit:

@@ -128,6 +128,24 @@ def _device() -> tuple[int, int]:
     return info
 
 
+_device_names: dict[int, str] = {}
+
+
+def _device_name() -> str:
+    """The current device's name (the key of its tuning table, ``cuda/tuning/<name>.json``)."""
+    import cupy
+
+    dev = cupy.cuda.Device()
+    name = _device_names.get(dev.id)
+    if name is None:
+        try:
+            name = str(cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode())
+        except Exception:  # a stand-in cupy without properties: no table, the rules
+            name = ""
+        _device_names[dev.id] = name
+    return name
+
+
 def _launch(launch: cl.Launch, args: tuple) -> None:
     if _recorded is not None:
         import cupy
@@ -329,7 +347,7 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
         rstd = _empty((n,), ct, like=x)
         num_sms, max_smem = _device()
         launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out, max_smem=max_smem,
-                                   num_sms=num_sms)
+                                   num_sms=num_sms, has_res=resc is not None, device=_device_name())
         head = (
             _ptr(xc), _rs(xc), _ptr(resc), _rs(resc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
             _ptr(yc), _rs(yc), _ptr(rstd),

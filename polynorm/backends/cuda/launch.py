@@ -18,7 +18,7 @@ Dtype rules (all exact with respect to :mod:`polynorm.backends.reference`):
 * Output: an unlisted out dtype is written in the compute dtype, then cast
   (one rounding either way).
 
->>> fl = forward_launch(4096, 4096, "bfloat16", weight="float32")
+>>> fl = forward_launch(4096, 4096, "bfloat16", weight="float32", rows=False)
 >>> fl.name, fl.block, fl.tpr
 ('pn_fwd<__nv_bfloat16, __nv_bfloat16, float, __nv_bfloat16, 2>', 256, 256)
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from polynorm.core.dtypes import FLOAT_DTYPES
@@ -233,6 +233,8 @@ def specialisations() -> list[str]:
         names += [fwd_small_name(*t, items, wide) for items, wide in small_shapes(t[0])]
         if compute_dtype(promote(t[0], t[1])) == "float32":
             names += [fwd_split_name(*t, phase) for phase in (1, 2)]
+            if rows_types(t):
+                names += [fwd_rows_name(*t, it, mw) for it, mw in ROWS_SHAPES[t[0]]]
     for t in BWD_TYPES:
         for hw in (False, True):
             for hg in (False, True):
@@ -428,14 +430,23 @@ def forward_launch(
     small: bool = True,
     num_sms: int = DEFAULT_SMS,
     split: bool = True,
+    rows: bool = True,
+    rows_config: tuple[int, int] | None = None,
+    device: str = "",
+    has_res: bool = False,
 ) -> Launch:
-    """Launch of pn_fwd_small / pn_fwd / pn_fwd_big for ``n`` rows of ``d`` (kernel dtypes given).
+    """Launch of pn_fwd_small / pn_fwd_rows / pn_fwd / pn_fwd_big for ``n`` rows of ``d`` (kernel dtypes given).
 
     ``res``/``weight``/``out`` default to ``x`` (as the kernels need a type
     even when the array is absent).  Rows of ``d <= SMALL_D`` go to
     pn_fwd_small (the same bits as pn_fwd, which ``small=False`` requests).
     Big rows go to pn_fwd_split where :func:`takes_split` says so (the same
-    bits as pn_fwd_big, which ``split=False`` requests).
+    bits as pn_fwd_big, which ``split=False`` requests).  Rows of ``d > SMALL_D``
+    whose tree :func:`fwd_tree` describes go to pn_fwd_rows (:func:`rows_launch`:
+    the same bits as pn_fwd / pn_fwd_big, which ``rows=False`` requests;
+    ``rows_config`` = (warps per row, rows per block) overrides the rule and the
+    tuning table of ``device``, whose entries ``has_res`` picks: the fused add's or
+    the plain forward's).
 
     >>> forward_launch(8, 3, "float32").block, forward_launch(8, 3, "float32", small=False).tpr
     (32, 4)
@@ -444,6 +455,9 @@ def forward_launch(
     ('pn_fwd_small', 256, 8, 65536)
     >>> forward_launch(2, 262144, "bfloat16", split=False).big
     True
+    >>> fl = forward_launch(32768, 4096, "bfloat16")
+    >>> fl.name, fl.block, fl.grid, rows_shape(fl.tpr)
+    ('pn_fwd_rows<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2, 4>', 256, 8192, (8, False, 2))
     >>> fl = forward_launch(2, 262144, "bfloat16")
     >>> fl.name, fl.grid, fl.block, fl.slices
     ('pn_fwd_split<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1>', 32, 1024, 16)
@@ -460,6 +474,10 @@ def forward_launch(
         rows = block // lpr
         return Launch(fwd_small_name(x, res, weight, out, items, wide), grid=math.ceil(n / rows),
                       block=block, shared=0, tpr=lpr, big=False)
+    rl = None if force_big or not rows or d <= SMALL_D else rows_launch(
+        n, d, x, res, weight, out, num_sms=num_sms, config=rows_config, device=device, has_res=has_res)
+    if rl is not None:
+        return rl
     shape = None if force_big else _reg_shape(d, vec, FWD_ITEMS_BY_X[x])
     if shape is not None:
         items, tpr = shape
@@ -748,7 +766,7 @@ def gated_backward_launch(n: int, d: int, group_size: int, x: str, z: str | None
 def quant_launch(n: int, d: int, x: str, fp8: str | bool = True) -> Launch:
     """Launch of pn_quant_fwd: one segment per row.
 
-    >>> quant_launch(3, 4096, "float32").tpr == forward_launch(3, 4096, "float32").tpr
+    >>> quant_launch(3, 4096, "float32").tpr == forward_launch(3, 4096, "float32", rows=False).tpr
     True
     """
     return _segment_launch(quant_name(x, fp8), n, d, x)
@@ -878,3 +896,201 @@ def qk_launch(segments: int, d: int, x: str, neox: bool = True) -> Launch:
     ('pn_qk_fwd<__nv_bfloat16, 1>', True, True)
     """
     return _segment_launch(qk_name(x, neox), segments, d, x)
+
+
+# ------------------------------------------------------------------ pn_fwd_rows
+
+#: __launch_bounds__ of pn_fwd_rows (with 2 blocks per SM: at most 128 registers)
+ROWS_THREADS = 256
+#: doubles of pn_fwd_rows' static shared memory (tree-warp sums: rows per block x tree warps)
+ROWS_RED = 256
+#: pn_fwd_rows' (IT, MW) instantiations by x dtype: IT chunks of one tree thread,
+#: MW tree warps per lane (IT * MW register chunks of 16 bytes per lane; warps per row
+#: = tree warps / MW)
+ROWS_SHAPES = {
+    "float16": ((1, 2), (1, 4), (1, 8), (2, 2), (2, 4)),
+    "bfloat16": ((1, 2), (1, 4), (1, 8), (2, 2), (2, 4)),
+    "float32": ((1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)),
+    "float64": (),
+}
+
+
+def rows_types(t: tuple[str, str, str, str]) -> bool:
+    """Whether pn_fwd_rows is instantiated for (x, residual, weight, out) dtypes ``t``:
+    16-bit or float32 x with h of x's dtype (a float32 h of 16-bit x, whose chunk of h takes
+    32 bytes, keeps pn_fwd: the same bits)."""
+    x, res, _, _ = t
+    return x != "float64" and res == x
+
+
+#: most 16-byte chunks of h a lane holds (IT * MW of ROWS_SHAPES): 8 compile to 88-115
+#: registers without spills (sm_90), 16 spill within the 128 of two 256-thread blocks per SM
+ROWS_CHUNKS = 8
+#: the tuning tables (device name -> case -> config), written by bench/gpu_check.sh
+TUNING_DIR = Path(__file__).resolve().parent / "tuning"
+
+
+def fwd_rows_name(x: str, res: str, w: str, out: str, it: int, mw: int) -> str:
+    return f"pn_fwd_rows<{_ct(x, res, w, out)}, {it}, {mw}>"
+
+
+@lru_cache(maxsize=4096)
+def fwd_tree(d: int, x: str) -> tuple[int, int, bool] | None:
+    """(T, IT, tail_first) of the tree the statistic of a row of ``d`` is summed over
+    (d > SMALL_D, float compute): pn_fwd's threads per row and ITEMS, or pn_fwd_big's
+    block and passes for rows of one slice; None for float64 and multi-slice rows.
+
+    >>> fwd_tree(4096, "bfloat16"), fwd_tree(16384, "bfloat16"), fwd_tree(8192, "float32")
+    ((256, 2, False), (1024, 2, True), (512, 4, False))
+    >>> fwd_tree(32768, "bfloat16") is None, fwd_tree(4096, "float64") is None
+    (True, True)
+    """
+    if compute_dtype(x) != "float32":
+        return None
+    vec = VEC[x]
+    shape = _reg_shape(d, vec, FWD_ITEMS_BY_X[x])
+    if shape is not None:
+        items, tpr = shape
+        return tpr, items, False
+    if slice_count(d, x) != 1:
+        return None
+    t = big_block(d, x)
+    return t, -(-(d // vec) // t), True
+
+
+def rows_shape(shape: int) -> tuple[int, bool, int]:
+    """(tree warps, tail first, warps per row) packed in pn_fwd_rows' ``shape`` argument.
+
+    >>> rows_shape(pack_rows_shape(32, True, 4))
+    (32, True, 4)
+    """
+    return shape & 255, bool((shape >> 12) & 1), (shape >> 16) & 255
+
+
+def pack_rows_shape(tree_warps: int, tail_first: bool, warps_per_row: int) -> int:
+    return tree_warps | (int(tail_first) << 12) | (warps_per_row << 16)
+
+
+def rows_candidates(d: int, x: str, res: str | None = None) -> list[tuple[int, int]]:
+    """Every (warps per row, rows per block) pn_fwd_rows has an instantiation for (the
+    tuning sweep's candidates); [] where it does not take rows of ``d``.
+
+    >>> rows_candidates(4096, "bfloat16")
+    [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]
+    """
+    tree = fwd_tree(d, x) if d > SMALL_D else None
+    if tree is None:
+        return []
+    t, it, _ = tree
+    nw = t // 32
+    out = []
+    r = 1
+    while r <= min(nw, ROWS_THREADS // 32):
+        if _rows_inst(x, it, nw // r) is not None:
+            rpb = 1
+            while 32 * r * rpb <= ROWS_THREADS and rpb * nw <= ROWS_RED:
+                out.append((r, rpb))
+                rpb *= 2
+        r *= 2
+    return out
+
+
+def _rows_inst(x: str, it: int, mw: int) -> tuple[int, int] | None:
+    """The (IT, MW) instantiation holding ``it`` chunks of ``mw`` tree warps, if any."""
+    return (it, mw) if (it, mw) in ROWS_SHAPES[x] else None
+
+
+def _rows_rule(n: int, d: int, x: str, num_sms: int) -> tuple[int, int] | None:
+    """(warps per row, rows per block) by rule: the fewest warps per row whose lanes hold
+    at most ROWS_CHUNKS chunks, more while fewer than 4 warps per SM would have a row,
+    rows per block up to ROWS_THREADS."""
+    tree = fwd_tree(d, x)
+    if tree is None:
+        return None
+    t, it, _ = tree
+    nw = t // 32
+    cap = ROWS_CHUNKS
+    most = min(nw, ROWS_THREADS // 32)
+    r = 1
+    while r < most and ((nw // r) * it > cap or _rows_inst(x, it, nw // r) is None):
+        r *= 2
+    if (nw // r) * it > cap or _rows_inst(x, it, nw // r) is None:
+        return None
+    while 2 * r <= most and n * r < 4 * num_sms and _rows_inst(x, it, nw // (2 * r)) is not None:
+        r *= 2
+    rpb = max(1, min(ROWS_THREADS // (32 * r), _pow2ceil(n), ROWS_RED // nw))
+    return r, rpb
+
+
+def _rows_fits(x: str, d: int, r: int, rpb: int) -> bool:
+    """Whether pn_fwd_rows has a launch of ``r`` warps per row and ``rpb`` rows per block."""
+    return (r, rpb) in rows_candidates(d, x)
+
+
+@cache
+def tuning_table(device: str) -> dict:
+    """The committed tuning table of ``device`` (``tuning/<device>.json``, spaces as '_'):
+    case key (:func:`tuning_key`) -> {"warps_per_row", "rows_per_block", ...}; {} when none."""
+    import json
+
+    if not device:
+        return {}
+    path = TUNING_DIR / f"{device.replace(' ', '_')}.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc.get("cases", {}) if doc.get("device") == device else {}
+
+
+def tuning_key(op: str, x: str, d: int, n: int) -> str:
+    """A tuning table's case key: the op (fwd / add), x dtype, d and the row-count bucket
+    (the power of two at or above n, capped at 2^15).
+
+    >>> tuning_key("fwd", "bfloat16", 4096, 30000)
+    'fwd:bfloat16:4096:32768'
+    """
+    return f"{op}:{x}:{d}:{min(_pow2ceil(n), 1 << 15)}"
+
+
+@lru_cache(maxsize=4096)
+def rows_launch(n: int, d: int, x: str, res: str | None = None, weight: str | None = None,
+                out: str | None = None, *, num_sms: int = DEFAULT_SMS, config: tuple[int, int] | None = None,
+                device: str = "", has_res: bool = False) -> Launch | None:
+    """Launch of pn_fwd_rows, or None where it does not take the rows.
+
+    ``config`` (warps per row, rows per block) when given, else the tuning table's
+    entry for ``device`` and the case (``has_res``: the fused add), else :func:`_rows_rule`.  None of these change
+    a bit of the result: the tree is fixed by ``d`` (:func:`fwd_tree`).
+
+    >>> rl = rows_launch(4096, 16384, "bfloat16")
+    >>> rl.name.split(", ")[-2:], rl.block, rl.grid, rows_shape(rl.tpr)
+    (['2', '4>'], 256, 4096, (32, True, 8))
+    """
+    res = res or x
+    weight = weight or promote(x, res)
+    out = out or promote(x, res)
+    tree = fwd_tree(d, x) if d > SMALL_D and rows_types((x, res, weight, out)) else None
+    if tree is None:
+        return None
+    t, it, tail_first = tree
+    nw = t // 32
+    if config is None and device:
+        # the entry of n's bucket, else of the nearest measured bucket below it
+        tab = tuning_table(device)
+        b = min(_pow2ceil(n), 1 << 15)
+        while b >= 1 and config is None:
+            e = tab.get(tuning_key("add" if has_res else "fwd", x, d, b))
+            if e is not None and _rows_fits(x, d, int(e["warps_per_row"]), int(e["rows_per_block"])):
+                config = (int(e["warps_per_row"]), int(e["rows_per_block"]))
+            b //= 2
+    if config is None:
+        config = _rows_rule(n, d, x, num_sms)
+        if config is None:
+            return None
+    r, rpb = config
+    inst = _rows_inst(x, it, nw // r) if r <= nw and nw % r == 0 else None
+    if inst is None or not _rows_fits(x, d, r, rpb):
+        raise ValueError(f"pn_fwd_rows has no launch of {r} warps per row and {rpb} rows per block for d={d} {x}")
+    return Launch(fwd_rows_name(x, res, weight, out, *inst), grid=max(1, math.ceil(n / rpb)),
+                  block=32 * r * rpb, shared=0, tpr=pack_rows_shape(nw, tail_first, r), big=False)
