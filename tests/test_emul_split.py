@@ -143,7 +143,7 @@ def test_emul_split_stats_is_the_forward_tree(fake_cupy, dtype, d):
     ints = rng.integers(1, 1024, (n, d)) * rng.choice([-1, 1], (n, d))
     scale = np.repeat(2.0 ** rng.integers(lo, hi, (n, -(-d // vec))), vec, axis=1)[:, :d]
     x = (ints * scale).astype(dtype)
-    fl = cl.forward_launch(n, d, dtype, small=False, split=False)  # the forward's tree
+    fl = cl.forward_launch(n, d, dtype, small=False, split=False, rows=False)  # the tree (pn_fwd_rows keeps it)
     assert fl.big == (d > 8192)
     if fl.big:  # thread 0's three leaves: tail 1, chunk 0's run 2, chunk tpr's 2**54
         x[0] = 0
@@ -202,7 +202,7 @@ def test_split_launch_rule_follows_the_forward():
         for d in (1, 3, 37, 256, 1001, 4096, 8192, 9003, 65536, 262144):
             for n in (1, 5, 1000):
                 sl = cl.split_stats_launch(n, d, x)
-                fl = cl.forward_launch(n, d, x, small=False, split=False)
+                fl = cl.forward_launch(n, d, x, small=False, split=False, rows=False)
                 assert sl.name in names and sl.tpr == fl.tpr and sl.tail_first == fl.big
                 if fl.big and x != "float64":
                     assert sl.span == cl.slice_span(d, x) and sl.block == sl.tpr

@@ -812,13 +812,13 @@ def split_stats_launch(n: int, d: int, x: str) -> SplitStatsLaunch:
     rows pn_fwd_small takes, pn_fwd_big's for pn_fwd_split's).
 
     >>> sl = split_stats_launch(3, 4096, "bfloat16")
-    >>> sl.name, sl.tpr == forward_launch(3, 4096, "bfloat16").tpr, sl.span, sl.tail_first
+    >>> sl.name, sl.tpr == forward_launch(3, 4096, "bfloat16", rows=False).tpr, sl.span, sl.tail_first
     ('pn_split_stats<__nv_bfloat16>', True, 512, False)
     >>> sl = split_stats_launch(2, 262144, "bfloat16")
     >>> sl.block, sl.tpr, sl.span == slice_span(262144, "bfloat16"), sl.tail_first, sl.grid
     (1024, 1024, True, True, 2)
     """
-    fl = forward_launch(n, d, x, small=False, split=False)
+    fl = forward_launch(n, d, x, small=False, split=False, rows=False)  # the tree pn_fwd_rows keeps too
     body = d // VEC[x]
     if fl.big:
         tpr = block = fl.block
