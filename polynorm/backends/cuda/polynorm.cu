@@ -3467,9 +3467,7 @@ __global__ void __launch_bounds__(1024) pn_none_fwd(
         if (b) v = pn_rt(pn_nadd(v, b[j]), bcode);
         return v;
     };
-    for (int c = tr; c < body; c += tpr) {
-        CT v[VEC];
-        pn_ld<VEC>(xr + c * VEC, vx, v);
+    auto put = [&](int c, const CT (&v)[VEC]) {
         pn_pack<OT, VEC> q;
 #pragma unroll
         for (int e2 = 0; e2 < VEC; ++e2) q.v[e2] = pn_none_out<OT>::from(yval(v[e2], c * VEC + e2));
@@ -3479,6 +3477,26 @@ __global__ void __launch_bounds__(1024) pn_none_fwd(
 #pragma unroll
             for (int e2 = 0; e2 < VEC; ++e2) yr[c * VEC + e2] = q.v[e2];
         }
+    };
+    int c = tr;
+    if constexpr (sizeof(XT) == 2 || (sizeof(XT) == 4 && sizeof(GT) == 8)) {
+        // two chunks' loads issued together (more requests in flight per thread).
+        // Where it is taken is ptxas's register allocation: with these shapes it spills
+        // nothing around the division's and square root's slow-path calls on sm_80 and
+        // sm_90 (the one-chunk loop spilled 8-16 bytes in 16-bit instantiations, the
+        // two-chunk one in float32 ones with a float GT); tests/test_emul_none.py checks
+        for (; c + tpr < body; c += 2 * tpr) {
+            CT v0[VEC], v1[VEC];
+            pn_ld<VEC>(xr + c * VEC, vx, v0);
+            pn_ld<VEC>(xr + (c + tpr) * VEC, vx, v1);
+            put(c, v0);
+            put(c + tpr, v1);
+        }
+    }
+    for (; c < body; c += tpr) {
+        CT v0[VEC];
+        pn_ld<VEC>(xr + c * VEC, vx, v0);
+        put(c, v0);
     }
     if (tr < tail) yr[jt] = pn_none_out<OT>::from(yval(pn_conv<CT>::in(xr[jt]), jt));
 }
