@@ -714,9 +714,10 @@ def test_emul_every_specialisation_compiles_with_the_abi_signature(family):
     rev = {v: k for k, v in cl.CTYPE.items()}
     for name in mod.kernels:
         expr = next(n for n in cl.specialisations() if n.replace(" ", "") == name)
-        if expr.startswith(("pn_gated", "pn_quant", "pn_split_", "pn_qk_")):
-            # the fusions', the split's and QK-norm's ABIs: tests/test_emul_fusions.py,
-            # test_emul_split.py, test_emul_qk.py (the harness checks every launch)
+        if expr.startswith(("pn_gated", "pn_quant", "pn_split_", "pn_qk_", "pn_none")):
+            # the fusions', the split's, QK-norm's and casting="none"'s ABIs:
+            # tests/test_emul_fusions.py, test_emul_split.py, test_emul_qk.py, test_emul_none.py
+            # (the harness checks every launch)
             continue
         targs = [a.strip() for a in expr.split("<", 1)[1].rstrip(">").split(",")]
         sig = mod.signature(expr)

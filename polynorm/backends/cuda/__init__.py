@@ -322,6 +322,8 @@ def _empty(shape: tuple[int, ...], dtype: str, zero: bool = False, like: Any = N
 
 def forward(x, residual, weight, bias, plan: Plan, out=None):
     """Forward on 2-D rows (see :mod:`polynorm.backends.reference`)."""
+    if plan.cast_none:
+        return none_forward(x, residual, weight, bias, plan, out)
     types = cl.forward_types(_name(x), _name(residual), _name(weight), plan.out_dtype, plan.llama)
     if types is None:  # llama casting with a weight dtype that has no kernel
         from polynorm.backends import reference
@@ -765,3 +767,60 @@ def qk_forward(x, weight, plan: Plan, rope, out=None):
         )
         _launch(launch, args)
     return out
+
+
+# ------------------------------------------------------------------ casting="none"
+
+#: this backend runs ``casting="none"`` (pn_none_fwd); the front end sends such calls
+#: of a backend without it to the reference
+CASTING_NONE = True
+
+
+def none_forward(x, residual, weight, bias, plan: Plan, out=None):
+    """``casting="none"`` forward on 2-D rows (:data:`polynorm.core.options.NONE_CASTING`):
+    pn_none_fwd, the steps of the Numba backend's ``none_forward``.
+
+    The fused add runs on the reference (``h``, then the mode's steps), as Numba's
+    does.  The weight is prepared in the caller's library as Numba prepares it on the
+    host (``P(weight + T(offset))``, then the kernel's wide type); ``out`` of
+    ``plan.out_dtype`` with adjacent columns is written in place.
+    """
+    from polynorm.backends import reference
+    from polynorm.core.dtypes import numpy_dtype
+
+    if residual is not None:
+        return reference.forward(x, residual, weight, bias, plan, out)
+    tname = plan.norm_dtype
+    pname = bname = tname
+    if weight is not None:
+        pname = bname = promote(tname, dtype_name(weight.dtype))
+    if bias is not None:
+        bname = promote(pname, dtype_name(bias.dtype))
+    # the row's product and bias sum in one type: float64 where either needs it
+    wide = compute_dtype(promote(compute_dtype(tname), compute_dtype(bname)))
+    eps = float(np.asarray(plan.eps, numpy_dtype(tname)))
+    with _on_callers_stream(x):
+        g = None
+        if weight is not None:
+            off = float(np.asarray(plan.offset, numpy_dtype(tname)))
+            g = _cast(_cast(_cast(weight, compute_dtype(pname)) + off, pname), wide)
+        xc, gc, bc = _dev(_cast(x, tname)), _dev(g), _dev(_cast(bias, wide))
+        n, d = xc.shape
+        yc = None
+        direct = out is not None
+        if direct:
+            yc = out if _is_torch(out) else _interop.to_cupy(out)
+            if yc.shape[1] > 1 and _col_stride(yc) != 1:
+                yc, direct = None, False
+        if yc is None:
+            yc = _empty((n, d), plan.out_dtype, like=x)
+        rstd = _empty((n,), compute_dtype(tname), like=x)
+        launch = cl.none_launch(n, d, tname, wide, plan.out_dtype)
+        _launch(launch, (
+            _ptr(xc), _rs(xc), _ptr(gc), _ptr(bc), _ptr(yc), _rs(yc), _ptr(rstd),
+            np.int64(n), np.int32(d), np.int32(plan.k), np.int32(launch.tpr),
+            np.float64(eps), np.int32(plan.eps_inside),
+            np.int32(cl.FORMAT_CODE[pname]), np.int32(cl.FORMAT_CODE[bname]),
+        ))
+        y = out if direct else _interop.from_cupy(yc, x, plan.out_dtype)
+        return y, None, _interop.from_cupy(rstd, x)

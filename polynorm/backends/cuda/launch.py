@@ -250,6 +250,7 @@ def specialisations() -> list[str]:
     names += [quant_name(t, q) for t in FLOAT_DTYPES for q in QUANT_FMT]
     names += split_specialisations()
     names += [qk_name(t, nx) for t in FLOAT_DTYPES for nx in (False, True)]
+    names += [none_fwd_name(*t) for t in NONE_FWD_TYPES]
     return names
 
 
@@ -1094,3 +1095,46 @@ def rows_launch(n: int, d: int, x: str, res: str | None = None, weight: str | No
         raise ValueError(f"pn_fwd_rows has no launch of {r} warps per row and {rpb} rows per block for d={d} {x}")
     return Launch(fwd_rows_name(x, res, weight, out, *inst), grid=max(1, math.ceil(n / rpb)),
                   block=32 * r * rpb, shared=0, tpr=pack_rows_shape(nw, tail_first, r), big=False)
+
+
+# ------------------------------------------------------------------ casting="none"
+# pn_none_fwd: one segment per row (the fusions' split, tpr = segment_tpr(d, x)),
+# so a row's bits do not depend on the batch.
+
+
+#: pn_none_fwd's ``pcode``/``bcode`` per format (pn_fmt; numba.codec.FORMAT_CODE)
+FORMAT_CODE = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3}
+
+
+def none_wide(x: str) -> tuple[str, ...]:
+    """The types pn_none_fwd computes the weight product and bias sum in for ``x``:
+    x's compute type, and float64 (a float64 weight or bias).
+
+    >>> none_wide("bfloat16"), none_wide("float64")
+    (('float32', 'float64'), ('float64',))
+    """
+    return tuple(dict.fromkeys((compute_dtype(x), "float64")))
+
+
+#: (x, wide, out) dtypes of pn_none_fwd: y written in any float dtype (one rounding)
+NONE_FWD_TYPES: tuple[tuple[str, str, str], ...] = tuple(
+    (t, g, o) for t in FLOAT_DTYPES for g in none_wide(t) for o in FLOAT_DTYPES)
+
+
+def none_fwd_name(x: str, wide: str, out: str) -> str:
+    """pn_none_fwd's instance.
+
+    >>> none_fwd_name("bfloat16", "float32", "bfloat16")
+    'pn_none_fwd<__nv_bfloat16, float, __nv_bfloat16>'
+    """
+    return f"pn_none_fwd<{_ct(x, wide, out)}>"
+
+
+@lru_cache(maxsize=4096)
+def none_launch(n: int, d: int, x: str, wide: str | None = None, out: str | None = None) -> Launch:
+    """Launch of pn_none_fwd (``casting="none"``): one segment per row.
+
+    >>> none_launch(3, 4096, "bfloat16").tpr == quant_launch(3, 4096, "bfloat16").tpr
+    True
+    """
+    return _segment_launch(none_fwd_name(x, wide or compute_dtype(x), out or x), n, d, x)
