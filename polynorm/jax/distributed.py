@@ -108,7 +108,7 @@ def rms_norm(
     >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
     >>> f = jax.jit(jax.shard_map(lambda x: rms_norm(x, axis_name="tp", eps=0.0), mesh=mesh,
     ...                           in_specs=P(None, "tp"), out_specs=P(None, "tp")))
-    >>> np.round(np.asarray(f(jnp.array([[3.0, 4.0]]))), 4)
+    >>> np.round(np.asarray(f(jnp.array([[3.0, 4.0]], jnp.float32))), 4)
     array([[0.8485, 1.1314]], dtype=float32)
     """
     opts = pack_options("rms_norm", options, **{n: getattr(Options(), n) for n in _EXCLUDE})

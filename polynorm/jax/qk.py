@@ -95,7 +95,7 @@ def qk_norm(qkv, q_weight, k_weight, *, num_heads_q: int, num_heads_k: int, head
     --------
     >>> import jax, jax.numpy as jnp
     >>> import polynorm.jax as pj
-    >>> qkv = jnp.arange(12.0).reshape(1, 12)
+    >>> qkv = jnp.arange(12.0, dtype=jnp.float32).reshape(1, 12)
     >>> f = lambda a: pj.qk_norm(a, None, None, num_heads_q=1, num_heads_k=1, head_dim=4).sum()
     >>> jax.grad(f)(qkv)[0, 8:]
     Array([1., 1., 1., 1.], dtype=float32)
