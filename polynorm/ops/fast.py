@@ -203,6 +203,13 @@ def _decode_forward(mod, x, residual, weight, bias, out, return_rstd, opts, fuse
         return None
     if out is not None and not plain_out_ok(out, x, residual, weight, bias):
         return None  # overlap, a read-only out...: the checks below
+    lean = e.lean
+    r = None if lean is None else lean(x, weight, out)
+    if r is not None:
+        y, h, rstd = r
+        if fused:
+            return (y, h, rstd) if return_rstd else (y, h)
+        return (y, rstd) if return_rstd else y
     try:
         y, h, rstd = mod.forward_decode(e, x, residual, weight, bias, out)
     except Exception as exc:
