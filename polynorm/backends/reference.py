@@ -82,7 +82,22 @@ def _rms(xp, v, plan: Plan):
     rms = xp.sqrt(ss / plan.k)
     if _eager(vk) and bool(xp.all(ok)):
         return rms
+    if type(vk).__module__.startswith("jax"):
+        return _jax_rms_cond(xp, vk, ok, rms, plan)
     return xp.where(ok, rms, _rms_scaled(xp, vk, plan))
+
+
+def _jax_rms_cond(xp, vk, ok, rms, plan: Plan):
+    """jax arrays and tracers: the scaled pass behind ``lax.cond`` on "some row needs
+    it", which XLA runs as a branch, so that a call of ordinary rows costs what
+    the naive formula does (two passes, not four).  Each row's value is the
+    ``where``'s of the other branch (the plain rms where ``ok``), so the bits do
+    not depend on the branch taken nor on the other rows; under ``vmap`` the cond
+    becomes a select of both, the same values."""
+    from jax import lax
+
+    return lax.cond(xp.all(ok), lambda: rms,
+                    lambda: xp.where(ok, rms, _rms_scaled(xp, vk, plan)))
 
 
 def _eager(a) -> bool:
