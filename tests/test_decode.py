@@ -137,17 +137,17 @@ def test_decode_lean_widened_weight(xdt, wdt, rng):
         assert pn.rms_norm(x, w, out=out) is out
     e = _entry(x)
     assert e is not None and e.lean is not None and e.wide and e.wpool
-    assert e.lean(x, w, out) is not None
+    assert e.lean(x, w, out, False) is not None
     _same(out, pn.rms_norm(x, w, axis=(1,)))
     w *= 3
     _same(pn.rms_norm(x, w, out=out), pn.rms_norm(x, w, axis=(1,)))
     wro = w.copy()
     wro.flags.writeable = False
-    assert e.lean(x, wro, out) is None
+    assert e.lean(x, wro, out, False) is None
     _same(pn.rms_norm(x, wro, out=out), pn.rms_norm(x, w, axis=(1,)))
     raw = np.zeros(w.nbytes + 1, np.uint8)[1:].view(w.dtype)  # misaligned 16-bit weight
     raw[...] = w
-    assert e.lean(x, raw, out) is None or raw.flags.aligned
+    assert e.lean(x, raw, out, False) is None or raw.flags.aligned
     _same(pn.rms_norm(x, raw, out=out), pn.rms_norm(x, w, axis=(1,)))
 
 
@@ -268,3 +268,17 @@ def test_backward_decode_bits_equal_generic(dt, wdt, kw, rng):
     # the same signature, eps of another type: the general path's answer (an error)
     with pytest.raises(TypeError, match="eps"):
         pn.rms_norm_backward(dy, x, w, eps=True, **kw)
+
+
+def test_pack_options_eps_cache():
+    """eps-only Options are shared per non-zero float eps, never across types or zeros."""
+    from polynorm.core import options as o
+
+    a = o.pack_options("rms_norm", {"eps": 1e-5})
+    assert o.pack_options("rms_norm", {"eps": 1e-5}) is a and a.eps == 1e-5
+    t = o.pack_options("rms_norm", {"eps": True})
+    assert t.eps is True and o.pack_options("rms_norm", {"eps": 1.0}).eps.__class__ is float
+    assert o.pack_options("rms_norm", {"eps": -0.0}).eps.hex() == "-0x0.0p+0"
+    n = len(o._EPS_OPTIONS)
+    assert o.pack_options("rms_norm", {"eps": float("nan")}).eps != 0
+    assert len(o._EPS_OPTIONS) == n

@@ -670,8 +670,9 @@ def forward_decode(e: Decode, x: np.ndarray, residual, weight, bias, out):
 
 
 def _lean(e: Decode):
-    """``run(x, weight, out)``: :func:`forward_decode` of a signature with a weight and
-    neither residual nor bias, once its entry points are known, with the constants
+    """``run(x, weight, out, return_rstd)``: :func:`forward_decode` of a signature with a
+    weight and neither residual nor bias (``y`` or ``(y, rstd)``, as ``rms_norm``
+    returns them), once its entry points are known, with the constants
     bound in the closure (a decode call's Python work is most of its time).  It
     returns None, having done nothing, where an array is read-only or unaligned or
     an entry point is not known yet: :func:`forward_decode` runs then.  ``out``:
@@ -682,7 +683,9 @@ def _lean(e: Decode):
     empty = np.empty
     shape = (n, d)
 
-    def run(x, weight, out):
+    rpool: list = []  # rstd buffers of calls that do not return it (as pool)
+
+    def run(x, weight, out, return_rstd):
         entry, wide = e.entry, e.wide
         if not entry or (wv is not None and not wide):
             return None
@@ -695,12 +698,17 @@ def _lean(e: Decode):
             w = pool.pop() if pool else empty(d, cdt)
             wide(weight.view(wv), w)
         y = empty(shape, y_dt) if out is None else out
-        rstd = empty(n, cdt)
+        rstd = empty(n, cdt) if return_rstd or not rpool else rpool.pop()
         entry(0, n, x if xv is None else x.view(xv), None, w, None,
               y if yv is None else y.view(yv), None, rstd, flags, k, eps, offset, None)
+        # the buffers back only now: the kernel has read / written them
         if wv is not None and len(pool) < 4:
-            pool.append(w)  # only now: the kernel has read it
-        return y, None, rstd
+            pool.append(w)
+        if return_rstd:
+            return y, rstd
+        if len(rpool) < 4:
+            rpool.append(rstd)
+        return y
 
     return run
 
