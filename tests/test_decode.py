@@ -124,6 +124,33 @@ def test_decode_read_only_and_misaligned_arrays(rng):
     _same(mout, pn.rms_norm(x, w, axis=(1,)))
 
 
+@pytest.mark.parametrize("xdt,wdt", [("float16", "float16"), ("bfloat16", "bfloat16"),
+                                     ("float32", "float16")])
+def test_decode_lean_widened_weight(xdt, wdt, rng):
+    """The lean call (the weight widened by its entry point into a pooled buffer) gives the
+    generic path's bits, reads a weight changed in place anew, and leaves a read-only or
+    misaligned weight to the general decode call."""
+    x = _a(rng, (1, D), xdt)
+    w = _a(rng, D, wdt)
+    out = np.empty_like(x)
+    for _ in range(3):  # prepare, resolve the entry points, then the lean call
+        assert pn.rms_norm(x, w, out=out) is out
+    e = _entry(x)
+    assert e is not None and e.lean is not None and e.wide and e.wpool
+    assert e.lean(x, w, out, False) is not None
+    _same(out, pn.rms_norm(x, w, axis=(1,)))
+    w *= 3
+    _same(pn.rms_norm(x, w, out=out), pn.rms_norm(x, w, axis=(1,)))
+    wro = w.copy()
+    wro.flags.writeable = False
+    assert e.lean(x, wro, out, False) is None
+    _same(pn.rms_norm(x, wro, out=out), pn.rms_norm(x, w, axis=(1,)))
+    raw = np.zeros(w.nbytes + 1, np.uint8)[1:].view(w.dtype)  # misaligned 16-bit weight
+    raw[...] = w
+    assert e.lean(x, raw, out, False) is None or raw.flags.aligned
+    _same(pn.rms_norm(x, raw, out=out), pn.rms_norm(x, w, axis=(1,)))
+
+
 def test_cache_key_dtype_and_strides(rng):
     """Calls that differ from a cached one only in dtype or strides get their own result."""
     base = _a(rng, (4, 2 * D), "float32")
@@ -241,3 +268,17 @@ def test_backward_decode_bits_equal_generic(dt, wdt, kw, rng):
     # the same signature, eps of another type: the general path's answer (an error)
     with pytest.raises(TypeError, match="eps"):
         pn.rms_norm_backward(dy, x, w, eps=True, **kw)
+
+
+def test_pack_options_eps_cache():
+    """eps-only Options are shared per non-zero float eps, never across types or zeros."""
+    from polynorm.core import options as o
+
+    a = o.pack_options("rms_norm", {"eps": 1e-5})
+    assert o.pack_options("rms_norm", {"eps": 1e-5}) is a and a.eps == 1e-5
+    t = o.pack_options("rms_norm", {"eps": True})
+    assert t.eps is True and o.pack_options("rms_norm", {"eps": 1.0}).eps.__class__ is float
+    assert o.pack_options("rms_norm", {"eps": -0.0}).eps.hex() == "-0x0.0p+0"
+    n = len(o._EPS_OPTIONS)
+    assert o.pack_options("rms_norm", {"eps": float("nan")}).eps != 0
+    assert len(o._EPS_OPTIONS) == n

@@ -461,3 +461,22 @@ def test_sharded_x_with_a_replicated_weight_runs_per_shard_rows():
     # a weight committed to one device of the mesh: jnp refuses it too
     with pytest.raises(ValueError, match="weight is on device cpu:0"):
         pn.rms_norm(jax.device_put(x, rows), jax.device_put(w, mesh.devices.flat[0]))
+
+
+def test_jit_scaled_pass_behind_cond():
+    """Under jit the reference's scaled pass (rows whose squares overflow or underflow)
+    sits behind a lax.cond, and a row's bits do not depend on the branch: a plain row
+    alone (scaled pass skipped) equals the same row beside an overflowing one (taken),
+    and both equal the formula in float64 to rounding."""
+    f = jax.jit(lambda x, w: rms_norm(x, w, backend="array_api"))
+    x = np.random.default_rng(3).standard_normal((2, 64)).astype(np.float32)
+    x[1] *= np.float32(1e25)  # its float32 squares overflow
+    w = np.linspace(0.5, 1.5, 64, dtype=np.float32)
+    jaxpr = str(jax.make_jaxpr(f)(jnp.asarray(x), jnp.asarray(w)))
+    assert "cond[" in jaxpr
+    both = np.asarray(f(jnp.asarray(x), jnp.asarray(w)))
+    alone = np.asarray(f(jnp.asarray(x[:1]), jnp.asarray(w)))
+    np.testing.assert_array_equal(both[:1].view(np.uint32), alone.view(np.uint32))
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, axis=1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(both, want, rtol=2e-6)

@@ -108,6 +108,11 @@ def test_auto_dispatch_reaches_the_kernel_without_copies(dtype, shape, monkeypat
     monkeypatch.setattr(mod, "forward", spy_forward)
     monkeypatch.setattr(mod, "forward_small", spy_forward_small)
     monkeypatch.setattr(mod, "forward_decode", spy_forward_decode)
+    # no cached signature: the call goes through forward_decode, not an earlier test's
+    # entry's lean call, which the spies cannot see
+    from polynorm.ops import fast
+
+    monkeypatch.setattr(fast, "_DECODE", {})
 
     def spy_backward_decode(entry, *args):
         res = backward_decode(entry, *args)

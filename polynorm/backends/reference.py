@@ -10,7 +10,8 @@ number well above underflow; the other rows (``x = 1e25`` in float32, whose
 square overflows, subnormal rows, Inf, NaN) take the sum scaled by the row's
 largest magnitude, so they give the float64 answer; ``eps`` is combined with
 the rms by a hypot-style formula for the same reason.  The scaled pass runs
-only when some row needs it (eager libraries), see ``_rms``.
+only when some row needs it (eager libraries; jax, traced too, behind a
+``lax.cond``), see ``_rms``.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _rms(xp, v, plan: Plan):
     The other rows (Inf, NaN, overflow, subnormal or zero) take the scaled sum,
     by the row's largest magnitude.  The choice is per row, from that row's
     values only (batch invariance).  Eager libraries skip the scaled pass when
-    no row needs it; lazy ones (jax tracers, dask) compute both and select.
+    no row needs it, jax (arrays and tracers) by a ``lax.cond``; dask computes
+    both and selects.
 
     The one place of the non-finite rule (SPEC's formula, as torch): an Inf
     among the first ``k`` elements makes the mean of squares Inf, so the rms is
@@ -82,7 +84,22 @@ def _rms(xp, v, plan: Plan):
     rms = xp.sqrt(ss / plan.k)
     if _eager(vk) and bool(xp.all(ok)):
         return rms
+    if type(vk).__module__.startswith("jax"):
+        return _jax_rms_cond(xp, vk, ok, rms, plan)
     return xp.where(ok, rms, _rms_scaled(xp, vk, plan))
+
+
+def _jax_rms_cond(xp, vk, ok, rms, plan: Plan):
+    """jax arrays and tracers: the scaled pass behind ``lax.cond`` on "some row needs
+    it", which XLA runs as a branch, so that a call of ordinary rows costs what
+    the naive formula does (two passes, not four).  Each row's value is the
+    ``where``'s of the other branch (the plain rms where ``ok``), so the bits do
+    not depend on the branch taken nor on the other rows; under ``vmap`` the cond
+    becomes a select of both, the same values."""
+    from jax import lax
+
+    return lax.cond(xp.all(ok), lambda: rms,
+                    lambda: xp.where(ok, rms, _rms_scaled(xp, vk, plan)))
 
 
 def _eager(a) -> bool:

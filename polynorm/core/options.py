@@ -228,6 +228,8 @@ OPTION_DOCS: dict[str, str] = {
 _DEFAULT_OPTIONS = Options()
 _DEFAULTS = _DEFAULT_OPTIONS._asdict()
 _DEFAULTS_BUT_EPS = tuple(_DEFAULT_OPTIONS)[1:]
+#: eps (a non-zero float) -> the Options of a call with that eps only (pack_options)
+_EPS_OPTIONS: dict[float, Options] = {}
 
 
 def pack_options(func: str, options: Mapping[str, Any], **fixed: Any) -> Options:
@@ -249,7 +251,21 @@ def pack_options(func: str, options: Mapping[str, Any], **fixed: Any) -> Options
             return _DEFAULT_OPTIONS
         if len(options) == 1 and "eps" in options:
             # the usual decode call (eps only): the merge below, without the dict
-            return new_options(Options, (options["eps"], *_DEFAULTS_BUT_EPS))
+            eps = options["eps"]
+            if eps.__class__ is float and eps:
+                # one Options object per eps value: the decode path's checks of it
+                # (polynorm.ops.fast) then see the same object call after call.  Only
+                # non-zero floats: equal keys are then the same eps (not -0.0 for 0.0,
+                # nor True for 1.0); a NaN never matches and is not kept
+                got = _EPS_OPTIONS.get(eps)
+                if got is None:
+                    got = new_options(Options, (eps, *_DEFAULTS_BUT_EPS))
+                    if eps == eps:
+                        if len(_EPS_OPTIONS) >= 64:
+                            _EPS_OPTIONS.clear()
+                        _EPS_OPTIONS[eps] = got
+                return got
+            return new_options(Options, (eps, *_DEFAULTS_BUT_EPS))
     # the defaults' order is the fields' order; an override keeps its key's place
     merged = {**_DEFAULTS, **options}
     if len(merged) != len(_DEFAULTS) or fixed:

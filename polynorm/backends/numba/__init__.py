@@ -533,10 +533,17 @@ class Decode:
     (:func:`decode_plan`), for :func:`forward_decode`."""
 
     __slots__ = ("kernel", "entry", "y_dt", "h_dt", "cdt", "n", "d", "xv", "rv", "yv", "hv",
-                 "wv", "bv", "ones", "flags", "k", "eps", "offset")
+                 "wv", "bv", "ones", "flags", "k", "eps", "offset", "wide", "wpool", "lean")
 
     def __init__(self, **kw):
         self.entry = None  # the compiled entry point, once known (False: none)
+        # widen_bits's compiled entry point for a 16-bit weight (False: none), and
+        # float32 buffers the widened weight is written to: popped and put back
+        # around the call (atomic list operations), so that calls from two threads
+        # (the kernels release the GIL) never share one
+        self.wide = None
+        self.wpool: list = []
+        self.lean = None  # forward_lean's closure, where the signature has one
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -578,12 +585,15 @@ def decode_plan(plan: Plan, x: np.ndarray, residual, weight, bias) -> Decode | N
         else:
             return None
     n, d = x.shape
-    return Decode(
+    e = Decode(
         kernel=kernel, y_dt=y_dt, h_dt=h_dt, cdt=cdt, n=n, d=d, xv=_bits_view(x.dtype),
         rv=None if residual is None else _bits_view(residual.dtype), yv=_bits_view(y_dt),
         hv=_bits_view(h_dt), wv=views[0], bv=views[1],
         ones=_ones(d, cdt) if weight is None else None, flags=flags,
         k=plan.k, eps=plan.eps, offset=0.0 if weight is None else plan.offset)
+    if residual is None and bias is None and weight is not None:
+        e.lean = _lean(e)
+    return e
 
 
 def _plain(a: np.ndarray) -> bool:
@@ -620,8 +630,16 @@ def forward_decode(e: Decode, x: np.ndarray, residual, weight, bias, out):
         f = weight.flags
         w = weight if f.writeable else _writable_alias(weight)
         plain = plain and f.writeable and f.aligned
+    elif e.wide and weight.flags.aligned:
+        # the weight's widening through its compiled entry point into a pooled buffer:
+        # the same values as _decode_vector, without the dispatcher and the allocation
+        pool = e.wpool
+        w = pool.pop() if pool else np.empty(d, cdt)
+        e.wide(weight.view(e.wv) if weight.flags.writeable else _kview(weight), w)
     else:
         w = _decode_vector(weight, e.wv, cdt, d)
+        if e.wide is None:
+            _resolve_wide(e, weight, w)
     if bias is None:
         b = None
     else:
@@ -646,7 +664,63 @@ def forward_decode(e: Decode, x: np.ndarray, residual, weight, bias, out):
         e.kernel(*args)
         if plain and e.entry is None:
             _resolve(e, args)
+    if e.wide and weight is not None and w.base is None and len(e.wpool) < 4:
+        e.wpool.append(w)  # not before the kernel has returned: it reads w
     return y, h, rstd
+
+
+def _lean(e: Decode):
+    """``run(x, weight, out, return_rstd)``: :func:`forward_decode` of a signature with a
+    weight and neither residual nor bias (``y`` or ``(y, rstd)``, as ``rms_norm``
+    returns them), once its entry points are known, with the constants
+    bound in the closure (a decode call's Python work is most of its time).  It
+    returns None, having done nothing, where an array is read-only or unaligned or
+    an entry point is not known yet: :func:`forward_decode` runs then.  ``out``:
+    writable, aligned and C-contiguous (the caller's ``plain_out_ok``)."""
+    n, d, cdt, y_dt, xv, yv, wv = e.n, e.d, e.cdt, e.y_dt, e.xv, e.yv, e.wv
+    flags, k, eps, offset = e.flags, e.k, e.eps, e.offset
+    pool = e.wpool
+    empty = np.empty
+    shape = (n, d)
+
+    rpool: list = []  # rstd buffers of calls that do not return it (as pool)
+
+    def run(x, weight, out, return_rstd):
+        entry, wide = e.entry, e.wide
+        if not entry or (wv is not None and not wide):
+            return None
+        fx, fw = x.flags, weight.flags
+        if not (fx.writeable and fx.aligned and fw.writeable and fw.aligned):
+            return None
+        if wv is None:
+            w = weight
+        else:
+            w = pool.pop() if pool else empty(d, cdt)
+            wide(weight.view(wv), w)
+        y = empty(shape, y_dt) if out is None else out
+        rstd = empty(n, cdt) if return_rstd or not rpool else rpool.pop()
+        entry(0, n, x if xv is None else x.view(xv), None, w, None,
+              y if yv is None else y.view(yv), None, rstd, flags, k, eps, offset, None)
+        # the buffers back only now: the kernel has read / written them
+        if wv is not None and len(pool) < 4:
+            pool.append(w)
+        if return_rstd:
+            return y, rstd
+        if len(rpool) < 4:
+            rpool.append(rstd)
+        return y
+
+    return run
+
+
+def _resolve_wide(e: Decode, weight: np.ndarray, w: np.ndarray) -> None:
+    """``e.wide``: widen_bits's compiled entry point for this weight's bits into
+    ``w`` (False: none, and :func:`_decode_vector` stays)."""
+    if e.wv is None or not weight.flags.writeable or not weight.flags.aligned:
+        return
+    widen = (_kernels or _k()).widen_bits
+    ov = widen.overloads.get((widen.typeof_pyval(weight.view(e.wv)), widen.typeof_pyval(w)))
+    e.wide = False if ov is None else ov.entry_point
 
 
 def _resolve(e: Decode, args: tuple) -> None:
