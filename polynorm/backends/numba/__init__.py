@@ -1307,3 +1307,60 @@ def _qk_c_view(y: np.ndarray) -> tuple:
         return y, 0, h
     wide = st // (d * it)
     return np.lib.stride_tricks.as_strided(y, (t, wide, d), (st, sh, sd)), 0, h
+
+
+@functools.lru_cache(maxsize=8)
+def _ones_heads(heads: int, d: int, cdt: np.dtype) -> np.ndarray:
+    """:func:`_ones` for per-head weights: the ``(heads, d)`` weight of a call with
+    only a per-head bias (shared, never written)."""
+    return np.ones((heads, d), cdt)
+
+
+def _param_rows(a, cdt: np.dtype) -> np.ndarray:
+    """An ``(heads, d)`` weight/bias as :func:`_param_vector` makes a ``(d,)`` one (the
+    same values: one conversion of the flattened array)."""
+    a = _interop.to_numpy(a)
+    return _param_vector(a.reshape(-1), cdt).reshape(a.shape)
+
+
+def forward_heads(x, residual, weight, bias, plan: Plan, out=None):
+    """:func:`forward` with per-head weights in one kernel call: ``x`` (and
+    ``residual``, ``out``) ``(t * heads, d)`` rows, ``weight``/``bias`` ``(heads, d)``
+    (either may be None); row ``i`` takes weight row ``i % heads``
+    (:mod:`.numba.heads`), the bits of :func:`forward` on that row with that
+    weight row.  Returns ``(y, h, rstd)``; None for plans the per-head drivers do
+    not take (llama casting, ``casting="none"``): the caller runs head by head."""
+    if plan.llama or plan.cast_none:
+        return None
+    from polynorm.backends.numba import heads as kh
+
+    caller = x
+    to_numpy = _interop.to_numpy
+    x = to_numpy(x)
+    if residual is None and x.shape[1] > 1 and x.strides[1] != x.itemsize:
+        x = np.ascontiguousarray(x)  # _unit_columns, as forward
+    n, d = x.shape
+    flags, y_dt, h_dt, cdt = _info(plan)
+    empty = _empty_for(caller)
+    y = empty((n, d), y_dt) if out is None else to_numpy(out)
+    rstd = empty(n, cdt)
+    xk, yk = _kview(x), _kview(y)
+    h = r = hk = None
+    if residual is not None:
+        h = empty((n, d), h_dt)
+        r = _kview(to_numpy(residual))
+        hk = _kview(h)
+    wide = weight if weight is not None else bias
+    heads = wide.shape[0]
+    offset = plan.offset
+    if weight is None:
+        w, offset = _ones_heads(heads, d, cdt), 0.0
+    else:
+        w = _param_rows(weight, cdt)
+    b = None if bias is None else _param_rows(bias, cdt)
+    args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, offset, None)
+    _run_rows(*kh.forward_heads_kernels(residual is not None, xk.dtype.itemsize == 2), n, d,
+              args)
+    from_numpy = _interop.from_numpy
+    return (out if out is not None else from_numpy(y, caller),
+            None if h is None else from_numpy(h, caller), from_numpy(rstd, caller))
