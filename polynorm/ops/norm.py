@@ -575,6 +575,12 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
             r = _fast.forward(mod, vx, vr, vw, vb, None, return_rstd, opts, fused)
             if r is not None:
                 return _jax_wrap(r, x)
+        if (out is None and (getattr(weight, "ndim", 0) > 1 or getattr(bias, "ndim", 0) > 1)
+                and _HEADS_ONE_CALL):
+            # per-head weights (forward_heads) in one kernel call
+            r = _fast.forward_heads(mod, x, residual, weight, bias, return_rstd, opts, fused)
+            if r is not None:
+                return r
         r = _fast.forward(mod, x, residual, weight, bias, out, return_rstd, opts, fused)
         if r is not None:
             return r

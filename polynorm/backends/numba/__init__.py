@@ -1320,7 +1320,49 @@ def _param_rows(a, cdt: np.dtype) -> np.ndarray:
     """An ``(heads, d)`` weight/bias as :func:`_param_vector` makes a ``(d,)`` one (the
     same values: one conversion of the flattened array)."""
     a = _interop.to_numpy(a)
+    if a.dtype == cdt and a.flags.c_contiguous and a.flags.writeable:
+        return a
     return _param_vector(a.reshape(-1), cdt).reshape(a.shape)
+
+
+_heads_module: list = []
+
+
+def _heads_kernels():
+    """:mod:`.numba.heads`, imported on first use (its drivers compile only when called)."""
+    if not _heads_module:
+        from polynorm.backends.numba import heads
+
+        _heads_module.append(heads)
+    return _heads_module[0]
+
+
+def forward_heads_small(x: np.ndarray, residual, weight, bias, plan: Plan):
+    """:func:`forward_heads` of small C-contiguous numpy rows (serial size, not llama,
+    not ``casting="none"``) into new arrays: the same kernel and arguments, less
+    the Python (the front end's numpy fast path for per-head decode calls)."""
+    kh = _heads_module[0] if _heads_module else _heads_kernels()
+    flags, y_dt, h_dt, cdt = _info(plan)
+    n, d = x.shape
+    y = np.empty((n, d), y_dt)
+    rstd = np.empty(n, cdt)
+    offset = plan.offset
+    if weight is None:
+        w, offset = _ones_heads(bias.shape[0], d, cdt), 0.0
+    else:
+        w = _param_rows(weight, cdt)
+    b = None if bias is None else _param_rows(bias, cdt)
+    xk = x if x.dtype.itemsize != 2 and x.flags.writeable else _kview(x)
+    yk = y if y_dt.itemsize != 2 else _kview(y)
+    if residual is None:
+        h = hk = r = None
+        rows = kh.forward_heads_bits_rows if xk.dtype.itemsize == 2 else kh.forward_heads_rows
+    else:
+        h = np.empty((n, d), h_dt)
+        hk, r = _kview(h), _kview(residual)
+        rows = kh.forward_heads_add_rows
+    rows(0, n, xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, offset, None)
+    return y, h, rstd
 
 
 def forward_heads(x, residual, weight, bias, plan: Plan, out=None):
@@ -1332,8 +1374,7 @@ def forward_heads(x, residual, weight, bias, plan: Plan, out=None):
     not take (llama casting, ``casting="none"``): the caller runs head by head."""
     if plan.llama or plan.cast_none:
         return None
-    from polynorm.backends.numba import heads as kh
-
+    kh = _heads_kernels()
     caller = x
     to_numpy = _interop.to_numpy
     x = to_numpy(x)
