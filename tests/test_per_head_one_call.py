@@ -99,6 +99,13 @@ def test_one_call_strided_out_and_torch(one_calls, rng):
     out = np.empty((t, h, d), np.float32)
     x = np.ascontiguousarray(xs)
     one_calls(lambda: pn.rms_norm(x, w, out=out).copy())
+    # add_rms_norm_: y over x, h over the residual, through rows views of both
+    def in_place():
+        xi, ri = x.copy(), xs.copy()
+        pn.add_rms_norm_(xi, ri, w)
+        return xi, ri
+
+    one_calls(in_place)
     torch = pytest.importorskip("torch")
     one_calls(lambda: tuple(a.numpy() for a in pn.add_rms_norm(
         torch.from_numpy(x), torch.from_numpy(xs.copy()), torch.from_numpy(w))))

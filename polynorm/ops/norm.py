@@ -1380,8 +1380,9 @@ def forward_heads(x, residual, weight, bias, opts: Options, *, out=None,
             w0 = b0 = None
         return forward(x, residual, w0, b0, opts, out=out, return_rstd=return_rstd,
                        fused=fused, residual_out=residual_out)
-    if _HEADS_ONE_CALL and residual_out is None:
-        r = _heads_one_call(hd, x, residual, weight, bias, opts, out, return_rstd, fused)
+    if _HEADS_ONE_CALL:
+        r = _heads_one_call(hd, x, residual, weight, bias, opts, out, return_rstd, fused,
+                            residual_out)
         if r is not None:
             return r
     ho = opts._replace(axis=-1)
@@ -1419,11 +1420,12 @@ _HEADS_ONE_CALL = True
 
 
 def _heads_one_call(hd: _Heads, x, residual, weight, bias, opts: Options, out, return_rstd: bool,
-                    fused: bool):
+                    fused: bool, residual_out=None):
     """:func:`forward_heads` as one call of the backend's ``forward_heads`` on ``x`` as
     ``(t * heads, d)`` rows (row ``i`` takes weight row ``i % heads``), or None where
     the backend has none or the call needs the per-head loop (groups, a fused add
-    run apart, llama casting, ``casting="none"``)."""
+    run apart, llama casting, ``casting="none"``, a ``residual_out`` that is no
+    rows view)."""
     if opts.group_size is not None:
         return None
     mod = _choose_backend(opts.backend, x)
@@ -1447,13 +1449,21 @@ def _heads_one_call(hd: _Heads, x, residual, weight, bias, opts: Options, out, r
     elif split_add(plan):
         return None
     _check_out(out, x, plan.out_dtype, (x, residual, weight, bias))
+    hout2 = None
+    if residual_out is not None:
+        check_residual_out(residual_out, x, residual, plan.h_dtype, (x, weight, bias, out),
+                           ("x", "weight", "bias", "out"))
+        h3 = hd.view(residual_out)
+        if h3 is None:
+            return None
+        hout2 = xp.reshape(h3, rows)
     o3 = hd.view(out)
     out2 = None if o3 is None else xp.reshape(o3, rows)
     try:
         with _no_autograd(x):
-            done = one(x2, r2, w2, b2, plan, out2)
+            done = one(x2, r2, w2, b2, plan, out2, hout2)
     except Exception as exc:
-        if out2 is None:
+        if out2 is None and hout2 is None:
             raise
         raise partly_written(exc) from exc
     if done is None:
@@ -1467,7 +1477,9 @@ def _heads_one_call(hd: _Heads, x, residual, weight, bias, opts: Options, out, r
             out[...] = y
             y = out
     result = [y]
-    if fused:
+    if residual_out is not None:
+        result.append(residual_out)
+    elif fused:
         result.append(xp.reshape(h2, hd.shape))
     if return_rstd:
         result.append(xp.reshape(rstd, hd.shape[:len(hd.shape) - hd.nax]))

@@ -1365,14 +1365,20 @@ def forward_heads_small(x: np.ndarray, residual, weight, bias, plan: Plan):
     return y, h, rstd
 
 
-def forward_heads(x, residual, weight, bias, plan: Plan, out=None):
+def forward_heads(x, residual, weight, bias, plan: Plan, out=None, h_out=None):
     """:func:`forward` with per-head weights in one kernel call: ``x`` (and
     ``residual``, ``out``) ``(t * heads, d)`` rows, ``weight``/``bias`` ``(heads, d)``
     (either may be None); row ``i`` takes weight row ``i % heads``
     (:mod:`.numba.heads`), the bits of :func:`forward` on that row with that
-    weight row.  Returns ``(y, h, rstd)``; None for plans the per-head drivers do
-    not take (llama casting, ``casting="none"``): the caller runs head by head."""
+    weight row.  ``h_out`` (rows of ``plan.norm_dtype``, possibly ``residual``
+    itself) receives ``h`` as in :func:`forward_into` (alias-safe by the same row
+    order).  Returns ``(y, h, rstd)``; None, before any write, for plans the
+    per-head drivers do not take (llama casting, ``casting="none"``) and an
+    ``h_out`` of non-adjacent columns: the caller runs head by head."""
     if plan.llama or plan.cast_none:
+        return None
+    hn = None if h_out is None else _interop.to_numpy(h_out)
+    if hn is not None and hn.shape[1] > 1 and hn.strides[1] != hn.itemsize:
         return None
     kh = _heads_kernels()
     caller = x
@@ -1388,7 +1394,7 @@ def forward_heads(x, residual, weight, bias, plan: Plan, out=None):
     xk, yk = _kview(x), _kview(y)
     h = r = hk = None
     if residual is not None:
-        h = empty((n, d), h_dt)
+        h = empty((n, d), h_dt) if hn is None else hn
         r = _kview(to_numpy(residual))
         hk = _kview(h)
     wide = weight if weight is not None else bias
@@ -1404,4 +1410,5 @@ def forward_heads(x, residual, weight, bias, plan: Plan, out=None):
               args)
     from_numpy = _interop.from_numpy
     return (out if out is not None else from_numpy(y, caller),
-            None if h is None else from_numpy(h, caller), from_numpy(rstd, caller))
+            h_out if h_out is not None else None if h is None else from_numpy(h, caller),
+            from_numpy(rstd, caller))
