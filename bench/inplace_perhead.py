@@ -6,7 +6,8 @@ Torch CPU tensors, interleaved in one run (machine noise hits every variant alik
   ``h = x + residual; y = F.rms_norm(h, (d,), w, eps)``;
 - per-head: ``pn.rms_norm(x, W)`` with ``x`` (T, H, D) and ``W`` (H, D), torch's
   ``F.rms_norm(x, (D,), eps=eps) * W``, and ``pn.rms_norm`` with one shared (D,) weight
-  (what the per-head loop costs over the plain kernel).
+  (what the per-head loop costs over the plain kernel), and the per-head call head by
+  head (the loop the one-call drivers replaced).
 
     python bench/inplace_perhead.py [--reps R] [--threads T] [--out FILE]
 
@@ -83,8 +84,22 @@ def _head_rows(dtype, shape, reps):
     w1 = wh[0].clone()
     fns = {"polynorm rms_norm per-head (H, D)": lambda: pn.rms_norm(x, wh, eps=EPS),
            "torch F.rms_norm(x, (D,)) * W": lambda: F.rms_norm(x, (shape[-1],), eps=EPS) * wh,
-           "polynorm rms_norm shared (D,)": lambda: pn.rms_norm(x, w1, eps=EPS)}
+           "polynorm rms_norm shared (D,)": lambda: pn.rms_norm(x, w1, eps=EPS),
+           "polynorm per-head loop (one call per head)": lambda: _per_head_loop(x, wh)}
     return _paired(fns, reps)
+
+
+def _per_head_loop(x, wh):
+    """The per-head call head by head (``ops.norm._HEADS_ONE_CALL`` off): the path
+    before the one-call drivers, kept for the tests."""
+    import importlib
+
+    norm = importlib.import_module("polynorm.ops.norm")
+    norm._HEADS_ONE_CALL = False
+    try:
+        return pn.rms_norm(x, wh, eps=EPS)
+    finally:
+        norm._HEADS_ONE_CALL = True
 
 
 def main() -> None:
@@ -92,6 +107,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=0, help="torch and Numba threads (0: defaults)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", choices=("add", "per-head"), default=None,
+                    help="run only these rows")
     a = ap.parse_args()
     if a.threads:
         import numba
@@ -100,6 +117,8 @@ def main() -> None:
         numba.set_num_threads(a.threads)
     rows = []
     for kind, shapes, run in (("add", ADD_SHAPES, _add_rows), ("per-head", HEAD_SHAPES, _head_rows)):
+        if a.only is not None and kind != a.only:
+            continue
         for dtype in DTYPES:
             for shape in shapes:
                 med = run(dtype, shape, a.reps)
@@ -109,7 +128,8 @@ def main() -> None:
                              "ratio_to_torch": {k: round(v / base, 3) for k, v in med.items()}})
                 print(json.dumps(rows[-1]))
     cpu = platform.processor() or platform.machine()
-    out = {"what": f"python bench/inplace_perhead.py --reps {a.reps} --threads {a.threads}: "
+    only = "" if a.only is None else f" --only {a.only}"
+    out = {"what": f"python bench/inplace_perhead.py --reps {a.reps} --threads {a.threads}{only}: "
                    "torch CPU tensors, "
                    "median per call of interleaved runs; ratio < 1 is faster than torch's "
                    "composition",

@@ -415,3 +415,71 @@ def _backward(mod, dy, x, weight, bias, rstd, grad_residual, opts: Options):
     r1 = None if rstd is None else rstd.reshape(n)
     dx, dw, db = mod.backward(dy.reshape(n, d), x.reshape(n, d), weight, bias, r1, gr, plan)
     return dx.reshape(shape), dw, db
+
+
+# --------------------------------------------------------------------------- per-head weights
+# weight/bias of shape x.shape[-m:] with m >= 2 (QuACK's (H, D) weight): a contiguous
+# numpy x (or a torch CPU tensor's view) as (t * heads, d) rows, one call of the
+# backend's forward_heads (row i takes weight row i % heads).  Anything else -- out=,
+# strided arrays, options the kernels do not take -- returns None: the general
+# path (ops.norm.forward_heads) runs, with its checks and errors.
+
+
+def forward_heads(mod, x, residual, weight, bias, return_rstd: bool, opts: Options,
+                  fused: bool):
+    """Per-head ``rms_norm``/``add_rms_norm`` on numpy arrays or torch CPU tensors in
+    one kernel call, or None for the general path."""
+    if type(x) is not np.ndarray:
+        if type(x).__module__ != "torch" or x.ndim == 0:
+            return None
+        views = _interop.torch_host_views((x, residual, weight, bias))
+        if views is None:
+            return None
+        r = forward_heads(mod, *views, return_rstd, opts, fused)
+        if r is None:
+            return None
+        if type(r) is np.ndarray:
+            return _interop.torch_from_host(r)
+        return tuple(_interop.torch_from_host(a) for a in r)
+    if not _all_numpy_or_none(weight, bias, residual, None):
+        return None
+    wide = weight if weight is not None else bias
+    if wide is None or wide.ndim < 2 or wide.ndim > x.ndim or not x.flags.c_contiguous:
+        return None
+    shape, wshape = x.shape, wide.shape
+    if shape[x.ndim - wide.ndim:] != wshape or x.size == 0:
+        return None
+    names = _NAMES if len(_NAMES) == 4 else _names()
+    dtype = names.get(x.dtype)
+    if dtype is None:
+        return None
+    for a in (weight, bias):
+        if a is not None and (a.shape != wshape or a.dtype not in names):
+            return None
+    d = shape[-1]
+    n = x.size // d
+    if residual is not None:
+        rdt = names.get(residual.dtype)
+        if rdt is None or residual.shape != shape or not residual.flags.c_contiguous:
+            return None
+        dtype = promote(dtype, rdt)
+    plan = _plan(d, dtype, opts)
+    if plan is None or plan.llama or _apart(plan, residual, opts):
+        return None
+    heads = wide.size // d
+    w2 = None if weight is None else weight.reshape(heads, d)
+    b2 = None if bias is None else bias.reshape(heads, d)
+    r2 = None if residual is None else residual.reshape(n, d)
+    if n * d < mod.SERIAL_MAX_ELEMENTS:
+        done = mod.forward_heads_small(x.reshape(n, d), r2, w2, b2, plan)
+    else:
+        done = mod.forward_heads(x.reshape(n, d), r2, w2, b2, plan, None)
+    if done is None:
+        return None
+    y, h, rstd = done
+    y = y.reshape(shape)
+    rstd = rstd.reshape(shape[:-1])
+    if fused:
+        h = h.reshape(shape)
+        return (y, h, rstd) if return_rstd else (y, h)
+    return (y, rstd) if return_rstd else y

@@ -575,6 +575,12 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
             r = _fast.forward(mod, vx, vr, vw, vb, None, return_rstd, opts, fused)
             if r is not None:
                 return _jax_wrap(r, x)
+        if (out is None and (getattr(weight, "ndim", 0) > 1 or getattr(bias, "ndim", 0) > 1)
+                and _HEADS_ONE_CALL):
+            # per-head weights (forward_heads) in one kernel call
+            r = _fast.forward_heads(mod, x, residual, weight, bias, return_rstd, opts, fused)
+            if r is not None:
+                return r
         r = _fast.forward(mod, x, residual, weight, bias, out, return_rstd, opts, fused)
         if r is not None:
             return r
@@ -1374,6 +1380,11 @@ def forward_heads(x, residual, weight, bias, opts: Options, *, out=None,
             w0 = b0 = None
         return forward(x, residual, w0, b0, opts, out=out, return_rstd=return_rstd,
                        fused=fused, residual_out=residual_out)
+    if _HEADS_ONE_CALL:
+        r = _heads_one_call(hd, x, residual, weight, bias, opts, out, return_rstd, fused,
+                            residual_out)
+        if r is not None:
+            return r
     ho = opts._replace(axis=-1)
     x3, r3, w2, b2 = hd.split(x), hd.split(residual), hd.params(weight), hd.params(bias)
     out3, hout3 = hd.view(out), hd.view(residual_out)
@@ -1400,6 +1411,78 @@ def forward_heads(x, residual, weight, bias, opts: Options, *, out=None,
         result.append(h)
     if return_rstd:
         result.append(hd.join(rs, hd.shape[:len(hd.shape) - hd.nax]))
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+#: Per-head calls in one kernel call where the backend has ``forward_heads`` (Numba);
+#: False runs every call head by head (the tests compare the two bit for bit).
+_HEADS_ONE_CALL = True
+
+
+def _heads_one_call(hd: _Heads, x, residual, weight, bias, opts: Options, out, return_rstd: bool,
+                    fused: bool, residual_out=None):
+    """:func:`forward_heads` as one call of the backend's ``forward_heads`` on ``x`` as
+    ``(t * heads, d)`` rows (row ``i`` takes weight row ``i % heads``), or None where
+    the backend has none or the call needs the per-head loop (groups, a fused add
+    run apart, llama casting, ``casting="none"``, a ``residual_out`` that is no
+    rows view)."""
+    if opts.group_size is not None:
+        return None
+    mod = _choose_backend(opts.backend, x)
+    one = getattr(mod, "forward_heads", None)
+    if one is None:
+        return None
+    xp = hd.xp
+    rows = (hd.t * hd.heads, hd.d)
+    x2 = xp.reshape(x, rows)
+    r2 = None if residual is None else xp.reshape(residual, rows)
+    w2, b2 = hd.params(weight), hd.params(bias)
+    ho = opts._replace(axis=-1)
+    call = _prepare(x=x2, weight=None if w2 is None else w2[0, :],
+                    bias=None if b2 is None else b2[0, :], arrays={"residual": r2, "out": out},
+                    opts=ho)
+    plan = call.plan
+    if call.backend is not mod or plan.cast_none or plan.llama:
+        return None
+    if residual is None:
+        no_residual(opts)
+    elif split_add(plan):
+        return None
+    _check_out(out, x, plan.out_dtype, (x, residual, weight, bias))
+    hout2 = None
+    if residual_out is not None:
+        check_residual_out(residual_out, x, residual, plan.h_dtype, (x, weight, bias, out),
+                           ("x", "weight", "bias", "out"))
+        h3 = hd.view(residual_out)
+        if h3 is None:
+            return None
+        hout2 = xp.reshape(h3, rows)
+    o3 = hd.view(out)
+    out2 = None if o3 is None else xp.reshape(o3, rows)
+    try:
+        with _no_autograd(x):
+            done = one(x2, r2, w2, b2, plan, out2, hout2)
+    except Exception as exc:
+        if out2 is None and hout2 is None:
+            raise
+        raise partly_written(exc) from exc
+    if done is None:
+        return None
+    y2, h2, rstd = done
+    if out is not None and out2 is not None:
+        y = out
+    else:
+        y = xp.reshape(y2, hd.shape)
+        if out is not None:
+            out[...] = y
+            y = out
+    result = [y]
+    if residual_out is not None:
+        result.append(residual_out)
+    elif fused:
+        result.append(xp.reshape(h2, hd.shape))
+    if return_rstd:
+        result.append(xp.reshape(rstd, hd.shape[:len(hd.shape) - hd.nax]))
     return result[0] if len(result) == 1 else tuple(result)
 
 

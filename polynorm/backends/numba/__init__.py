@@ -1381,3 +1381,108 @@ def _qk_c_view(y: np.ndarray) -> tuple:
         return y, 0, h
     wide = st // (d * it)
     return np.lib.stride_tricks.as_strided(y, (t, wide, d), (st, sh, sd)), 0, h
+
+
+@functools.lru_cache(maxsize=8)
+def _ones_heads(heads: int, d: int, cdt: np.dtype) -> np.ndarray:
+    """:func:`_ones` for per-head weights: the ``(heads, d)`` weight of a call with
+    only a per-head bias (shared, never written)."""
+    return np.ones((heads, d), cdt)
+
+
+def _param_rows(a, cdt: np.dtype) -> np.ndarray:
+    """An ``(heads, d)`` weight/bias as :func:`_param_vector` makes a ``(d,)`` one (the
+    same values: one conversion of the flattened array)."""
+    a = _interop.to_numpy(a)
+    if a.dtype == cdt and a.flags.c_contiguous and a.flags.writeable:
+        return a
+    return _param_vector(a.reshape(-1), cdt).reshape(a.shape)
+
+
+_heads_module: list = []
+
+
+def _heads_kernels():
+    """:mod:`.numba.heads`, imported on first use (its drivers compile only when called)."""
+    if not _heads_module:
+        from polynorm.backends.numba import heads
+
+        _heads_module.append(heads)
+    return _heads_module[0]
+
+
+def forward_heads_small(x: np.ndarray, residual, weight, bias, plan: Plan):
+    """:func:`forward_heads` of small C-contiguous numpy rows (serial size, not llama,
+    not ``casting="none"``) into new arrays: the same kernel and arguments, less
+    the Python (the front end's numpy fast path for per-head decode calls)."""
+    kh = _heads_module[0] if _heads_module else _heads_kernels()
+    flags, y_dt, h_dt, cdt = _info(plan)
+    n, d = x.shape
+    y = np.empty((n, d), y_dt)
+    rstd = np.empty(n, cdt)
+    offset = plan.offset
+    if weight is None:
+        w, offset = _ones_heads(bias.shape[0], d, cdt), 0.0
+    else:
+        w = _param_rows(weight, cdt)
+    b = None if bias is None else _param_rows(bias, cdt)
+    xk = x if x.dtype.itemsize != 2 and x.flags.writeable else _kview(x)
+    yk = y if y_dt.itemsize != 2 else _kview(y)
+    if residual is None:
+        h = hk = r = None
+        rows = kh.forward_heads_bits_rows if xk.dtype.itemsize == 2 else kh.forward_heads_rows
+    else:
+        h = np.empty((n, d), h_dt)
+        hk, r = _kview(h), _kview(residual)
+        rows = kh.forward_heads_add_rows
+    rows(0, n, xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, offset, None)
+    return y, h, rstd
+
+
+def forward_heads(x, residual, weight, bias, plan: Plan, out=None, h_out=None):
+    """:func:`forward` with per-head weights in one kernel call: ``x`` (and
+    ``residual``, ``out``) ``(t * heads, d)`` rows, ``weight``/``bias`` ``(heads, d)``
+    (either may be None); row ``i`` takes weight row ``i % heads``
+    (:mod:`.numba.heads`), the bits of :func:`forward` on that row with that
+    weight row.  ``h_out`` (rows of ``plan.norm_dtype``, possibly ``residual``
+    itself) receives ``h`` as in :func:`forward_into` (alias-safe by the same row
+    order).  Returns ``(y, h, rstd)``; None, before any write, for plans the
+    per-head drivers do not take (llama casting, ``casting="none"``) and an
+    ``h_out`` of non-adjacent columns: the caller runs head by head."""
+    if plan.llama or plan.cast_none:
+        return None
+    hn = None if h_out is None else _interop.to_numpy(h_out)
+    if hn is not None and hn.shape[1] > 1 and hn.strides[1] != hn.itemsize:
+        return None
+    kh = _heads_kernels()
+    caller = x
+    to_numpy = _interop.to_numpy
+    x = to_numpy(x)
+    if residual is None and x.shape[1] > 1 and x.strides[1] != x.itemsize:
+        x = np.ascontiguousarray(x)  # _unit_columns, as forward
+    n, d = x.shape
+    flags, y_dt, h_dt, cdt = _info(plan)
+    empty = _empty_for(caller)
+    y = empty((n, d), y_dt) if out is None else to_numpy(out)
+    rstd = empty(n, cdt)
+    xk, yk = _kview(x), _kview(y)
+    h = r = hk = None
+    if residual is not None:
+        h = empty((n, d), h_dt) if hn is None else hn
+        r = _kview(to_numpy(residual))
+        hk = _kview(h)
+    wide = weight if weight is not None else bias
+    heads = wide.shape[0]
+    offset = plan.offset
+    if weight is None:
+        w, offset = _ones_heads(heads, d, cdt), 0.0
+    else:
+        w = _param_rows(weight, cdt)
+    b = None if bias is None else _param_rows(bias, cdt)
+    args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, offset, None)
+    _run_rows(*kh.forward_heads_kernels(residual is not None, xk.dtype.itemsize == 2), n, d,
+              args)
+    from_numpy = _interop.from_numpy
+    return (out if out is not None else from_numpy(y, caller),
+            h_out if h_out is not None else None if h is None else from_numpy(h, caller),
+            from_numpy(rstd, caller))
