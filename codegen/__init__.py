@@ -44,7 +44,7 @@ def render() -> dict[str, str]:
         "dtypes": FLOAT_DTYPES,
         "ctype": cl.CTYPE,
         # the launch rules' block limits, as the kernels' __launch_bounds__
-        "bounds": {"reg": cl.REG_THREADS, "small": cl.SMALL_THREADS, "big": cl.BIG_THREADS,
+        "bounds": {"qk": cl.QK_THREADS, "reg": cl.REG_THREADS, "small": cl.SMALL_THREADS, "big": cl.BIG_THREADS,
                    "fuse": cl.FUSE_THREADS, "colsum": cl.COLSUM_THREADS, "rows": cl.ROWS_THREADS},
         "rows_red": cl.ROWS_RED,
         "promote": promote,

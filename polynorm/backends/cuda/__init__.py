@@ -742,12 +742,14 @@ def split_backward(dy, x, weight, bias, sumsq, dot, k_total: int, plan: Plan):
 def qk_forward(x, weight, plan: Plan, rope, out=None):
     """QK-norm (+ RoPE) of ``(T, H, D)`` heads (:class:`polynorm.backends.QKKernels`):
     pn_qk_fwd in place on ``out`` when it is ``x`` with a contiguous last axis and the
-    casting is fp32; otherwise (llama casting, a new result, a strided last axis)
-    the reference's arrays on the device."""
+    casting is fp32; otherwise (llama casting, a new result, a strided last axis, a
+    head longer than :func:`~polynorm.backends.cuda.launch.qk_takes` allows) the
+    reference's arrays on the device."""
     from polynorm.backends import reference
 
     c = _interop.to_cupy(x) if out is x else None
-    if plan.llama or c is None or c.ndim != 3 or (c.shape[2] > 1 and c.strides[2] != c.itemsize):
+    if (plan.llama or c is None or c.ndim != 3 or (c.shape[2] > 1 and c.strides[2] != c.itemsize)
+            or not cl.qk_takes(c.shape[2], _name(x))):
         return reference.qk_forward(x, weight, plan, rope, out)
     xd = _name(x)
     ct = plan.compute_dtype

@@ -887,6 +887,22 @@ def qk_name(x: str, neox: bool = True) -> str:
     return f"pn_qk_fwd<{_ct(x)}, {int(neox)}>"
 
 
+#: __launch_bounds__ of pn_qk_fwd: heads whose tree (pn_fwd's threads per row for a row
+#: of ``d``) fits 256 threads, every head size in use (bfloat16 up to d = 4096); 1024
+#: would leave 64 registers, and ptxas spills on sm_80
+QK_THREADS = 256
+
+
+def qk_takes(d: int, x: str) -> bool:
+    """Whether pn_qk_fwd takes heads of ``d`` (dtype ``x``): its tree fits
+    :data:`QK_THREADS` (longer heads run the reference on the device).
+
+    >>> qk_takes(128, "bfloat16"), qk_takes(4096, "bfloat16"), qk_takes(1 << 16, "float32")
+    (True, True, False)
+    """
+    return segment_tpr(d, x) <= QK_THREADS
+
+
 @lru_cache(maxsize=4096)
 def qk_launch(segments: int, d: int, x: str, neox: bool = True) -> Launch:
     """Launch of pn_qk_fwd: one segment per (token, head) of ``d`` columns; ``tpr``

@@ -3534,7 +3534,7 @@ __global__ void __launch_bounds__(1024) pn_split_bwd(
 // place is safe: the statistic's reduction ends every read of the first pass,
 // and afterwards each thread reads and writes only its own columns.
 template <typename XT, int NEOX>
-__global__ void __launch_bounds__(1024) pn_qk_fwd(
+__global__ void __launch_bounds__(256) pn_qk_fwd(
     XT* x, long long st, long long sh, int heads,
     const typename pn_compute<XT>::type* __restrict__ w,
     const typename pn_compute<XT>::type* __restrict__ cs, long long scs, int rot,
@@ -3566,6 +3566,7 @@ __global__ void __launch_bounds__(1024) pn_qk_fwd(
     if (!active) return;  // no barrier below
     const int half = cs ? rot / 2 : 0;
     const CT* cr = cs ? cs + t * scs : nullptr;
+#pragma unroll 1
     for (int i = tr; i < half; i += tpr) {
         const int j0 = NEOX ? i : 2 * i;
         const int j1 = NEOX ? i + half : 2 * i + 1;
@@ -3573,6 +3574,7 @@ __global__ void __launch_bounds__(1024) pn_qk_fwd(
         xr[j0] = pn_out<XT>::from(pn_mul(a, c) - pn_mul(b, s));
         xr[j1] = pn_out<XT>::from(pn_mul(b, c) + pn_mul(a, s));
     }
+#pragma unroll 1
     for (int j = 2 * half + tr; j < d; j += tpr) xr[j] = pn_out<XT>::from(yr(j));
 }
 
