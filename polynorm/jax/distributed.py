@@ -24,14 +24,8 @@ if TYPE_CHECKING:
 
 __all__ = ["rms_norm"]
 
-_EXCLUDE = ("norm_input", "residual_dtype")
-
-
-def _kw(opts: Options, *, y: bool) -> dict[str, Any]:
-    kw = {n: v for n, v in opts._asdict().items() if n not in _EXCLUDE}
-    if not y:
-        del kw["out_dtype"]
-    return kw
+_EXCLUDE = _split.NO_RESIDUAL_OPTIONS
+_kw = _split.split_kwargs
 
 
 def _forward(x, weight, bias, axis_name, d_total, opts):

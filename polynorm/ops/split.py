@@ -35,6 +35,20 @@ _NO_RESIDUAL = ("norm_input", "residual_dtype")
 #: ... and, for the functions that return no y, no output dtype
 _NO_Y = (*_NO_RESIDUAL, "out_dtype")
 
+#: options without meaning for a norm without residual: the distributed front ends
+#: (polynorm.torch.distributed, polynorm.jax.distributed) take none of them
+NO_RESIDUAL_OPTIONS = ("norm_input", "residual_dtype")
+
+
+def split_kwargs(opts: Options, *, y: bool) -> dict[str, Any]:
+    """``opts`` as the keywords of :func:`rms_norm_from_stats` (``y=True``) or of the
+    stats functions (``y=False``: no ``out_dtype``), without the residual's options."""
+    kw = {n: v for n, v in opts._asdict().items() if n not in NO_RESIDUAL_OPTIONS}
+    if not y:
+        del kw["out_dtype"]
+    return kw
+
+
 def _fixed(names: tuple[str, ...]) -> dict[str, Any]:
     """The excluded options at their defaults (``pack_options``: a caller's keyword for
     one of them is then a ``TypeError``)."""

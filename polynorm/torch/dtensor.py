@@ -109,7 +109,7 @@ def rms_norm(x, weight, bias, opts: Options, apply_local, residual: Any = None) 
     h = None
     if hidden:
         group = mesh.get_group(hidden[0])
-        kw = {n: v for n, v in opts._asdict().items() if n not in _dist._EXCLUDE}
+        kw = _dist._kw(opts, y=True)
         if r_local is not None:
             if opts.norm_input != "h" or opts.residual_dtype is not None:
                 raise ValueError("a DTensor x sharded over its normalized axis takes the "
