@@ -61,8 +61,11 @@ def _keep(ctx, x, y, weight, bias, rstd, opts: Options, save: str, check: bool) 
 
     ``check``: read ``weight`` for zeros of ``weight + offset`` and keep ``x`` where
     there are (eager calls); a compiled graph cannot branch on data, so there ``y`` is
-    kept and such columns give NaN gradients (documented at :func:`rms_norm`).
+    kept and such columns give NaN gradients (documented at :func:`rms_norm`).  Nor is
+    a CUDA weight read: that would wait for the device on every training step (and is
+    illegal while a CUDA graph is captured).
     """
+    check = check and (weight is None or not weight.is_cuda)
     lean = save == "output" and (not check or _lean.recoverable(weight, opts.offset, rstd.dtype))
     lean = lean and opts.group_size is None  # x is recovered with one rstd per slice only
     ctx.save_for_backward(y if lean else x, weight, bias, rstd)
@@ -368,9 +371,10 @@ def rms_norm(
         activation of ``x``'s size less per norm, and gradients equal to
         ``"input"``'s to ``y``'s precision (``polynorm.ops.lean``).  Where
         ``weight + offset`` has a zero, ``x`` cannot be recovered: an eager call
-        checks (reading the weight) and keeps ``x``; under ``torch.compile``,
-        ``torch.func`` and ``torch.jit.trace`` it cannot, and such columns give
-        NaN gradients.
+        with a CPU weight checks (reading the weight) and keeps ``x``; with a CUDA
+        weight (where the check would wait for the device) and under
+        ``torch.compile``, ``torch.func`` and ``torch.jit.trace`` it does not, and
+        such columns give NaN gradients.
     in_place : bool
         The backward writes ``dx`` into the memory of the incoming gradient
         ``dy`` (when it has ``x``'s dtype), saving one allocation of ``x``'s

@@ -347,17 +347,10 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
             yc = _empty((n, d), types.out, like=x)
         hc = _empty((n, d), types.h, like=x) if resc is not None else None
         rstd = _empty((n,), ct, like=x)
-        num_sms, max_smem = _device()
-        launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out, max_smem=max_smem,
-                                   num_sms=num_sms, has_res=resc is not None, device=_device_name())
-        head = (
-            _ptr(xc), _rs(xc), _ptr(resc), _rs(resc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
-            _ptr(yc), _rs(yc), _ptr(rstd),
-        )
-        tail = (
-            np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
-            np.int32(plan.llama),
-        )
+        ptr = {"x": _ptr(xc), "res": _ptr(resc), "h": _ptr(hc), "w": _ptr(wc), "b": _ptr(bc),
+               "y": _ptr(yc), "rstd": _ptr(rstd)}
+        rs = {"x": _rs(xc), "res": _rs(resc), "h": _rs(hc), "y": _rs(yc)}
+        launch, head, tail = _forward_launch_args(types, plan, n, d, resc is not None, ptr, rs)
         _launch_rows(launch, head, tail, n, d, plan.k, sums=1, like=x)
         if direct:
             y = out
@@ -395,30 +388,77 @@ def forward_into(x, residual, weight, bias, plan: Plan, out, h_out):
         if yc is None:
             yc = _empty((n, d), types.out, like=x)
         rstd = _empty((n,), compute_dtype(types.h), like=x)
-        num_sms, max_smem = _device()
-        launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out,
-                                   max_smem=max_smem, num_sms=num_sms)
-        head = (_ptr(xc), _rs(xc), _ptr(resc), _rs(resc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
-                _ptr(yc), _rs(yc), _ptr(rstd))
-        tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
-                np.int32(plan.llama))
+        ptr = {"x": _ptr(xc), "res": _ptr(resc), "h": _ptr(hc), "w": _ptr(wc), "b": _ptr(bc),
+               "y": _ptr(yc), "rstd": _ptr(rstd)}
+        rs = {"x": _rs(xc), "res": _rs(resc), "h": _rs(hc), "y": _rs(yc)}
+        launch, head, tail = _forward_launch_args(types, plan, n, d, True, ptr, rs)
         _launch_rows(launch, head, tail, n, d, plan.k, sums=1, like=x)
         y = out if direct else _cast(_interop.from_cupy(yc, x, types.out), plan.out_dtype)
         return y, h_out, _interop.from_cupy(rstd, x)
 
 
+def _forward_launch_args(types: cl.FwdTypes, plan: Plan, n: int, d: int, has_res: bool,
+                         ptr: dict, rs: dict) -> tuple[cl.Launch, tuple, tuple]:
+    """(launch, head, tail) of the forward / fused add row kernel (:func:`_row_steps`),
+    shared by :func:`forward`, :func:`forward_into` and the host path's launch records
+    (:mod:`.hostpath`), so that all three launch the same kernel the same way.
+
+    ``ptr``: role (x, res, h, w, b, y, rstd) -> pointer argument (a null pointer for an
+    absent array), ``rs``: role (x, res, h, y) -> row stride argument.  ``has_res``
+    picks the tuning table's fused-add entries.
+    """
+    num_sms, max_smem = _device()
+    launch = cl.forward_launch(n, d, types.x, types.res, types.weight, types.out, max_smem=max_smem,
+                               num_sms=num_sms, has_res=has_res, device=_device_name())
+    head = (ptr["x"], rs["x"], ptr["res"], rs["res"], ptr["h"], rs["h"], ptr["w"], ptr["b"],
+            ptr["y"], rs["y"], ptr["rstd"])
+    tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset),
+            np.int32(plan.llama))
+    return launch, head, tail
+
+
+def _row_steps(launch, head: tuple, tail: tuple, n: int, d: int, k: int, part: Any = None) -> list:
+    """[(launch, args)] of a row kernel: one launch (``head``, the row scalars, ``tail``),
+    or pn_*_split's two around the float64 buffer whose pointer argument is ``part``."""
+    if launch.slices:
+        args = (*head, part, np.int64(n), np.int32(d), np.int32(k), np.int32(launch.slices), *tail)
+        return [(launch, args), (dataclasses.replace(launch, name=launch.name2), args)]
+    return [(launch, (*head, np.int64(n), np.int32(d), np.int32(k),
+                      np.int32(launch.stash if launch.big else launch.tpr), *tail))]
+
+
 def _launch_rows(launch, head: tuple, tail: tuple, n: int, d: int, k: int, sums: int,
                  like: Any = None) -> None:
-    """A row kernel's launch (``head``, the row scalars, ``tail``), or pn_*_split's two
-    launches around a float64 buffer of ``sums`` sums per (row, slice)."""
-    if launch.slices:
-        part = _empty((sums * n * launch.slices,), "float64", like=like)
-        args = (*head, _ptr(part), np.int64(n), np.int32(d), np.int32(k), np.int32(launch.slices), *tail)
-        _launch(launch, args)
-        _launch(dataclasses.replace(launch, name=launch.name2), args)
-    else:
-        _launch(launch, (*head, np.int64(n), np.int32(d), np.int32(k),
-                         np.int32(launch.stash if launch.big else launch.tpr), *tail))
+    """A row kernel's launch, or pn_*_split's two launches around a float64 buffer of
+    ``sums`` sums per (row, slice)."""
+    part = _empty((sums * n * launch.slices,), "float64", like=like) if launch.slices else None
+    for step, args in _row_steps(launch, head, tail, n, d, k, _ptr(part) if launch.slices else None):
+        _launch(step, args)
+
+
+def _backward_launch(types: cl.BwdTypes, n: int, d: int, has_w: bool, has_b: bool,
+                     has_g: bool) -> cl.Launch:
+    """The backward row kernel's launch (its partial-sum buffers are
+    ``launch.partial_rows x launch.ldp`` of the compute dtype, zeroed for ``launch.big``)."""
+    num_sms, max_smem = _device()
+    return cl.backward_launch(n, d, types.x, types.dy, types.weight, partials=has_w or has_b,
+                              num_sms=num_sms, max_smem=max_smem, has_w=has_w, has_g=has_g)
+
+
+def _backward_args(launch: cl.Launch, plan: Plan, ptr: dict, rs: dict) -> tuple[tuple, tuple]:
+    """(head, tail) of the backward row kernel (:func:`_row_steps`), as in
+    :func:`_forward_launch_args`: ``ptr`` roles dy, x, w, rstd, g, dx, dwp, dbp (the
+    partial-sum buffers), ``rs`` roles dy, x, g, dx."""
+    head = (ptr["dy"], rs["dy"], ptr["x"], rs["x"], ptr["w"], ptr["rstd"], ptr["g"], rs["g"],
+            ptr["dx"], rs["dx"], ptr["dwp"], ptr["dbp"], np.int64(launch.ldp))
+    tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset))
+    return head, tail
+
+
+def _colsum_launch_args(rows: int, ldp: int, d: int, ct: str, kout: str, part: Any, out: Any):
+    """(launch, args) of pn_colsum over ``rows x ldp`` partial sums into ``d`` columns."""
+    launch = cl.colsum_launch(d, ct, kout)
+    return launch, (part, np.int64(rows), np.int64(ldp), np.int32(d), out)
 
 
 def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
@@ -438,19 +478,15 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
         rstdc = _dev(_cast(rstd, ct))
         n, d = xc.shape
         dxc = _empty((n, d), xd, like=x)
-        num_sms, max_smem = _device()
-        want = weight is not None or bias is not None
-        launch = cl.backward_launch(n, d, xd, types.dy, types.weight, partials=want,
-                                    num_sms=num_sms, max_smem=max_smem,
-                                    has_w=weight is not None, has_g=grad_residual is not None)
+        launch = _backward_launch(types, n, d, weight is not None, bias is not None,
+                                  grad_residual is not None)
         shape = (launch.partial_rows, launch.ldp)
         dwp = _empty(shape, ct, zero=launch.big, like=x) if weight is not None else None
         dbp = _empty(shape, ct, zero=launch.big, like=x) if bias is not None else None
-        head = (
-            _ptr(dyc), _rs(dyc), _ptr(xc), _rs(xc), _ptr(wc), _ptr(rstdc), _ptr(gc), _rs(gc),
-            _ptr(dxc), _rs(dxc), _ptr(dwp), _ptr(dbp), np.int64(launch.ldp),
-        )
-        tail = (np.float64(plan.eps), np.int32(plan.eps_inside), np.float64(plan.offset))
+        ptr = {"dy": _ptr(dyc), "x": _ptr(xc), "w": _ptr(wc), "rstd": _ptr(rstdc), "g": _ptr(gc),
+               "dx": _ptr(dxc), "dwp": _ptr(dwp), "dbp": _ptr(dbp)}
+        rs = {"dy": _rs(dyc), "x": _rs(xc), "g": _rs(gc), "dx": _rs(dxc)}
+        head, tail = _backward_args(launch, plan, ptr, rs)
         _launch_rows(launch, head, tail, n, d, plan.k, sums=2, like=x)
         dx = _interop.from_cupy(dxc, x, xd)
         dweight = _colsum(dwp, d, ct, wd, x) if weight is not None else None
@@ -461,8 +497,7 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
 def _colsum(part, d: int, ct: str, want: str, like: Any):
     kout = cl.colsum_out(ct, want)
     out = _empty((d,), kout, like=like)
-    launch = cl.colsum_launch(d, ct, kout)
-    _launch(launch, (_ptr(part), np.int64(part.shape[0]), np.int64(part.shape[1]), np.int32(d), _ptr(out)))
+    _launch(*_colsum_launch_args(part.shape[0], part.shape[1], d, ct, kout, _ptr(part), _ptr(out)))
     return _cast(_interop.from_cupy(out, like, kout), want)
 
 
