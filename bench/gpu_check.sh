@@ -17,6 +17,8 @@
 #   gpu_tests.txt       pytest -k "cupy and not emul": tests/test_cupy_gpu.py and the suite's cupy cases
 #   gpu-<date>.json     the benchmark records (polynorm.bench.gpu); its table in gpu_bench.txt
 #   gpu_overhead.txt    a small call's host time against its kernels alone, and its profile
+#   host-path-<date>.json  the torch-CUDA host path: host time per call with and without launch
+#   gpu_host.txt        records, torch's F.rms_norm beside it, CUDA graph capture + replay bits
 #   gpu_model.txt       the launch model's prediction for every case (no GPU needed), to set
 #                       beside the measured table
 #   tune-<date>.json    the pn_fwd_rows launch sweep (polynorm.bench.tune: every candidate of
@@ -148,6 +150,19 @@ status=0
     tests/ >"$RESULTS/gpu_tests.txt" 2>&1 || status=$?
 [ -f "$RESULTS/gpu_tests.txt" ] && tail -n 15 "$RESULTS/gpu_tests.txt"
 log "GPU tests exit status $status (5: nothing collected)"
+
+# ---- the torch-CUDA host path (launch records): host time per call against torch's F.rms_norm
+# (target <= 20 us at 4096x1024 bfloat16) and fwd/add/bwd captured in a CUDA graph, replayed
+# against eager bits (polynorm.bench.gpu_host)
+if [ "$MODE" = dry ]; then
+    "$PY" -m polynorm.bench.gpu_host --dry-run >"$RESULTS/gpu_host.txt" 2>&1
+    log "host path (dry run) exit status $? (gpu_host.txt)"
+elif [ "$KERNELS_ONLY" = 0 ]; then
+    timeout 150 "$PY" -m polynorm.bench.gpu_host --out "$RESULTS/host-path-$(date -u +%Y%m%dT%H%M).json" \
+        >"$RESULTS/gpu_host.txt" 2>&1
+    log "host path exit status $? (gpu_host.txt; 1: a graph replay differed or failed)"
+    cat "$RESULTS/gpu_host.txt"
+fi
 
 # ---- a small call's host time against its kernels alone (bench/gpu_overhead.py)
 if [ "$MODE" = run ] && [ "$KERNELS_ONLY" = 0 ]; then

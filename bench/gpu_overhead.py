@@ -70,7 +70,7 @@ def profile_case(lib: str, dtype: str, op: str, n: int, d: int, calls: int) -> N
     t_kern = per_call(replay, calls)
     del keep
     line = (f"{op} {lib} {dtype} {n}x{d}: call {t_call * 1e6:8.1f} us, kernels alone "
-            f"{t_kern * 1e6:7.1f} us ({len(replay.launches)} launches)")
+            f"{t_kern * 1e6:7.1f} us ({sum(la is not None for la, _, _ in replay.launches)} launches)")
     if lib == "torch" and op == "fwd":
         t_torch = per_call(lambda: F.rms_norm(x, (d,), w, 1e-6), calls)
         line += f", torch F.rms_norm {t_torch * 1e6:7.1f} us"

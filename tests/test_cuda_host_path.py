@@ -307,3 +307,19 @@ def test_save_output_does_not_read_a_cuda_weight(monkeypatch):
     assert ctx.lean and saved["t"][0] is y and not read
     tnorm._keep(ctx, x, y, torch.ones(4), None, rstd, opts, "output", True)
     assert ctx.lean and read == [1]
+
+
+def test_recording_sees_the_launches(stand_in, monkeypatch):
+    """While ``cuda.recording()`` runs (the GPU bench's kernel-only replays) calls take the
+    backend's launches, which it records, not the record's."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        cuda=types.SimpleNamespace(get_current_stream=lambda: None)))
+    x, w = _t((4, 64), torch.float32, 1), _t(64, torch.float32, 2)
+    pn.rms_norm(x, w, backend="cupy")
+    stand_in.new.clear()
+    with cupy_backend.recording() as replay:
+        pn.rms_norm(x, w, backend="cupy")
+    assert [la.name for la, _, _ in replay.launches if la is not None] == [stand_in.old[-1][0]]
+    assert not stand_in.new

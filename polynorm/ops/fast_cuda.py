@@ -200,12 +200,22 @@ def _tkey(a: Any) -> tuple | None:
     return (a.__class__, a.dtype, a.shape, a.stride(), a.get_device())
 
 
+#: id -> Options object whose fields are all of the exact types (the object kept, so
+#: its id is not reused): pack_options hands the default and each eps-only call the
+#: same object, checked once
+_EXACT_OPTS: dict[int, Options] = {}
+
+
 def _key(opts: Options, *arrays: Any) -> tuple | None:
     """Everything the fast path checks a call on, or None where a key would not say it
     (options of other types than the exact scalar ones)."""
-    for v in opts:
-        if v.__class__ not in _EXACT:
-            return None
+    if _EXACT_OPTS.get(id(opts)) is not opts:
+        for v in opts:
+            if v.__class__ not in _EXACT:
+                return None
+        if len(_EXACT_OPTS) >= 64:
+            _EXACT_OPTS.clear()
+        _EXACT_OPTS[id(opts)] = opts
     try:
         return (opts, *(_tkey(a) for a in arrays))
     except (AttributeError, TypeError):
@@ -248,9 +258,10 @@ def _current_device(torch: Any) -> int:
 
 def _run(rec: Any, x: Any, inputs: list) -> list | None:
     """``rec``'s results for ``inputs``, or None where the current device is not ``x``'s
-    (the record launches in the current context; the backend's own call switches)."""
+    (the record launches in the current context; the backend's own call switches) or
+    while the backend records its launches (``cuda.recording``: the bench's replays)."""
     torch = _STATE[0]
     dev = x.get_device()
-    if _current_device(torch) != dev:
+    if _current_device(torch) != dev or _STATE[3]._recorded is not None:
         return None
     return rec(inputs, _stream(torch, dev))
