@@ -323,3 +323,26 @@ def test_recording_sees_the_launches(stand_in, monkeypatch):
         pn.rms_norm(x, w, backend="cupy")
     assert [la.name for la, _, _ in replay.launches if la is not None] == [stand_in.old[-1][0]]
     assert not stand_in.new
+
+
+def test_a_refused_launch_takes_the_backends_call(stand_in, monkeypatch):
+    """A driver refusal: the backend's own call runs it; a thread without a current context
+    keeps the records, any other refusal turns them off with a warning."""
+    x, w = _t((4, 64), torch.float32, 1), _t(64, torch.float32, 2)
+    pn.rms_norm(x, w, backend="cupy")
+
+    def refuse(code):
+        def go(*a):
+            raise hostpath.LaunchError(code, "stand-in")
+        return go
+
+    hostpath._LAUNCHER[0] = refuse(hostpath.INVALID_CONTEXT)
+    stand_in.old.clear()
+    pn.rms_norm(x, w, backend="cupy")
+    assert len(stand_in.old) == 1 and any(_fast_cuda._RECORDS.values())
+    hostpath._LAUNCHER[0] = refuse(700)
+    with pytest.warns(RuntimeWarning, match="cuLaunchKernel failed"):
+        pn.rms_norm(x, w, backend="cupy")
+    assert len(stand_in.old) == 2 and _fast_cuda._HOSTPATH == [None]
+    pn.rms_norm(x, w, backend="cupy")
+    assert len(stand_in.old) == 3

@@ -13,6 +13,7 @@ general path of :mod:`polynorm.ops.norm` runs, with every check and message its 
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 from polynorm import backends as _backends
@@ -264,4 +265,14 @@ def _run(rec: Any, x: Any, inputs: list) -> list | None:
     dev = x.get_device()
     if _current_device(torch) != dev or _STATE[3]._recorded is not None:
         return None
-    return rec(inputs, _stream(torch, dev))
+    try:
+        return rec(inputs, _stream(torch, dev))
+    except _HOSTPATH[0].LaunchError as exc:
+        # the backend's own call runs it (and raises what is the device's fault); a thread
+        # without a current context gets one there, any other refusal turns records off
+        if exc.code != _HOSTPATH[0].INVALID_CONTEXT:
+            warnings.warn(f"{exc}; polynorm launches through cupy from now on", RuntimeWarning,
+                          stacklevel=4)
+            _HOSTPATH[:] = [None]
+            _RECORDS.clear()
+        return None

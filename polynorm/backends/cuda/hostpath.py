@@ -40,7 +40,7 @@ from polynorm.backends import cuda as _be
 from polynorm.backends.cuda import launch as cl
 from polynorm.core.options import Plan, compute_dtype
 
-__all__ = ["Record", "available", "backward_record", "forward_record"]
+__all__ = ["LaunchError", "Record", "available", "backward_record", "forward_record"]
 
 #: the backend module whose launches the records are
 backend = _be
@@ -143,10 +143,22 @@ def _torch():
 _LAUNCHER: list = []
 
 
+class LaunchError(RuntimeError):
+    """``cuLaunchKernel`` refused a record's launch (``code``: the CUresult)."""
+
+    def __init__(self, code: int, what: str):
+        super().__init__(f"polynorm: cuLaunchKernel failed: {what}")
+        self.code = code
+
+
+#: CUDA_ERROR_INVALID_CONTEXT: the calling thread has no current context yet
+INVALID_CONTEXT = 201
+
+
 def _driver_launch(fn: Any, grid: int, block: int, shared: int, stream: int, params: int) -> None:
     err = _LAUNCHER[1](fn, grid, 1, 1, block, 1, 1, shared, stream, params, 0)[0]
     if err:
-        raise RuntimeError(f"polynorm: cuLaunchKernel failed: {err!r}")
+        raise LaunchError(int(err), repr(err))
 
 
 def _launcher():
