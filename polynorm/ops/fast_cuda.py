@@ -267,10 +267,14 @@ def _run(rec: Any, x: Any, inputs: list) -> list | None:
         return None
     try:
         return rec(inputs, _stream(torch, dev))
-    except _HOSTPATH[0].LaunchError as exc:
+    except RuntimeError as exc:
+        from polynorm.backends.cuda import hostpath
+
+        if not isinstance(exc, hostpath.LaunchError):
+            raise
         # the backend's own call runs it (and raises what is the device's fault); a thread
         # without a current context gets one there, any other refusal turns records off
-        if exc.code != _HOSTPATH[0].INVALID_CONTEXT:
+        if exc.code != hostpath.INVALID_CONTEXT:
             warnings.warn(f"{exc}; polynorm launches through cupy from now on", RuntimeWarning,
                           stacklevel=4)
             _HOSTPATH[:] = [None]
