@@ -12,8 +12,9 @@ driver is a no-op:
 * ``after``: the launch record (``polynorm.backends.cuda.hostpath``): the call key,
   ``data_ptr()``s, ``torch.empty`` results, the pointer cells; ``cuLaunchKernel`` a
   no-op Python function (the driver's own launch, ~2-4 us on a GPU, not counted);
-* ``floor``: what any such path must do here: the ``torch.empty`` results of the op
-  and the inputs' ``data_ptr()``s.
+* ``floor``: the op's results allocated as ``torch.empty(shape, dtype=, device=)``
+  (the records allocate cheaper: ``torch.empty_like`` of an input where one has the
+  result's shape and dtype, sizes as separate ints) and the inputs' ``data_ptr()``s.
 
 Each is timed through the public call (``pn.rms_norm`` / ``pn.add_rms_norm`` /
 ``pn.rms_norm_backward``, backend "auto"; the Numba fast path's host-tensor test

@@ -30,6 +30,7 @@ capture builds it and loads the kernels).
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import threading
 from typing import Any
@@ -64,8 +65,9 @@ class Record:
     """One kind of call's launches, ready to go.
 
     ``inputs``: the roles of a call's input tensors, in the order the call passes
-    them; ``allocs``: ``(role, shape, torch dtype, zero)`` of each buffer the call
-    allocates; ``outputs``: the roles returned (``None`` for an absent result);
+    them; ``allocs``: ``(role, shape, torch dtype, zero, like)`` of each buffer the call
+    allocates (``like``: an input role whose tensor it is ``torch.empty_like`` of, the
+    cheapest allocation torch has, or None); ``outputs``: the roles returned (``None`` for an absent result);
     each of ``steps``: kernel handle, grid, block, dynamic shared bytes, the packed
     argument cells, the address of its ``void*`` parameter array and the (cell,
     buffer index) pairs filled per call.
@@ -76,7 +78,8 @@ class Record:
     def __init__(self, steps: list, functions: list, inputs: tuple, allocs: list, outputs: tuple,
                  device: Any):
         index = {r: i for i, r in enumerate((*inputs, *(a[0] for a in allocs)))}
-        self.allocs = tuple(a[1:] for a in allocs)
+        self.allocs = tuple(_allocator(shape, dtype, zero, device, -1 if like is None else index[like])
+                            for _, shape, dtype, zero, like in allocs)
         self.outputs = tuple(None if r is None else index[r] for r in outputs)
         self.device = device
         self.lock = threading.Lock()
@@ -102,11 +105,10 @@ class Record:
 
     def __call__(self, inputs: list, stream: int) -> list:
         """Allocate, launch every step on ``stream``; the results (see ``outputs``)."""
-        torch = _torch()
-        dev = self.device
+        empty_like = _torch().empty_like
         bufs = list(inputs)
-        for shape, dtype, zero in self.allocs:
-            bufs.append((torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=dev))
+        for like, make in self.allocs:
+            bufs.append(empty_like(bufs[like]) if like >= 0 else make())
         ptrs = [0 if b is None else b.data_ptr() for b in bufs]
         go = _launcher()
         with self.lock:  # the cells are shared: fill and launch as one
@@ -125,6 +127,17 @@ class Record:
             raw = struct.pack("<Q", cells[i])
             out.append(np.frombuffer(raw[:np.dtype(kind).itemsize], dtype=kind)[0])
         return tuple(out)
+
+
+def _allocator(shape: tuple, dtype: Any, zero: bool, device: Any, like: int) -> tuple:
+    """(like, make): ``like`` >= 0 for ``torch.empty_like`` of that buffer, else ``make()``
+    allocates (the sizes as separate ints: torch parses a tuple slower)."""
+    torch = _torch()
+    fn = torch.zeros if zero else torch.empty
+    if like >= 0 and not zero:
+        return like, None
+    return -1, functools.partial(fn, *shape, dtype=dtype, device=device) if shape else \
+        functools.partial(fn, (), dtype=dtype, device=device)
 
 
 # ------------------------------------------------------------------ the launch itself
@@ -239,12 +252,15 @@ def forward_record(x: Any, residual: Any, weight: Any, bias: Any, plan: Plan,
         steps = _be._row_steps(launch, head, tail, n, d, plan.k, s["part"])
         functions = [_function(la) for la, _ in steps]
     shape = tuple(shape)
-    allocs = [("y", shape, _dtype(types.out), False)]
+    dense = x.is_contiguous()
+    allocs = [("y", shape, _dtype(types.out), False, "x" if dense and types.out == xd else None)]
     if has_res:
-        allocs.append(("h", shape, _dtype(types.h), False))
-    allocs.append(("rstd", shape[:-1], _dtype(ct), False))
+        like = "x" if dense and types.h == xd else (
+            "res" if residual.is_contiguous() and types.h == rd else None)
+        allocs.append(("h", shape, _dtype(types.h), False, like))
+    allocs.append(("rstd", shape[:-1], _dtype(ct), False, None))
     if launch.slices:
-        allocs.append(("part", (n * launch.slices,), _dtype("float64"), False))
+        allocs.append(("part", (n * launch.slices,), _dtype("float64"), False, None))
     return Record(steps, functions, ("x", "res", "w", "b"), allocs,
                   ("y", "h" if has_res else None, "rstd"), x.device)
 
@@ -289,16 +305,16 @@ def backward_record(dy: Any, x: Any, weight: Any, bias: Any, rstd: Any, grad_res
             steps.append(_be._colsum_launch_args(*part_shape, d, ct, bd, s["dbp"], s["db"]))
         functions = [_function(la) for la, _ in steps]
     ctd = _dtype(ct)
-    allocs = [("dx", tuple(shape), _dtype(xd), False)]
+    allocs = [("dx", tuple(shape), _dtype(xd), False, "x" if x.is_contiguous() else None)]
     if has_w:
-        allocs.append(("dwp", part_shape, ctd, launch.big))
+        allocs.append(("dwp", part_shape, ctd, launch.big, None))
     if has_b:
-        allocs.append(("dbp", part_shape, ctd, launch.big))
+        allocs.append(("dbp", part_shape, ctd, launch.big, None))
     if launch.slices:
-        allocs.append(("part", (2 * n * launch.slices,), _dtype("float64"), False))
+        allocs.append(("part", (2 * n * launch.slices,), _dtype("float64"), False, None))
     if has_w:
-        allocs.append(("dw", (d,), _dtype(wd), False))
+        allocs.append(("dw", (d,), _dtype(wd), False, "w" if weight.is_contiguous() else None))
     if has_b:
-        allocs.append(("db", (d,), _dtype(bd), False))
+        allocs.append(("db", (d,), _dtype(bd), False, None))
     return Record(steps, functions, ("dy", "x", "w", "rstd", "g"), allocs,
                   ("dx", "dw" if has_w else None, "db" if has_b else None), x.device)
