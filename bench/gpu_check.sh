@@ -158,7 +158,7 @@ if [ "$MODE" = dry ]; then
     "$PY" -m polynorm.bench.gpu_host --dry-run >"$RESULTS/gpu_host.txt" 2>&1
     log "host path (dry run) exit status $? (gpu_host.txt)"
 elif [ "$KERNELS_ONLY" = 0 ]; then
-    timeout 150 "$PY" -m polynorm.bench.gpu_host --out "$RESULTS/host-path-$(date -u +%Y%m%dT%H%M).json" \
+    timeout 90 "$PY" -m polynorm.bench.gpu_host --out "$RESULTS/host-path-$(date -u +%Y%m%dT%H%M).json" \
         >"$RESULTS/gpu_host.txt" 2>&1
     log "host path exit status $? (gpu_host.txt; 1: a graph replay differed or failed)"
     cat "$RESULTS/gpu_host.txt"
