@@ -338,3 +338,68 @@ def test_gpu_quant_scale_mode_midpoints_torch(qdtype):
             np.testing.assert_array_equal(q.view(torch.uint8).cpu().numpy(), want,
                                           f"{mode} scale={scale}")
             assert np.all(s.cpu().numpy() == s1)
+
+
+def _bits_t(t):
+    return None if t is None else t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _host_path_case(fast_cuda, g, n, d, dt):
+    """Records off, then on (built, then taken): the same bits of fwd, add and bwd."""
+    x, r, dy = (torch.randn(n, d, device="cuda", dtype=dt, generator=g) for _ in range(3))
+    w = torch.randn(d, device="cuda", dtype=dt, generator=g)
+    rstd = pn.rms_norm(x, w, return_rstd=True)[1]
+    calls = (lambda: pn.rms_norm(x, w, return_rstd=True, partial=0.5),
+             lambda: pn.add_rms_norm(x, r, w, return_rstd=True),
+             lambda: pn.rms_norm_backward(dy, x, w, rstd=rstd))
+    hp = fast_cuda._HOSTPATH[:]
+    fast_cuda._HOSTPATH[:] = [None]
+    fast_cuda._RECORDS.clear()
+    want = [c() for c in calls]
+    fast_cuda._HOSTPATH[:] = hp
+    fast_cuda._RECORDS.clear()
+    for _ in range(2):
+        got = [c() for c in calls]
+        for gs, ws in zip(got, want, strict=True):
+            for a, b in zip(gs, ws, strict=True):
+                assert torch.equal(_bits_t(a), _bits_t(b)), (n, d, dt)
+    assert sum(1 for v in fast_cuda._RECORDS.values() if v) == 3
+
+
+@needs_torch_cuda
+def test_gpu_torch_host_path_records_and_graph_capture():
+    """The torch-CUDA host path's launch records (polynorm.backends.cuda.hostpath) on the
+    device: the backend's own call's bits, first and repeated call, for fwd / add / bwd
+    (register, split and big kernels); then the calls captured in torch.cuda.graph and
+    replayed on refilled inputs give the eager bits."""
+    from polynorm.ops import fast_cuda
+
+    if fast_cuda._hostpath() is None:
+        pytest.skip("cuda-bindings' driver module is missing: no launch records")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for n, d, dt in ((4096, 1024, torch.bfloat16), (3, 5000, torch.float32), (2, 262144, torch.bfloat16),
+                     (300, 8192, torch.float16)):
+        _host_path_case(fast_cuda, g, n, d, dt)
+    n, d = 4096, 1024
+    x, r, dy = (torch.randn(n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    w = torch.randn(d, device="cuda", dtype=torch.bfloat16, generator=g)
+    rstd = pn.rms_norm(x, w, return_rstd=True)[1]
+    calls = (lambda: pn.rms_norm(x, w), lambda: pn.add_rms_norm(x, r, w),
+             lambda: pn.rms_norm_backward(dy, x, w, rstd=rstd))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = [c() for c in calls]
+    for a in (x, r, dy):
+        a.copy_(torch.randn_like(a))
+    graph.replay()
+    eager = [c() for c in calls]
+    for gs, es in zip(static, eager, strict=True):
+        gs, es = (gs if isinstance(gs, tuple) else (gs,)), (es if isinstance(es, tuple) else (es,))
+        for a, b in zip(gs, es, strict=True):
+            assert torch.equal(_bits_t(a), _bits_t(b))
