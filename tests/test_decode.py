@@ -127,8 +127,9 @@ def test_decode_read_only_and_misaligned_arrays(rng):
 @pytest.mark.parametrize("xdt,wdt", [("float16", "float16"), ("bfloat16", "bfloat16"),
                                      ("float32", "float16")])
 def test_decode_lean_widened_weight(xdt, wdt, rng):
-    """The lean call (the weight widened by its entry point into a pooled buffer) gives the
-    generic path's bits, reads a weight changed in place anew, and leaves a read-only or
+    """The lean call (the weight widened by its entry point into a pooled buffer; the 16-bit
+    arrays passed as themselves where x and weight share a format) gives the generic
+    path's bits, reads a weight changed in place anew, and leaves a read-only or
     misaligned weight to the general decode call."""
     x = _a(rng, (1, D), xdt)
     w = _a(rng, D, wdt)
@@ -137,7 +138,10 @@ def test_decode_lean_widened_weight(xdt, wdt, rng):
         assert pn.rms_norm(x, w, out=out) is out
     e = _entry(x)
     assert e is not None and e.lean is not None and e.wide and e.wpool
-    assert e.lean(x, w, out, False) is not None
+    # one 16-bit format throughout: the entry points take the arrays themselves, no views
+    assert e.raw == (xdt == wdt)
+    out[...] = 7
+    assert e.lean(x, w, out, False) is out
     _same(out, pn.rms_norm(x, w, axis=(1,)))
     w *= 3
     _same(pn.rms_norm(x, w, out=out), pn.rms_norm(x, w, axis=(1,)))

@@ -533,7 +533,8 @@ class Decode:
     (:func:`decode_plan`), for :func:`forward_decode`."""
 
     __slots__ = ("kernel", "entry", "y_dt", "h_dt", "cdt", "n", "d", "xv", "rv", "yv", "hv",
-                 "wv", "bv", "ones", "flags", "k", "eps", "offset", "wide", "wpool", "lean")
+                 "wv", "bv", "ones", "flags", "k", "eps", "offset", "wide", "wpool", "lean",
+                 "raw")
 
     def __init__(self, **kw):
         self.entry = None  # the compiled entry point, once known (False: none)
@@ -544,6 +545,10 @@ class Decode:
         self.wide = None
         self.wpool: list = []
         self.lean = None  # forward_lean's closure, where the signature has one
+        # whether the compiled entry points take the 16-bit arrays themselves in place
+        # of their integer views (_resolve_wide's probe): a view costs more than a
+        # (1, 4096) float16 kernel's conversions
+        self.raw = False
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -692,15 +697,19 @@ def _lean(e: Decode):
         fx, fw = x.flags, weight.flags
         if not (fx.writeable and fx.aligned and fw.writeable and fw.aligned):
             return None
+        y = empty(shape, y_dt) if out is None else out
+        rstd = empty(n, cdt) if return_rstd or not rpool else rpool.pop()
+        raw = e.raw
         if wv is None:
             w = weight
         else:
             w = pool.pop() if pool else empty(d, cdt)
-            wide(weight.view(wv), w)
-        y = empty(shape, y_dt) if out is None else out
-        rstd = empty(n, cdt) if return_rstd or not rpool else rpool.pop()
-        entry(0, n, x if xv is None else x.view(xv), None, w, None,
-              y if yv is None else y.view(yv), None, rstd, flags, k, eps, offset, None)
+            wide(weight if raw else weight.view(wv), w)
+        if raw:  # the 16-bit arrays themselves: their views cost more than the conversions
+            entry(0, n, x, None, w, None, y, None, rstd, flags, k, eps, offset, None)
+        else:
+            entry(0, n, x if xv is None else x.view(xv), None, w, None,
+                  y if yv is None else y.view(yv), None, rstd, flags, k, eps, offset, None)
         # the buffers back only now: the kernel has read / written them
         if wv is not None and len(pool) < 4:
             pool.append(w)
@@ -721,6 +730,22 @@ def _resolve_wide(e: Decode, weight: np.ndarray, w: np.ndarray) -> None:
     widen = (_kernels or _k()).widen_bits
     ov = widen.overloads.get((widen.typeof_pyval(weight.view(e.wv)), widen.typeof_pyval(w)))
     e.wide = False if ov is None else ov.entry_point
+    if e.wide and e.xv == e.wv and (e.yv is None or e.yv == e.wv):
+        e.raw = _takes_raw(e.wide, weight, w)
+
+
+def _takes_raw(entry, a: np.ndarray, widened: np.ndarray) -> bool:
+    """Whether ``entry`` (widen_bits's, typed for ``a``'s integer bits) takes the 16-bit
+    array ``a`` itself and reads the same bits: Numba's array unboxing checks the
+    item size only, so one entry point serves the array and its view.  Proved on
+    ``a`` (``widened``: its widening through the view) once per signature: a Numba
+    that checked the dtype would raise here, and the views stay."""
+    got = np.empty_like(widened)
+    try:
+        entry(a, got)
+    except TypeError:
+        return False
+    return got.tobytes() == widened.tobytes()
 
 
 def _resolve(e: Decode, args: tuple) -> None:
