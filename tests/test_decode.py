@@ -155,6 +155,31 @@ def test_decode_lean_widened_weight(xdt, wdt, rng):
     _same(pn.rms_norm(x, raw, out=out), pn.rms_norm(x, w, axis=(1,)))
 
 
+@pytest.mark.parametrize("dt,wdt", [("float32", "float32"), ("float16", "float16"),
+                                    ("float32", None)])
+def test_inplace_decode_bits_equal_generic(dt, wdt, rng):
+    """add_rms_norm_ at decode size (its signature's prepared entry) writes add_rms_norm's
+    bits, y over x and h over the residual; arrays not proved apart take the general path."""
+    x0, r0 = _a(rng, (2, D), dt), _a(rng, (2, D), dt)
+    w = None if wdt is None else _a(rng, D, wdt)
+    want = pn.add_rms_norm(x0, r0, w, axis=(1,))
+    for _ in range(3):  # prepare, resolve the entry points, then the entry point
+        x, r = x0.copy(), r0.copy()
+        got = pn.add_rms_norm_(x, r, w)
+        assert got[0] is x and got[1] is r
+        _same((x, r), want)
+    found = [e for k, e in fast._DECODE.items()
+             if k[0] == "inplace" and k[2:5] == (x.shape, x.strides, x.dtype)]
+    assert found and found[-1] is not None and found[-1].entry
+    assert found[-1].raw == (dt == "float16")
+    both = np.concatenate([x0, r0])  # views of one array: the general path's checks
+    x, r = both[:2], both[2:]
+    pn.add_rms_norm_(x, r, w)
+    _same((x, r), want)
+    with pytest.raises(ValueError, match="overlap"):
+        pn.add_rms_norm_(x, x, w)
+
+
 def test_cache_key_dtype_and_strides(rng):
     """Calls that differ from a cached one only in dtype or strides get their own result."""
     base = _a(rng, (4, 2 * D), "float32")

@@ -1231,6 +1231,8 @@ def _inplace_fast(x, residual, weight, bias, opts: Options) -> bool:
     mod = _fast.numba_module(opts)
     if mod is None:
         return False
+    if type(x) is _np.ndarray and _fast.inplace(mod, x, residual, weight, bias, opts):
+        return True  # a decode call signature's prepared entry
     if type(x) is not _np.ndarray:
         if type(x).__module__ != "torch" or type(residual) is not type(x):
             return False

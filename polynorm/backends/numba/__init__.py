@@ -722,6 +722,63 @@ def _lean(e: Decode):
     return run
 
 
+def decode_into_plan(plan: Plan, x: np.ndarray, weight) -> Decode | None:
+    """The prepared serial in-place fused add of a call signature (``add_rms_norm_``:
+    ``h`` over the residual, ``y`` over ``x``; residual of ``x``'s dtype, shape and
+    strides, no bias), for :func:`forward_into_decode`: :func:`forward_into`'s
+    kernel and arguments, or None as :func:`decode_plan`."""
+    e = decode_plan(plan, x, x, weight, None)
+    if e is not None and x.itemsize == 2:
+        from polynorm.backends.numba import inplace as _inplace
+
+        e.kernel = _inplace.forward_add_inplace_rows  # forward_into's 16-bit driver
+    return e
+
+
+def forward_into_decode(e: Decode, x: np.ndarray, residual: np.ndarray, weight) -> None:
+    """:func:`forward_into` with ``out=x`` and ``h_out=residual`` of a call whose
+    signature ``e`` was prepared for (:func:`decode_into_plan`): the same kernel
+    and arguments, through its compiled entry point where every array is
+    writable and aligned (as :func:`forward_decode`).  ``x`` and ``residual``:
+    writable, C-contiguous, not overlapping each other or the weight (the caller's
+    checks)."""
+    n, d, cdt = e.n, e.d, e.cdt
+    plain = _plain(x) and _plain(residual)
+    if weight is None:
+        w = e.ones
+    elif e.wv is None:
+        f = weight.flags
+        w = weight if f.writeable else _writable_alias(weight)
+        plain = plain and f.writeable and f.aligned
+    elif e.wide and weight.flags.aligned:
+        pool = e.wpool
+        w = pool.pop() if pool else np.empty(d, cdt)
+        e.wide(weight if e.raw else weight.view(e.wv) if weight.flags.writeable
+               else _kview(weight), w)
+    else:
+        w = _decode_vector(weight, e.wv, cdt, d)
+        if e.wide is None:
+            _resolve_wide(e, weight, w)
+    rstd = np.empty(n, cdt)
+    xv = e.xv
+    entry = e.entry if plain else None
+    if xv is None or (entry and e.raw):  # the arrays themselves: entry points only
+        xk, rk = x, residual
+    else:
+        xk, rk = x.view(xv), residual.view(xv)
+    # the 16-bit driver writes h over r itself (numba/inplace.py); the others take it as h
+    hk = None if xv is not None else rk
+    args = (0, n, xk, rk, w, None, xk, hk, rstd, e.flags, e.k, e.eps, e.offset, None)
+    if entry:
+        entry(*args)
+    else:
+        e.kernel(*args)
+        if plain and e.entry is None:
+            _resolve(e, args)
+    if e.wide and weight is not None and w.base is None and len(e.wpool) < 4:
+        e.wpool.append(w)
+
+
 def _resolve_wide(e: Decode, weight: np.ndarray, w: np.ndarray) -> None:
     """``e.wide``: widen_bits's compiled entry point for this weight's bits into
     ``w`` (False: none, and :func:`_decode_vector` stays)."""
