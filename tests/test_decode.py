@@ -155,6 +155,35 @@ def test_decode_lean_widened_weight(xdt, wdt, rng):
     _same(pn.rms_norm(x, raw, out=out), pn.rms_norm(x, w, axis=(1,)))
 
 
+@pytest.mark.parametrize("dt", ["float32", "float16"])
+def test_prepared_call_skips_the_front_end(dt, rng, monkeypatch):
+    """A prepared signature's rms_norm runs its lean call at once (ops.norm.forward is not
+    called) with the generic path's bits; what the signature does not prove goes on."""
+    from polynorm.ops import norm
+
+    x, w = _a(rng, (1, D), dt), _a(rng, D, dt)
+    out = np.empty_like(x)
+    want = pn.rms_norm(x, w, axis=(1,), return_rstd=True)
+    for _ in range(3):
+        pn.rms_norm(x, w, out=out)
+        pn.rms_norm(x, w, return_rstd=True)
+
+    def front_end(*args, **kwargs):
+        raise AssertionError("front end")
+
+    monkeypatch.setattr(norm, "forward", front_end)
+    out[...] = 7
+    assert pn.rms_norm(x, w, out=out) is out
+    _same(out, want[0])
+    _same(pn.rms_norm(x, w, return_rstd=True), want)
+    ro = out.copy()
+    ro.flags.writeable = False
+    for call in (lambda: pn.rms_norm(x, w, out=ro), lambda: pn.rms_norm(x, w, out=x[:, ::-1]),
+                 lambda: pn.rms_norm(x, w.astype(np.float64)), lambda: pn.rms_norm(x, w, eps=1)):
+        with pytest.raises(AssertionError, match="front end"):
+            call()
+
+
 @pytest.mark.parametrize("dt,wdt", [("float32", "float32"), ("float16", "float16"),
                                     ("float32", None)])
 def test_inplace_decode_bits_equal_generic(dt, wdt, rng):
