@@ -127,8 +127,9 @@ def test_decode_read_only_and_misaligned_arrays(rng):
 @pytest.mark.parametrize("xdt,wdt", [("float16", "float16"), ("bfloat16", "bfloat16"),
                                      ("float32", "float16")])
 def test_decode_lean_widened_weight(xdt, wdt, rng):
-    """The lean call (the weight widened by its entry point into a pooled buffer) gives the
-    generic path's bits, reads a weight changed in place anew, and leaves a read-only or
+    """The lean call (the weight widened by its entry point into a pooled buffer; the 16-bit
+    arrays passed as themselves where x and weight share a format) gives the generic
+    path's bits, reads a weight changed in place anew, and leaves a read-only or
     misaligned weight to the general decode call."""
     x = _a(rng, (1, D), xdt)
     w = _a(rng, D, wdt)
@@ -137,7 +138,10 @@ def test_decode_lean_widened_weight(xdt, wdt, rng):
         assert pn.rms_norm(x, w, out=out) is out
     e = _entry(x)
     assert e is not None and e.lean is not None and e.wide and e.wpool
-    assert e.lean(x, w, out, False) is not None
+    # one 16-bit format throughout: the entry points take the arrays themselves, no views
+    assert e.raw == (xdt == wdt)
+    out[...] = 7
+    assert e.lean(x, w, out, False) is out
     _same(out, pn.rms_norm(x, w, axis=(1,)))
     w *= 3
     _same(pn.rms_norm(x, w, out=out), pn.rms_norm(x, w, axis=(1,)))
@@ -149,6 +153,60 @@ def test_decode_lean_widened_weight(xdt, wdt, rng):
     raw[...] = w
     assert e.lean(x, raw, out, False) is None or raw.flags.aligned
     _same(pn.rms_norm(x, raw, out=out), pn.rms_norm(x, w, axis=(1,)))
+
+
+@pytest.mark.parametrize("dt", ["float32", "float16"])
+def test_prepared_call_skips_the_front_end(dt, rng, monkeypatch):
+    """A prepared signature's rms_norm runs its lean call at once (ops.norm.forward is not
+    called) with the generic path's bits; what the signature does not prove goes on."""
+    from polynorm.ops import norm
+
+    x, w = _a(rng, (1, D), dt), _a(rng, D, dt)
+    out = np.empty_like(x)
+    want = pn.rms_norm(x, w, axis=(1,), return_rstd=True)
+    for _ in range(3):
+        pn.rms_norm(x, w, out=out)
+        pn.rms_norm(x, w, return_rstd=True)
+
+    def front_end(*args, **kwargs):
+        raise AssertionError("front end")
+
+    monkeypatch.setattr(norm, "forward", front_end)
+    out[...] = 7
+    assert pn.rms_norm(x, w, out=out) is out
+    _same(out, want[0])
+    _same(pn.rms_norm(x, w, return_rstd=True), want)
+    ro = out.copy()
+    ro.flags.writeable = False
+    for call in (lambda: pn.rms_norm(x, w, out=ro), lambda: pn.rms_norm(x, w, out=x[:, ::-1]),
+                 lambda: pn.rms_norm(x, w.astype(np.float64)), lambda: pn.rms_norm(x, w, eps=1)):
+        with pytest.raises(AssertionError, match="front end"):
+            call()
+
+
+@pytest.mark.parametrize("dt,wdt", [("float32", "float32"), ("float16", "float16"),
+                                    ("float32", None)])
+def test_inplace_decode_bits_equal_generic(dt, wdt, rng):
+    """add_rms_norm_ at decode size (its signature's prepared entry) writes add_rms_norm's
+    bits, y over x and h over the residual; arrays not proved apart take the general path."""
+    x0, r0 = _a(rng, (2, D), dt), _a(rng, (2, D), dt)
+    w = None if wdt is None else _a(rng, D, wdt)
+    want = pn.add_rms_norm(x0, r0, w, axis=(1,))
+    for _ in range(3):  # prepare, resolve the entry points, then the entry point
+        x, r = x0.copy(), r0.copy()
+        got = pn.add_rms_norm_(x, r, w)
+        assert got[0] is x and got[1] is r
+        _same((x, r), want)
+    found = [e for k, e in fast._DECODE.items()
+             if k[0] == "inplace" and k[2:5] == (x.shape, x.strides, x.dtype)]
+    assert found and found[-1] is not None and found[-1].entry
+    assert found[-1].raw == (dt == "float16")
+    both = np.concatenate([x0, r0])  # views of one array: the general path's checks
+    x, r = both[:2], both[2:]
+    pn.add_rms_norm_(x, r, w)
+    _same((x, r), want)
+    with pytest.raises(ValueError, match="overlap"):
+        pn.add_rms_norm_(x, x, w)
 
 
 def test_cache_key_dtype_and_strides(rng):

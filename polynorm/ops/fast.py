@@ -22,7 +22,7 @@ from polynorm.core import interop as _interop
 from polynorm.core.memory import check_out_memory, partly_written, plain_out_ok
 from polynorm.core.options import Options, Plan, make_plan, promote
 
-__all__ = ["numba_module", "forward", "backward"]
+__all__ = ["numba_module", "forward", "backward", "inplace", "prepared"]
 
 _NAMES: dict[Any, str] = {}  # numpy dtype -> float dtype name
 _MODULE: list = []  # the numba backend module once it has loaded
@@ -247,6 +247,89 @@ def _decode_forward(mod, x, residual, weight, bias, out, return_rstd, opts, fuse
     if fused:
         return (y, h, rstd) if return_rstd else (y, h)
     return (y, rstd) if return_rstd else y
+
+
+def _inplace_entry(mod, x, residual, weight, opts: Options):
+    """The backend's prepared in-place fused add (``mod.decode_into_plan``) of a call
+    signature, or None where ``polynorm.ops.norm._inplace_fast``'s own checks decide."""
+    if (x.ndim != 2 or residual.shape != x.shape or residual.dtype != x.dtype
+            or residual.strides != x.strides or not x.flags.c_contiguous
+            or not x.dtype.isnative or not _exact(opts)):
+        return None
+    head = _rows(x, weight, None, None, None)
+    if head is None:
+        return None
+    _, dtype, d, n, _ = head
+    if n * d >= mod.SERIAL_MAX_ELEMENTS:
+        return None
+    if weight is not None and d > 1 and weight.strides[0] != weight.itemsize:
+        return None
+    plan = _plan(d, dtype, opts)
+    if (plan is None or plan.llama or plan.norm_sum or plan.h_dtype != plan.norm_dtype
+            or plan.out_dtype != dtype):
+        return None
+    return mod.decode_into_plan(plan, x, weight)
+
+
+def inplace(mod, x, residual, weight, bias, opts: Options) -> bool:
+    """``add_rms_norm_`` of numpy arrays at decode size through the call signature's
+    prepared entry (as :func:`forward`'s decode calls): True where done, False
+    where ``polynorm.ops.norm._inplace_fast`` takes the call, with its checks."""
+    if (bias is not None or type(residual) is not np.ndarray
+            or (weight is not None and type(weight) is not np.ndarray)):
+        return False
+    key = ("inplace", opts, x.shape, x.strides, x.dtype, residual.shape, residual.strides,
+           residual.dtype, None if weight is None else weight.shape,
+           None if weight is None else weight.strides, None if weight is None else weight.dtype)
+    try:
+        e = _DECODE[key]
+    except KeyError:
+        if len(_DECODE) >= DECODE_MAX:
+            _DECODE.clear()
+        e = _DECODE[key] = _inplace_entry(mod, x, residual, weight, opts)
+    except TypeError:
+        return False
+    if e is None or (opts is not _EXACT_LAST[0] and not _exact(opts)):
+        return False
+    # writable, and nothing can overlap: x and residual two arrays owning their memory
+    # (plain_out_ok's test), the weight too
+    if (x is residual or x.base is not None or residual.base is not None
+            or not x.flags.writeable or not residual.flags.writeable
+            or (weight is not None and weight.base is not None)):
+        return False
+    mod.forward_into_decode(e, x, residual, weight)
+    return True
+
+
+def prepared(x, weight, out, return_rstd: bool, opts: Options):
+    """``rms_norm(x, weight, out=out)`` of a numpy ``x`` whose call signature already has
+    its lean call (:func:`_decode_forward` made it), or None: :func:`forward` then
+    runs, and prepares it.  ``rms_norm``'s first step: a decode loop's call skips the
+    front end's dispatch, from the options to the backend module."""
+    if type(weight) is not np.ndarray:
+        return None  # absent (no lean call), or another array type
+    if out is None:
+        key = (opts, x.shape, x.strides, x.dtype, weight.shape, weight.strides, weight.dtype)
+    elif type(out) is np.ndarray:
+        key = (opts, x.shape, x.strides, x.dtype, weight.shape, weight.strides, weight.dtype,
+               out.shape, out.strides, out.dtype)
+    else:
+        return None
+    try:
+        e = _DECODE.get(key)
+    except TypeError:  # an unhashable option: the general path says what is wrong
+        return None
+    if e is None or (opts is not _EXACT_LAST[0] and not _exact(opts)):
+        return None
+    lean = e.lean
+    if lean is None or (out is not None and not plain_out_ok(out, x, None, weight, None)):
+        return None
+    try:
+        return lean(x, weight, out, return_rstd)
+    except Exception as exc:
+        if out is None:
+            raise
+        raise partly_written(exc) from exc
 
 
 def forward(mod, x, residual, weight, bias, out, return_rstd: bool, opts: Options, fused: bool):

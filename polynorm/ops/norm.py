@@ -843,6 +843,10 @@ def rms_norm(
     if sumsq is not None or d_total is not None:
         return _rms_norm_from_stats(x, weight, bias, sumsq, d_total, return_rstd, out, options)
     opts = pack_options("rms_norm", options)
+    if type(x) is _np.ndarray and bias is None:
+        y = _fast.prepared(x, weight, out, return_rstd, opts)  # a decode call's prepared entry
+        if y is not None:
+            return y
     return forward(x, None, weight, bias, opts, out=out, return_rstd=return_rstd)
 
 
@@ -1231,6 +1235,8 @@ def _inplace_fast(x, residual, weight, bias, opts: Options) -> bool:
     mod = _fast.numba_module(opts)
     if mod is None:
         return False
+    if type(x) is _np.ndarray and _fast.inplace(mod, x, residual, weight, bias, opts):
+        return True  # a decode call signature's prepared entry
     if type(x) is not _np.ndarray:
         if type(x).__module__ != "torch" or type(residual) is not type(x):
             return False

@@ -533,7 +533,8 @@ class Decode:
     (:func:`decode_plan`), for :func:`forward_decode`."""
 
     __slots__ = ("kernel", "entry", "y_dt", "h_dt", "cdt", "n", "d", "xv", "rv", "yv", "hv",
-                 "wv", "bv", "ones", "flags", "k", "eps", "offset", "wide", "wpool", "lean")
+                 "wv", "bv", "ones", "flags", "k", "eps", "offset", "wide", "wpool", "lean",
+                 "raw")
 
     def __init__(self, **kw):
         self.entry = None  # the compiled entry point, once known (False: none)
@@ -544,6 +545,10 @@ class Decode:
         self.wide = None
         self.wpool: list = []
         self.lean = None  # forward_lean's closure, where the signature has one
+        # whether the compiled entry points take the 16-bit arrays themselves in place
+        # of their integer views (_resolve_wide's probe): a view costs more than a
+        # (1, 4096) float16 kernel's conversions
+        self.raw = False
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -692,15 +697,19 @@ def _lean(e: Decode):
         fx, fw = x.flags, weight.flags
         if not (fx.writeable and fx.aligned and fw.writeable and fw.aligned):
             return None
+        y = empty(shape, y_dt) if out is None else out
+        rstd = empty(n, cdt) if return_rstd or not rpool else rpool.pop()
+        raw = e.raw
         if wv is None:
             w = weight
         else:
             w = pool.pop() if pool else empty(d, cdt)
-            wide(weight.view(wv), w)
-        y = empty(shape, y_dt) if out is None else out
-        rstd = empty(n, cdt) if return_rstd or not rpool else rpool.pop()
-        entry(0, n, x if xv is None else x.view(xv), None, w, None,
-              y if yv is None else y.view(yv), None, rstd, flags, k, eps, offset, None)
+            wide(weight if raw else weight.view(wv), w)
+        if raw:  # the 16-bit arrays themselves: their views cost more than the conversions
+            entry(0, n, x, None, w, None, y, None, rstd, flags, k, eps, offset, None)
+        else:
+            entry(0, n, x if xv is None else x.view(xv), None, w, None,
+                  y if yv is None else y.view(yv), None, rstd, flags, k, eps, offset, None)
         # the buffers back only now: the kernel has read / written them
         if wv is not None and len(pool) < 4:
             pool.append(w)
@@ -713,6 +722,63 @@ def _lean(e: Decode):
     return run
 
 
+def decode_into_plan(plan: Plan, x: np.ndarray, weight) -> Decode | None:
+    """The prepared serial in-place fused add of a call signature (``add_rms_norm_``:
+    ``h`` over the residual, ``y`` over ``x``; residual of ``x``'s dtype, shape and
+    strides, no bias), for :func:`forward_into_decode`: :func:`forward_into`'s
+    kernel and arguments, or None as :func:`decode_plan`."""
+    e = decode_plan(plan, x, x, weight, None)
+    if e is not None and x.itemsize == 2:
+        from polynorm.backends.numba import inplace as _inplace
+
+        e.kernel = _inplace.forward_add_inplace_rows  # forward_into's 16-bit driver
+    return e
+
+
+def forward_into_decode(e: Decode, x: np.ndarray, residual: np.ndarray, weight) -> None:
+    """:func:`forward_into` with ``out=x`` and ``h_out=residual`` of a call whose
+    signature ``e`` was prepared for (:func:`decode_into_plan`): the same kernel
+    and arguments, through its compiled entry point where every array is
+    writable and aligned (as :func:`forward_decode`).  ``x`` and ``residual``:
+    writable, C-contiguous, not overlapping each other or the weight (the caller's
+    checks)."""
+    n, d, cdt = e.n, e.d, e.cdt
+    plain = _plain(x) and _plain(residual)
+    if weight is None:
+        w = e.ones
+    elif e.wv is None:
+        f = weight.flags
+        w = weight if f.writeable else _writable_alias(weight)
+        plain = plain and f.writeable and f.aligned
+    elif e.wide and weight.flags.aligned:
+        pool = e.wpool
+        w = pool.pop() if pool else np.empty(d, cdt)
+        e.wide(weight if e.raw else weight.view(e.wv) if weight.flags.writeable
+               else _kview(weight), w)
+    else:
+        w = _decode_vector(weight, e.wv, cdt, d)
+        if e.wide is None:
+            _resolve_wide(e, weight, w)
+    rstd = np.empty(n, cdt)
+    xv = e.xv
+    entry = e.entry if plain else None
+    if xv is None or (entry and e.raw):  # the arrays themselves: entry points only
+        xk, rk = x, residual
+    else:
+        xk, rk = x.view(xv), residual.view(xv)
+    # the 16-bit driver writes h over r itself (numba/inplace.py); the others take it as h
+    hk = None if xv is not None else rk
+    args = (0, n, xk, rk, w, None, xk, hk, rstd, e.flags, e.k, e.eps, e.offset, None)
+    if entry:
+        entry(*args)
+    else:
+        e.kernel(*args)
+        if plain and e.entry is None:
+            _resolve(e, args)
+    if e.wide and weight is not None and w.base is None and len(e.wpool) < 4:
+        e.wpool.append(w)
+
+
 def _resolve_wide(e: Decode, weight: np.ndarray, w: np.ndarray) -> None:
     """``e.wide``: widen_bits's compiled entry point for this weight's bits into
     ``w`` (False: none, and :func:`_decode_vector` stays)."""
@@ -721,6 +787,22 @@ def _resolve_wide(e: Decode, weight: np.ndarray, w: np.ndarray) -> None:
     widen = (_kernels or _k()).widen_bits
     ov = widen.overloads.get((widen.typeof_pyval(weight.view(e.wv)), widen.typeof_pyval(w)))
     e.wide = False if ov is None else ov.entry_point
+    if e.wide and e.xv == e.wv and (e.yv is None or e.yv == e.wv):
+        e.raw = _takes_raw(e.wide, weight, w)
+
+
+def _takes_raw(entry, a: np.ndarray, widened: np.ndarray) -> bool:
+    """Whether ``entry`` (widen_bits's, typed for ``a``'s integer bits) takes the 16-bit
+    array ``a`` itself and reads the same bits: Numba's array unboxing checks the
+    item size only, so one entry point serves the array and its view.  Proved on
+    ``a`` (``widened``: its widening through the view) once per signature: a Numba
+    that checked the dtype would raise here, and the views stay."""
+    got = np.empty_like(widened)
+    try:
+        entry(a, got)
+    except TypeError:
+        return False
+    return got.tobytes() == widened.tobytes()
 
 
 def _resolve(e: Decode, args: tuple) -> None:
