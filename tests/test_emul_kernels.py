@@ -144,7 +144,8 @@ def _colsum(part, d: int, ct: str, want: str):
 
 
 def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=False,
-                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS, flags=None, split=True, small=True):  # fmt: skip
+                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS, flags=None, split=True, small=True,
+                  rows=True, rows_config=None):  # fmt: skip
     """``polynorm.backends.cuda.backward`` with numpy buffers; returns (dx, dw, db, launch).
 
     ``flags``: (HAS_W, HAS_G) of the pn_bwd instantiation, when not the arrays' own."""
@@ -160,6 +161,7 @@ def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=F
     want = weight is not None or bias is not None
     launch = cl.backward_launch(n, d, xd, types.dy, types.weight, partials=want, num_sms=num_sms,
                                 max_smem=max_smem, force_big=force_big, split=split, small=small,
+                                rows=rows, rows_config=rows_config,
                                 has_w=weight is not None if flags is None else flags[0],
                                 has_g=grad_residual is not None if flags is None else flags[1])
     shape = (launch.partial_rows, launch.ldp)
@@ -990,7 +992,7 @@ def test_emul_backward_items2_sums_over_the_items1_tree(types, d):
     w = _data(rng, 1, d, w_t)[0]
     for hg in (False, True):
         g = _data(rng, n, d, dy_t) if hg else None
-        one = cl.backward_launch(n, d, *types, num_sms=1, has_g=hg, small=False)
+        one = cl.backward_launch(n, d, *types, num_sms=1, has_g=hg, small=False, rows=False)
         if one.big or one.block % 64:
             pytest.skip("no ITEMS=2 shape for this row")
         outs = []

@@ -442,7 +442,8 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
         want = weight is not None or bias is not None
         launch = cl.backward_launch(n, d, xd, types.dy, types.weight, partials=want,
                                     num_sms=num_sms, max_smem=max_smem,
-                                    has_w=weight is not None, has_g=grad_residual is not None)
+                                    has_w=weight is not None, has_g=grad_residual is not None,
+                                    device=_device_name())
         shape = (launch.partial_rows, launch.ldp)
         dwp = _empty(shape, ct, zero=launch.big, like=x) if weight is not None else None
         dbp = _empty(shape, ct, zero=launch.big, like=x) if bias is not None else None
