@@ -537,8 +537,9 @@ def test_emul_backward_flag_specialisations_bits(dtype, d):
         dy[4] *= np.float32(1e30)  # the g*dy*xhat double fallback
     ones = np.ones(d, NP[dtype])
     negz = np.full(x.shape, -0.0, NP[dtype])
-    def flags_of(name):  # (HAS_W, HAS_G) of a pn_bwd / pn_bwd_small name (after ITEMS)
-        return tuple(v.strip(" >") == "true" for v in name.split(",")[4:6])
+    def flags_of(name):  # (HAS_W, HAS_G) of a pn_bwd / pn_bwd_small name (after ITEMS) or pn_bwd_rows' (last)
+        parts = [v.strip(" >") for v in name.split(",")]
+        return tuple(v == "true" for v in (parts[-2:] if name.startswith("pn_bwd_rows") else parts[4:6]))
 
     for num_sms, small in ((1, True), (cl.DEFAULT_SMS, True), (1, False)):
         want = emul_backward(dy, x, ones, b, None, negz, plan, num_sms=num_sms, small=small)
