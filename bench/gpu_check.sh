@@ -32,7 +32,7 @@
 # H200 image python3 is itself a venv, which a nested venv would hide); extra wheels go to
 # $PN_SITE (default $TMPDIR/polynorm-site) on PYTHONPATH, after this checkout.
 # Knobs: PN_WHEELHOUSE (default .whl), PN_BENCH_BUDGET (s, default 240), PN_TUNE_BUDGET (s,
-# default 90; the sweep, 60 cases, stops starting cases after it), PN_GPU_TORCH=1
+# default 90; the sweep, 84 cases (fwd, add, bwd), stops starting cases after it), PN_GPU_TORCH=1
 # (pip-install torch==2.13.0 when no CUDA torch is there and an index is reachable).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -45,7 +45,8 @@ def render() -> dict[str, str]:
         "ctype": cl.CTYPE,
         # the launch rules' block limits, as the kernels' __launch_bounds__
         "bounds": {"qk": cl.QK_THREADS, "reg": cl.REG_THREADS, "small": cl.SMALL_THREADS, "big": cl.BIG_THREADS,
-                   "fuse": cl.FUSE_THREADS, "colsum": cl.COLSUM_THREADS, "rows": cl.ROWS_THREADS},
+                   "fuse": cl.FUSE_THREADS, "colsum": cl.COLSUM_THREADS, "rows": cl.ROWS_THREADS,
+                   "bwd_rows": cl.BWD_ROWS_THREADS},
         "rows_red": cl.ROWS_RED,
         "promote": promote,
         "compute": compute_dtype,

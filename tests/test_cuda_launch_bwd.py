@@ -35,6 +35,12 @@ def test_bwd_flags_pick_the_instantiation_only(x, d):
                     if la.big:
                         assert la.name == cl.bwd_name(*t, None)
                         continue
+                    if la.name.startswith("pn_bwd_rows"):  # HAS_W / HAS_G: the last two arguments
+                        assert la.name.endswith(f", {_tf(hw)}, {_tf(hg)}>") and cl.bwd_tree(d, x) is not None
+                        shape = dataclasses.replace(la, name="")
+                        base = base or shape
+                        assert shape == base, (n, d, t, hw, hg)
+                        continue
                     sshape = cl.small_bwd_shape(d, x)
                     if cl.takes_small_bwd(d, x, t[1]):
                         assert la.name == cl.bwd_small_name(*t, sshape[1], sshape[0], hw, hg)
@@ -61,7 +67,7 @@ def test_bwd_headline_shapes():
     memory: the tail sums plus the row ring (3 stages of 3 pieces, the larger ring) where
     that exceeds the dweight/dbias accumulator rows, which then alias it; pn_bwd_small at
     d=128 (8 lanes per row, 4 rows per warp, where pn_bwd gives a row 16 threads)."""
-    la = cl.backward_launch(16384, 4096, "bfloat16", num_sms=132)
+    la = cl.backward_launch(16384, 4096, "bfloat16", num_sms=132, rows=False)
     assert la.name == "pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, true, false>"
     assert (la.block, la.tpr, la.grid) == (512, 512, 264)
     assert la.shared == 2 * 8 * 4 + 3 * 3 * 16 * 512 > 2 * 4096 * 4

@@ -144,7 +144,8 @@ def _colsum(part, d: int, ct: str, want: str):
 
 
 def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=False,
-                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS, flags=None, split=True, small=True):  # fmt: skip
+                  max_smem=cl.DEFAULT_SMEM, num_sms=cl.DEFAULT_SMS, flags=None, split=True, small=True,
+                  rows=True, rows_config=None):  # fmt: skip
     """``polynorm.backends.cuda.backward`` with numpy buffers; returns (dx, dw, db, launch).
 
     ``flags``: (HAS_W, HAS_G) of the pn_bwd instantiation, when not the arrays' own."""
@@ -160,6 +161,7 @@ def emul_backward(dy, x, weight, bias, rstd, grad_residual, plan, *, force_big=F
     want = weight is not None or bias is not None
     launch = cl.backward_launch(n, d, xd, types.dy, types.weight, partials=want, num_sms=num_sms,
                                 max_smem=max_smem, force_big=force_big, split=split, small=small,
+                                rows=rows, rows_config=rows_config,
                                 has_w=weight is not None if flags is None else flags[0],
                                 has_g=grad_residual is not None if flags is None else flags[1])
     shape = (launch.partial_rows, launch.ldp)
@@ -535,8 +537,9 @@ def test_emul_backward_flag_specialisations_bits(dtype, d):
         dy[4] *= np.float32(1e30)  # the g*dy*xhat double fallback
     ones = np.ones(d, NP[dtype])
     negz = np.full(x.shape, -0.0, NP[dtype])
-    def flags_of(name):  # (HAS_W, HAS_G) of a pn_bwd / pn_bwd_small name (after ITEMS)
-        return tuple(v.strip(" >") == "true" for v in name.split(",")[4:6])
+    def flags_of(name):  # (HAS_W, HAS_G) of a pn_bwd / pn_bwd_small name (after ITEMS) or pn_bwd_rows' (last)
+        parts = [v.strip(" >") for v in name.split(",")]
+        return tuple(v == "true" for v in (parts[-2:] if name.startswith("pn_bwd_rows") else parts[4:6]))
 
     for num_sms, small in ((1, True), (cl.DEFAULT_SMS, True), (1, False)):
         want = emul_backward(dy, x, ones, b, None, negz, plan, num_sms=num_sms, small=small)
@@ -990,7 +993,7 @@ def test_emul_backward_items2_sums_over_the_items1_tree(types, d):
     w = _data(rng, 1, d, w_t)[0]
     for hg in (False, True):
         g = _data(rng, n, d, dy_t) if hg else None
-        one = cl.backward_launch(n, d, *types, num_sms=1, has_g=hg, small=False)
+        one = cl.backward_launch(n, d, *types, num_sms=1, has_g=hg, small=False, rows=False)
         if one.big or one.block % 64:
             pytest.skip("no ITEMS=2 shape for this row")
         outs = []

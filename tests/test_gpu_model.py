@@ -58,3 +58,16 @@ def test_model_terms():
     assert len(model.predict("bwd", "bfloat16", 1, 1024)["kernels"]) == 2
     with pytest.raises(ValueError, match="op"):
         model.predict("nope", "bfloat16", 8, 1024)
+
+
+def test_committed_bwd_rows_prediction_is_current():
+    """bench/results/model-prediction-bwd-2026-12-06-h200.json is what the model gives today
+    for pn_bwd_rows and the launches before it."""
+    doc = json.loads((model.ROOT / "bench" / "results" / "model-prediction-bwd-2026-12-06-h200.json").read_text())
+    new = model.bwd_rows_prediction()
+    assert len(doc["rows"]) == len(new["rows"]) > 0
+    for old, cur in zip(doc["rows"], new["rows"], strict=True):
+        assert (old["dtype"], old["tokens"], old["d"], old["kernel"]) == (cur["dtype"], cur["tokens"], cur["d"],
+                                                                          cur["kernel"])
+        assert old["pred_copy_kernel"] == pytest.approx(cur["pred_copy_kernel"], abs=1e-3)
+        assert old["before_pred_copy_kernel"] == pytest.approx(cur["before_pred_copy_kernel"], abs=1e-3)

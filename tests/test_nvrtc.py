@@ -129,6 +129,14 @@ def test_launch_shapes_cover_the_row(d, x):
                     assert d // vec <= 32 * nw * it
                     assert launch.grid * (launch.block // (32 * r)) >= n
                     continue
+                elif launch.name.startswith("pn_bwd_rows"):
+                    # tpr packs (tree warps, pn_bwd_big's tree, warps per row); the slots cover the tree
+                    nw, big, r = cl.rows_shape(launch.tpr)
+                    it, mw = (int(v) for v in launch.name.rstrip(">").split(",")[-4:-2])
+                    assert launch.block <= cl.BWD_ROWS_THREADS and launch.block % (32 * r) == 0
+                    assert r * mw == nw and (cl.bwd_tree(d, x) or (0,))[0] == 32 * nw
+                    assert d // vec <= 32 * nw * it and launch.ldp >= d and launch.partial_rows == launch.grid
+                    continue
                 elif launch.name.startswith("pn_bwd_small"):
                     # lanes stand for pn_bwd's threads, ITEMS each (WIDE: one warp per row)
                     items, lpr = int(launch.name.split(",")[3]), int(launch.name.rsplit(",", 1)[1].strip(" >"))

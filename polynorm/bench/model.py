@@ -84,7 +84,7 @@ H200 = Device("H200", "sm_90", 132, 4.8e12, 64, 32, 228 * 1024, 227 * 1024)
 
 #: kernel families: the part of the name before '<', split kernels by phase
 FAMILIES = ("fwd", "fwd_small", "fwd_big", "fwd_split", "bwd", "bwd_small", "bwd_big", "bwd_split",
-            "colsum", "gated", "quant", "fwd_rows")
+            "colsum", "gated", "quant", "fwd_rows", "bwd_rows")
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,8 @@ PARAMS = Params(
 
 #: families not yet measured: their numbers are ESTIMATES, not fitted (see ESTIMATE_NOTES);
 #: launch_time uses them where PARAMS has no entry
-ESTIMATED_Z = {"fwd_rows": 2.175e-06}
-ESTIMATED_C = {"fwd_rows": 1.095e-10}
+ESTIMATED_Z = {"fwd_rows": 2.175e-06, "bwd_rows": 2.175e-06}
+ESTIMATED_C = {"fwd_rows": 1.095e-10, "bwd_rows": 1.992e-10}
 #: the SASS figures the estimates rest on (sm_90, static instructions per kernel / elements per
 #: thread of one row iteration); filled from polynorm.bench.sass
 ESTIMATE_SASS: dict = {
@@ -149,7 +149,34 @@ ESTIMATE_SASS: dict = {
     },
     "ratio": 0.6306,
 }
+#: the SASS figures pn_bwd_rows' estimate rests on (sm_90, static instructions without NOPs of the
+#: whole kernel: both twins, both trees for pn_bwd_rows, the exact fallbacks)
+ESTIMATE_SASS_BWD: dict = {
+    "method": ("static sm_90 SASS instructions (NOPs left out) of the whole kernel per element a lane holds "
+               "in one row iteration; pn_bwd_rows carries pn_bwd's and pn_bwd_big's trees (one runs), so "
+               "its count is halved; c_bwd_rows = c_bwd x per_element(rows 1,2) / per_element(pn_bwd)"),
+    "kernels": {
+        "pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, true, false>":
+            {"instructions": 2293, "fp64": 244, "elements_per_thread": 8, "per_element": 286.6},
+        "pn_bwd_big<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>":
+            {"instructions": 2963, "fp64": 444},
+        "pn_bwd_rows<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, 2, true, false>":
+            {"instructions": 5797, "fp64": 932, "elements_per_thread": 16, "per_element": 181.2},
+        "pn_bwd<float, float, float, 1, true, false>":
+            {"instructions": 1770, "fp64": 215, "elements_per_thread": 4, "per_element": 442.5},
+        "pn_bwd_rows<float, float, float, 1, 4, true, false>":
+            {"instructions": 5740, "fp64": 1032, "elements_per_thread": 16, "per_element": 179.4},
+    },
+    "ratio": 0.632,
+}
 ESTIMATE_NOTES = {
+    "bwd_rows.z": "pn_fwd's fitted Z_f (2.175 us), not pn_bwd's (1.806 us, which its row ring of cp.async "
+                  "copies S - 1 rows ahead lowers): a pn_bwd_rows block iteration issues one row group's "
+                  "loads, waits, runs two or three row sums (block barriers for R > 1) and stores, with no "
+                  "prefetch of the next group; an estimate, not a fit",
+    "bwd_rows.c": "pn_bwd's fitted c_f (3.152e-10 s per element per SM) scaled by the static SASS "
+                  "instructions per element of a lane (bfloat16; see ESTIMATE_SASS_BWD); an estimate, "
+                  "not a fit",
     "fwd_rows.z": "pn_fwd's fitted Z_f (2.175 us): one row group per block goes through the same "
                   "chain (loads, float runs, butterflies, one double epilogue, weight, y, store), "
                   "with block barriers only for R > 1; an estimate, not a fit",
@@ -269,10 +296,15 @@ def launches(op: str, dtype: str, n: int, d: int, dev: Device = H200,
             rows = la.block // la.tpr
             shape(la.name, la.grid, la.block, la.shared, 1, 1, rows * row, rows * d)
     elif op == "bwd":
-        la = cl.backward_launch(n, d, dtype, dtype, dtype, num_sms=dev.sms, max_smem=smem_cap)
+        la = cl.backward_launch(n, d, dtype, dtype, dtype, num_sms=dev.sms, max_smem=smem_cap, rows=rows)
         row = arrays[op] * d * item
         part = la.partial_rows * la.ldp * ct
-        if la.slices:
+        if la.name.startswith("pn_bwd_rows"):  # persistent: row groups of block / (32 * R) rows
+            rpb = la.block // (32 * cl.rows_shape(la.tpr)[2])
+            iters = math.ceil(n / (la.grid * rpb))
+            shape(la.name, la.grid, la.block, la.shared, iters, 1,
+                  rpb * row + part / max(1, iters * la.grid), rpb * d)
+        elif la.slices:
             span = d / la.slices
             cpt = math.ceil(span / vec / la.block)
             shape(la.name, la.grid, la.block, 0, 1, math.ceil(cpt / loads(la.name)), 2 * span * item, span)
@@ -376,8 +408,8 @@ def load_records(path: Path = RECORDS) -> list[dict]:
 
 
 def _rows_record(r: dict) -> bool:
-    """Whether a record's forward ran pn_fwd_rows (records before it: the launches then)."""
-    return any(k.startswith("pn_fwd_rows") for k in r["extra"].get("launches", []))
+    """Whether a record ran pn_fwd_rows or pn_bwd_rows (records before them: the launches then)."""
+    return any(k.startswith(("pn_fwd_rows", "pn_bwd_rows")) for k in r["extra"].get("launches", []))
 
 
 def compare(records: list[dict], prm: Params = PARAMS, kernels: dict | None = None) -> list[dict]:
@@ -554,6 +586,46 @@ def rows_prediction(prm: Params = PARAMS, records_path: Path = RECORDS) -> dict:
             "rows": out}
 
 
+#: the backward cases of the 12-04 records (bfloat16, float16, float32 at the measured shapes)
+def _bwd_cases(records_path: Path = RECORDS) -> list[tuple[str, str, int, int]]:
+    return sorted({("bwd", r["dtype"], r["tokens"], r["d"]) for r in load_records(records_path)
+                   if r["op"] == "bwd"}, key=lambda c: (c[1], c[3], c[2]))
+
+
+def bwd_rows_prediction(prm: Params = PARAMS, records_path: Path = RECORDS) -> dict:
+    """pn_bwd_rows' predicted fractions of a copy beside the launches before it (their
+    prediction and the 12-04 measurement) for every backward case of the records.
+
+    >>> doc = bwd_rows_prediction()
+    >>> r = next(r for r in doc["rows"] if (r["dtype"], r["tokens"], r["d"]) == ("bfloat16", 32768, 8192))
+    >>> r["kernel"].split("<")[0], r["before_kernel"], r["pred_copy_kernel"] > r["before_pred_copy_kernel"]
+    ('pn_bwd_rows', 'pn_bwd_big', True)
+    """
+    measured = {(r["op"], r["dtype"], r["tokens"], r["d"]): r["ratios"].get("copy_kernel")
+                for r in load_records(records_path)}
+    out = []
+    for c in _bwd_cases(records_path):
+        new, old = predict(*c, prm), predict(*c, prm, rows=False)
+        k = new["kernels"][0]
+        out.append({"op": c[0], "dtype": c[1], "tokens": c[2], "d": c[3],
+                    "kernel": k["kernel"], "grid": k["grid"], "block": k["block"], "per_sm": k["per_sm"],
+                    "pred_copy_kernel": round(new["copy_kernel"], 4),
+                    "before_kernel": old["kernels"][0]["kernel"].split("<")[0],
+                    "before_pred_copy_kernel": round(old["copy_kernel"], 4),
+                    "before_measured_copy_kernel": measured.get(c)})
+    return {"what": "Launch model (polynorm/bench/model.py) prediction of pn_bwd_rows (the backward, dx + "
+                    "dweight partial rows + pn_colsum) on the H200 beside the launches before it, for the "
+                    "backward cases of gpu-2026-12-04b-h200.json; kernels alone as a fraction of a device "
+                    "copy (python -m polynorm.bench.model --predict-bwd-rows FILE)",
+            "device": H200.name,
+            "estimated": {"z": {"bwd_rows": ESTIMATED_Z["bwd_rows"]}, "c": {"bwd_rows": ESTIMATED_C["bwd_rows"]},
+                          "notes": {k: v for k, v in ESTIMATE_NOTES.items() if k.startswith("bwd_rows")},
+                          "sass": ESTIMATE_SASS_BWD},
+            "fitted_params": "PARAMS (fitted on gpu-2026-12-04b-h200.json); pn_bwd_rows' own numbers are "
+                             "the estimates above, to be refitted on the first records that run it",
+            "rows": out}
+
+
 def report(records_path: Path = RECORDS, prm: Params = PARAMS, headline_only: bool = False) -> tuple[str, dict]:
     """The text ``polynorm bench --gpu-model`` prints and the JSON document it can write."""
     rows = compare(load_records(records_path), prm)
@@ -582,7 +654,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fit", action="store_true", help="refit the parameters on --records and print them (scipy)")
     p.add_argument("--holdout", action="store_true", help="fit on half of the shapes, report the other half (scipy)")
     p.add_argument("--predict-rows", type=Path, help="write pn_fwd_rows' predictions (beside the kernels before) here")
+    p.add_argument("--predict-bwd-rows", type=Path,
+                   help="write pn_bwd_rows' predictions (beside the kernels before) here")
     args = p.parse_args(argv)
+    if args.predict_bwd_rows:
+        doc = bwd_rows_prediction()
+        args.predict_bwd_rows.write_text(json.dumps(doc, indent=1) + "\n")
+        for r in doc["rows"]:
+            print(f"{r['dtype']:9} {r['tokens']:6}x{r['d']:<6} {r['kernel'].split('<')[0]:12} "
+                  f"pred {r['pred_copy_kernel']:.3f} | before {r['before_kernel']:11} pred "
+                  f"{r['before_pred_copy_kernel']:.3f} measured {r['before_measured_copy_kernel']}")
+        return 0
     if args.predict_rows:
         doc = rows_prediction()
         args.predict_rows.write_text(json.dumps(doc, indent=1) + "\n")

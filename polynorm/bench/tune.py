@@ -1,10 +1,11 @@
-"""Launch tuning of pn_fwd_rows by measurement: a bounded sweep per case, and the table the dispatcher reads.
+"""Launch tuning of pn_fwd_rows / pn_bwd_rows by measurement: a bounded sweep per case, and the table the dispatcher reads.
 
-For each case (op fwd / add, dtype, tokens, d) the kernels alone (the call's launches
+For each case (op fwd / add / bwd, dtype, tokens, d) the kernels alone (the call's launches
 recorded and replayed, as ``polynorm.bench.gpu`` times them) are timed with the kernel
-the dispatcher had before (``rows=False``), the rule's pn_fwd_rows launch, and every
-(warps per row, rows per block) of ``launch.rows_candidates``.  None of these change a
-bit of the results (the tree is fixed by ``d``).  The fastest pn_fwd_rows config of each
+the dispatcher had before (``rows=False``), the rule's pn_fwd_rows (pn_bwd_rows) launch, and every
+(warps per row, rows per block) of ``launch.rows_candidates`` (``launch.bwd_rows_candidates``).
+None of these change a bit of y, h, rstd or dx (the tree is fixed by ``d``); the backward's
+dweight / dbias are the sums of each launch's partial rows.  The fastest pn_fwd_rows config of each
 case goes into the tuning table, ``polynorm/backends/cuda/tuning/<device>.json``
 (``launch.tuning_table``); the sweep's every timing into a JSON beside it.  Both are
 rewritten after every case, so a timeout keeps what was measured.
@@ -33,7 +34,9 @@ TUNE_CASES = [(op, dt, n, d)
               for dt in ("bfloat16", "float16", "float32")
               for n in (32768, 4096)
               for d in (4096, 16384, 8192, 2048, 1024)
-              for op in ("fwd", "add")]
+              for op in ("fwd", "add")] + [
+              ("bwd", dt, n, d) for dt in ("bfloat16", "float16", "float32") for n in (32768, 4096)
+              for d in (4096, 8192, 2048, 1024)]
 
 
 def candidates(op: str, dtype: str, d: int) -> list[tuple[int, int] | None | str]:
@@ -43,26 +46,32 @@ def candidates(op: str, dtype: str, d: int) -> list[tuple[int, int] | None | str
     ['before', None, (2, 1)]
     >>> candidates("fwd", "float32", 16384)
     []
+    >>> candidates("bwd", "bfloat16", 8192)
+    ['before', None, (16, 1)]
     """
-    configs = cl.rows_candidates(d, dtype)
+    configs = cl.bwd_rows_candidates(d, dtype) if op == "bwd" else cl.rows_candidates(d, dtype)
     return ["before", None, *configs] if configs else []
 
 
 @contextlib.contextmanager
-def forced(config):
-    """The cupy backend's forward launches with ``config`` ("before": rows=False)."""
-    orig, table = cl.forward_launch, cl.tuning_table
+def forced(config, op: str = "fwd"):
+    """The cupy backend's forward (``op`` bwd: backward) launches with ``config`` ("before": rows=False)."""
+    attr = "backward_launch" if op == "bwd" else "forward_launch"
+    orig, table = getattr(cl, attr), cl.tuning_table
     kw = {"rows": False} if config == "before" else {"rows_config": config}
-    cl.forward_launch = functools.partial(orig, **kw)  # type: ignore[assignment]
+    setattr(cl, attr, functools.partial(orig, **kw))
     cl.tuning_table = lambda device: {}  # type: ignore[assignment]  # None: the rule, not a table
     orig.cache_clear()
     cl.rows_launch.cache_clear()
+    cl.bwd_rows_launch.cache_clear()
     try:
         yield
     finally:
-        cl.forward_launch, cl.tuning_table = orig, table  # type: ignore[assignment]
+        setattr(cl, attr, orig)
+        cl.tuning_table = table  # type: ignore[assignment]
         orig.cache_clear()
         cl.rows_launch.cache_clear()
+        cl.bwd_rows_launch.cache_clear()
 
 
 def sweep(cases, budget_s: float, on_case=None, progress=None) -> list[dict]:
@@ -85,11 +94,13 @@ def sweep(cases, budget_s: float, on_case=None, progress=None) -> list[dict]:
         try:
             x = lib.randn((n, d), dt)
             w = lib.randn((d,), dt)
-            r = lib.randn((n, d), dt) if op == "add" else None
+            r = lib.randn((n, d), dt) if op in ("add", "bwd") else None  # bwd: r is dy
+            rstd = pn.rms_norm(x, w, eps=EPS, return_rstd=True)[1] if op == "bwd" else None
             call = (lambda x=x, w=w: pn.rms_norm(x, w, eps=EPS)) if op == "fwd" else (
-                lambda x=x, r=r, w=w: pn.add_rms_norm(x, r, w, eps=EPS))
+                lambda x=x, r=r, w=w: pn.add_rms_norm(x, r, w, eps=EPS)) if op == "add" else (
+                lambda x=x, r=r, w=w, rstd=rstd: pn.rms_norm_backward(r, x, w, rstd=rstd, eps=EPS))
             for cfg in candidates(op, dt, d):
-                with forced(cfg):
+                with forced(cfg, op):
                     t, names = _kernel_time(lib, call)
                 row["timings"].append({"config": cfg if cfg in ("before", None) else list(cfg),
                                        "seconds": t, "kernels": names})
@@ -100,7 +111,7 @@ def sweep(cases, budget_s: float, on_case=None, progress=None) -> list[dict]:
         except Exception as exc:  # OOM, a launch error: the case says so, the sweep goes on
             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         finally:
-            x = w = r = None
+            x = w = r = rstd = None
             lib.release()
         out.append(row)
         if on_case is not None:
@@ -121,8 +132,8 @@ def table(device: str, rows: list[dict]) -> dict:
                       "seconds": best["seconds"], "rule_seconds": by.get("null"),
                       "before_seconds": by.get('"before"'), "kernel": best["kernels"][0]}
     return {"device": device, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "what": "pn_fwd_rows launch per case (op:x dtype:d:token bucket), fastest of "
-                    "launch.rows_candidates, kernels alone (python -m polynorm.bench.tune)",
+            "what": "pn_fwd_rows / pn_bwd_rows launch per case (op:x dtype:d:token bucket), fastest of "
+                    "launch.rows_candidates / bwd_rows_candidates, kernels alone (python -m polynorm.bench.tune)",
             "cases": cases}
 
 

@@ -442,7 +442,8 @@ def _backward_launch(types: cl.BwdTypes, n: int, d: int, has_w: bool, has_b: boo
     ``launch.partial_rows x launch.ldp`` of the compute dtype, zeroed for ``launch.big``)."""
     num_sms, max_smem = _device()
     return cl.backward_launch(n, d, types.x, types.dy, types.weight, partials=has_w or has_b,
-                              num_sms=num_sms, max_smem=max_smem, has_w=has_w, has_g=has_g)
+                              num_sms=num_sms, max_smem=max_smem, has_w=has_w, has_g=has_g,
+                              device=_device_name())
 
 
 def _backward_args(launch: cl.Launch, plan: Plan, ptr: dict, rs: dict) -> tuple[tuple, tuple]:

@@ -251,6 +251,7 @@ def specialisations() -> list[str]:
     names += split_specialisations()
     names += [qk_name(t, nx) for t in FLOAT_DTYPES for nx in (False, True)]
     names += [none_fwd_name(*t) for t in NONE_FWD_TYPES]
+    names += bwd_rows_specialisations()
     return names
 
 
@@ -515,8 +516,11 @@ def backward_launch(
     has_g: bool = False,
     split: bool = True,
     small: bool = True,
+    rows: bool = True,
+    rows_config: tuple[int, int] | None = None,
+    device: str = "",
 ) -> Launch:
-    """Launch of pn_bwd_small / pn_bwd / pn_bwd_big (persistent grid) / pn_bwd_split for ``n`` rows of ``d``.
+    """Launch of pn_bwd_small / pn_bwd_rows / pn_bwd / pn_bwd_big (persistent grid) / pn_bwd_split for ``n`` rows of ``d``.
 
     ``partials``: whether dweight or dbias partial sums are wanted (the
     caller allocates ``partial_rows x ldp`` buffers of the compute dtype,
@@ -527,13 +531,19 @@ def backward_launch(
     needs a ``2 * n * slices`` float64 buffer.  Rows of ``d <= SMALL_D`` go to
     pn_bwd_small where :func:`small_bwd_shape` has a shape (``dx`` with
     pn_bwd's bits, which ``small=False`` requests; dweight / dbias rounded
-    over its own partial rows).
+    over its own partial rows).  Rows of ``d > SMALL_D`` whose tree :func:`bwd_tree`
+    describes go to pn_bwd_rows (:func:`bwd_rows_launch`: pn_bwd's / pn_bwd_big's dx bits,
+    which ``rows=False`` requests; ``rows_config`` = (warps per row, rows per block)
+    overrides the rule and the tuning table of ``device``).
 
+    >>> bl = backward_launch(4096, 4096, "bfloat16", num_sms=132)
+    >>> bl.name, bl.grid, bl.block
+    ('pn_bwd_rows<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, 2, true, false>', 264, 256)
     >>> bl = backward_launch(8, 262144, "bfloat16")
     >>> bl.name2, bl.grid, bl.partial_rows, bl.slices
     ('pn_bwd_split<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2>', 128, 8, 16)
 
-    >>> bl = backward_launch(4096, 4096, "bfloat16", num_sms=132)
+    >>> bl = backward_launch(4096, 4096, "bfloat16", num_sms=132, rows=False)
     >>> bl.name, bl.grid, bl.partial_rows, bl.ldp
     ('pn_bwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, true, false>', 264, 264, 4096)
     >>> backward_launch(8, 128, "float32", has_w=False, has_g=True, small=False).name
@@ -556,6 +566,11 @@ def backward_launch(
         shared = 2 * rows * ldp * ITEMSIZE[compute_dtype(x)] if partials else 0
         return Launch(bwd_small_name(x, dy, weight, items, lpr, has_w, has_g), grid=grid, block=block,
                       shared=shared, tpr=lpr, big=False, partial_rows=grid if partials else 0, ldp=ldp)
+    rl = None if force_big or not rows else bwd_rows_launch(
+        n, d, x, dy, weight, partials=partials, has_w=has_w, has_g=has_g, num_sms=num_sms, max_smem=max_smem,
+        config=rows_config, device=device)
+    if rl is not None:
+        return rl
     # pn_bwd gives each thread at most one head or tail element: tpr >= 2 * VEC
     shape = None if force_big else _reg_shape(d, vec, BWD_ITEMS, min_tpr=2 * vec)
     if shape is not None:
@@ -1154,3 +1169,178 @@ def none_launch(n: int, d: int, x: str, wide: str | None = None, out: str | None
     True
     """
     return _segment_launch(none_fwd_name(x, wide or compute_dtype(x), out or x), n, d, x)
+
+
+# ------------------------------------------------------------------ pn_bwd_rows
+
+#: __launch_bounds__ of pn_bwd_rows (with one block per SM: at most 128 registers)
+BWD_ROWS_THREADS = 512
+#: resident pn_bwd_rows threads per SM the persistent grid is sized for (128 registers each)
+BWD_ROWS_THREADS_PER_SM = 512
+#: pn_bwd_rows' (IT, MW) instantiations by x dtype: IT chunks of one tree thread, MW tree
+#: warps per lane (IT * MW register chunks of x and of dy per lane).  16-bit x: at most 2
+#: chunks (4 spill within 128 registers: float16 hundreds of bytes, bfloat16 without a
+#: weight); MW 1 with IT 2 would need 32 warps per row (pn_bwd_big's 1024 tree threads)
+BWD_ROWS_SHAPES = {
+    "float16": ((1, 1), (1, 2)),
+    "bfloat16": ((1, 1), (1, 2)),
+    "float32": ((1, 1), (1, 2), (1, 4), (2, 2)),
+    "float64": (),
+}
+#: most 16-byte chunks of x (and as many of dy) a pn_bwd_rows lane holds
+BWD_ROWS_CHUNKS = 4
+#: most rows per pn_bwd_rows block (row slots, each with two accumulator rows in shared memory)
+BWD_ROWS_RPB = 8
+
+
+def bwd_rows_name(x: str, dy: str, w: str, it: int, mw: int, has_w: bool = True, has_g: bool = False) -> str:
+    return f"pn_bwd_rows<{_ct(x, dy, w)}, {it}, {mw}, {_tf(has_w)}, {_tf(has_g)}>"
+
+
+def bwd_rows_types(x: str, dy: str) -> bool:
+    """Whether pn_bwd_rows is instantiated for kernel dtypes x, dy: float compute and dy
+    as wide as x (a float32 dy of 16-bit x keeps pn_bwd / pn_bwd_big: the same dx bits).
+
+    >>> bwd_rows_types("bfloat16", "bfloat16"), bwd_rows_types("bfloat16", "float32")
+    (True, False)
+    """
+    return x != "float64" and ITEMSIZE[dy] == ITEMSIZE[x]
+
+
+@lru_cache(maxsize=4096)
+def bwd_tree(d: int, x: str) -> tuple[int, int, bool] | None:
+    """(T, IT, big) of the tree a backward row of ``d`` is summed over (float compute):
+    pn_bwd's threads per row (IT 1), or pn_bwd_big's block and passes for single-slice
+    rows (``big``: pn_bwd_big's arithmetic); None for float64 and multi-slice rows.
+
+    >>> bwd_tree(4096, "bfloat16"), bwd_tree(8192, "bfloat16"), bwd_tree(16384, "bfloat16")
+    ((512, 1, False), (1024, 1, True), (1024, 2, True))
+    >>> bwd_tree(32768, "bfloat16") is None, bwd_tree(4096, "float64") is None
+    (True, True)
+    """
+    if compute_dtype(x) != "float32":
+        return None
+    vec = VEC[x]
+    shape = _reg_shape(d, vec, BWD_ITEMS, min_tpr=2 * vec)
+    if shape is not None:
+        return shape[1], 1, False
+    if slice_count(d, x) != 1:
+        return None
+    t = big_block(d, x)
+    return t, -(-(d // vec) // t), True
+
+
+def _bwd_rows_inst(x: str, it: int, mw: int) -> tuple[int, int] | None:
+    return (it, mw) if (it, mw) in BWD_ROWS_SHAPES[x] and it * mw <= BWD_ROWS_CHUNKS else None
+
+
+def bwd_rows_candidates(d: int, x: str) -> list[tuple[int, int]]:
+    """Every (warps per row, rows per block) pn_bwd_rows has an instantiation for; [] where
+    it does not take rows of ``d``.
+
+    >>> bwd_rows_candidates(4096, "bfloat16")
+    [(8, 1), (8, 2), (16, 1)]
+    """
+    tree = bwd_tree(d, x) if d > SMALL_D else None
+    if tree is None:
+        return []
+    t, it, _ = tree
+    nw = t // 32
+    out = []
+    r = 1
+    while r <= min(nw, BWD_ROWS_THREADS // 32):
+        if _bwd_rows_inst(x, it, nw // r) is not None:
+            rpb = 1
+            while 32 * r * rpb <= BWD_ROWS_THREADS and rpb * nw <= ROWS_RED and rpb <= BWD_ROWS_RPB:
+                out.append((r, rpb))
+                rpb *= 2
+        r *= 2
+    return out
+
+
+def _bwd_rows_rule(n: int, d: int, x: str) -> tuple[int, int] | None:
+    """(warps per row, rows per block) by rule: the fewest warps per row whose lanes hold at
+    most BWD_ROWS_CHUNKS chunks, rows per block up to a 256-thread block."""
+    cands = bwd_rows_candidates(d, x)
+    if not cands:
+        return None
+    r = min(c[0] for c in cands)
+    rpb = max(1, min(ROW_BLOCK // (32 * r), _pow2ceil(n)))
+    while (r, rpb) not in cands:
+        rpb //= 2
+    return r, rpb
+
+
+def bwd_rows_shared(d: int, x: str, rpb: int, partials: bool) -> int:
+    """pn_bwd_rows' dynamic shared memory: two accumulator rows (dweight, dbias) of ``ldp``
+    compute-dtype values per row slot when partial sums are wanted, else 0."""
+    ldp = math.ceil(d / VEC[x]) * VEC[x]
+    return 2 * rpb * ldp * ITEMSIZE[compute_dtype(x)] if partials else 0
+
+
+@lru_cache(maxsize=4096)
+def bwd_rows_launch(n: int, d: int, x: str, dy: str | None = None, weight: str | None = None, *,
+                    partials: bool = True, has_w: bool = True, has_g: bool = False,
+                    num_sms: int = DEFAULT_SMS, max_smem: int = DEFAULT_SMEM,
+                    config: tuple[int, int] | None = None, grid: int | None = None,
+                    device: str = "") -> Launch | None:
+    """Launch of pn_bwd_rows, or None where it does not take the rows.
+
+    ``config`` (warps per row, rows per block) when given, else the tuning table's "bwd"
+    entry for ``device``, else :func:`_bwd_rows_rule`; ``grid`` (persistent: blocks stride
+    over row groups) when given, else as many blocks as fit the SMs
+    (:data:`BWD_ROWS_THREADS_PER_SM`, shared memory), at most one per row group.  dx does
+    not depend on any of these (the tree is fixed by ``d``: :func:`bwd_tree`); dweight /
+    dbias are the sums of this launch's partial rows (``partial_rows = grid``).
+
+    >>> bl = bwd_rows_launch(32768, 8192, "bfloat16")
+    >>> bl.name, bl.block, bl.grid, rows_shape(bl.tpr), bl.shared
+    ('pn_bwd_rows<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 1, 2, true, false>', 512, 132, (32, True, 16), 65536)
+    """
+    dy = dy or x
+    weight = weight or x
+    tree = bwd_tree(d, x) if d > SMALL_D and bwd_rows_types(x, dy) else None
+    if tree is None:
+        return None
+    t, it, big = tree
+    nw = t // 32
+    if config is None and device:
+        tab = tuning_table(device)
+        b = min(_pow2ceil(n), 1 << 15)
+        while b >= 1 and config is None:
+            e = tab.get(tuning_key("bwd", x, d, b))
+            if e is not None and (int(e["warps_per_row"]), int(e["rows_per_block"])) in bwd_rows_candidates(d, x):
+                config = (int(e["warps_per_row"]), int(e["rows_per_block"]))
+            b //= 2
+    if config is None:
+        config = _bwd_rows_rule(n, d, x)
+        if config is None:
+            return None
+    r, rpb = config
+    if config not in bwd_rows_candidates(d, x):
+        raise ValueError(f"pn_bwd_rows has no launch of {r} warps per row and {rpb} rows per block for d={d} {x}")
+    inst = _bwd_rows_inst(x, it, nw // r)
+    assert inst is not None
+    block = 32 * r * rpb
+    shared = bwd_rows_shared(d, x, rpb, partials)
+    if shared + STATIC_SMEM > max_smem:
+        return None
+    if grid is None:
+        per_sm = max(1, BWD_ROWS_THREADS_PER_SM // block)
+        if shared:
+            per_sm = max(1, min(per_sm, max_smem // (shared + STATIC_SMEM)))
+        grid = max(1, min(math.ceil(n / rpb), num_sms * per_sm))
+    ldp = math.ceil(d / VEC[x]) * VEC[x]
+    return Launch(bwd_rows_name(x, dy, weight, *inst, has_w, has_g), grid=grid, block=block, shared=shared,
+                  tpr=pack_rows_shape(nw, big, r), big=False, partial_rows=grid if partials else 0, ldp=ldp)
+
+
+def bwd_rows_specialisations() -> list[str]:
+    """Every pn_bwd_rows instantiation the dispatcher can request."""
+    names = []
+    for t in BWD_TYPES:
+        if bwd_rows_types(t[0], t[1]):
+            for it, mw in BWD_ROWS_SHAPES[t[0]]:
+                if it * mw <= BWD_ROWS_CHUNKS:
+                    names += [bwd_rows_name(*t, it, mw, hw, hg) for hw in (False, True) for hg in (False, True)]
+    return names
