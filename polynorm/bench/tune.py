@@ -1,9 +1,10 @@
-"""Launch tuning of pn_fwd_rows by measurement: a bounded sweep per case, and the table the dispatcher reads.
+"""Launch tuning of pn_fwd_rows (and pn_gated_rows, pn_quant_rows) by measurement: a bounded sweep per case, and the table the dispatcher reads.
 
-For each case (op fwd / add, dtype, tokens, d) the kernels alone (the call's launches
+For each case (op fwd / add / gated / quant, dtype, tokens, d) the kernels alone (the call's launches
 recorded and replayed, as ``polynorm.bench.gpu`` times them) are timed with the kernel
 the dispatcher had before (``rows=False``), the rule's pn_fwd_rows launch, and every
-(warps per row, rows per block) of ``launch.rows_candidates``.  None of these change a
+(warps per row, rows per block) of ``launch.rows_candidates`` (the fusions:
+``launch.seg_rows_candidates``, warps per segment, segments per block).  None of these change a
 bit of the results (the tree is fixed by ``d``).  The fastest pn_fwd_rows config of each
 case goes into the tuning table, ``polynorm/backends/cuda/tuning/<device>.json``
 (``launch.tuning_table``); the sweep's every timing into a JSON beside it.  Both are
@@ -34,6 +35,13 @@ TUNE_CASES = [(op, dt, n, d)
               for n in (32768, 4096)
               for d in (4096, 16384, 8192, 2048, 1024)
               for op in ("fwd", "add")]
+# the fusions on the rows body (pn_gated_rows, pn_quant_rows: the benchmark's gated and quant
+# calls, one group of d), after the forward's cases
+TUNE_CASES += [(op, dt, n, d)
+               for dt in ("bfloat16", "float16", "float32")
+               for n in (32768, 4096)
+               for d in (4096, 8192, 2048, 1024, 16384)
+               for op in ("gated", "quant")]
 
 
 def candidates(op: str, dtype: str, d: int) -> list[tuple[int, int] | None | str]:
@@ -44,31 +52,42 @@ def candidates(op: str, dtype: str, d: int) -> list[tuple[int, int] | None | str
     >>> candidates("fwd", "float32", 16384)
     []
     """
-    configs = cl.rows_candidates(d, dtype)
+    if op == "gated":
+        configs = cl.seg_rows_candidates(d, dtype)
+    elif op == "quant":
+        configs = cl.seg_rows_candidates(d, dtype, cl.QUANT_ROWS_SHAPES)
+    else:
+        configs = cl.rows_candidates(d, dtype)
     return ["before", None, *configs] if configs else []
 
 
 @contextlib.contextmanager
 def forced(config):
-    """The cupy backend's forward launches with ``config`` ("before": rows=False)."""
+    """The cupy backend's forward, gated and quantized launches with ``config`` ("before":
+    rows=False)."""
     orig, table = cl.forward_launch, cl.tuning_table
+    og, oq = cl.gated_forward_launch, cl.quant_launch
     kw = {"rows": False} if config == "before" else {"rows_config": config}
     cl.forward_launch = functools.partial(orig, **kw)  # type: ignore[assignment]
+    cl.gated_forward_launch = functools.partial(og, **kw)  # type: ignore[assignment]
+    cl.quant_launch = functools.partial(oq, **kw)  # type: ignore[assignment]
     cl.tuning_table = lambda device: {}  # type: ignore[assignment]  # None: the rule, not a table
-    orig.cache_clear()
-    cl.rows_launch.cache_clear()
+    caches = (orig, og, oq, cl.rows_launch, cl.gated_rows_launch, cl.quant_rows_launch)
+    for f in caches:
+        f.cache_clear()
     try:
         yield
     finally:
         cl.forward_launch, cl.tuning_table = orig, table  # type: ignore[assignment]
-        orig.cache_clear()
-        cl.rows_launch.cache_clear()
+        cl.gated_forward_launch, cl.quant_launch = og, oq  # type: ignore[assignment]
+        for f in caches:
+            f.cache_clear()
 
 
 def sweep(cases, budget_s: float, on_case=None, progress=None) -> list[dict]:
     """Time every candidate of every case (until ``budget_s``); one dict per case."""
     import polynorm as pn
-    from polynorm.bench.gpu import EPS, _kernel_time, _Lib
+    from polynorm.bench.gpu import EPS, QUANT_SCALE, _kernel_time, _Lib
 
     lib = _Lib()
     start = time.perf_counter()
@@ -85,9 +104,16 @@ def sweep(cases, budget_s: float, on_case=None, progress=None) -> list[dict]:
         try:
             x = lib.randn((n, d), dt)
             w = lib.randn((d,), dt)
-            r = lib.randn((n, d), dt) if op == "add" else None
-            call = (lambda x=x, w=w: pn.rms_norm(x, w, eps=EPS)) if op == "fwd" else (
-                lambda x=x, r=r, w=w: pn.add_rms_norm(x, r, w, eps=EPS))
+            r = lib.randn((n, d), dt) if op != "fwd" else None
+            if op == "fwd":
+                call = lambda x=x, w=w: pn.rms_norm(x, w, eps=EPS)  # noqa: E731
+            elif op == "add":
+                call = lambda x=x, r=r, w=w: pn.add_rms_norm(x, r, w, eps=EPS)  # noqa: E731
+            elif op == "gated":  # the benchmark's call: r is the gate z
+                call = lambda x=x, r=r, w=w: pn.rms_norm_gated(x, r, w, eps=EPS)  # noqa: E731
+            else:
+                call = lambda x=x, r=r, w=w: pn.rms_norm_quant(  # noqa: E731
+                    x, w, residual=r, scale=QUANT_SCALE, eps=EPS)
             for cfg in candidates(op, dt, d):
                 with forced(cfg):
                     t, names = _kernel_time(lib, call)
@@ -121,8 +147,8 @@ def table(device: str, rows: list[dict]) -> dict:
                       "seconds": best["seconds"], "rule_seconds": by.get("null"),
                       "before_seconds": by.get('"before"'), "kernel": best["kernels"][0]}
     return {"device": device, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "what": "pn_fwd_rows launch per case (op:x dtype:d:token bucket), fastest of "
-                    "launch.rows_candidates, kernels alone (python -m polynorm.bench.tune)",
+            "what": "rows-body launch per case (op:x dtype:d:token bucket; ops fwd, add, gated, quant), fastest of "
+                    "launch.rows_candidates / seg_rows_candidates, kernels alone (python -m polynorm.bench.tune)",
             "cases": cases}
 
 

@@ -1239,13 +1239,20 @@ def seg_rows_candidates(length: int, x: str, shapes: dict | None = None) -> list
     out = []
     r = 1
     while r <= min(nw, ROWS_THREADS // 32):
-        if (it, nw // r) in shapes[x]:
+        if _seg_inst(shapes, x, it, nw // r) is not None:
             rpb = 1
             while 32 * r * rpb <= ROWS_THREADS and rpb * nw <= ROWS_RED:
                 out.append((r, rpb))
                 rpb *= 2
         r *= 2
     return out
+
+
+def _seg_inst(shapes: dict, x: str, it: int, mw: int) -> tuple[int, int] | None:
+    """The instantiation (IT', MW) with the fewest slots IT' >= ``it`` (slots beyond the
+    segment's chunks are skipped: the tree and the bits are the same), if any."""
+    its = sorted(i for i, m in shapes[x] if m == mw and i >= it)
+    return (its[0], mw) if its else None
 
 
 def _seg_rows_config(op: str, segments: int, length: int, x: str, shapes: dict, num_sms: int,
@@ -1271,18 +1278,20 @@ def _seg_rows_config(op: str, segments: int, length: int, x: str, shapes: dict, 
     if config is None:
         most = min(nw, ROWS_THREADS // 32)
         r = 1
-        while r < most and ((nw // r) * it > ROWS_CHUNKS or (it, nw // r) not in shapes[x]):
+        while r < most and _seg_inst(shapes, x, it, nw // r) is None:
             r *= 2
-        if (nw // r) * it > ROWS_CHUNKS or (it, nw // r) not in shapes[x]:
+        if _seg_inst(shapes, x, it, nw // r) is None:
             return None
-        while 2 * r <= most and segments * r < 4 * num_sms and (it, nw // (2 * r)) in shapes[x]:
+        while 2 * r <= most and segments * r < 4 * num_sms and _seg_inst(shapes, x, it, nw // (2 * r)) is not None:
             r *= 2
         config = (r, max(1, min(ROWS_THREADS // (32 * r), _pow2ceil(segments), ROWS_RED // nw)))
     if config not in cands:
         raise ValueError(f"the rows body has no launch of {config[0]} warps per segment and {config[1]} "
                          f"segments per block for {op} segments of {length} {x}")
     r, rpb = config
-    return x, it, nw // r, r, rpb
+    inst = _seg_inst(shapes, x, it, nw // r)
+    assert inst is not None  # config is a candidate
+    return x, inst[0], nw // r, r, rpb
 
 
 @lru_cache(maxsize=4096)
@@ -1323,8 +1332,13 @@ def gated_rows_specialisations() -> list[str]:
 # pn_quant_fwd's for every launch of it.
 
 #: pn_quant_rows' (IT, MW) instantiations by x dtype: a lane holds h's words, then y as
-#: floats, of IT * MW chunks
-QUANT_ROWS_SHAPES = SEG_ROWS_SHAPES
+#: floats, of IT * MW chunks; 8 chunks compile to 94-128 registers without spills (sm_80, sm_90)
+QUANT_ROWS_SHAPES = {
+    "float16": (*SEG_ROWS_SHAPES["float16"], (2, 4)),
+    "bfloat16": (*SEG_ROWS_SHAPES["bfloat16"], (2, 4)),
+    "float32": (*SEG_ROWS_SHAPES["float32"], (4, 2)),
+    "float64": (),
+}
 
 
 def quant_rows_name(x: str, qdtype: str, it: int, mw: int) -> str:
@@ -1343,7 +1357,7 @@ def quant_rows_launch(n: int, d: int, x: str, fp8: str | bool = True, *, group_s
 
     >>> ql = quant_rows_launch(32768, 4096, "bfloat16")
     >>> ql.name, ql.block, rows_shape(ql.tpr)
-    ('pn_quant_rows<__nv_bfloat16, 1, 2, 2>', 256, (8, False, 4))
+    ('pn_quant_rows<__nv_bfloat16, 1, 2, 4>', 256, (8, False, 2))
     >>> quant_rows_launch(32768, 4096, "bfloat16", group_size=128) is None
     True
     """
