@@ -280,3 +280,37 @@ def test_quant_rows_divide_and_reciprocal_at_midpoints(qdtype):
             np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want).view(np.uint8),
                                           f"{mode} scale={scale}")
             assert np.all(np.asarray(s) == s1)
+
+
+def test_rows_fusions_sum_the_tree_warps_left_to_right():
+    """A float32 row (d = 1024: 8 tree warps of 32 tree threads, one run each) whose
+    tree-warp sums are 1.0 and squares of a few 2^-28 multiples, and an eps that puts rstd at
+    a float32 rounding boundary: the segment kernels' tree (left to right) gives 31.999998,
+    other orders 32.0 (random rows almost never tell orders apart: their double sums are
+    exact).  pn_gated_rows' rstd and pn_quant_rows' per-token scale (y = x * rstd at the 1.0,
+    no weight) follow the tree for every launch."""
+    d, eps = 1024, 5.820766037136632e-11
+    ms = [2, 6, 9, 7, 0, 4, 5, 5]  # tree warp 4 holds 1.0
+    runs = [1.0 if w == 4 else (m * 2.0**-28) ** 2 for w, m in enumerate(ms)]
+    ltr = runs[0]
+    for v in runs[1:]:
+        ltr = ltr + v
+    rtl = 0.0
+    for v in reversed(runs):
+        rtl = v + rtl
+    want, other = (np.float32(1.0 / np.sqrt(s / d + eps)) for s in (ltr, rtl))
+    assert want != other
+    x = np.zeros((3, d), np.float32)
+    for w, m in enumerate(ms):  # chunk 32 * w (columns 128 * w ..): tree thread 32 * w
+        x[:, 128 * w] = 1.0 if w == 4 else m * 2.0**-28
+    z = np.ones((3, d), np.float32)
+    gp = _gplan(d, "float32", None, True, eps=eps)
+    for cfg in cl.seg_rows_candidates(d, "float32"):
+        (_, r), _ = _gated_rows_vs_segments(x, z, None, None, gp, f"tree order {cfg}", rows_config=cfg)
+        np.testing.assert_array_equal(r[:, 0], np.full(3, want), err_msg=f"{cfg}")
+    qmax = np.float32(448.0)  # float8_e4m3fn (int8's 127 maps both to one scale)
+    assert want / qmax != other / qmax
+    qp = _qplan(d, "float32", "float8_e4m3fn", None, None, eps=eps)
+    for cfg in cl.seg_rows_candidates(d, "float32", cl.QUANT_ROWS_SHAPES):
+        (_, s, _), _ = _quant_rows_vs_segments(x, None, None, None, qp, f"tree order {cfg}", rows_config=cfg)
+        np.testing.assert_array_equal(np.asarray(s)[:, 0], np.full(3, want / qmax), err_msg=f"{cfg}")
