@@ -73,7 +73,7 @@ def _qplan(d, dtype, qdtype="float8_e4m3fn", scale=None, group_size=None, scale_
 # ----------------------------------------------------------------------------- launchers (cupy.py's packing)
 
 
-def emul_gated_forward(x, z, w, b, gplan):
+def emul_gated_forward(x, z, w, b, gplan, *, rows=True, rows_config=None):
     plan = gplan.plan
     xd, ct = _name(x), plan.compute_dtype
     kz, ko = cl.kernel_dtype(xd, _name(z)), cl.kernel_dtype(xd, plan.out_dtype)
@@ -81,7 +81,7 @@ def emul_gated_forward(x, z, w, b, gplan):
     n, d = x.shape
     y = _garbage((n, d), ko)
     rstd = _garbage((n, gplan.groups), ct)
-    launch = cl.gated_forward_launch(n, d, gplan.group_size, xd, kz, ko)
+    launch = cl.gated_forward_launch(n, d, gplan.group_size, xd, kz, ko, rows=rows, rows_config=rows_config)
     args = (x, _rs(x), zk, _rs(zk), wk, bk, y, _rs(y), rstd,
             np.int64(n), np.int32(d), np.int32(gplan.group_size), np.int32(gplan.k),
             np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
@@ -114,7 +114,7 @@ def emul_gated_backward(dy, x, z, w, b, rstd, gplan):
     return dx, _as(dz, zd), dw, db
 
 
-def emul_quant_forward(x, res, w, b, qplan, scale=None):
+def emul_quant_forward(x, res, w, b, qplan, scale=None, *, rows=True, rows_config=None):
     plan = qplan.plan
     xd = _name(x)
     hd = xd if res is None else np.promote_types(NP[xd], NP[_name(res)]).name
@@ -130,7 +130,8 @@ def emul_quant_forward(x, res, w, b, qplan, scale=None):
     else:
         sdev = None
         sc = np.full((n, qplan.groups), np.nan, np.float32)
-    launch = cl.quant_launch(n, d, hd, qplan.qdtype)
+    launch = cl.quant_launch(n, d, hd, qplan.qdtype, group_size=qplan.group_size, rows=rows,
+                             rows_config=rows_config)
     args = (xk, _rs(xk), rk, _rs(rk), h, _rs(h), wk, bk, q, _rs(q), sc, sdev,
             np.int64(n), np.int32(d), np.int32(plan.k), np.int32(qplan.group_size),
             np.int32(launch.tpr), np.float64(plan.eps), np.int32(plan.eps_inside),
@@ -481,14 +482,14 @@ def test_fusion_launches_cover_the_segments_and_do_not_depend_on_n():
         for d, gs in ((1, 1), (7, 7), (96, 32), (4096, 128), (8192, 8192), (20000, 20000), (262144, 262144)):
             tprs = set()
             for n in (1, 3, 1000):
-                for la, segs in ((cl.gated_forward_launch(n, d, gs, x), n * (d // gs)),
+                for la, segs in ((cl.gated_forward_launch(n, d, gs, x, rows=False), n * (d // gs)),
                                  (cl.gated_backward_launch(n, d, gs, x), n * (d // gs)),
                                  (cl.quant_launch(n, d, x, True), n), (cl.quant_launch(n, d, x, False), n)):
                     assert la.name in names
                     assert la.block % 32 == 0 and 32 <= la.block <= cl.FUSE_THREADS
                     assert la.tpr & (la.tpr - 1) == 0 and la.block % la.tpr == 0
                     assert la.grid * (la.block // la.tpr) >= segs
-                tprs.add((cl.gated_forward_launch(n, d, gs, x).tpr, cl.quant_launch(n, d, x).tpr))
+                tprs.add((cl.gated_forward_launch(n, d, gs, x, rows=False).tpr, cl.quant_launch(n, d, x).tpr))
             assert len(tprs) == 1, (x, d, gs, tprs)
 
 
@@ -552,7 +553,9 @@ def test_emul_fusion_backend_glue(fake_cupy, dtype):
         np.testing.assert_array_equal(_bits(np.asarray(s, np.float32)), _bits(np.asarray(es, np.float32)))
         np.testing.assert_array_equal(_bits(np.asarray(h)), _bits(eh))
     np.testing.assert_array_equal(np.asarray(fx), x)
-    assert {nm.split("<")[0] for nm, *_ in launches} == {"pn_gated_fwd", "pn_gated_bwd", "pn_quant_fwd"}
+    # float32 rows of 96 take the rows body where one segment is the whole row (32 tree threads)
+    rows = {"pn_gated_rows", "pn_quant_rows"} if dtype == "float32" else set()
+    assert {nm.split("<")[0] for nm, *_ in launches} == {"pn_gated_fwd", "pn_gated_bwd", "pn_quant_fwd"} | rows
 
 
 def test_emul_backend_scale_mode_at_midpoints(fake_cupy):

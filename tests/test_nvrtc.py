@@ -196,7 +196,7 @@ def test_sass_targets(compiled, arch, tmp_path):
             # tracks it: test_emul_none.py::test_nvrtc_every_none_instantiation_without_spills_sm80
             continue
         assert stores == loads == 0, f"{arch} {nm}: spills {stores} B stored, {loads} B loaded"
-        if nm.startswith("pn_fwd_rows"):
+        if nm.startswith(("pn_fwd_rows", "pn_gated_rows", "pn_quant_rows")):
             # fewer, wider lanes instead of occupancy: the bytes of x in flight per SM (resident
             # warps x 32 lanes x 16-byte loads pending) at least pn_fwd's 32 warps x 2 chunks
             inflight = sass.ldg128_inflight(funcs[low])[0]

@@ -337,9 +337,9 @@ def _launch_info(op: str, dtype: str, n: int, d: int) -> dict:
         if op == "bwd":
             la = cl.backward_launch(n, d, dtype, dtype, dtype, num_sms=sms, max_smem=smem)
         elif op == "gated":
-            la = cl.gated_forward_launch(n, d, d, dtype)
+            la = cl.gated_forward_launch(n, d, d, dtype, num_sms=sms, device=cupy_backend._device_name())
         elif op == "quant":
-            la = cl.quant_launch(n, d, dtype)
+            la = cl.quant_launch(n, d, dtype, group_size=d, num_sms=sms, device=cupy_backend._device_name())
         else:
             la = cl.forward_launch(n, d, dtype, dtype if op == "add" else None, dtype, dtype, max_smem=smem,
                                    num_sms=sms, has_res=op == "add", device=cupy_backend._device_name())

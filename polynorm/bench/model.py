@@ -84,7 +84,7 @@ H200 = Device("H200", "sm_90", 132, 4.8e12, 64, 32, 228 * 1024, 227 * 1024)
 
 #: kernel families: the part of the name before '<', split kernels by phase
 FAMILIES = ("fwd", "fwd_small", "fwd_big", "fwd_split", "bwd", "bwd_small", "bwd_big", "bwd_split",
-            "colsum", "gated", "quant", "fwd_rows", "bwd_rows")
+            "colsum", "gated", "quant", "fwd_rows", "bwd_rows", "gated_rows", "quant_rows")
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,8 @@ PARAMS = Params(
 
 #: families not yet measured: their numbers are ESTIMATES, not fitted (see ESTIMATE_NOTES);
 #: launch_time uses them where PARAMS has no entry
-ESTIMATED_Z = {"fwd_rows": 2.175e-06, "bwd_rows": 2.175e-06}
-ESTIMATED_C = {"fwd_rows": 1.095e-10, "bwd_rows": 1.992e-10}
+ESTIMATED_Z = {"fwd_rows": 2.175e-06, "bwd_rows": 2.175e-06, "gated_rows": 2.407e-06, "quant_rows": 2.175e-06}
+ESTIMATED_C = {"fwd_rows": 1.095e-10, "bwd_rows": 1.992e-10, "gated_rows": 2.418e-10, "quant_rows": 2.588e-10}
 #: the SASS figures the estimates rest on (sm_90, static instructions per kernel / elements per
 #: thread of one row iteration); filled from polynorm.bench.sass
 ESTIMATE_SASS: dict = {
@@ -148,6 +148,31 @@ ESTIMATE_SASS: dict = {
             {"instructions": 1647, "fp64": 171, "elements_per_thread": 32, "per_element": 51.47, "fp64_per_element": 5.34},
     },
     "ratio": 0.6306,
+    # the fusions on the rows body: twin_instructions() (sm_90), each kernel's benchmarked case
+    # compiled alone; c = c_fwd_rows x per_element(kernel) / per_element(pn_fwd_rows), bfloat16
+    "fusions": {
+        "method": ("static sm_90 SASS instructions (NOPs left out) of the benchmarked case's twin compiled "
+                   "alone (model.twin_instructions: 16-byte loads, exact fallback kept, quant's dynamic-scale "
+                   "path kept), per element a lane holds; c_f = c_fwd_rows x per_element(f) / "
+                   "per_element(pn_fwd_rows<bf16, 2, 4>), bfloat16 twins"),
+        "kernels": {
+            "pn_fwd_rows<bf16, 2, 4> fwd": {"instructions": 2584, "fp64": 359, "elements_per_thread": 64,
+                                            "per_element": 40.38, "fp64_per_element": 5.61},
+            "pn_gated_rows<bf16, 2, 2> nbg=False": {"instructions": 2853, "fp64": 239, "elements_per_thread": 32,
+                                                    "per_element": 89.16, "fp64_per_element": 7.47},
+            "pn_quant_rows<bf16, 1, 2, 2> res static": {"instructions": 3054, "fp64": 239,
+                                                        "elements_per_thread": 32, "per_element": 95.44,
+                                                        "fp64_per_element": 7.47},
+            "pn_fwd_rows<float, 2, 4> fwd": {"instructions": 1464, "fp64": 263, "elements_per_thread": 32,
+                                             "per_element": 45.75, "fp64_per_element": 8.22},
+            "pn_gated_rows<float, 2, 2> nbg=False": {"instructions": 1842, "fp64": 191, "elements_per_thread": 16,
+                                                     "per_element": 115.12, "fp64_per_element": 11.94},
+            "pn_quant_rows<float, 1, 2, 2> res static": {"instructions": 1922, "fp64": 191,
+                                                         "elements_per_thread": 16, "per_element": 120.12,
+                                                         "fp64_per_element": 11.94},
+        },
+        "ratios": {"gated_rows": 2.208, "quant_rows": 2.364},
+    },
 }
 #: the SASS figures pn_bwd_rows' estimate rests on (sm_90, static instructions without NOPs of the
 #: whole kernel: both twins, both trees for pn_bwd_rows, the exact fallbacks)
@@ -177,6 +202,15 @@ ESTIMATE_NOTES = {
     "bwd_rows.c": "pn_bwd's fitted c_f (3.152e-10 s per element per SM) scaled by the static SASS "
                   "instructions per element of a lane (bfloat16; see ESTIMATE_SASS_BWD); an estimate, "
                   "not a fit",
+    "gated_rows.z": "pn_gated_fwd's fitted Z_f (2.407 us): one segment group per block through the rows "
+                    "body's chain (loads, silu, float runs, butterflies, one double epilogue, y); an estimate",
+    "gated_rows.c": "pn_fwd_rows' estimated c (1.095e-10) x 2.208, the static SASS instructions per element "
+                    "of pn_gated_rows' benchmarked twin over pn_fwd_rows' (ESTIMATE_SASS['fusions']); an "
+                    "estimate, not a fit",
+    "quant_rows.z": "pn_fwd's fitted Z_f (2.175 us), as pn_fwd_rows' (pn_quant_fwd's own fit went to 0); an "
+                    "estimate",
+    "quant_rows.c": "pn_fwd_rows' estimated c x 2.364 (pn_quant_rows' twin over pn_fwd_rows': the division "
+                    "and encoding per element); an estimate, not a fit",
     "fwd_rows.z": "pn_fwd's fitted Z_f (2.175 us): one row group per block goes through the same "
                   "chain (loads, float runs, butterflies, one double epilogue, weight, y, store), "
                   "with block barriers only for R > 1; an estimate, not a fit",
@@ -184,6 +218,82 @@ ESTIMATE_NOTES = {
                   "instructions per element of a lane (sm_90, both twins and the exact fallback "
                   "counted as pn_fwd's are): see ESTIMATE_SASS; an estimate, not a fit",
 }
+
+#: the benchmarked case of each rows-body kernel compiled alone (one twin: 16-byte loads,
+#: the benchmark's optional arrays as null or not): name -> (elements a lane holds, the call
+#: inside a wrapper kernel whose arguments are x, a, o, w, rstd, s, n, d, k, shape, eps)
+TWINS = {
+    "pn_fwd_rows<bf16, 2, 4> fwd": (64, "pn_fwd_rows_body<B, B, B, B, 2, 4, true>(x, d, (const B*)nullptr, d, "
+                                        "(B*)nullptr, d, w, (const float*)nullptr, o, d, rstd, n, d, k, shape, "
+                                        "eps, 1, 0.0, 0, pn_layout<8>(x, d, n, d), red)"),
+    "pn_gated_rows<bf16, 2, 2> nbg=False": (32, "pn_gated_rows_body<B, B, 2, 2, true, false>(x, d, a, d, wf, "
+                                                "(const float*)nullptr, o, d, rstd, n, d, d, k, shape, eps, 1, "
+                                                "0.0, red)"),
+    "pn_quant_rows<bf16, 1, 2, 2> res static": (32, "pn_quant_rows_body<B, 1, 2, 2, true>(x, d, a, d, o, d, wf, "
+                                                    "(const float*)nullptr, q, d, (float*)nullptr, s, n, d, k, "
+                                                    "shape, eps, 1, 0.0, 0, red, mx)"),
+    "pn_fwd_rows<float, 2, 4> fwd": (32, "pn_fwd_rows_body<F, F, F, F, 2, 4, true>(xf, d, (const F*)nullptr, d, "
+                                         "(F*)nullptr, d, wf, (const float*)nullptr, of, d, rstd, n, d, k, shape, "
+                                         "eps, 1, 0.0, 0, pn_layout<4>(xf, d, n, d), red)"),
+    "pn_gated_rows<float, 2, 2> nbg=False": (16, "pn_gated_rows_body<F, F, 2, 2, true, false>(xf, d, af, d, wf, "
+                                                 "(const float*)nullptr, of, d, rstd, n, d, d, k, shape, eps, 1, "
+                                                 "0.0, red)"),
+    "pn_quant_rows<float, 1, 2, 2> res static": (16, "pn_quant_rows_body<F, 1, 2, 2, true>(xf, d, af, d, of, d, wf, "
+                                                     "(const float*)nullptr, q, d, (float*)nullptr, s, n, d, k, "
+                                                     "shape, eps, 1, 0.0, 0, red, mx)"),
+}
+
+
+def twin_instructions(arch: str = "sm_90") -> dict:
+    """Static SASS instructions (NOPs left out) and FP64-pipe instructions of each of
+    :data:`TWINS`, per element a lane holds: how ESTIMATE_SASS's fusion numbers were obtained
+    (needs NVRTC and cuobjdump).  The twins keep the exact fallback and, for the quantized
+    forward, the dynamic-scale path (a runtime pointer decides)."""
+    import subprocess
+    import tempfile
+
+    from cuda.bindings import nvrtc
+
+    from polynorm.backends.cuda import nvrtc as _nv
+
+    wrap = ["typedef __nv_bfloat16 B; typedef float F;"]
+    for i, (_, (_, call)) in enumerate(TWINS.items()):
+        wrap.append(
+            f'extern "C" __global__ void __launch_bounds__({cl.ROWS_THREADS}, 2) pn_twin_{i}('
+            "const B* x, const B* a, B* o, const B* w, const F* xf, const F* af, F* of, const float* wf, "
+            "unsigned char* q, const float* s, float* rstd, long long n, int d, int k, int shape, double eps) {"
+            f" __shared__ double red[{cl.ROWS_RED}]; __shared__ unsigned mx[{cl.ROWS_THREADS // 32}]; {call}; }}")
+    src = cl.source() + "\n" + "\n".join(wrap) + "\n"
+    prog = _nv._check(nvrtc.nvrtcCreateProgram(src.encode(), b"twins.cu", 0, [], []))
+    try:
+        opts = [*_nv.OPTIONS, f"--gpu-architecture={arch}", *(f"-I{d}" for d in cl.include_dirs())]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            size = _nv._check(nvrtc.nvrtcGetProgramLogSize(prog))
+            buf = b" " * size
+            _nv._check(nvrtc.nvrtcGetProgramLog(prog, buf))
+            raise RuntimeError(buf.decode(errors="replace"))
+        size = _nv._check(nvrtc.nvrtcGetCUBINSize(prog))
+        cubin = b" " * size
+        _nv._check(nvrtc.nvrtcGetCUBIN(prog, cubin))
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    exe = sass.find_cuobjdump()
+    if exe is None:
+        raise RuntimeError("cuobjdump not found")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "twins.cubin"
+        path.write_bytes(cubin)
+        funcs = sass.split_functions(subprocess.run([exe, "-sass", str(path)], capture_output=True, text=True,
+                                                    check=True).stdout)
+    out = {}
+    for i, (label, (elems, _)) in enumerate(TWINS.items()):
+        ins = [t for t in funcs[f"pn_twin_{i}"] if not t.startswith("NOP")]
+        fp64 = sass.fp64_count(ins)
+        out[label] = {"instructions": len(ins), "fp64": fp64, "elements_per_thread": elems,
+                      "per_element": round(len(ins) / elems, 2), "fp64_per_element": round(fp64 / elems, 2)}
+    return out
+
 
 HEADLINE = (("fwd", "bfloat16", 32768, 4096), ("add", "bfloat16", 32768, 4096),
             ("bwd", "bfloat16", 32768, 4096), ("fwd", "bfloat16", 4096, 16384),
@@ -326,11 +436,18 @@ def launches(op: str, dtype: str, n: int, d: int, dev: Device = H200,
         shape(cs.name, cs.grid, cs.block, 0, 1, math.ceil(la.partial_rows * 32 / cs.block),
               la.partial_rows * 32 * ct, la.partial_rows * 32)
     elif op in ("gated", "quant"):
-        la = cl.gated_forward_launch(n, d, d, dtype) if op == "gated" else cl.quant_launch(n, d, dtype)
-        rows = la.block // la.tpr
+        if op == "gated":
+            la = cl.gated_forward_launch(n, d, d, dtype, rows=rows, num_sms=dev.sms)
+        else:
+            la = cl.quant_launch(n, d, dtype, group_size=d, rows=rows, num_sms=dev.sms)
         row = (3 * d * item) if op == "gated" else (3 * d * item + d)
-        cpt = math.ceil(d / vec / la.tpr)
-        shape(la.name, la.grid, la.block, 0, 1, 2 * math.ceil(cpt / loads(la.name)), rows * row, rows * d)
+        if la.name.startswith(("pn_gated_rows", "pn_quant_rows")):  # segments per block = block / (32 R)
+            rpb = la.block // (32 * cl.rows_shape(la.tpr)[2])
+            shape(la.name, la.grid, la.block, 0, 1, 1, rpb * row, rpb * d)
+        else:
+            rows = la.block // la.tpr
+            cpt = math.ceil(d / vec / la.tpr)
+            shape(la.name, la.grid, la.block, 0, 1, 2 * math.ceil(cpt / loads(la.name)), rows * row, rows * d)
     else:
         raise ValueError(f"op must be one of fwd, add, bwd, gated, quant, not {op!r}")
     return out
@@ -408,8 +525,9 @@ def load_records(path: Path = RECORDS) -> list[dict]:
 
 
 def _rows_record(r: dict) -> bool:
-    """Whether a record ran pn_fwd_rows or pn_bwd_rows (records before them: the launches then)."""
-    return any(k.startswith(("pn_fwd_rows", "pn_bwd_rows")) for k in r["extra"].get("launches", []))
+    """Whether a record ran a rows-body kernel (records before them: the launches then)."""
+    return any(k.startswith(("pn_fwd_rows", "pn_bwd_rows", "pn_gated_rows", "pn_quant_rows"))
+               for k in r["extra"].get("launches", []))
 
 
 def compare(records: list[dict], prm: Params = PARAMS, kernels: dict | None = None) -> list[dict]:
@@ -626,6 +744,50 @@ def bwd_rows_prediction(prm: Params = PARAMS, records_path: Path = RECORDS) -> d
             "rows": out}
 
 
+def fusion_prediction(prm: Params = PARAMS, records_path: Path = RECORDS) -> dict:
+    """pn_gated_rows' / pn_quant_rows' predicted fractions of a copy for the gated and quant
+    cases of the records, beside the segment kernels' (pn_gated_fwd / pn_quant_fwd: their
+    prediction and their measurement); cases the rows body does not take keep the segment
+    kernel (the same prediction)."""
+    out = []
+    for r in load_records(records_path):
+        if r["op"] not in ("gated", "quant"):
+            continue
+        c = (r["op"], r["dtype"], r["tokens"], r["d"])
+        new, old = predict(*c, prm), predict(*c, prm, rows=False)
+        k = new["kernels"][0]
+        out.append({"op": c[0], "dtype": c[1], "tokens": c[2], "d": c[3],
+                    "kernel": k["kernel"], "grid": k["grid"], "block": k["block"], "per_sm": k["per_sm"],
+                    "pred_copy_kernel": round(new["copy_kernel"], 4),
+                    "before_kernel": old["kernels"][0]["kernel"].split("<")[0],
+                    "before_pred_copy_kernel": round(old["copy_kernel"], 4),
+                    "before_measured_copy_kernel": round(r["ratios"]["copy_kernel"], 4)})
+    summary: dict = {}
+    for op in ("gated", "quant"):
+        for dt in ("bfloat16", "float16", "float32"):
+            sub = [x for x in out if x["op"] == op and x["dtype"] == dt and x["tokens"] >= 4096
+                   and 1024 <= x["d"] <= 16384]
+            if sub:
+                summary[f"{op} {dt}"] = {
+                    "cases": len(sub), "rows_body": sum(x["kernel"].split("<")[0].endswith("_rows") for x in sub),
+                    "pred": [min(x["pred_copy_kernel"] for x in sub), max(x["pred_copy_kernel"] for x in sub)],
+                    "before_pred": [min(x["before_pred_copy_kernel"] for x in sub),
+                                    max(x["before_pred_copy_kernel"] for x in sub)],
+                    "before_measured": [min(x["before_measured_copy_kernel"] for x in sub),
+                                        max(x["before_measured_copy_kernel"] for x in sub)]}
+    return {"what": "Launch model (polynorm/bench/model.py) prediction of pn_gated_rows / pn_quant_rows (the "
+                    "gated forward, norm_before_gate=False, one group; the quantized forward with a residual "
+                    "and a static float8_e4m3fn scale: the benchmark's cases) on the H200 beside the segment "
+                    "kernels before them, for every gated / quant case of the records; kernels alone as a "
+                    "fraction of a device copy (python -m polynorm.bench.model --predict-fusions FILE)",
+            "device": H200.name, "records_file": Path(records_path).name,
+            "estimated": {"z": ESTIMATED_Z, "c": ESTIMATED_C, "notes": ESTIMATE_NOTES, "sass": ESTIMATE_SASS},
+            "fitted_params": "PARAMS (fitted on gpu-2026-12-04b-h200.json); the rows-body kernels' own numbers "
+                             "are the estimates above, to be refitted on the first records that run them",
+            "summary (tokens >= 4096, 1024 <= d <= 16384: [min, max])": summary,
+            "rows": out}
+
+
 def report(records_path: Path = RECORDS, prm: Params = PARAMS, headline_only: bool = False) -> tuple[str, dict]:
     """The text ``polynorm bench --gpu-model`` prints and the JSON document it can write."""
     rows = compare(load_records(records_path), prm)
@@ -656,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predict-rows", type=Path, help="write pn_fwd_rows' predictions (beside the kernels before) here")
     p.add_argument("--predict-bwd-rows", type=Path,
                    help="write pn_bwd_rows' predictions (beside the kernels before) here")
+    p.add_argument("--predict-fusions", type=Path,
+                   help="write pn_gated_rows' / pn_quant_rows' predictions (beside the kernels before) here")
     args = p.parse_args(argv)
     if args.predict_bwd_rows:
         doc = bwd_rows_prediction()
@@ -663,6 +827,14 @@ def main(argv: list[str] | None = None) -> int:
         for r in doc["rows"]:
             print(f"{r['dtype']:9} {r['tokens']:6}x{r['d']:<6} {r['kernel'].split('<')[0]:12} "
                   f"pred {r['pred_copy_kernel']:.3f} | before {r['before_kernel']:11} pred "
+                  f"{r['before_pred_copy_kernel']:.3f} measured {r['before_measured_copy_kernel']}")
+        return 0
+    if args.predict_fusions:
+        doc = fusion_prediction()
+        args.predict_fusions.write_text(json.dumps(doc, indent=1) + "\n")
+        for r in doc["rows"]:
+            print(f"{r['op']:5} {r['dtype']:9} {r['tokens']:7}x{r['d']:<6} {r['kernel'].split('<')[0]:13} "
+                  f"pred {r['pred_copy_kernel']:.3f} | before {r['before_kernel']:12} pred "
                   f"{r['before_pred_copy_kernel']:.3f} measured {r['before_measured_copy_kernel']}")
         return 0
     if args.predict_rows:

@@ -275,12 +275,14 @@ def launches(arch: str) -> dict[str, list[dict]]:
             # the fusions: one group of d and, where it divides d, groups of 128
             for gs in {d, 128} if d % 128 == 0 else {d}:
                 for t in cl.GATED_FWD_TYPES:
-                    add(cl.gated_forward_launch(n, d, gs, *t), d, n, "gated forward")
+                    add(cl.gated_forward_launch(n, d, gs, *t, num_sms=sms), d, n, "gated forward")
+                    add(cl.gated_forward_launch(n, d, gs, *t, rows=False), d, n, "gated forward")
                 for t in cl.GATED_BWD_TYPES:
                     add(cl.gated_backward_launch(n, d, gs, *t), d, n, "gated backward")
             for x in cl.FLOAT_DTYPES:
                 for fp8 in (True, False):
                     add(cl.quant_launch(n, d, x, fp8), d, n, "quant")
+                    add(cl.quant_launch(n, d, x, fp8, group_size=d, num_sms=sms), d, n, "quant")
     return {k: list(v.values()) for k, v in seen.items()}
 
 

@@ -1,11 +1,12 @@
-"""Launch tuning of pn_fwd_rows / pn_bwd_rows by measurement: a bounded sweep per case, and the table the dispatcher reads.
+"""Launch tuning of pn_fwd_rows, pn_bwd_rows, pn_gated_rows and pn_quant_rows by measurement: a bounded sweep per case, and the table the dispatcher reads.
 
-For each case (op fwd / add / bwd, dtype, tokens, d) the kernels alone (the call's launches
-recorded and replayed, as ``polynorm.bench.gpu`` times them) are timed with the kernel
-the dispatcher had before (``rows=False``), the rule's pn_fwd_rows (pn_bwd_rows) launch, and every
-(warps per row, rows per block) of ``launch.rows_candidates`` (``launch.bwd_rows_candidates``).
-None of these change a bit of y, h, rstd or dx (the tree is fixed by ``d``); the backward's
-dweight / dbias are the sums of each launch's partial rows.  The fastest pn_fwd_rows config of each
+For each case (op fwd / add / bwd / gated / quant, dtype, tokens, d) the kernels alone (the call's
+launches recorded and replayed, as ``polynorm.bench.gpu`` times them) are timed with the kernel
+the dispatcher had before (``rows=False``), the rule's rows-body launch, and every
+(warps per row, rows per block) of ``launch.rows_candidates`` (``launch.bwd_rows_candidates``;
+the fusions: ``launch.seg_rows_candidates``, warps per segment, segments per block).
+None of these change a bit of y, h, rstd, q or dx (the tree is fixed by ``d``); the backward's
+dweight / dbias are the sums of each launch's partial rows.  The fastest config of each
 case goes into the tuning table, ``polynorm/backends/cuda/tuning/<device>.json``
 (``launch.tuning_table``); the sweep's every timing into a JSON beside it.  Both are
 rewritten after every case, so a timeout keeps what was measured.
@@ -37,6 +38,13 @@ TUNE_CASES = [(op, dt, n, d)
               for op in ("fwd", "add")] + [
               ("bwd", dt, n, d) for dt in ("bfloat16", "float16", "float32") for n in (32768, 4096)
               for d in (4096, 8192, 2048, 1024)]
+# the fusions on the rows body (pn_gated_rows, pn_quant_rows: the benchmark's gated and quant
+# calls, one group of d), after the forward's and backward's cases
+TUNE_CASES += [(op, dt, n, d)
+               for dt in ("bfloat16", "float16", "float32")
+               for n in (32768, 4096)
+               for d in (4096, 8192, 2048, 1024, 16384)
+               for op in ("gated", "quant")]
 
 
 def candidates(op: str, dtype: str, d: int) -> list[tuple[int, int] | None | str]:
@@ -49,35 +57,47 @@ def candidates(op: str, dtype: str, d: int) -> list[tuple[int, int] | None | str
     >>> candidates("bwd", "bfloat16", 8192)
     ['before', None, (16, 1)]
     """
-    configs = cl.bwd_rows_candidates(d, dtype) if op == "bwd" else cl.rows_candidates(d, dtype)
+    if op == "bwd":
+        configs = cl.bwd_rows_candidates(d, dtype)
+    elif op == "gated":
+        configs = cl.seg_rows_candidates(d, dtype)
+    elif op == "quant":
+        configs = cl.seg_rows_candidates(d, dtype, cl.QUANT_ROWS_SHAPES)
+    else:
+        configs = cl.rows_candidates(d, dtype)
     return ["before", None, *configs] if configs else []
 
 
 @contextlib.contextmanager
 def forced(config, op: str = "fwd"):
-    """The cupy backend's forward (``op`` bwd: backward) launches with ``config`` ("before": rows=False)."""
-    attr = "backward_launch" if op == "bwd" else "forward_launch"
-    orig, table = getattr(cl, attr), cl.tuning_table
+    """The cupy backend's launches of ``op`` with ``config`` ("before": rows=False): the
+    backward's for bwd, else the forward's, gated and quantized ones."""
+    names = ("backward_launch",) if op == "bwd" else ("forward_launch", "gated_forward_launch",
+                                                      "quant_launch")
+    origs = {a: getattr(cl, a) for a in names}
+    table = cl.tuning_table
     kw = {"rows": False} if config == "before" else {"rows_config": config}
-    setattr(cl, attr, functools.partial(orig, **kw))
+    for a, f in origs.items():
+        setattr(cl, a, functools.partial(f, **kw))
     cl.tuning_table = lambda device: {}  # type: ignore[assignment]  # None: the rule, not a table
-    orig.cache_clear()
-    cl.rows_launch.cache_clear()
-    cl.bwd_rows_launch.cache_clear()
+    caches = (*origs.values(), cl.rows_launch, cl.bwd_rows_launch, cl.gated_rows_launch,
+              cl.quant_rows_launch)
+    for f in caches:
+        f.cache_clear()
     try:
         yield
     finally:
-        setattr(cl, attr, orig)
+        for a, f in origs.items():
+            setattr(cl, a, f)
         cl.tuning_table = table  # type: ignore[assignment]
-        orig.cache_clear()
-        cl.rows_launch.cache_clear()
-        cl.bwd_rows_launch.cache_clear()
+        for f in caches:
+            f.cache_clear()
 
 
 def sweep(cases, budget_s: float, on_case=None, progress=None) -> list[dict]:
     """Time every candidate of every case (until ``budget_s``); one dict per case."""
     import polynorm as pn
-    from polynorm.bench.gpu import EPS, _kernel_time, _Lib
+    from polynorm.bench.gpu import EPS, QUANT_SCALE, _kernel_time, _Lib
 
     lib = _Lib()
     start = time.perf_counter()
@@ -94,11 +114,20 @@ def sweep(cases, budget_s: float, on_case=None, progress=None) -> list[dict]:
         try:
             x = lib.randn((n, d), dt)
             w = lib.randn((d,), dt)
-            r = lib.randn((n, d), dt) if op in ("add", "bwd") else None  # bwd: r is dy
+            r = lib.randn((n, d), dt) if op != "fwd" else None  # bwd: r is dy; gated: the gate z
             rstd = pn.rms_norm(x, w, eps=EPS, return_rstd=True)[1] if op == "bwd" else None
-            call = (lambda x=x, w=w: pn.rms_norm(x, w, eps=EPS)) if op == "fwd" else (
-                lambda x=x, r=r, w=w: pn.add_rms_norm(x, r, w, eps=EPS)) if op == "add" else (
-                lambda x=x, r=r, w=w, rstd=rstd: pn.rms_norm_backward(r, x, w, rstd=rstd, eps=EPS))
+            if op == "fwd":
+                call = lambda x=x, w=w: pn.rms_norm(x, w, eps=EPS)  # noqa: E731
+            elif op == "add":
+                call = lambda x=x, r=r, w=w: pn.add_rms_norm(x, r, w, eps=EPS)  # noqa: E731
+            elif op == "bwd":
+                call = lambda x=x, r=r, w=w, rstd=rstd: pn.rms_norm_backward(  # noqa: E731
+                    r, x, w, rstd=rstd, eps=EPS)
+            elif op == "gated":
+                call = lambda x=x, r=r, w=w: pn.rms_norm_gated(x, r, w, eps=EPS)  # noqa: E731
+            else:
+                call = lambda x=x, r=r, w=w: pn.rms_norm_quant(  # noqa: E731
+                    x, w, residual=r, scale=QUANT_SCALE, eps=EPS)
             for cfg in candidates(op, dt, d):
                 with forced(cfg, op):
                     t, names = _kernel_time(lib, call)
@@ -132,8 +161,9 @@ def table(device: str, rows: list[dict]) -> dict:
                       "seconds": best["seconds"], "rule_seconds": by.get("null"),
                       "before_seconds": by.get('"before"'), "kernel": best["kernels"][0]}
     return {"device": device, "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "what": "pn_fwd_rows / pn_bwd_rows launch per case (op:x dtype:d:token bucket), fastest of "
-                    "launch.rows_candidates / bwd_rows_candidates, kernels alone (python -m polynorm.bench.tune)",
+            "what": "rows-body launch per case (op:x dtype:d:token bucket; ops fwd, add, bwd, gated, quant), "
+                    "fastest of launch.rows_candidates / bwd_rows_candidates / seg_rows_candidates, kernels "
+                    "alone (python -m polynorm.bench.tune)",
             "cases": cases}
 
 

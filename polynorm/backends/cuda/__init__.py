@@ -557,7 +557,9 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
         n, d = xc.shape
         yc = _empty((n, d), ko)
         rstd = _empty((n, gplan.groups), ct)
-        launch = cl.gated_forward_launch(n, d, gplan.group_size, xd, kz, ko)
+        num_sms, _ = _device()
+        launch = cl.gated_forward_launch(n, d, gplan.group_size, xd, kz, ko, num_sms=num_sms,
+                                         device=_device_name())
         args = (
             _ptr(xc), _rs(xc), _ptr(zc), _rs(zc), _ptr(wc), _ptr(bc), _ptr(yc), _rs(yc), _ptr(rstd),
             np.int64(n), np.int32(d), np.int32(gplan.group_size), np.int32(gplan.k),
@@ -663,7 +665,9 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
         else:
             sdev = None
             sc = _empty((n, qplan.groups), "float32")
-        launch = cl.quant_launch(n, d, hd, qplan.qdtype)
+        num_sms, _ = _device()
+        launch = cl.quant_launch(n, d, hd, qplan.qdtype, group_size=qplan.group_size, num_sms=num_sms,
+                                 device=_device_name())
         args = (
             _ptr(xc), _rs(xc), _ptr(resc), _rs(resc), _ptr(hc), _rs(hc), _ptr(wc), _ptr(bc),
             _ptr(q), _rs(q), _ptr(sc), _ptr(sdev),

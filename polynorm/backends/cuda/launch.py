@@ -247,6 +247,8 @@ def specialisations() -> list[str]:
     names += [colsum_name(*t) for t in COLSUM_TYPES]
     names += [gated_fwd_name(*t) for t in GATED_FWD_TYPES]
     names += [gated_bwd_name(*t) for t in GATED_BWD_TYPES]
+    names += gated_rows_specialisations()
+    names += quant_rows_specialisations()
     names += [quant_name(t, q) for t in FLOAT_DTYPES for q in QUANT_FMT]
     names += split_specialisations()
     names += [qk_name(t, nx) for t in FLOAT_DTYPES for nx in (False, True)]
@@ -759,13 +761,22 @@ def _segment_launch(name: str, segments: int, length: int, x: str) -> Launch:
 
 @lru_cache(maxsize=4096)
 def gated_forward_launch(n: int, d: int, group_size: int, x: str, z: str | None = None,
-                         out: str | None = None) -> Launch:
-    """Launch of pn_gated_fwd: one segment per (row, group), kernel dtypes given.
+                         out: str | None = None, *, rows: bool = True, num_sms: int = DEFAULT_SMS,
+                         rows_config: tuple[int, int] | None = None, device: str = "") -> Launch:
+    """Launch of the gated forward, kernel dtypes given: pn_gated_rows where
+    :func:`gated_rows_launch` takes the segments (``rows_config``, ``device``: its knobs),
+    else pn_gated_fwd (``rows=False`` requests it: the same bits), one segment per (row, group).
 
-    >>> gl = gated_forward_launch(8, 4096, 1024, "bfloat16")
+    >>> gl = gated_forward_launch(8, 4096, 1024, "bfloat16", rows=False)
     >>> gl.name, gl.tpr, gl.block, gl.grid
     ('pn_gated_fwd<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16>', 128, 256, 16)
+    >>> gated_forward_launch(8, 4096, 1024, "bfloat16").name.split("<")[0]
+    'pn_gated_rows'
     """
+    if rows:
+        rl = gated_rows_launch(n, d, group_size, x, z, out, num_sms=num_sms, config=rows_config, device=device)
+        if rl is not None:
+            return rl
     return _segment_launch(gated_fwd_name(x, z or x, out or x), n * (d // group_size),
                            group_size, x)
 
@@ -779,12 +790,24 @@ def gated_backward_launch(n: int, d: int, group_size: int, x: str, z: str | None
 
 
 @lru_cache(maxsize=4096)
-def quant_launch(n: int, d: int, x: str, fp8: str | bool = True) -> Launch:
-    """Launch of pn_quant_fwd: one segment per row.
+def quant_launch(n: int, d: int, x: str, fp8: str | bool = True, *, group_size: int | None = None,
+                 rows: bool = True, num_sms: int = DEFAULT_SMS, rows_config: tuple[int, int] | None = None,
+                 device: str = "") -> Launch:
+    """Launch of the quantized forward: pn_quant_rows where :func:`quant_rows_launch` takes
+    the rows (``group_size == d``: one scale group per row, or a static scale; ``rows_config``,
+    ``device``: its knobs), else pn_quant_fwd, one segment per row (``rows=False`` or
+    ``group_size`` None request it: the same bits).
 
     >>> quant_launch(3, 4096, "float32").tpr == forward_launch(3, 4096, "float32", rows=False).tpr
     True
+    >>> quant_launch(3, 4096, "float32", group_size=4096).name
+    'pn_quant_rows<float, 1, 2, 2>'
     """
+    if rows and group_size is not None:
+        rl = quant_rows_launch(n, d, x, fp8, group_size=group_size, num_sms=num_sms, config=rows_config,
+                               device=device)
+        if rl is not None:
+            return rl
     return _segment_launch(quant_name(x, fp8), n, d, x)
 
 
@@ -1344,3 +1367,202 @@ def bwd_rows_specialisations() -> list[str]:
                 if it * mw <= BWD_ROWS_CHUNKS:
                     names += [bwd_rows_name(*t, it, mw, hw, hg) for hw in (False, True) for hg in (False, True)]
     return names
+
+
+# ------------------------------------------------------------------ pn_gated_rows
+# The gated forward on pn_fwd_rows' body: a segment (row, group) in a row's place, its
+# statistic over pn_gated_fwd's tree (segment_tpr's threads, the tail after the chunks), so
+# the bits are pn_gated_fwd's for every launch of it.
+
+#: pn_gated_rows' (IT, MW) instantiations by x dtype (IT chunks of one tree thread, MW tree
+#: warps per lane): a lane holds x and z (or u = x * silu(z)) of IT * MW chunks, at most 4
+#: (8 spill 32-624 bytes within the 128 registers of two 256-thread blocks per SM, sm_90)
+SEG_ROWS_SHAPES = {
+    "float16": ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2)),
+    "bfloat16": ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2)),
+    "float32": ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 1)),
+    "float64": (),
+}
+
+
+def gated_rows_name(x: str, z: str, out: str, it: int, mw: int) -> str:
+    return f"pn_gated_rows<{_ct(x, z, out)}, {it}, {mw}>"
+
+
+def gated_rows_types(t: tuple[str, str, str]) -> bool:
+    """Whether pn_gated_rows is instantiated for (x, z, out) dtypes ``t``: float compute, z in
+    x's dtype (a float32 z of 16-bit x keeps pn_gated_fwd)."""
+    x, z, _ = t
+    return x != "float64" and z == x
+
+
+@lru_cache(maxsize=4096)
+def segment_tree(length: int, x: str) -> tuple[int, int] | None:
+    """(T, IT) of the tree a segment of ``length`` columns is summed over by the fusions
+    (:func:`segment_tpr` threads, ``IT`` chunks of each, the tail after them), where the rows
+    body takes it: float compute and at least one whole warp of tree threads.
+
+    >>> segment_tree(4096, "bfloat16"), segment_tree(16384, "bfloat16"), segment_tree(128, "bfloat16")
+    ((256, 2), (1024, 2), None)
+    """
+    if compute_dtype(x) != "float32":
+        return None
+    t = segment_tpr(length, x)
+    if t < 32:
+        return None
+    return t, max(1, -(-(length // VEC[x]) // t))
+
+
+def seg_rows_candidates(length: int, x: str, shapes: dict | None = None) -> list[tuple[int, int]]:
+    """Every (warps per segment, segments per block) the rows body has an instantiation for,
+    segments of ``length`` columns (the tuning sweep's candidates); [] where it takes none.
+
+    >>> seg_rows_candidates(4096, "bfloat16")
+    [(4, 1), (4, 2), (8, 1)]
+    """
+    shapes = SEG_ROWS_SHAPES if shapes is None else shapes
+    tree = segment_tree(length, x)
+    if tree is None:
+        return []
+    t, it = tree
+    nw = t // 32
+    out = []
+    r = 1
+    while r <= min(nw, ROWS_THREADS // 32):
+        if _seg_inst(shapes, x, it, nw // r) is not None:
+            rpb = 1
+            while 32 * r * rpb <= ROWS_THREADS and rpb * nw <= ROWS_RED:
+                out.append((r, rpb))
+                rpb *= 2
+        r *= 2
+    return out
+
+
+def _seg_inst(shapes: dict, x: str, it: int, mw: int) -> tuple[int, int] | None:
+    """The instantiation (IT', MW) with the fewest slots IT' >= ``it`` (slots beyond the
+    segment's chunks are skipped: the tree and the bits are the same), if any."""
+    its = sorted(i for i, m in shapes[x] if m == mw and i >= it)
+    return (its[0], mw) if its else None
+
+
+def _seg_rows_config(op: str, segments: int, length: int, x: str, shapes: dict, num_sms: int,
+                     config: tuple[int, int] | None, device: str) -> tuple[str, int, int, int, int] | None:
+    """(it, mw, warps per segment, segments per block, tree warps) of a rows-body launch:
+    ``config``, else the tuning table's entry of ``device`` for (op, x, length, segments),
+    else the rule of :func:`_rows_rule` (the fewest warps whose lanes hold at most
+    ROWS_CHUNKS chunks, more while fewer than 4 warps per SM would have a segment)."""
+    tree = segment_tree(length, x)
+    if tree is None:
+        return None
+    t, it = tree
+    nw = t // 32
+    cands = seg_rows_candidates(length, x, shapes)
+    if config is None and device:
+        tab = tuning_table(device)
+        b = min(_pow2ceil(segments), 1 << 15)
+        while b >= 1 and config is None:
+            e = tab.get(tuning_key(op, x, length, b))
+            if e is not None and (int(e["warps_per_row"]), int(e["rows_per_block"])) in cands:
+                config = (int(e["warps_per_row"]), int(e["rows_per_block"]))
+            b //= 2
+    if config is None:
+        most = min(nw, ROWS_THREADS // 32)
+        r = 1
+        while r < most and _seg_inst(shapes, x, it, nw // r) is None:
+            r *= 2
+        if _seg_inst(shapes, x, it, nw // r) is None:
+            return None
+        while 2 * r <= most and segments * r < 4 * num_sms and _seg_inst(shapes, x, it, nw // (2 * r)) is not None:
+            r *= 2
+        config = (r, max(1, min(ROWS_THREADS // (32 * r), _pow2ceil(segments), ROWS_RED // nw)))
+    if config not in cands:
+        raise ValueError(f"the rows body has no launch of {config[0]} warps per segment and {config[1]} "
+                         f"segments per block for {op} segments of {length} {x}")
+    r, rpb = config
+    inst = _seg_inst(shapes, x, it, nw // r)
+    assert inst is not None  # config is a candidate
+    return x, inst[0], nw // r, r, rpb
+
+
+@lru_cache(maxsize=4096)
+def gated_rows_launch(n: int, d: int, group_size: int, x: str, z: str | None = None, out: str | None = None,
+                      *, num_sms: int = DEFAULT_SMS, config: tuple[int, int] | None = None,
+                      device: str = "") -> Launch | None:
+    """Launch of pn_gated_rows, or None where it does not take the segments (float64,
+    a z dtype other than x's, segments of fewer than 32 tree threads, too many chunks).
+
+    ``config`` (warps per segment, segments per block) when given, else the tuning table's
+    "gated" entry for ``device``, else the rule; none of these change a bit (the tree is
+    fixed by ``group_size``: :func:`segment_tree`).
+
+    >>> gl = gated_rows_launch(32768, 4096, 4096, "bfloat16")
+    >>> gl.name, gl.block, gl.grid, rows_shape(gl.tpr)
+    ('pn_gated_rows<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 2, 2>', 256, 16384, (8, False, 4))
+    """
+    z, out = z or x, out or x
+    if not gated_rows_types((x, z, out)) or (x, z, out) not in GATED_FWD_TYPES:
+        return None
+    segments = n * (d // group_size)
+    got = _seg_rows_config("gated", segments, group_size, x, SEG_ROWS_SHAPES, num_sms, config, device)
+    if got is None:
+        return None
+    _, it, mw, r, rpb = got
+    return Launch(gated_rows_name(x, z, out, it, mw), grid=max(1, math.ceil(segments / rpb)),
+                  block=32 * r * rpb, shared=0, tpr=pack_rows_shape(r * mw, False, r), big=False)
+
+
+def gated_rows_specialisations() -> list[str]:
+    return [gated_rows_name(*t, it, mw) for t in GATED_FWD_TYPES if gated_rows_types(t)
+            for it, mw in SEG_ROWS_SHAPES[t[0]]]
+
+
+# ------------------------------------------------------------------ pn_quant_rows
+# The quantized forward on pn_fwd_rows' body, one group per row (per-token or static
+# scales): the row's statistic over pn_quant_fwd's tree (segment_tree(d)), so the bits are
+# pn_quant_fwd's for every launch of it.
+
+#: pn_quant_rows' (IT, MW) instantiations by x dtype: a lane holds h's words, then y as
+#: floats, of IT * MW chunks; 8 chunks compile to 94-128 registers without spills (sm_80, sm_90)
+QUANT_ROWS_SHAPES = {
+    "float16": (*SEG_ROWS_SHAPES["float16"], (2, 4)),
+    "bfloat16": (*SEG_ROWS_SHAPES["bfloat16"], (2, 4)),
+    "float32": (*SEG_ROWS_SHAPES["float32"], (4, 2)),
+    "float64": (),
+}
+
+
+def quant_rows_name(x: str, qdtype: str, it: int, mw: int) -> str:
+    return f"pn_quant_rows<{_ct(x)}, {QUANT_FMT[qdtype]}, {it}, {mw}>"
+
+
+@lru_cache(maxsize=4096)
+def quant_rows_launch(n: int, d: int, x: str, fp8: str | bool = True, *, group_size: int | None = None,
+                      num_sms: int = DEFAULT_SMS, config: tuple[int, int] | None = None,
+                      device: str = "") -> Launch | None:
+    """Launch of pn_quant_rows, or None where it does not take the rows (float64, several
+    scale groups per row, rows of fewer than 32 tree threads or too many chunks).
+
+    ``config`` (warps per row, rows per block) when given, else the tuning table's "quant"
+    entry for ``device``, else the rule; none of these change a bit.
+
+    >>> ql = quant_rows_launch(32768, 4096, "bfloat16")
+    >>> ql.name, ql.block, rows_shape(ql.tpr)
+    ('pn_quant_rows<__nv_bfloat16, 1, 2, 4>', 256, (8, False, 2))
+    >>> quant_rows_launch(32768, 4096, "bfloat16", group_size=128) is None
+    True
+    """
+    if isinstance(fp8, bool):
+        fp8 = "float8_e4m3fn" if fp8 else "int8"
+    if group_size not in (None, d) or x not in QUANT_ROWS_SHAPES:
+        return None
+    got = _seg_rows_config("quant", n, d, x, QUANT_ROWS_SHAPES, num_sms, config, device)
+    if got is None:
+        return None
+    _, it, mw, r, rpb = got
+    return Launch(quant_rows_name(x, fp8, it, mw), grid=max(1, math.ceil(n / rpb)),
+                  block=32 * r * rpb, shared=0, tpr=pack_rows_shape(r * mw, False, r), big=False)
+
+
+def quant_rows_specialisations() -> list[str]:
+    return [quant_rows_name(t, q, it, mw) for t in FLOAT_DTYPES for q in QUANT_FMT
+            for it, mw in QUANT_ROWS_SHAPES[t]]
