@@ -672,3 +672,284 @@ def qk_forward(x, weight, plan: Plan, rope, out=None):
     cdt = namespace_dtype(xp, plan.compute_dtype, x)
     v = rope_rotate(xp, xp.astype(y, cdt), cs, neox)
     return xp.astype(v, namespace_dtype(xp, plan.out_dtype, x), copy=False)
+
+
+# --------------------------------------------------------------------------- eager numpy / torch
+# :func:`forward` without a residual, for C-contiguous numpy arrays and torch CPU tensors, in
+# fewer library calls and passes over memory, with its bits: every step is the same operation
+# of the library on the same values (IEEE-rounded products, quotients, square roots, and the
+# library's own row sums over the same contiguous rows), only grouped differently.  Large
+# calls go in blocks of rows whose buffers stay in cache (x read from memory once, y written
+# once).  The per-row ``rstd`` comes from the row sums by numpy calls on them (torch's
+# ``ss / k``, ``sqrt``, ``*`` and ``/`` give the same IEEE-rounded float32 results), a lone
+# token's by numpy scalar arithmetic (NEP 50: a numpy scalar computes as an array of its
+# dtype does) rather than a dozen calls on arrays of one element.  A block with a row that
+# needs the scaled sum (``_rms``'s ``ok``) runs ``_rms`` and ``_rstd_from_rms`` themselves.
+
+#: elements per block of rows (its float32 buffers stay in a core's L2); a block has at least
+#: two rows but for a lone token: torch splits a sum over one row of 32768 or more elements
+#: across threads, and a token's bits would then depend on the blocking
+EAGER_BLOCK = 1 << 16
+
+#: numpy dtype -> (smallest_normal / eps, max) of its finfo, as floats
+_FINFO: dict = {}
+
+
+def eager_forward(x, weight, bias, plan: Plan, want_rstd: bool = True):
+    """``(y, rstd)`` of :func:`forward` without a residual, or ``None`` for a call it does
+    not take (the caller runs :func:`forward`).
+
+    It takes a C-contiguous 2-D ``x`` of one or more tokens, a numpy array or a torch CPU
+    tensor, ``weight``/``bias`` ``None`` or contiguous 1-D arrays of the same library and
+    device, and a ``plan`` of the default or ``"fp32"`` casting; torch records no autograd
+    history here only where the caller says so (``torch.no_grad``).  ``rstd`` is ``None``
+    unless ``want_rstd``.
+
+    >>> import numpy as np
+    >>> from polynorm.core.options import Options, make_plan
+    >>> x = np.array([[3.0, 4.0]], dtype=np.float32)
+    >>> eager_forward(x, None, None, make_plan(2, "float32", Options(eps=0.0)))
+    (array([[0.84852815, 1.1313709 ]], dtype=float32), array([0.28284273], dtype=float32))
+    """
+    if plan.llama or plan.cast_none or plan.k < 1 or x.ndim != 2 or x.shape[0] < 1:
+        return None
+    lib = type(x).__module__
+    import numpy as np
+
+    if lib == "numpy":
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            return _eager_np(np, x, weight, bias, plan, want_rstd)
+    if lib == "torch" and x.device.type == "cpu":
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            return _eager_torch(np, x, weight, bias, plan, want_rstd)
+    return None
+
+
+def _eager_blocks(n: int, d: int) -> list:
+    """``(start, stop)`` of each block of rows, each of at least two rows."""
+    rows = max(2, EAGER_BLOCK // d)
+    count = max(1, n // rows)
+    return [(n * b // count, n * (b + 1) // count) for b in range(count)]
+
+
+def _eager_gain(g, plan: Plan):
+    """``weight + offset`` from ``g``, the weight in the compute dtype, as :func:`_affine`
+    forms it (a ``-0.0`` offset changes no value, so it is not added)."""
+    if g is None or (plan.offset == 0.0 and math.copysign(1.0, plan.offset) < 0):
+        return g
+    return g + plan.offset
+
+
+def _eager_bounds(np, t, k: int) -> tuple[float, float]:
+    """``_rms``'s bounds of a plain sum of squares of ``k`` elements of numpy type ``t``."""
+    fi = _FINFO.get(t)
+    if fi is None:
+        f = np.finfo(t)
+        fi = _FINFO[t] = (float(f.smallest_normal) / float(f.eps), float(f.max))
+    return k * fi[0], fi[1]
+
+
+def _eager_rstd1(np, s, plan: Plan, sqrt):
+    """One row's ``rstd`` from its sum of squares ``s`` (a numpy scalar of the compute
+    dtype) as :func:`_rms`'s plain branch and :func:`_rstd_from_rms` compute it, or None
+    where the row needs the scaled sum; ``sqrt``: the library's square root of a scalar."""
+    t = type(s)
+    lo, hi = _eager_bounds(np, t, plan.k)
+    if not (s >= lo and s <= hi):
+        return None
+    rms = sqrt(s / plan.k)
+    if not plan.eps_inside:
+        return 1 / (rms + plan.eps)
+    se = math.sqrt(plan.eps)
+    se_t = t(se)
+    a, b = (rms, se_t) if rms > se else (se_t, rms)
+    q = b / (t(1) if a == 0 else a)
+    return 1 / (a * sqrt(1 + q * q))
+
+
+def _eager_rstd(np, ss, out, plan: Plan, sqrt_) -> bool:
+    """Each row's ``rstd`` from its sums of squares ``ss`` (numpy, compute dtype) into
+    ``out``, as :func:`_eager_rstd1` for each; False where some row needs the scaled sum
+    (``out`` untouched).  ``sqrt_``: the library's square root, in place."""
+    lo, hi = _eager_bounds(np, ss.dtype.type, plan.k)
+    if not bool(((ss >= lo) & (ss <= hi)).all()):
+        return False
+    rms = sqrt_(ss / plan.k)
+    if plan.eps_inside:
+        t = ss.dtype.type
+        se = math.sqrt(plan.eps)
+        se_t = t(se)
+        c = rms > se
+        a = np.where(c, rms, se_t)
+        q = np.where(c, se_t, rms)
+        np.divide(q, a if se_t != 0 else np.where(a == 0, t(1), a), out=q)
+        np.multiply(q, q, out=q)
+        np.add(1, q, out=q)
+        np.multiply(a, sqrt_(q), out=q)
+    else:
+        q = rms + plan.eps
+    np.divide(1, q, out=out)
+    return True
+
+
+def _np_sqrt_(a):
+    import numpy as np
+
+    return np.sqrt(a, out=a)
+
+
+def _torch_sqrt_(a):
+    """torch's square root (not numpy's: torch's CPU float32 one is not always the
+    correctly rounded one), in place on a numpy array."""
+    import torch
+
+    torch.from_numpy(a).sqrt_()
+    return a
+
+
+_NP_DT: dict = {}
+
+
+def _eager_np(np, x, weight, bias, plan: Plan, want_rstd: bool):
+    n, d = x.shape
+    k = plan.k
+    if not _NP_DT:
+        from polynorm.core.dtypes import numpy_dtype
+
+        _NP_DT.update({name: numpy_dtype(name) for name in ("float16", "float32", "float64")})
+    cdt = _NP_DT[plan.compute_dtype]
+    odt = _NP_DT.get(plan.out_dtype)
+    if odt is None:
+        from polynorm.core.dtypes import numpy_dtype
+
+        odt = numpy_dtype(plan.out_dtype)
+    g = _eager_gain(None if weight is None else weight.astype(cdt, copy=False), plan)
+    bc = None if bias is None else bias.astype(cdt, copy=False)
+    if n * d <= EAGER_BLOCK or n < 4:
+        v = x.astype(cdt, copy=False)
+        vk = v if k == d else v[:, :k]
+        ss = np.add.reduce(vk * vk, axis=1)
+        r = np.empty((n,), cdt)
+        if n == 1:
+            r1 = _eager_rstd1(np, ss[0], plan, np.sqrt)
+            if r1 is None:
+                r = _eager_general(v, plan)
+            else:
+                r[0] = r1
+        elif not _eager_rstd(np, ss, r, plan, _np_sqrt_):
+            r = _eager_general(v, plan)
+        y = v * r[:, None]
+        if g is not None:
+            np.multiply(y, g, out=y)
+        if bc is not None:
+            np.add(y, bc, out=y)
+        if odt != cdt:
+            y = y.astype(odt)
+        return y, (r if want_rstd else None)
+    y = np.empty((n, d), odt)
+    r = np.empty((n,), cdt)
+    blocks = _eager_blocks(n, d)
+    top = max(j - i for i, j in blocks)
+    sqbuf = np.empty((top, k), cdt)
+    vbuf = None if x.dtype == cdt else np.empty((top, d), cdt)
+    ybuf = None if odt == cdt else np.empty((top, d), cdt)
+    for i, j in blocks:
+        nb = j - i
+        if vbuf is None:
+            vb = x[i:j]
+        else:
+            vb = vbuf[:nb]
+            np.copyto(vb, x[i:j], casting="unsafe")  # a widening: exact, astype's values
+        vk = vb if k == d else vb[:, :k]
+        rb = r[i:j]
+        if not _eager_rstd(np, np.add.reduce(np.multiply(vk, vk, out=sqbuf[:nb]), axis=1),
+                           rb, plan, _np_sqrt_):
+            rb[...] = _eager_general(vb, plan)
+        yb = y[i:j] if ybuf is None else ybuf[:nb]
+        np.multiply(vb, rb[:, None], out=yb)
+        if g is not None:
+            np.multiply(yb, g, out=yb)
+        if bc is not None:
+            np.add(yb, bc, out=yb)
+        if ybuf is not None:
+            np.copyto(y[i:j], yb, casting="unsafe")  # astype's rounding
+    return y, (r if want_rstd else None)
+
+
+def _eager_general(v, plan: Plan):
+    """``rstd`` of rows ``v`` (compute dtype) by :func:`_rms` and :func:`_rstd_from_rms`."""
+    xp = _xp(v)
+    return _rstd_from_rms(xp, _rms(xp, v, plan), plan)
+
+
+_TORCH_DT: dict = {}
+
+
+def _eager_torch(np, x, weight, bias, plan: Plan, want_rstd: bool):
+    import torch
+
+    if not _TORCH_DT:
+        _TORCH_DT.update({name: getattr(torch, name)
+                          for name in ("float16", "bfloat16", "float32", "float64")})
+    n, d = x.shape
+    k = plan.k
+    cdt = _TORCH_DT[plan.compute_dtype]
+    odt = _TORCH_DT[plan.out_dtype]
+    g = _eager_gain(None if weight is None else weight.to(cdt), plan)
+    bc = None if bias is None else bias.to(cdt)
+    if n * d <= EAGER_BLOCK or n < 4:
+        v = x.to(cdt)
+        vk = v if k == d else v[:, :k]
+        ss = torch.sum(torch.mul(vk, vk), 1)
+        r2 = torch.empty((n, 1), dtype=cdt)
+        if n == 1:
+            b = r2.numpy()
+
+            def sqrt(s):
+                b[0, 0] = s
+                r2.sqrt_()
+                return b[0, 0]
+
+            r1 = _eager_rstd1(np, b.dtype.type(ss.item()), plan, sqrt)
+            if r1 is None:
+                r2 = torch.reshape(_eager_general(v, plan), (1, 1))
+            else:
+                b[0, 0] = r1
+        elif not _eager_rstd(np, ss.numpy(), r2.numpy().reshape(n), plan, _torch_sqrt_):
+            r2 = torch.reshape(_eager_general(v, plan), (n, 1))
+        y = torch.mul(v, r2)
+        if g is not None:
+            y.mul_(g)
+        if bc is not None:
+            y.add_(bc)
+        if odt != cdt:
+            y = y.to(odt)
+        return y, (r2.reshape(n) if want_rstd else None)
+    y = torch.empty((n, d), dtype=odt)
+    r2 = torch.empty((n, 1), dtype=cdt)
+    r_np = r2.numpy().reshape(n)  # the per-row arithmetic on the same memory, by numpy
+    blocks = _eager_blocks(n, d)
+    top = max(j - i for i, j in blocks)
+    sqbuf = torch.empty((top, k), dtype=cdt)
+    vbuf = None if x.dtype == cdt else torch.empty((top, d), dtype=cdt)
+    ybuf = None if odt == cdt else torch.empty((top, d), dtype=cdt)
+    for i, j in blocks:
+        nb = j - i
+        if vbuf is None:
+            vb = x[i:j]
+        else:
+            vb = vbuf[:nb]
+            vb.copy_(x[i:j])  # a widening: exact, .to()'s values
+        vk = vb if k == d else vb[:, :k]
+        ss = torch.sum(torch.mul(vk, vk, out=sqbuf[:nb]), 1)
+        if not _eager_rstd(np, ss.numpy(), r_np[i:j], plan, _torch_sqrt_):
+            r2[i:j, 0] = _eager_general(vb, plan)
+        yb = y[i:j] if ybuf is None else ybuf[:nb]
+        torch.mul(vb, r2[i:j], out=yb)
+        if g is not None:
+            yb.mul_(g)
+        if bc is not None:
+            yb.add_(bc)
+        if ybuf is not None:
+            y[i:j].copy_(yb)  # .to()'s rounding
+    return y, (r2.reshape(n) if want_rstd else None)

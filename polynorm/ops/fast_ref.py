@@ -1,0 +1,99 @@
+"""The front end's fast path for ``backend="array_api"``: numpy arrays and torch CPU tensors.
+
+A (1, 4096) call of the reference costs its library a few microseconds of work; the
+general path's namespace, device and layout checks and the reference's own per-step
+wrapping cost ten times that.  Here a plain call (``rms_norm``, no residual and no
+``out``, ``axis=-1``, a C-contiguous ``x`` of one or more tokens, ``weight``/``bias``
+absent or contiguous vectors of ``x``'s library, dtype and device checks passing
+trivially) goes with the cached :class:`~polynorm.core.options.Plan` to
+:func:`polynorm.backends.reference.eager_forward`, which gives the reference's bits.
+As in :mod:`polynorm.ops.fast`, only the valid, simple case is taken: anything else
+returns ``None`` and the general path of :mod:`polynorm.ops.norm` runs, with every
+check and message its own.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import numpy as np
+
+from polynorm.backends import reference as _ref
+from polynorm.core.options import Options
+from polynorm.ops.fast import _names, _plan
+
+__all__ = ["forward"]
+
+#: [{torch dtype: name}, torch.Tensor, torch.nn.Parameter, torch.no_grad] once torch is seen
+_TORCH: list = []
+
+
+def _torch_state() -> list:
+    if not _TORCH:
+        torch = sys.modules["torch"]
+        names = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+                 torch.float64: "float64"}
+        _TORCH.extend([names, torch.Tensor, torch.nn.Parameter, torch.no_grad])
+    return _TORCH
+
+
+def _np_vector(a: Any, d: int, names: dict) -> bool:
+    return a is None or (type(a) is np.ndarray and a.ndim == 1 and a.shape[0] == d
+                         and a.dtype in names and a.flags.c_contiguous)
+
+
+def _torch_vector(a: Any, d: int, st: list) -> bool:
+    return a is None or ((type(a) is st[1] or type(a) is st[2]) and a.device.type == "cpu"
+                         and a.dim() == 1 and a.shape[0] == d and a.dtype in st[0]
+                         and a.is_contiguous())
+
+
+def forward(x: Any, weight: Any, bias: Any, return_rstd: bool, opts: Options) -> Any:
+    """``rms_norm``'s result for a call the fast path takes, else None."""
+    axis = opts.axis
+    if axis.__class__ is not int or axis != -1 or opts.residual_dtype is not None:
+        return None  # residual_dtype without a residual: the general path's error
+    tx = type(x)
+    grad = False
+    if tx is np.ndarray:
+        names = _names()
+        dtype = names.get(x.dtype)
+        if (dtype is None or x.ndim == 0 or not x.flags.c_contiguous
+                or not (_np_vector(weight, x.shape[-1], names)
+                        and _np_vector(bias, x.shape[-1], names))):
+            return None
+    elif tx.__module__ == "torch" and tx.__name__ == "Tensor":
+        st = _torch_state()
+        dtype = st[0].get(x.dtype)
+        if (dtype is None or x.device.type != "cpu" or x.dim() == 0 or not x.is_contiguous()
+                or not (_torch_vector(weight, x.shape[-1], st)
+                        and _torch_vector(bias, x.shape[-1], st))):
+            return None
+        grad = (x.requires_grad or (weight is not None and weight.requires_grad)
+                or (bias is not None and bias.requires_grad))
+    else:
+        return None
+    shape = x.shape
+    d = shape[-1]
+    n = shape[0] if len(shape) == 2 else math.prod(shape[:-1])
+    if n == 0 or d == 0:
+        return None
+    plan = _plan(d, dtype, opts)
+    if plan is None:
+        return None
+    x2 = x if len(shape) == 2 else x.reshape(n, d)
+    if grad:
+        with _TORCH[3]():  # no history, as the general path (polynorm.torch is for training)
+            r = _ref.eager_forward(x2, weight, bias, plan, return_rstd)
+    else:
+        r = _ref.eager_forward(x2, weight, bias, plan, return_rstd)
+    if r is None:
+        return None
+    y, rstd = r
+    if len(shape) != 2:
+        y = y.reshape(shape)
+    if not return_rstd:
+        return y
+    return y, (rstd if len(shape) == 2 else rstd.reshape(shape[:-1]))
