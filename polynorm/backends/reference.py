@@ -714,15 +714,30 @@ def eager_forward(x, weight, bias, plan: Plan, want_rstd: bool = True):
     if plan.llama or plan.cast_none or plan.k < 1 or x.ndim != 2 or x.shape[0] < 1:
         return None
     lib = type(x).__module__
-    import numpy as np
-
-    if lib == "numpy":
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            return _eager_np(np, x, weight, bias, plan, want_rstd)
-    if lib == "torch" and x.device.type == "cpu":
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            return _eager_torch(np, x, weight, bias, plan, want_rstd)
+    if lib == "numpy" and x.flags.c_contiguous:
+        return eager_numpy(x, weight, bias, plan, want_rstd)
+    if lib == "torch" and x.is_cpu and x.is_contiguous():
+        return eager_torch(x, weight, bias, plan, want_rstd)
     return None
+
+
+def eager_numpy(x, weight, bias, plan: Plan, want_rstd: bool = True):
+    """:func:`eager_forward` of a numpy ``x`` that meets its conditions (unchecked)."""
+    if not _QUIET_NP:
+        import numpy as np
+
+        # the decorator's form of _quiet: the same error state, entered for less
+        _QUIET_NP.append(np.errstate(divide="ignore", invalid="ignore", over="ignore")(_eager_np))
+    return _QUIET_NP[0](x, weight, bias, plan, want_rstd)
+
+
+def eager_torch(x, weight, bias, plan: Plan, want_rstd: bool = True):
+    """:func:`eager_forward` of a torch ``x`` that meets its conditions (unchecked).  numpy
+    sees only the sums of rows whose plain sum is kept: no floating-point warnings."""
+    return _eager_torch(x, weight, bias, plan, want_rstd)
+
+
+_QUIET_NP: list = []
 
 
 def _eager_blocks(n: int, d: int) -> list:
@@ -754,17 +769,27 @@ def _eager_rstd1(np, s, plan: Plan, sqrt):
     dtype) as :func:`_rms`'s plain branch and :func:`_rstd_from_rms` compute it, or None
     where the row needs the scaled sum; ``sqrt``: the library's square root of a scalar."""
     t = type(s)
-    lo, hi = _eager_bounds(np, t, plan.k)
-    if not (s >= lo and s <= hi):
+    c = _CONST1.get(id(plan))
+    if c is None or c[0] is not plan or c[1] is not t:
+        lo, hi = _eager_bounds(np, t, plan.k)
+        se = math.sqrt(plan.eps)
+        if len(_CONST1) > 256:
+            _CONST1.clear()
+        # the plan itself is held: its id is not reused while the entry lives
+        c = _CONST1[id(plan)] = (plan, t, lo, hi, se, t(se), t(1), plan.k, plan.eps_inside,
+                                 plan.eps)
+    if not (s >= c[2] and s <= c[3]):
         return None
-    rms = sqrt(s / plan.k)
-    if not plan.eps_inside:
-        return 1 / (rms + plan.eps)
-    se = math.sqrt(plan.eps)
-    se_t = t(se)
-    a, b = (rms, se_t) if rms > se else (se_t, rms)
-    q = b / (t(1) if a == 0 else a)
+    rms = sqrt(s / c[7])
+    if not c[8]:
+        return 1 / (rms + c[9])
+    a, b = (rms, c[5]) if rms > c[4] else (c[5], rms)
+    q = b / (c[6] if a == 0 else a)
     return 1 / (a * sqrt(1 + q * q))
+
+
+#: id(plan) -> (plan, numpy type, bounds, sqrt(eps), it and 1 in the type, k, eps_inside, eps)
+_CONST1: dict = {}
 
 
 def _eager_rstd(np, ss, out, plan: Plan, sqrt_) -> bool:
@@ -810,7 +835,9 @@ def _torch_sqrt_(a):
 _NP_DT: dict = {}
 
 
-def _eager_np(np, x, weight, bias, plan: Plan, want_rstd: bool):
+def _eager_np(x, weight, bias, plan: Plan, want_rstd: bool):
+    import numpy as np
+
     n, d = x.shape
     k = plan.k
     if not _NP_DT:
@@ -840,9 +867,9 @@ def _eager_np(np, x, weight, bias, plan: Plan, want_rstd: bool):
             r = _eager_general(v, plan)
         y = v * r[:, None]
         if g is not None:
-            np.multiply(y, g, out=y)
+            y *= g
         if bc is not None:
-            np.add(y, bc, out=y)
+            y += bc
         if odt != cdt:
             y = y.astype(odt)
         return y, (r if want_rstd else None)
@@ -876,6 +903,35 @@ def _eager_np(np, x, weight, bias, plan: Plan, want_rstd: bool):
     return y, (r if want_rstd else None)
 
 
+def _eager_torch1(np, torch, x, g, bc, plan: Plan, cdt, odt, want_rstd: bool):
+    """One token: its sum of squares ``ss`` (one element) becomes its ``rstd`` in place,
+    torch's ``sqrt_`` on it, numpy's scalar arithmetic between, through a numpy view."""
+    v = x if x.dtype == cdt else (x.float() if plan.compute_dtype == "float32" else x.double())
+    # linalg.vecdot is ``(vk * vk).sum(-1)`` in one call: the same products, the same sum
+    ss = torch.linalg.vecdot(v, v) if plan.k == plan.d else torch.sum(
+        torch.mul(v[:, :plan.k], v[:, :plan.k]), 1)
+    b = ss.numpy()
+
+    def sqrt(s):
+        b[0] = s
+        ss.sqrt_()
+        return b[0]
+
+    r1 = _eager_rstd1(np, b[0], plan, sqrt)
+    if r1 is None:
+        ss = _eager_general(v, plan)
+    else:
+        b[0] = r1
+    y = torch.mul(v, ss)  # (1, d) times (1,): the token times its rstd
+    if g is not None:
+        y *= g
+    if bc is not None:
+        y += bc
+    if odt != cdt:
+        y = _TORCH_CAST[plan.out_dtype](y)  # .to()'s rounding, by the method (no parsing)
+    return y, (ss if want_rstd else None)
+
+
 def _eager_general(v, plan: Plan):
     """``rstd`` of rows ``v`` (compute dtype) by :func:`_rms` and :func:`_rstd_from_rms`."""
     xp = _xp(v)
@@ -883,9 +939,12 @@ def _eager_general(v, plan: Plan):
 
 
 _TORCH_DT: dict = {}
+_TORCH_CAST = {"float16": lambda a: a.half(), "bfloat16": lambda a: a.bfloat16(),
+               "float32": lambda a: a.float(), "float64": lambda a: a.double()}
 
 
-def _eager_torch(np, x, weight, bias, plan: Plan, want_rstd: bool):
+def _eager_torch(x, weight, bias, plan: Plan, want_rstd: bool):
+    import numpy as np
     import torch
 
     if not _TORCH_DT:
@@ -897,25 +956,14 @@ def _eager_torch(np, x, weight, bias, plan: Plan, want_rstd: bool):
     odt = _TORCH_DT[plan.out_dtype]
     g = _eager_gain(None if weight is None else weight.to(cdt), plan)
     bc = None if bias is None else bias.to(cdt)
+    if n == 1:
+        return _eager_torch1(np, torch, x, g, bc, plan, cdt, odt, want_rstd)
     if n * d <= EAGER_BLOCK or n < 4:
-        v = x.to(cdt)
-        vk = v if k == d else v[:, :k]
-        ss = torch.sum(torch.mul(vk, vk), 1)
-        r2 = torch.empty((n, 1), dtype=cdt)
-        if n == 1:
-            b = r2.numpy()
-
-            def sqrt(s):
-                b[0, 0] = s
-                r2.sqrt_()
-                return b[0, 0]
-
-            r1 = _eager_rstd1(np, b.dtype.type(ss.item()), plan, sqrt)
-            if r1 is None:
-                r2 = torch.reshape(_eager_general(v, plan), (1, 1))
-            else:
-                b[0, 0] = r1
-        elif not _eager_rstd(np, ss.numpy(), r2.numpy().reshape(n), plan, _torch_sqrt_):
+        v = x if x.dtype == cdt else x.to(cdt)
+        ss = torch.linalg.vecdot(v, v) if k == d else torch.sum(
+            torch.mul(v[:, :k], v[:, :k]), 1)
+        r2 = torch.empty(n, 1, dtype=cdt)
+        if not _eager_rstd(np, ss.numpy(), r2.numpy().reshape(n), plan, _torch_sqrt_):
             r2 = torch.reshape(_eager_general(v, plan), (n, 1))
         y = torch.mul(v, r2)
         if g is not None:
@@ -925,8 +973,8 @@ def _eager_torch(np, x, weight, bias, plan: Plan, want_rstd: bool):
         if odt != cdt:
             y = y.to(odt)
         return y, (r2.reshape(n) if want_rstd else None)
-    y = torch.empty((n, d), dtype=odt)
-    r2 = torch.empty((n, 1), dtype=cdt)
+    y = torch.empty(n, d, dtype=odt)
+    r2 = torch.empty(n, 1, dtype=cdt)
     r_np = r2.numpy().reshape(n)  # the per-row arithmetic on the same memory, by numpy
     blocks = _eager_blocks(n, d)
     top = max(j - i for i, j in blocks)

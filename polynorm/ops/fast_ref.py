@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from polynorm.backends import reference as _ref
-from polynorm.core.options import Options
-from polynorm.ops.fast import _names, _plan
+from polynorm.core.options import Options, make_plan
+from polynorm.ops.fast import _names
 
 __all__ = ["forward"]
 
@@ -40,12 +40,12 @@ def _torch_state() -> list:
 
 
 def _np_vector(a: Any, d: int, names: dict) -> bool:
-    return a is None or (type(a) is np.ndarray and a.ndim == 1 and a.shape[0] == d
+    return (type(a) is np.ndarray and a.ndim == 1 and a.shape[0] == d
                          and a.dtype in names and a.flags.c_contiguous)
 
 
 def _torch_vector(a: Any, d: int, st: list) -> bool:
-    return a is None or ((type(a) is st[1] or type(a) is st[2]) and a.device.type == "cpu"
+    return ((type(a) is st[1] or type(a) is st[2]) and a.is_cpu
                          and a.dim() == 1 and a.shape[0] == d and a.dtype in st[0]
                          and a.is_contiguous())
 
@@ -56,44 +56,51 @@ def forward(x: Any, weight: Any, bias: Any, return_rstd: bool, opts: Options) ->
     if axis.__class__ is not int or axis != -1 or opts.residual_dtype is not None:
         return None  # residual_dtype without a residual: the general path's error
     tx = type(x)
-    grad = False
     if tx is np.ndarray:
         names = _names()
         dtype = names.get(x.dtype)
-        if (dtype is None or x.ndim == 0 or not x.flags.c_contiguous
-                or not (_np_vector(weight, x.shape[-1], names)
-                        and _np_vector(bias, x.shape[-1], names))):
+        if dtype is None or not x.flags.c_contiguous:
             return None
+        shape = x.shape
+        if (len(shape) == 0 or (weight is not None and not _np_vector(weight, shape[-1], names))
+                or (bias is not None and not _np_vector(bias, shape[-1], names))):
+            return None
+        eager = _ref.eager_numpy
+        grad = False
     elif tx.__module__ == "torch" and tx.__name__ == "Tensor":
         st = _torch_state()
         dtype = st[0].get(x.dtype)
-        if (dtype is None or x.device.type != "cpu" or x.dim() == 0 or not x.is_contiguous()
-                or not (_torch_vector(weight, x.shape[-1], st)
-                        and _torch_vector(bias, x.shape[-1], st))):
+        if dtype is None or not x.is_cpu or not x.is_contiguous():
             return None
+        shape = x.shape
+        if (len(shape) == 0 or (weight is not None and not _torch_vector(weight, shape[-1], st))
+                or (bias is not None and not _torch_vector(bias, shape[-1], st))):
+            return None
+        eager = _ref.eager_torch
         grad = (x.requires_grad or (weight is not None and weight.requires_grad)
                 or (bias is not None and bias.requires_grad))
     else:
         return None
-    shape = x.shape
     d = shape[-1]
-    n = shape[0] if len(shape) == 2 else math.prod(shape[:-1])
-    if n == 0 or d == 0:
+    two_d = len(shape) == 2
+    n = shape[0] if two_d else math.prod(shape[:-1])
+    if n == 0 or d == 0 or opts.group_size is not None:
+        return None  # the general path's empty results; its groups
+    try:
+        plan = make_plan(d, dtype, opts)
+    except (TypeError, ValueError):
+        return None  # the general path raises it, in its own order
+    if plan.llama or plan.cast_none:
         return None
-    plan = _plan(d, dtype, opts)
-    if plan is None:
-        return None
-    x2 = x if len(shape) == 2 else x.reshape(n, d)
+    x2 = x if two_d else x.reshape(n, d)
     if grad:
         with _TORCH[3]():  # no history, as the general path (polynorm.torch is for training)
-            r = _ref.eager_forward(x2, weight, bias, plan, return_rstd)
+            r = eager(x2, weight, bias, plan, return_rstd)
     else:
-        r = _ref.eager_forward(x2, weight, bias, plan, return_rstd)
+        r = eager(x2, weight, bias, plan, return_rstd)
     if r is None:
         return None
-    y, rstd = r
-    if len(shape) != 2:
-        y = y.reshape(shape)
-    if not return_rstd:
-        return y
-    return y, (rstd if len(shape) == 2 else rstd.reshape(shape[:-1]))
+    if two_d:
+        return r if return_rstd else r[0]
+    y = r[0].reshape(shape)
+    return (y, r[1].reshape(shape[:-1])) if return_rstd else y
