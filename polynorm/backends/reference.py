@@ -689,7 +689,7 @@ def qk_forward(x, weight, plan: Plan, rope, out=None):
 #: elements per block of rows (its float32 buffers stay in a core's L2); a block has at least
 #: two rows but for a lone token: torch splits a sum over one row of 32768 or more elements
 #: across threads, and a token's bits would then depend on the blocking
-EAGER_BLOCK = 1 << 16
+EAGER_BLOCK = 1 << 18
 
 #: numpy dtype -> (smallest_normal / eps, max) of its finfo, as floats
 _FINFO: dict = {}
@@ -734,7 +734,74 @@ def eager_numpy(x, weight, bias, plan: Plan, want_rstd: bool = True):
 def eager_torch(x, weight, bias, plan: Plan, want_rstd: bool = True):
     """:func:`eager_forward` of a torch ``x`` that meets its conditions (unchecked).  numpy
     sees only the sums of rows whose plain sum is kept: no floating-point warnings."""
-    return _eager_torch(x, weight, bias, plan, want_rstd)
+    if x.shape[0] != 1:
+        return _eager_torch(x, weight, bias, plan, want_rstd)
+    # one token, the call a decoding loop makes: its sum of squares ``ss`` (one element)
+    # becomes its rstd in place, torch's sqrt_ on it and numpy's scalar arithmetic (on
+    # ss's memory) between; the steps of _eager_rstd1, spelled out for the calls saved
+    sp = _torch_spec(plan)
+    (_, cdt, odt, cast, cast_out, offset, full, k, lo, hi, inside, eps, se, se_t, one,
+     vecdot) = sp
+    v = x if x.dtype == cdt else cast(x)
+    # linalg.vecdot is ``(v * v).sum(-1)`` in one call: the same products, the same sum
+    ss = vecdot(v, v) if full else vecdot(v[:, :k], v[:, :k])
+    b = ss.numpy()
+    s = b[0]
+    if s >= lo and s <= hi:
+        b[0] = s / k
+        ss.sqrt_()
+        rms = b[0]
+        if inside:
+            a, c = (rms, se_t) if rms > se else (se_t, rms)
+            q = c / (one if a == 0 else a)
+            b[0] = 1 + q * q
+            ss.sqrt_()
+            b[0] = 1 / (a * b[0])
+        else:
+            b[0] = 1 / (rms + eps)
+    else:
+        ss = _eager_general(v, plan)
+    y = v * ss  # (1, d) times (1,): the token times its rstd
+    if weight is not None:
+        if weight.dtype != cdt:
+            weight = cast(weight)
+        y *= weight if offset is None else weight + offset
+    if bias is not None:
+        y += bias if bias.dtype == cdt else cast(bias)
+    if cast_out is not None:
+        y = cast_out(y)  # .to()'s rounding, by the method (no argument parsing)
+    return y, (ss if want_rstd else None)
+
+
+def _torch_spec(plan: Plan) -> tuple:
+    """What :func:`eager_torch` reads of ``plan``, resolved once per plan."""
+    e = _SPECS.get(id(plan))
+    if e is not None and e[0] is plan:
+        return e
+    import numpy as np
+    import torch
+
+    if not _TORCH_DT:
+        _TORCH_DT.update({name: getattr(torch, name)
+                          for name in ("float16", "bfloat16", "float32", "float64")})
+    t = np.float64 if plan.compute_dtype == "float64" else np.float32
+    lo, hi = _eager_bounds(np, t, plan.k)
+    se = math.sqrt(plan.eps)
+    zero_offset = plan.offset == 0.0 and math.copysign(1.0, plan.offset) < 0
+    # the plan itself is held: its id is not reused while the entry lives
+    e = (plan, _TORCH_DT[plan.compute_dtype], _TORCH_DT[plan.out_dtype],
+         _TORCH_CAST[plan.compute_dtype],
+         None if plan.out_dtype == plan.compute_dtype else _TORCH_CAST[plan.out_dtype],
+         None if zero_offset else plan.offset, plan.k == plan.d, plan.k, lo, hi,
+         plan.eps_inside, plan.eps, se, t(se), t(1), torch.linalg.vecdot)
+    if len(_SPECS) >= 256:
+        _SPECS.clear()
+    _SPECS[id(plan)] = e
+    return e
+
+
+#: id(plan) -> the plan and what the eager paths read of it
+_SPECS: dict = {}
 
 
 _QUIET_NP: list = []
@@ -903,35 +970,6 @@ def _eager_np(x, weight, bias, plan: Plan, want_rstd: bool):
     return y, (r if want_rstd else None)
 
 
-def _eager_torch1(np, torch, x, g, bc, plan: Plan, cdt, odt, want_rstd: bool):
-    """One token: its sum of squares ``ss`` (one element) becomes its ``rstd`` in place,
-    torch's ``sqrt_`` on it, numpy's scalar arithmetic between, through a numpy view."""
-    v = x if x.dtype == cdt else (x.float() if plan.compute_dtype == "float32" else x.double())
-    # linalg.vecdot is ``(vk * vk).sum(-1)`` in one call: the same products, the same sum
-    ss = torch.linalg.vecdot(v, v) if plan.k == plan.d else torch.sum(
-        torch.mul(v[:, :plan.k], v[:, :plan.k]), 1)
-    b = ss.numpy()
-
-    def sqrt(s):
-        b[0] = s
-        ss.sqrt_()
-        return b[0]
-
-    r1 = _eager_rstd1(np, b[0], plan, sqrt)
-    if r1 is None:
-        ss = _eager_general(v, plan)
-    else:
-        b[0] = r1
-    y = torch.mul(v, ss)  # (1, d) times (1,): the token times its rstd
-    if g is not None:
-        y *= g
-    if bc is not None:
-        y += bc
-    if odt != cdt:
-        y = _TORCH_CAST[plan.out_dtype](y)  # .to()'s rounding, by the method (no parsing)
-    return y, (ss if want_rstd else None)
-
-
 def _eager_general(v, plan: Plan):
     """``rstd`` of rows ``v`` (compute dtype) by :func:`_rms` and :func:`_rstd_from_rms`."""
     xp = _xp(v)
@@ -954,10 +992,10 @@ def _eager_torch(x, weight, bias, plan: Plan, want_rstd: bool):
     k = plan.k
     cdt = _TORCH_DT[plan.compute_dtype]
     odt = _TORCH_DT[plan.out_dtype]
-    g = _eager_gain(None if weight is None else weight.to(cdt), plan)
-    bc = None if bias is None else bias.to(cdt)
-    if n == 1:
-        return _eager_torch1(np, torch, x, g, bc, plan, cdt, odt, want_rstd)
+    cast = _TORCH_CAST[plan.compute_dtype]
+    g = _eager_gain(None if weight is None else
+                    (weight if weight.dtype == cdt else cast(weight)), plan)
+    bc = None if bias is None else (bias if bias.dtype == cdt else cast(bias))
     if n * d <= EAGER_BLOCK or n < 4:
         v = x if x.dtype == cdt else x.to(cdt)
         ss = torch.linalg.vecdot(v, v) if k == d else torch.sum(
