@@ -721,14 +721,110 @@ def eager_forward(x, weight, bias, plan: Plan, want_rstd: bool = True):
     return None
 
 
-def eager_numpy(x, weight, bias, plan: Plan, want_rstd: bool = True):
-    """:func:`eager_forward` of a numpy ``x`` that meets its conditions (unchecked)."""
-    if not _QUIET_NP:
-        import numpy as np
+def _eager_numpy(x, weight, bias, plan: Plan, want_rstd: bool = True):
+    """:func:`eager_forward` of a numpy ``x`` that meets its conditions (unchecked); its
+    error state is :func:`_quiet`'s (:data:`eager_numpy`)."""
+    if x.shape[0] != 1:
+        return _eager_np(x, weight, bias, plan, want_rstd)
+    # one token, the call a decoding loop makes: the steps of _eager_rstd1 spelled out (as
+    # in eager_torch), the array of its sum of squares becoming its rstd
+    import numpy as np
 
-        # the decorator's form of _quiet: the same error state, entered for less
-        _QUIET_NP.append(np.errstate(divide="ignore", invalid="ignore", over="ignore")(_eager_np))
-    return _QUIET_NP[0](x, weight, bias, plan, want_rstd)
+    (_, cdt, odt, offset, full, k, lo, hi, inside, eps, se, se_t, one) = _np_spec(plan)
+    own = x.dtype != cdt  # v is a new array, which y may overwrite
+    v = x if not own else (_widen_f16(np, x) if x.dtype == _F16[0] else x.astype(cdt))
+    vk = v if full else v[:, :k]
+    ss = np.add.reduce(vk * vk, axis=1)
+    s = ss[0]  # a numpy scalar: its arithmetic is the arrays' (NEP 50), on one element
+    if s >= lo and s <= hi:
+        rms = np.sqrt(s / k)
+        if inside:
+            a, c = (rms, se_t) if rms > se else (se_t, rms)
+            q = c / (one if a == 0 else a)
+            ss[0] = 1 / (a * np.sqrt(1 + q * q))
+        else:
+            ss[0] = 1 / (rms + eps)
+    else:
+        ss = _eager_general(v, plan)
+    if own:
+        y = v
+        y *= ss  # (1, d) times (1,): the token times its rstd
+    else:
+        y = v * ss
+    if weight is not None:
+        if weight.dtype != cdt:
+            weight = weight.astype(cdt)
+        y *= weight if offset is None else weight + offset
+    if bias is not None:
+        y += bias if bias.dtype == cdt else bias.astype(cdt)
+    if odt is not None:
+        y = y.astype(odt)
+    return y, (ss if want_rstd else None)
+
+
+def _widen_f16(np, x, out=None):
+    """float16 ``x`` as float32, by a table of the 65536 float16 values cast by numpy: the
+    values of ``x.astype(float32)`` (whose cast loop takes twice as long)."""
+    if not _F16_TABLE:
+        _F16_TABLE.extend([np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32),
+                           np.dtype(np.uint16)])
+    if out is None:
+        return _F16_TABLE[0].take(x.view(_F16_TABLE[1]))
+    # every uint16 is an index of the table: "clip" clips nothing, and writes out unbuffered
+    return _F16_TABLE[0].take(x.view(_F16_TABLE[1]), None, out, "clip")
+
+
+_F16_TABLE: list = []
+
+
+def _quiet_np(f):
+    """``f`` run in :func:`_quiet`'s error state, by ``np.errstate``'s decorator form (the
+    same state, entered for half the context manager's cost)."""
+    import numpy as np
+
+    return np.errstate(divide="ignore", invalid="ignore", over="ignore")(f)
+
+
+#: :func:`_eager_numpy` in :func:`_quiet`'s error state
+eager_numpy = _quiet_np(_eager_numpy)
+
+
+def _np_dtypes() -> tuple:
+    import numpy as np
+
+    return (np.dtype(np.float16),), (np.dtype(np.float32),)
+
+
+_F16, _F32 = _np_dtypes()
+
+
+def _np_spec(plan: Plan) -> tuple:
+    """What :func:`_eager_numpy` reads of ``plan``, resolved once per plan (``odt``: None
+    where y is made in its dtype)."""
+    e = _SPECS_NP.get(id(plan))
+    if e is not None and e[0] is plan:
+        return e
+    import numpy as np
+
+    from polynorm.core.dtypes import numpy_dtype
+
+    cdt = numpy_dtype(plan.compute_dtype)
+    t = cdt.type
+    lo, hi = _eager_bounds(np, t, plan.k)
+    se = math.sqrt(plan.eps)
+    zero_offset = plan.offset == 0.0 and math.copysign(1.0, plan.offset) < 0
+    # the plan itself is held: its id is not reused while the entry lives
+    odt = None if plan.out_dtype == plan.compute_dtype else numpy_dtype(plan.out_dtype)
+    e = (plan, cdt, odt, None if zero_offset else plan.offset,
+         plan.k == plan.d, plan.k, lo, hi, plan.eps_inside, plan.eps, se, t(se), t(1))
+    if len(_SPECS_NP) >= 256:
+        _SPECS_NP.clear()
+    _SPECS_NP[id(plan)] = e
+    return e
+
+
+#: id(plan) -> the plan and what _eager_numpy reads of it
+_SPECS_NP: dict = {}
 
 
 def eager_torch(x, weight, bias, plan: Plan, want_rstd: bool = True):
@@ -761,7 +857,10 @@ def eager_torch(x, weight, bias, plan: Plan, want_rstd: bool = True):
             b[0] = 1 / (rms + eps)
     else:
         ss = _eager_general(v, plan)
-    y = v * ss  # (1, d) times (1,): the token times its rstd
+    if v is x:
+        y = v * ss  # (1, d) times (1,): the token times its rstd
+    else:
+        y = v.mul_(ss)  # v is this call's own copy
     if weight is not None:
         if weight.dtype != cdt:
             weight = cast(weight)
@@ -802,9 +901,6 @@ def _torch_spec(plan: Plan) -> tuple:
 
 #: id(plan) -> the plan and what the eager paths read of it
 _SPECS: dict = {}
-
-
-_QUIET_NP: list = []
 
 
 def _eager_blocks(n: int, d: int) -> list:
@@ -920,7 +1016,8 @@ def _eager_np(x, weight, bias, plan: Plan, want_rstd: bool):
     g = _eager_gain(None if weight is None else weight.astype(cdt, copy=False), plan)
     bc = None if bias is None else bias.astype(cdt, copy=False)
     if n * d <= EAGER_BLOCK or n < 4:
-        v = x.astype(cdt, copy=False)
+        v = _widen_f16(np, x) if x.dtype == _F16[0] and cdt == _F32[0] else x.astype(
+            cdt, copy=False)
         vk = v if k == d else v[:, :k]
         ss = np.add.reduce(vk * vk, axis=1)
         r = np.empty((n,), cdt)
@@ -953,7 +1050,10 @@ def _eager_np(x, weight, bias, plan: Plan, want_rstd: bool):
             vb = x[i:j]
         else:
             vb = vbuf[:nb]
-            np.copyto(vb, x[i:j], casting="unsafe")  # a widening: exact, astype's values
+            if x.dtype == _F16[0] and cdt == _F32[0]:
+                _widen_f16(np, x[i:j], vb)
+            else:
+                np.copyto(vb, x[i:j], casting="unsafe")  # a widening: exact, astype's values
         vk = vb if k == d else vb[:, :k]
         rb = r[i:j]
         if not _eager_rstd(np, np.add.reduce(np.multiply(vk, vk, out=sqbuf[:nb]), axis=1),

@@ -22,7 +22,7 @@ import numpy as np
 
 from polynorm.backends import reference as _ref
 from polynorm.core.options import Options, make_plan
-from polynorm.ops.fast import _names
+from polynorm.ops.fast import _NAMES, _names
 
 __all__ = ["forward"]
 
@@ -57,7 +57,7 @@ def forward(x: Any, weight: Any, bias: Any, return_rstd: bool, opts: Options) ->
         return None  # residual_dtype without a residual: the general path's error
     tx = type(x)
     if tx is np.ndarray:
-        names = _names()
+        names = _NAMES if len(_NAMES) == 4 else _names()
         dtype = names.get(x.dtype)
         if dtype is None or not x.flags.c_contiguous:
             return None
