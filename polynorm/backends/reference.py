@@ -840,7 +840,9 @@ def eager_torch(x, weight, bias, plan: Plan, want_rstd: bool = True):
     # one token, the call a decoding loop makes: its sum of squares ``ss`` (one element)
     # becomes its rstd in place, torch's sqrt_ on it and numpy's scalar arithmetic (on
     # ss's memory) between; the steps of _eager_rstd1, spelled out for the calls saved
-    sp = _torch_spec(plan)
+    sp = _SPECS.get(id(plan))
+    if sp is None or sp[0] is not plan:
+        sp = _torch_spec(plan)
     (_, cdt, odt, cast, cast_out, offset, full, k, lo, hi, inside, eps, se, se_t, one,
      vecdot) = sp
     v = x if x.dtype == cdt else cast(x)
@@ -877,6 +879,13 @@ def eager_torch(x, weight, bias, plan: Plan, want_rstd: bool = True):
     return y, (ss if want_rstd else None)
 
 
+def _torch_dtypes(torch) -> None:
+    _TORCH_DT.update({name: getattr(torch, name)
+                      for name in ("float16", "bfloat16", "float32", "float64")})
+    _TORCH_CAST.update({"float16": torch.Tensor.half, "bfloat16": torch.Tensor.bfloat16,
+                        "float32": torch.Tensor.float, "float64": torch.Tensor.double})
+
+
 def _torch_spec(plan: Plan) -> tuple:
     """What :func:`eager_torch` reads of ``plan``, resolved once per plan."""
     e = _SPECS.get(id(plan))
@@ -886,8 +895,7 @@ def _torch_spec(plan: Plan) -> tuple:
     import torch
 
     if not _TORCH_DT:
-        _TORCH_DT.update({name: getattr(torch, name)
-                          for name in ("float16", "bfloat16", "float32", "float64")})
+        _torch_dtypes(torch)
     t = np.float64 if plan.compute_dtype == "float64" else np.float32
     lo, hi = _eager_bounds(np, t, plan.k)
     se = math.sqrt(plan.eps)
@@ -1082,8 +1090,8 @@ def _eager_general(v, plan: Plan):
 
 
 _TORCH_DT: dict = {}
-_TORCH_CAST = {"float16": lambda a: a.half(), "bfloat16": lambda a: a.bfloat16(),
-               "float32": lambda a: a.float(), "float64": lambda a: a.double()}
+#: dtype name -> the Tensor method casting to it (.to()'s rounding, without its parsing)
+_TORCH_CAST: dict = {}
 
 
 def _eager_torch(x, weight, bias, plan: Plan, want_rstd: bool):
@@ -1091,8 +1099,7 @@ def _eager_torch(x, weight, bias, plan: Plan, want_rstd: bool):
     import torch
 
     if not _TORCH_DT:
-        _TORCH_DT.update({name: getattr(torch, name)
-                          for name in ("float16", "bfloat16", "float32", "float64")})
+        _torch_dtypes(torch)
     n, d = x.shape
     k = plan.k
     cdt = _TORCH_DT[plan.compute_dtype]

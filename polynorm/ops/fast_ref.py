@@ -67,8 +67,14 @@ def forward(x: Any, weight: Any, bias: Any, return_rstd: bool, opts: Options) ->
             return None
         eager = _ref.eager_numpy
         grad = False
-    elif tx.__module__ == "torch" and tx.__name__ == "Tensor":
-        st = _torch_state()
+    else:
+        st = _TORCH
+        if not st:
+            if tx.__module__ != "torch" or tx.__name__ != "Tensor":
+                return None
+            st = _torch_state()
+        if tx is not st[1]:
+            return None
         dtype = st[0].get(x.dtype)
         if dtype is None or not x.is_cpu or not x.is_contiguous():
             return None
@@ -79,8 +85,6 @@ def forward(x: Any, weight: Any, bias: Any, return_rstd: bool, opts: Options) ->
         eager = _ref.eager_torch
         grad = (x.requires_grad or (weight is not None and weight.requires_grad)
                 or (bias is not None and bias.requires_grad))
-    else:
-        return None
     d = shape[-1]
     two_d = len(shape) == 2
     n = shape[0] if two_d else math.prod(shape[:-1])
