@@ -26,7 +26,8 @@ from polynorm.ops.fast import _NAMES, _names
 
 __all__ = ["forward"]
 
-#: [{torch dtype: name}, torch.Tensor, torch.nn.Parameter, torch.no_grad] once torch is seen
+#: [{torch dtype: name}, torch.Tensor, torch.nn.Parameter, torch.no_grad, whether a
+#: functorch transform or a jit trace is running] once torch is seen
 _TORCH: list = []
 
 
@@ -35,7 +36,15 @@ def _torch_state() -> list:
         torch = sys.modules["torch"]
         names = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                  torch.float64: "float64"}
-        _TORCH.extend([names, torch.Tensor, torch.nn.Parameter, torch.no_grad])
+        functorch = torch._C._are_functorch_transforms_active
+        tracing = torch._C._is_tracing
+
+        def transformed() -> bool:
+            # wrapped tensors (torch.func) have no memory for numpy to view, and a jit
+            # trace would keep a token's rstd as a constant: the general path runs
+            return functorch() or tracing()
+
+        _TORCH.extend([names, torch.Tensor, torch.nn.Parameter, torch.no_grad, transformed])
     return _TORCH
 
 
@@ -76,7 +85,7 @@ def forward(x: Any, weight: Any, bias: Any, return_rstd: bool, opts: Options) ->
         if tx is not st[1]:
             return None
         dtype = st[0].get(x.dtype)
-        if dtype is None or not x.is_cpu or not x.is_contiguous():
+        if dtype is None or not x.is_cpu or not x.is_contiguous() or st[4]():
             return None
         shape = x.shape
         if (len(shape) == 0 or (weight is not None and not _torch_vector(weight, shape[-1], st))
