@@ -149,14 +149,16 @@ def test_errors_are_the_general_paths(call, exc, match):
         call(x, np.ones(8, np.float32))
 
 
-def test_torch_weight_with_grad_records_no_history():
+def test_torch_weight_with_grad_records_no_history(monkeypatch):
     torch = pytest.importorskip("torch")
     x = torch.randn(2, 16)
     w = torch.nn.Parameter(torch.randn(16))
     y = pn.rms_norm(x, w, backend="array_api")
     assert y.grad_fn is None and not y.requires_grad
-    want = pn.rms_norm(x.t().contiguous().t(), w.detach(), backend="array_api")  # general
-    assert torch.equal(y, want)
+    from polynorm.ops import fast_ref
+
+    monkeypatch.setattr(fast_ref, "forward", lambda *args: None)
+    assert torch.equal(y, pn.rms_norm(x, w, backend="array_api"))  # the general path
 
 
 def test_float16_table_is_numpys_cast():
