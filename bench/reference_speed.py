@@ -58,15 +58,26 @@ def _old_functions(rev: str) -> dict:
     return {k: v for k, v in mod.__dict__.items() if isinstance(v, types.FunctionType)}
 
 
+def _declines(*args, **kwargs):
+    return None
+
+
 def _patched(funcs: dict, f):
+    # the live module's functions that REV lacks (entry points such as eager_forward,
+    # which the front end calls where they exist and which may decline with None) decline
+    # during the timing: the front end then runs REV's own path
+    new = {k: _declines for k, v in vars(ref).items()
+           if isinstance(v, types.FunctionType) and k not in funcs}
+
     def run():
-        saved = {k: getattr(ref, k) for k in funcs if hasattr(ref, k)}
-        for k, v in funcs.items():
+        swap = {**funcs, **new}
+        saved = {k: getattr(ref, k) for k in swap if hasattr(ref, k)}
+        for k, v in swap.items():
             setattr(ref, k, v)
         try:
             return f()
         finally:
-            for k in funcs:
+            for k in swap:
                 if k in saved:
                     setattr(ref, k, saved[k])
                 else:
@@ -90,6 +101,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--out", default=None)
     ap.add_argument("--torch-threads", type=int, default=1, help="1: steadier on a shared host")
+    ap.add_argument("--note", default=None, help="a note stored with the results")
     a = ap.parse_args()
     torch.set_num_threads(a.torch_threads)
     old = _old_functions(a.before) if a.before else None
@@ -140,6 +152,8 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "results": res,
     }
+    if a.note:
+        doc["note"] = a.note
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(doc, fh, indent=1)

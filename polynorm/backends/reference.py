@@ -12,6 +12,11 @@ largest magnitude, so they give the float64 answer; ``eps`` is combined with
 the rms by a hypot-style formula for the same reason.  The scaled pass runs
 only when some row needs it (eager libraries; jax, traced too, behind a
 ``lax.cond``), see ``_rms``.
+
+The plain call on a contiguous numpy array or torch CPU tensor (``backend="array_api"``
+through :mod:`polynorm.ops.fast_ref`) runs :func:`eager_forward`: :func:`forward`'s steps
+and bits in fewer library calls and passes over memory (the measurement against the naive
+formula: ``bench/reference_speed.py``).
 """
 
 from __future__ import annotations
@@ -672,3 +677,477 @@ def qk_forward(x, weight, plan: Plan, rope, out=None):
     cdt = namespace_dtype(xp, plan.compute_dtype, x)
     v = rope_rotate(xp, xp.astype(y, cdt), cs, neox)
     return xp.astype(v, namespace_dtype(xp, plan.out_dtype, x), copy=False)
+
+
+# --------------------------------------------------------------------------- eager numpy / torch
+# :func:`forward` without a residual, for C-contiguous numpy arrays and torch CPU tensors, in
+# fewer library calls and passes over memory, with its bits: every step is the same operation
+# of the library on the same values (IEEE-rounded products, quotients, square roots, and the
+# library's own row sums over the same contiguous rows), only grouped differently.  Large
+# calls go in blocks of rows whose buffers stay in cache (x read from memory once, y written
+# once).  The per-row ``rstd`` comes from the row sums by numpy calls on them (torch's
+# ``ss / k``, ``sqrt``, ``*`` and ``/`` give the same IEEE-rounded float32 results), a lone
+# token's by numpy scalar arithmetic (NEP 50: a numpy scalar computes as an array of its
+# dtype does) rather than a dozen calls on arrays of one element.  A block with a row that
+# needs the scaled sum (``_rms``'s ``ok``) runs ``_rms`` and ``_rstd_from_rms`` themselves.
+
+#: elements per block of rows (its float32 buffers stay in a core's L2); a block has at least
+#: two rows but for a lone token: torch splits a sum over one row of 32768 or more elements
+#: across threads, and a token's bits would then depend on the blocking
+EAGER_BLOCK = 1 << 18
+
+#: numpy dtype -> (smallest_normal / eps, max) of its finfo, as floats
+_FINFO: dict = {}
+
+
+def eager_forward(x, weight, bias, plan: Plan, want_rstd: bool = True):
+    """``(y, rstd)`` of :func:`forward` without a residual, or ``None`` for a call it does
+    not take (the caller runs :func:`forward`).
+
+    It takes a C-contiguous 2-D ``x`` of one or more tokens, a numpy array or a torch CPU
+    tensor, ``weight``/``bias`` ``None`` or contiguous 1-D arrays of the same library and
+    device, and a ``plan`` of the default or ``"fp32"`` casting; torch records no autograd
+    history here only where the caller says so (``torch.no_grad``).  ``rstd`` is ``None``
+    unless ``want_rstd``.
+
+    >>> import numpy as np
+    >>> from polynorm.core.options import Options, make_plan
+    >>> x = np.array([[3.0, 4.0]], dtype=np.float32)
+    >>> eager_forward(x, None, None, make_plan(2, "float32", Options(eps=0.0)))
+    (array([[0.84852815, 1.1313709 ]], dtype=float32), array([0.28284273], dtype=float32))
+    """
+    if plan.llama or plan.cast_none or plan.k < 1 or x.ndim != 2 or x.shape[0] < 1:
+        return None
+    lib = type(x).__module__
+    if lib == "numpy" and x.flags.c_contiguous:
+        return eager_numpy(x, weight, bias, plan, want_rstd)
+    if lib == "torch" and x.is_cpu and x.is_contiguous():
+        return eager_torch(x, weight, bias, plan, want_rstd)
+    return None
+
+
+def _eager_numpy(x, weight, bias, plan: Plan, want_rstd: bool = True):
+    """:func:`eager_forward` of a numpy ``x`` that meets its conditions (unchecked); its
+    error state is :func:`_quiet`'s (:data:`eager_numpy`)."""
+    if x.shape[0] != 1:
+        return _eager_np(x, weight, bias, plan, want_rstd)
+    # one token, the call a decoding loop makes: the steps of _eager_rstd1 spelled out (as
+    # in eager_torch), the array of its sum of squares becoming its rstd
+    import numpy as np
+
+    (_, cdt, odt, offset, full, k, lo, hi, inside, eps, se, se_t, one) = _np_spec(plan)
+    own = x.dtype != cdt  # v is a new array, which y may overwrite
+    v = x if not own else (_widen_f16(np, x) if x.dtype == _F16[0] else x.astype(cdt))
+    vk = v if full else v[:, :k]
+    ss = np.add.reduce(vk * vk, axis=1)
+    s = ss[0]  # a numpy scalar: its arithmetic is the arrays' (NEP 50), on one element
+    if s >= lo and s <= hi:
+        rms = np.sqrt(s / k)
+        if inside:
+            a, c = (rms, se_t) if rms > se else (se_t, rms)
+            q = c / (one if a == 0 else a)
+            ss[0] = 1 / (a * np.sqrt(1 + q * q))
+        else:
+            ss[0] = 1 / (rms + eps)
+    else:
+        ss = _eager_general(v, plan)
+    if own:
+        y = v
+        y *= ss  # (1, d) times (1,): the token times its rstd
+    else:
+        y = v * ss
+    if weight is not None:
+        if weight.dtype != cdt:
+            weight = weight.astype(cdt)
+        y *= weight if offset is None else weight + offset
+    if bias is not None:
+        y += bias if bias.dtype == cdt else bias.astype(cdt)
+    if odt is not None:
+        y = y.astype(odt)
+    return y, (ss if want_rstd else None)
+
+
+def _widen_f16(np, x, out=None):
+    """float16 ``x`` as float32, by a table of the 65536 float16 values cast by numpy: the
+    values of ``x.astype(float32)`` (whose cast loop takes twice as long)."""
+    if not _F16_TABLE:
+        _F16_TABLE.extend([np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32),
+                           np.dtype(np.uint16)])
+    if out is None:
+        return _F16_TABLE[0].take(x.view(_F16_TABLE[1]))
+    # every uint16 is an index of the table: "clip" clips nothing, and writes out unbuffered
+    return _F16_TABLE[0].take(x.view(_F16_TABLE[1]), None, out, "clip")
+
+
+_F16_TABLE: list = []
+
+
+def _quiet_np(f):
+    """``f`` run in :func:`_quiet`'s error state, by ``np.errstate``'s decorator form (the
+    same state, entered for half the context manager's cost)."""
+    import numpy as np
+
+    return np.errstate(divide="ignore", invalid="ignore", over="ignore")(f)
+
+
+#: :func:`_eager_numpy` in :func:`_quiet`'s error state
+eager_numpy = _quiet_np(_eager_numpy)
+
+
+def _np_dtypes() -> tuple:
+    import numpy as np
+
+    return (np.dtype(np.float16),), (np.dtype(np.float32),)
+
+
+_F16, _F32 = _np_dtypes()
+
+
+def _np_spec(plan: Plan) -> tuple:
+    """What :func:`_eager_numpy` reads of ``plan``, resolved once per plan (``odt``: None
+    where y is made in its dtype)."""
+    e = _SPECS_NP.get(id(plan))
+    if e is not None and e[0] is plan:
+        return e
+    import numpy as np
+
+    from polynorm.core.dtypes import numpy_dtype
+
+    cdt = numpy_dtype(plan.compute_dtype)
+    t = cdt.type
+    lo, hi = _eager_bounds(np, t, plan.k)
+    se = math.sqrt(plan.eps)
+    zero_offset = plan.offset == 0.0 and math.copysign(1.0, plan.offset) < 0
+    # the plan itself is held: its id is not reused while the entry lives
+    odt = None if plan.out_dtype == plan.compute_dtype else numpy_dtype(plan.out_dtype)
+    e = (plan, cdt, odt, None if zero_offset else plan.offset,
+         plan.k == plan.d, plan.k, lo, hi, plan.eps_inside, plan.eps, se, t(se), t(1))
+    if len(_SPECS_NP) >= 256:
+        _SPECS_NP.clear()
+    _SPECS_NP[id(plan)] = e
+    return e
+
+
+#: id(plan) -> the plan and what _eager_numpy reads of it
+_SPECS_NP: dict = {}
+
+
+def eager_torch(x, weight, bias, plan: Plan, want_rstd: bool = True):
+    """:func:`eager_forward` of a torch ``x`` that meets its conditions (unchecked).  numpy
+    sees only the sums of rows whose plain sum is kept: no floating-point warnings."""
+    if x.shape[0] != 1:
+        return _eager_torch(x, weight, bias, plan, want_rstd)
+    # one token, the call a decoding loop makes: its sum of squares ``ss`` (one element)
+    # becomes its rstd in place, torch's sqrt_ on it and numpy's scalar arithmetic (on
+    # ss's memory) between; the steps of _eager_rstd1, spelled out for the calls saved
+    sp = _SPECS.get(id(plan))
+    if sp is None or sp[0] is not plan:
+        sp = _torch_spec(plan)
+    (_, cdt, odt, cast, cast_out, offset, full, k, lo, hi, inside, eps, se, se_t, one,
+     vecdot) = sp
+    v = x if x.dtype == cdt else cast(x)
+    # linalg.vecdot is ``(v * v).sum(-1)`` in one call: the same products, the same sum
+    ss = vecdot(v, v) if full else vecdot(v[:, :k], v[:, :k])
+    b = ss.numpy()
+    s = b[0]
+    if s >= lo and s <= hi:
+        b[0] = s / k
+        ss.sqrt_()
+        rms = b[0]
+        if inside:
+            a, c = (rms, se_t) if rms > se else (se_t, rms)
+            q = c / (one if a == 0 else a)
+            b[0] = 1 + q * q
+            ss.sqrt_()
+            b[0] = 1 / (a * b[0])
+        else:
+            b[0] = 1 / (rms + eps)
+    else:
+        ss = _eager_general(v, plan)
+    if v is x:
+        y = v * ss  # (1, d) times (1,): the token times its rstd
+    else:
+        y = v.mul_(ss)  # v is this call's own copy
+    if weight is not None:
+        if weight.dtype != cdt:
+            weight = cast(weight)
+        y *= weight if offset is None else weight + offset
+    if bias is not None:
+        y += bias if bias.dtype == cdt else cast(bias)
+    if cast_out is not None:
+        y = cast_out(y)  # .to()'s rounding, by the method (no argument parsing)
+    return y, (ss if want_rstd else None)
+
+
+def _torch_dtypes(torch) -> None:
+    _TORCH_DT.update({name: getattr(torch, name)
+                      for name in ("float16", "bfloat16", "float32", "float64")})
+    _TORCH_CAST.update({"float16": torch.Tensor.half, "bfloat16": torch.Tensor.bfloat16,
+                        "float32": torch.Tensor.float, "float64": torch.Tensor.double})
+
+
+def _torch_spec(plan: Plan) -> tuple:
+    """What :func:`eager_torch` reads of ``plan``, resolved once per plan."""
+    e = _SPECS.get(id(plan))
+    if e is not None and e[0] is plan:
+        return e
+    import numpy as np
+    import torch
+
+    if not _TORCH_DT:
+        _torch_dtypes(torch)
+    t = np.float64 if plan.compute_dtype == "float64" else np.float32
+    lo, hi = _eager_bounds(np, t, plan.k)
+    se = math.sqrt(plan.eps)
+    zero_offset = plan.offset == 0.0 and math.copysign(1.0, plan.offset) < 0
+    # the plan itself is held: its id is not reused while the entry lives
+    e = (plan, _TORCH_DT[plan.compute_dtype], _TORCH_DT[plan.out_dtype],
+         _TORCH_CAST[plan.compute_dtype],
+         None if plan.out_dtype == plan.compute_dtype else _TORCH_CAST[plan.out_dtype],
+         None if zero_offset else plan.offset, plan.k == plan.d, plan.k, lo, hi,
+         plan.eps_inside, plan.eps, se, t(se), t(1), torch.linalg.vecdot)
+    if len(_SPECS) >= 256:
+        _SPECS.clear()
+    _SPECS[id(plan)] = e
+    return e
+
+
+#: id(plan) -> the plan and what the eager paths read of it
+_SPECS: dict = {}
+
+
+def _eager_blocks(n: int, d: int) -> list:
+    """``(start, stop)`` of each block of rows, each of at least two rows."""
+    rows = max(2, EAGER_BLOCK // d)
+    count = max(1, n // rows)
+    return [(n * b // count, n * (b + 1) // count) for b in range(count)]
+
+
+def _eager_gain(g, plan: Plan):
+    """``weight + offset`` from ``g``, the weight in the compute dtype, as :func:`_affine`
+    forms it (a ``-0.0`` offset changes no value, so it is not added)."""
+    if g is None or (plan.offset == 0.0 and math.copysign(1.0, plan.offset) < 0):
+        return g
+    return g + plan.offset
+
+
+def _eager_bounds(np, t, k: int) -> tuple[float, float]:
+    """``_rms``'s bounds of a plain sum of squares of ``k`` elements of numpy type ``t``."""
+    fi = _FINFO.get(t)
+    if fi is None:
+        f = np.finfo(t)
+        fi = _FINFO[t] = (float(f.smallest_normal) / float(f.eps), float(f.max))
+    return k * fi[0], fi[1]
+
+
+def _eager_rstd1(np, s, plan: Plan, sqrt):
+    """One row's ``rstd`` from its sum of squares ``s`` (a numpy scalar of the compute
+    dtype) as :func:`_rms`'s plain branch and :func:`_rstd_from_rms` compute it, or None
+    where the row needs the scaled sum; ``sqrt``: the library's square root of a scalar."""
+    t = type(s)
+    c = _CONST1.get(id(plan))
+    if c is None or c[0] is not plan or c[1] is not t:
+        lo, hi = _eager_bounds(np, t, plan.k)
+        se = math.sqrt(plan.eps)
+        if len(_CONST1) > 256:
+            _CONST1.clear()
+        # the plan itself is held: its id is not reused while the entry lives
+        c = _CONST1[id(plan)] = (plan, t, lo, hi, se, t(se), t(1), plan.k, plan.eps_inside,
+                                 plan.eps)
+    if not (s >= c[2] and s <= c[3]):
+        return None
+    rms = sqrt(s / c[7])
+    if not c[8]:
+        return 1 / (rms + c[9])
+    a, b = (rms, c[5]) if rms > c[4] else (c[5], rms)
+    q = b / (c[6] if a == 0 else a)
+    return 1 / (a * sqrt(1 + q * q))
+
+
+#: id(plan) -> (plan, numpy type, bounds, sqrt(eps), it and 1 in the type, k, eps_inside, eps)
+_CONST1: dict = {}
+
+
+def _eager_rstd(np, ss, out, plan: Plan, sqrt_) -> bool:
+    """Each row's ``rstd`` from its sums of squares ``ss`` (numpy, compute dtype) into
+    ``out``, as :func:`_eager_rstd1` for each; False where some row needs the scaled sum
+    (``out`` untouched).  ``sqrt_``: the library's square root, in place."""
+    lo, hi = _eager_bounds(np, ss.dtype.type, plan.k)
+    if not bool(((ss >= lo) & (ss <= hi)).all()):
+        return False
+    rms = sqrt_(ss / plan.k)
+    if plan.eps_inside:
+        t = ss.dtype.type
+        se = math.sqrt(plan.eps)
+        se_t = t(se)
+        c = rms > se
+        a = np.where(c, rms, se_t)
+        q = np.where(c, se_t, rms)
+        np.divide(q, a if se_t != 0 else np.where(a == 0, t(1), a), out=q)
+        np.multiply(q, q, out=q)
+        np.add(1, q, out=q)
+        np.multiply(a, sqrt_(q), out=q)
+    else:
+        q = rms + plan.eps
+    np.divide(1, q, out=out)
+    return True
+
+
+def _np_sqrt_(a):
+    import numpy as np
+
+    return np.sqrt(a, out=a)
+
+
+def _torch_sqrt_(a):
+    """torch's square root (not numpy's: torch's CPU float32 one is not always the
+    correctly rounded one), in place on a numpy array."""
+    import torch
+
+    torch.from_numpy(a).sqrt_()
+    return a
+
+
+_NP_DT: dict = {}
+
+
+def _eager_np(x, weight, bias, plan: Plan, want_rstd: bool):
+    import numpy as np
+
+    n, d = x.shape
+    k = plan.k
+    if not _NP_DT:
+        from polynorm.core.dtypes import numpy_dtype
+
+        _NP_DT.update({name: numpy_dtype(name) for name in ("float16", "float32", "float64")})
+    cdt = _NP_DT[plan.compute_dtype]
+    odt = _NP_DT.get(plan.out_dtype)
+    if odt is None:
+        from polynorm.core.dtypes import numpy_dtype
+
+        odt = numpy_dtype(plan.out_dtype)
+    g = _eager_gain(None if weight is None else weight.astype(cdt, copy=False), plan)
+    bc = None if bias is None else bias.astype(cdt, copy=False)
+    if n * d <= EAGER_BLOCK or n < 4:
+        v = _widen_f16(np, x) if x.dtype == _F16[0] and cdt == _F32[0] else x.astype(
+            cdt, copy=False)
+        vk = v if k == d else v[:, :k]
+        ss = np.add.reduce(vk * vk, axis=1)
+        r = np.empty((n,), cdt)
+        if n == 1:
+            r1 = _eager_rstd1(np, ss[0], plan, np.sqrt)
+            if r1 is None:
+                r = _eager_general(v, plan)
+            else:
+                r[0] = r1
+        elif not _eager_rstd(np, ss, r, plan, _np_sqrt_):
+            r = _eager_general(v, plan)
+        y = v * r[:, None]
+        if g is not None:
+            y *= g
+        if bc is not None:
+            y += bc
+        if odt != cdt:
+            y = y.astype(odt)
+        return y, (r if want_rstd else None)
+    y = np.empty((n, d), odt)
+    r = np.empty((n,), cdt)
+    blocks = _eager_blocks(n, d)
+    top = max(j - i for i, j in blocks)
+    sqbuf = np.empty((top, k), cdt)
+    vbuf = None if x.dtype == cdt else np.empty((top, d), cdt)
+    ybuf = None if odt == cdt else np.empty((top, d), cdt)
+    for i, j in blocks:
+        nb = j - i
+        if vbuf is None:
+            vb = x[i:j]
+        else:
+            vb = vbuf[:nb]
+            if x.dtype == _F16[0] and cdt == _F32[0]:
+                _widen_f16(np, x[i:j], vb)
+            else:
+                np.copyto(vb, x[i:j], casting="unsafe")  # a widening: exact, astype's values
+        vk = vb if k == d else vb[:, :k]
+        rb = r[i:j]
+        if not _eager_rstd(np, np.add.reduce(np.multiply(vk, vk, out=sqbuf[:nb]), axis=1),
+                           rb, plan, _np_sqrt_):
+            rb[...] = _eager_general(vb, plan)
+        yb = y[i:j] if ybuf is None else ybuf[:nb]
+        np.multiply(vb, rb[:, None], out=yb)
+        if g is not None:
+            np.multiply(yb, g, out=yb)
+        if bc is not None:
+            np.add(yb, bc, out=yb)
+        if ybuf is not None:
+            np.copyto(y[i:j], yb, casting="unsafe")  # astype's rounding
+    return y, (r if want_rstd else None)
+
+
+def _eager_general(v, plan: Plan):
+    """``rstd`` of rows ``v`` (compute dtype) by :func:`_rms` and :func:`_rstd_from_rms`."""
+    xp = _xp(v)
+    return _rstd_from_rms(xp, _rms(xp, v, plan), plan)
+
+
+_TORCH_DT: dict = {}
+#: dtype name -> the Tensor method casting to it (.to()'s rounding, without its parsing)
+_TORCH_CAST: dict = {}
+
+
+def _eager_torch(x, weight, bias, plan: Plan, want_rstd: bool):
+    import numpy as np
+    import torch
+
+    if not _TORCH_DT:
+        _torch_dtypes(torch)
+    n, d = x.shape
+    k = plan.k
+    cdt = _TORCH_DT[plan.compute_dtype]
+    odt = _TORCH_DT[plan.out_dtype]
+    cast = _TORCH_CAST[plan.compute_dtype]
+    g = _eager_gain(None if weight is None else
+                    (weight if weight.dtype == cdt else cast(weight)), plan)
+    bc = None if bias is None else (bias if bias.dtype == cdt else cast(bias))
+    if n * d <= EAGER_BLOCK or n < 4:
+        v = x if x.dtype == cdt else x.to(cdt)
+        ss = torch.linalg.vecdot(v, v) if k == d else torch.sum(
+            torch.mul(v[:, :k], v[:, :k]), 1)
+        r2 = torch.empty(n, 1, dtype=cdt)
+        if not _eager_rstd(np, ss.numpy(), r2.numpy().reshape(n), plan, _torch_sqrt_):
+            r2 = torch.reshape(_eager_general(v, plan), (n, 1))
+        y = torch.mul(v, r2)
+        if g is not None:
+            y.mul_(g)
+        if bc is not None:
+            y.add_(bc)
+        if odt != cdt:
+            y = y.to(odt)
+        return y, (r2.reshape(n) if want_rstd else None)
+    y = torch.empty(n, d, dtype=odt)
+    r2 = torch.empty(n, 1, dtype=cdt)
+    r_np = r2.numpy().reshape(n)  # the per-row arithmetic on the same memory, by numpy
+    blocks = _eager_blocks(n, d)
+    top = max(j - i for i, j in blocks)
+    sqbuf = torch.empty((top, k), dtype=cdt)
+    vbuf = None if x.dtype == cdt else torch.empty((top, d), dtype=cdt)
+    ybuf = None if odt == cdt else torch.empty((top, d), dtype=cdt)
+    for i, j in blocks:
+        nb = j - i
+        if vbuf is None:
+            vb = x[i:j]
+        else:
+            vb = vbuf[:nb]
+            vb.copy_(x[i:j])  # a widening: exact, .to()'s values
+        vk = vb if k == d else vb[:, :k]
+        ss = torch.sum(torch.mul(vk, vk, out=sqbuf[:nb]), 1)
+        if not _eager_rstd(np, ss.numpy(), r_np[i:j], plan, _torch_sqrt_):
+            r2[i:j, 0] = _eager_general(vb, plan)
+        yb = y[i:j] if ybuf is None else ybuf[:nb]
+        torch.mul(vb, r2[i:j], out=yb)
+        if g is not None:
+            yb.mul_(g)
+        if bc is not None:
+            yb.add_(bc)
+        if ybuf is not None:
+            y[i:j].copy_(yb)  # .to()'s rounding
+    return y, (r2.reshape(n) if want_rstd else None)

@@ -34,6 +34,7 @@ from polynorm.core.options import (
 from polynorm.core.pool import MIN_BYTES
 from polynorm.ops import fast as _fast
 from polynorm.ops import fast_cuda as _fast_cuda
+from polynorm.ops import fast_ref as _fast_ref
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -567,6 +568,11 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     when it takes the call, else the general path.  ``residual_out`` receives ``h``
     (:func:`add_rms_norm`'s keyword); per-head weights go to :func:`forward_heads`.
     """
+    if (opts.backend.__class__ is str and opts.backend == "array_api" and residual is None
+            and out is None and residual_out is None and not fused):
+        r = _fast_ref.forward(x, weight, bias, return_rstd, opts)
+        if r is not None:
+            return r
     mod = _fast.numba_module(opts) if residual_out is None else None
     if mod is not None:
         views = _jax_host_views(x, residual, weight, bias) if out is None else None
