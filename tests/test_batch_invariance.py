@@ -172,6 +172,18 @@ def test_reference_fortran_order_batch_is_batch_invariant():
     assert np.array_equal(_bits(batch), _bits(np.array(alone, np.float32)))
 
 
+
+def test_reference_column_major_torch_batch_is_batch_invariant():
+    """torch reduces a strided row in another order than a contiguous one: the reference makes
+    the rows contiguous, so a column-major batch gives each token's rstd bits alone."""
+    torch = pytest.importorskip("torch")
+    x = torch.from_numpy(np.random.default_rng(6).standard_normal((64, 1024)).astype(np.float32))
+    batch = pn.rms_norm(x.t().contiguous().t(), backend="array_api", return_rstd=True)[1]
+    alone = torch.stack([pn.rms_norm(x[i:i + 1], backend="array_api", return_rstd=True)[1][0]
+                         for i in range(64)])
+    assert torch.equal(batch.view(torch.int32), alone.view(torch.int32))
+
+
 # ------------------------------------------------------------------ the emulated CUDA kernels
 
 

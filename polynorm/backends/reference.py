@@ -49,7 +49,7 @@ def _xp(x: Any):
 
 
 def _c_rows(a):
-    """numpy/cupy rows made C-contiguous: their row sums then follow one order, whatever the layout.
+    """numpy/cupy/torch rows made C-contiguous: their row sums then follow one order, whatever the layout.
 
     numpy reduces a non-contiguous axis in memory order, so a Fortran-order batch would give
     another ``rstd`` (an ulp) than the same token alone (batch invariance, SPEC).
@@ -59,6 +59,8 @@ def _c_rows(a):
         import importlib
 
         return importlib.import_module(lib).ascontiguousarray(a)
+    if lib == "torch" and a.ndim == 2 and not a.is_contiguous():
+        return a.contiguous()  # torch too reduces a strided axis in another order
     return a
 
 
