@@ -5,6 +5,7 @@ See :mod:`polynorm.jax` for what runs where (eager arrays, ``jit``, devices).
 
 from __future__ import annotations
 
+import functools
 from functools import partial as _partial
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polynorm.core.options import NormOptions, Options, pack_options, takes_options
+from polynorm.core.options import NormOptions, Options, make_plan, pack_options, takes_options
 from polynorm.jax import ffi as _jax_ffi
 from polynorm.ops import lean as _lean
 from polynorm.ops import norm as _api
@@ -103,6 +104,135 @@ def _dispatch(fn, *arrays):
     return jax.tree.unflatten(tree, outs)
 
 
+# ------------------------------------------------------------------ the compiled kernel call
+# backend="auto" on a CPU process of one device: the plain forward of rms_norm runs the
+# Numba kernels through a compiled XLA FFI handler (polynorm.backends.numba.xla), under
+# jit and for small eager arrays; the eager call's bits at every size (batch invariance
+# holds: a token's bits do not depend on the path's choice, there is one path).
+
+
+def _one_cpu_device() -> bool:
+    """A process whose jax sees one CPU device: several (XLA's host device count flag)
+    keep the reference, which XLA partitions; the host call would be gathered."""
+    return len(jax.devices("cpu")) == 1
+
+
+def _kernel_plan(static: Options, x, weight, bias):
+    """The Plan of a call that the compiled kernel call takes, else None."""
+    if (static.backend != "auto" or static.group_size is not None or x.ndim < 1
+            or (weight is not None and weight.ndim != 1)
+            or (bias is not None and bias.ndim != 1)):
+        return None
+    from polynorm.core.dtypes import dtype_name
+
+    try:
+        names = [dtype_name(a.dtype) for a in (x, weight, bias) if a is not None]
+        if any(n not in _FLOATS for n in names):
+            return None
+        if _api._normalize_axis(static.axis, x.ndim) != (x.ndim - 1,) or x.shape[-1] == 0:
+            return None
+        plan = make_plan(x.shape[-1], names[0], static)
+    except (TypeError, ValueError):
+        return None  # the general path raises it, with its own message
+    if plan.llama or plan.cast_none or not _api._backends.usable("numba"):
+        return None
+    if not (_jax_ffi.available() and _one_cpu_device()):
+        return None
+    return plan
+
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def _kernel_forward(static: Options, plan, x, weight, bias):
+    """``(y, rstd)`` of the plain forward: the compiled kernel call on CPU, the
+    reference on other platforms (``lax.platform_dependent``: decided at lowering)."""
+    from polynorm.backends import numba as _numba
+
+    flags, y_dt, _, cdt = _numba._info(plan)
+    d = x.shape[-1]
+    target = _jax_ffi.compiled_target(plan.norm_dtype, plan.out_dtype, plan.compute_dtype,
+                                      bias is not None)
+    offset = 0.0 if weight is None else plan.offset  # as the backend's _affine
+    call = jax.ffi.ffi_call(
+        target, (jax.ShapeDtypeStruct(x.shape, y_dt), jax.ShapeDtypeStruct(x.shape[:-1], cdt)),
+        vmap_method="expand_dims")
+
+    def cpu(x, weight, bias):
+        w = _numba._ones(d, cdt) if weight is None else weight.astype(cdt)
+        ops = (x, w) if bias is None else (x, w, bias.astype(cdt))
+        return tuple(call(*ops, a_flags=np.int64(flags), b_k=np.int64(plan.k),
+                          c_eps=np.float64(plan.eps), d_offset=np.float64(offset)))
+
+    def other(x, weight, bias):
+        return tuple(_forward(x, None, weight, bias, static=_with_backend(static)))
+
+    return jax.lax.platform_dependent(x, weight, bias, cpu=cpu, default=other)
+
+
+#: Eager jax arrays of fewer bytes than this take the compiled kernel call through a
+#: jitted function (jax's dispatch, a few us); larger ones the front end (the kernels on
+#: zero-copy views, y from the backend's buffer pool: no fresh pages), which wins there
+#: (``bench/jax_jit.py``).  The same kernel and bits either way.
+EAGER_JIT_MAX_BYTES = 1 << 20
+
+
+def _eager_kernel_call(opts: Options, x, weight, bias):
+    """``y`` of a small eager call on CPU jax arrays through the jitted kernel call, else None.
+
+    The call's signature (options, dtypes, ranks, hidden size) is looked up in
+    ``_eager_fns``: its jitted function (None: the front end takes it); a
+    repeated call costs that lookup and jax's dispatch (and, where jax has
+    devices other than the CPU, the arrays' platform check).
+    """
+    if not (isinstance(x, jax.Array) and (weight is None or isinstance(weight, jax.Array))
+            and (bias is None or isinstance(bias, jax.Array))):
+        return None
+    shape = x.shape
+    if not shape:
+        return None
+    try:
+        key = (opts, x.dtype, len(shape), shape[-1],
+               None if weight is None else (weight.dtype, weight.ndim),
+               None if bias is None else (bias.dtype, bias.ndim))
+        fn = _eager_fns.get(key, _UNSEEN)
+    except TypeError:  # an unhashable option (an axis list): the front end
+        return None
+    if fn is _UNSEEN:
+        fn = _eager_fns[key] = _eager_fn(opts, x, weight, bias)
+    if fn is None or x.size * x.dtype.itemsize >= EAGER_JIT_MAX_BYTES:
+        return None
+    if not _cpu_only():
+        for a in (x, weight, bias):
+            if a is not None and (not a.is_fully_addressable
+                                  or next(iter(a.devices())).platform != "cpu"):
+                return None
+    return fn(x, weight, bias)
+
+
+@functools.cache
+def _cpu_only() -> bool:
+    """Whether jax's only devices are the CPU's (then every jax array is on it)."""
+    return {d.platform for d in jax.devices()} == {"cpu"} and jax.default_backend() == "cpu"
+
+
+def _eager_fn(opts: Options, x, weight, bias):
+    static = _static(opts)
+    if _kernel_plan(static, x, weight, bias) is None:
+        return None
+    return jax.jit(_partial(_kernel_y, static))
+
+
+_UNSEEN = object()
+
+
+def _kernel_y(static, x, weight, bias):
+    return _kernel_forward(static, _kernel_plan(static, x, weight, bias), x, weight, bias)[0]
+
+
+_eager_fns: dict = {}
+
+
 def _with_backend(static: Options, backend="array_api") -> Options:
     return static._replace(backend=backend)
 
@@ -147,7 +277,11 @@ def _rms_norm(static, keep, x, weight, bias):
 
 
 def _rms_norm_fwd(static, keep, x, weight, bias):
-    y, rstd = _dispatch(_partial(_forward, static=static), x, None, weight, bias)
+    plan = _kernel_plan(static, x, weight, bias)
+    if plan is not None:
+        y, rstd = _kernel_forward(static, plan, x, weight, bias)
+    else:
+        y, rstd = _dispatch(_partial(_forward, static=static), x, None, weight, bias)
     return y, (y if _keeps_output(keep[0], weight, static, rstd) else x, weight, bias, rstd)
 
 
@@ -215,7 +349,8 @@ def rms_norm(
     if not _traced((x, weight, bias)):
         # concrete arrays: no transformation is differentiating this call, and the
         # custom_vjp machinery would cost ~200 us in eager mode
-        return _api.forward(x, None, weight, bias, opts)
+        y = _eager_kernel_call(opts, x, weight, bias)
+        return _api.forward(x, None, weight, bias, opts) if y is None else y
     return _rms_norm(_static(opts), (save, jnp.dtype(x.dtype)), x, weight,
                      bias)
 
