@@ -112,19 +112,22 @@ def test_jit_default_keeps_the_reference_on_several_cpu_devices():
 
 
 def test_small_eager_arrays_take_the_jitted_kernel_call(one_device, monkeypatch):
-    """Below EAGER_JIT_MAX_BYTES an eager call runs the jitted kernel call, above it the
-    front end: the kernels' bits either way, and the numpy path's bits."""
+    """Below EAGER_JIT_MAX_BYTES an eager call (polynorm.jax.rms_norm, and pn.rms_norm on
+    jax arrays) runs the jitted kernel call, above it the front end's fast path: the
+    kernels' bits either way, the numpy path's bits."""
     monkeypatch.setattr(jn, "EAGER_JIT_MAX_BYTES", 1024)
     calls = []
-    forward = _api.forward
-    monkeypatch.setattr(_api, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    fast = _api._fast.forward
+    monkeypatch.setattr(_api._fast, "forward", lambda *a: calls.append(1) or fast(*a))
     w = _rand((32,), "bfloat16", seed=1)
     for rows, front_end in ((2, False), (40, True)):  # 128 and 2560 bytes of bfloat16
         x = _rand((rows, 32), "bfloat16")
-        rms_norm(x, w)  # a first call traces the reference too (the branch for other platforms)
-        calls.clear()
-        y = rms_norm(x, w)
-        assert bool(calls) == front_end
-        assert isinstance(y, jax.Array) and y.dtype == x.dtype
-        np.testing.assert_array_equal(_bits(y), _bits(pn.rms_norm(np.asarray(x), np.asarray(w))))
+        want = _bits(pn.rms_norm(np.asarray(x), np.asarray(w)))
+        for f in (rms_norm, pn.rms_norm):
+            f(x, w)  # a first call traces the reference too (the branch for other platforms)
+            calls.clear()
+            y = f(x, w)
+            assert bool(calls) == front_end, (f, rows)
+            assert isinstance(y, jax.Array) and y.dtype == x.dtype
+            np.testing.assert_array_equal(_bits(y), want)
     assert [f for f in jn._eager_fns.values() if f is not None]

@@ -33,12 +33,13 @@ def _static(opts: Options) -> Options:
 
 # ------------------------------------------------------------------ where the work runs
 # Concrete arrays go to polynorm's front end as they are (CPU: the Numba kernels on
-# zero-copy views).  Traced arrays (jit, grad of jit, vmap, scan...) have no data yet.
-# With backend="auto" they take the pure array-API reference, which XLA compiles and
-# fuses like any jnp code.  With backend="numba" they reach the Numba kernels through an
-# XLA FFI host call (polynorm.jax.ffi): the eager bits, but ~20 us more per call and
-# no faster than XLA at 16384 x 4096 (both pay for XLA's fresh output buffer), so the
-# kernels under jit are an opt-in, not the default (numbers in the module docstring).
+# zero-copy views), small CPU ones of rms_norm's plain forward through a jitted call of
+# the compiled kernel call below.  Traced arrays (jit, grad of jit, vmap, scan...) have no
+# data yet: rms_norm's plain forward runs the Numba kernels through the compiled XLA FFI
+# handler (polynorm.backends.numba.xla) on a one-CPU-device process; everything else
+# takes the pure array-API reference with backend="auto", which XLA compiles and fuses
+# like any jnp code, or with backend="numba" the kernels through the Python FFI handler
+# (polynorm.jax.ffi).  The table is polynorm.jax's docstring.
 
 
 def _traced(arrays) -> bool:
@@ -105,7 +106,7 @@ def _dispatch(fn, *arrays):
 
 
 # ------------------------------------------------------------------ the compiled kernel call
-# backend="auto" on a CPU process of one device: the plain forward of rms_norm runs the
+# backend "auto" or "numba" on a CPU process of one device: the plain forward of rms_norm runs the
 # Numba kernels through a compiled XLA FFI handler (polynorm.backends.numba.xla), under
 # jit and for small eager arrays; the eager call's bits at every size (batch invariance
 # holds: a token's bits do not depend on the path's choice, there is one path).
@@ -119,7 +120,7 @@ def _one_cpu_device() -> bool:
 
 def _kernel_plan(static: Options, x, weight, bias):
     """The Plan of a call that the compiled kernel call takes, else None."""
-    if (static.backend != "auto" or static.group_size is not None or x.ndim < 1
+    if (static.backend not in ("auto", "numba") or static.group_size is not None or x.ndim < 1
             or (weight is not None and weight.ndim != 1)
             or (bias is not None and bias.ndim != 1)):
         return None
@@ -165,6 +166,8 @@ def _kernel_forward(static: Options, plan, x, weight, bias):
                           c_eps=np.float64(plan.eps), d_offset=np.float64(offset)))
 
     def other(x, weight, bias):
+        if static.backend == "numba":  # the host call, which names the platform it lacks
+            return tuple(_dispatch(_partial(_forward, static=static), x, None, weight, bias))
         return tuple(_forward(x, None, weight, bias, static=_with_backend(static)))
 
     return jax.lax.platform_dependent(x, weight, bias, cpu=cpu, default=other)
@@ -349,8 +352,8 @@ def rms_norm(
     if not _traced((x, weight, bias)):
         # concrete arrays: no transformation is differentiating this call, and the
         # custom_vjp machinery would cost ~200 us in eager mode
-        y = _eager_kernel_call(opts, x, weight, bias)
-        return _api.forward(x, None, weight, bias, opts) if y is None else y
+        # small CPU arrays: the jitted kernel call (EAGER_CALLS, registered below)
+        return _api.forward(x, None, weight, bias, opts)
     return _rms_norm(_static(opts), (save, jnp.dtype(x.dtype)), x, weight,
                      bias)
 
@@ -429,3 +432,15 @@ def add_rms_norm(
     in_dtypes = (x.dtype, residual.dtype)  # each input's gradient comes back in its dtype
     return _add_rms_norm(_static(opts), save, in_dtypes, x, residual, weight,
                          bias)
+
+
+def _register_eager_call() -> None:
+    """pn.rms_norm on eager jax arrays takes the same route (polynorm.ops.norm.forward)."""
+    try:
+        from jax._src.array import ArrayImpl  # the concrete type: a dict key, no array made
+    except ImportError:  # another jax layout: pn.rms_norm keeps the front end's path
+        return
+    _api.EAGER_CALLS[ArrayImpl] = _eager_kernel_call
+
+
+_register_eager_call()
