@@ -63,7 +63,9 @@ def _forced():
         return {}
     opts = pack_options("rms_norm", {})
     jitted = jax.jit(lambda x, w: jn._kernel_y(jn._static(opts), x, w, None))
-    return {"eager_pj_front": lambda x, w: api.forward(x, None, w, None, opts),
+    # return_rstd: a call the jitted route leaves to the front end (y and rstd back to jax)
+    return {"eager_pj_front": lambda x, w: api.forward(x, None, w, None, opts,
+                                                       return_rstd=True)[0],
             "eager_pj_jitted": jitted}
 
 

@@ -119,9 +119,9 @@ def test_small_eager_arrays_take_the_jitted_kernel_call(one_device, monkeypatch)
     calls = []
     fast = _api._fast.forward
     monkeypatch.setattr(_api._fast, "forward", lambda *a: calls.append(1) or fast(*a))
-    w = _rand((32,), "bfloat16", seed=1)
-    for rows, front_end in ((2, False), (40, True)):  # 128 and 2560 bytes of bfloat16
-        x = _rand((rows, 32), "bfloat16")
+    w = _rand((32,), "float32", seed=1)
+    for rows, front_end in ((2, False), (20, True)):  # 256 and 2560 bytes
+        x = _rand((rows, 32), "float32")
         want = _bits(pn.rms_norm(np.asarray(x), np.asarray(w)))
         for f in (rms_norm, pn.rms_norm):
             f(x, w)  # a first call traces the reference too (the branch for other platforms)
@@ -131,3 +131,11 @@ def test_small_eager_arrays_take_the_jitted_kernel_call(one_device, monkeypatch)
             assert isinstance(y, jax.Array) and y.dtype == x.dtype
             np.testing.assert_array_equal(_bits(y), want)
     assert [f for f in jn._eager_fns.values() if f is not None]
+
+
+def test_kernel_call_errors_are_the_front_ends(one_device):
+    x = _rand((2, 16), "float32")
+    with pytest.raises(ValueError, match="weight"):
+        jax.jit(rms_norm)(x, _rand((15,), "float32"))
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, _rand((15,), "float32"))

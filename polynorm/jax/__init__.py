@@ -15,15 +15,16 @@ What runs where (forward and backward alike):
   ``(d,)`` weight/bias, not ``casting="llama"``/``"none"``, no
   ``group_size``): the Numba kernels through a compiled XLA FFI handler
   (:mod:`polynorm.backends.numba.xla`: machine code that reads XLA's call
-  frame and runs the kernel on XLA's own buffers, no Python per call), with
-  the eager kernels' bits at every size:
+  frame and runs the kernel on XLA's own buffers, no Python per call; the
+  serial driver, see :func:`polynorm.backends.numba.xla.allow_threads`),
+  with the eager kernels' bits at every size:
 
   - under ``jax.jit`` (also ``vmap``, whose batch axis the handler walks,
     and ``grad``, whose backward is the reference from the kernel's
     ``rstd``); on other platforms (GPU) the same function lowers the
     reference (``lax.platform_dependent``);
   - eager CPU jax arrays below ``polynorm.jax.norm.EAGER_JIT_MAX_BYTES``
-    (1 MiB of ``x``): a jitted call of it, cached per options, dtypes, ranks
+    (32 MiB of ``x``): a jitted call of it, cached per options, dtypes, ranks
     and hidden size, so an eager call costs jax's dispatch of a jitted
     function plus ~1 us; larger ones go to the front end below, whose
     output pool spares the fresh pages of XLA's output buffer.

@@ -174,10 +174,12 @@ def _kernel_forward(static: Options, plan, x, weight, bias):
 
 
 #: Eager jax arrays of fewer bytes than this take the compiled kernel call through a
-#: jitted function (jax's dispatch, a few us); larger ones the front end (the kernels on
-#: zero-copy views, y from the backend's buffer pool: no fresh pages), which wins there
-#: (``bench/jax_jit.py``).  The same kernel and bits either way.
-EAGER_JIT_MAX_BYTES = 1 << 20
+#: jitted function (jax's dispatch plus ~1 us); larger ones the front end (the kernels on
+#: zero-copy views, y from the backend's buffer pool).  From 32 MiB on, glibc's largest
+#: dynamic mmap threshold, XLA's output buffer is fresh pages on every call (float32
+#: 2048 x 4096: 43 ms jitted vs 17 ms through the front end; bfloat16's 16 MiB: 8 vs 15
+#: ms; bench/results/jax-jit-2026-12-06c.json).  The same kernel and bits either way.
+EAGER_JIT_MAX_BYTES = 32 << 20
 
 
 def _eager_kernel_call(opts: Options, x, weight, bias):
@@ -280,7 +282,8 @@ def _rms_norm(static, keep, x, weight, bias):
 
 
 def _rms_norm_fwd(static, keep, x, weight, bias):
-    plan = _kernel_plan(static, x, weight, bias)
+    # concrete arrays (an eager grad's primal computation): the front end, as eager calls
+    plan = _kernel_plan(static, x, weight, bias) if _traced((x, weight, bias)) else None
     if plan is not None:
         y, rstd = _kernel_forward(static, plan, x, weight, bias)
     else:

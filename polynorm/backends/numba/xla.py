@@ -18,14 +18,14 @@ call's attributes, in this order (XLA sorts them by name: ``a_flags``,
 ``b_k``, ``c_eps``, ``d_offset``).  One handler per (x, y, compute dtype,
 bias or not), compiled on first use (cached on disk with the kernels).
 
-The parallel driver runs without the backend's launch lock: only on a
-threading layer that takes concurrent launches (``omp``, ``tbb``); on
-``workqueue`` the handler runs the serial driver (the same bits).
+The handlers run the serial driver unless :func:`allow_threads` (see there
+why); the same bits either way.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 from llvmlite import ir
@@ -122,21 +122,39 @@ def _bits_type(dt: np.dtype):
     return np.dtype(view if view is not None else dt)
 
 
-def _serial_ok() -> None:
-    """Decide once whether the handlers may run the parallel driver (see the module)."""
+def allow_threads(allow: bool = True) -> bool:
+    """Let the handlers run the parallel driver for calls of at least
+    ``SERIAL_MAX_ELEMENTS`` (the backend's size rule); returns whether they will.
+
+    Off by default: inside a jax computation XLA's own thread pool holds the
+    cores, and an OpenMP team launched beside it waited on descheduled threads:
+    medians of 4-40 ms for (64..256, 4096) float32 calls that take 0.06-0.6 ms
+    serially (2 shared cores, ``bench/jax_jit.py``).  Only on a threading layer
+    that takes concurrent launches (``omp``, ``tbb``; the handlers have no
+    launch lock); the serial and parallel drivers give the same bits.
+    """
     import numba
 
-    k = _nb._k()
-    x = np.zeros((2, 8), np.float32)
-    _nb._launch_parallel(k.forward_parallel, x, None, np.ones(8, np.float32), None,
-                         np.empty_like(x), None, np.empty(2, np.float32), 0, 8, 1e-6, 0.0,
-                         None)
-    _STATE[0] = numba.threading_layer() in ("omp", "tbb")
+    if allow:
+        k = _nb._k()
+        x = np.zeros((2, 8), np.float32)
+        _nb._launch_parallel(k.forward_parallel, x, None, np.ones(8, np.float32), None,
+                             np.empty_like(x), None, np.empty(2, np.float32), 0, 8, 1e-6,
+                             0.0, None)
+        allow = numba.threading_layer() in ("omp", "tbb")
+    _STATE[0] = int(allow)
+    return allow
 
 
 def sync_fork_state() -> None:
-    """Copy the backend's fork flag where the handlers read it."""
+    """Copy the backend's fork flag where the handlers read it (a child forked after an
+    OpenMP launch runs the serial driver, as the backend does)."""
     _STATE[1] = int(_nb._forked_after_omp)
+
+
+if hasattr(os, "register_at_fork"):
+    # after the backend's own hook, registered when it was imported (above)
+    os.register_at_fork(after_in_child=sync_fork_state)
 
 
 @functools.cache
@@ -144,8 +162,6 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
     """The address of the compiled handler for these dtypes (see the module)."""
     from polynorm.core.dtypes import numpy_dtype
 
-    if not _STATE[0]:
-        _serial_ok()
     sync_fork_state()
     k = _nb._k()
     xt = _bits_type(numpy_dtype(x_dtype))
