@@ -1,9 +1,16 @@
 """polynorm under ``jax.jit`` and on eager jax arrays vs the naive jnp formula jitted.
 
-Paired: every round runs each variant once (interleaved), medians over rounds;
+Paired: every round runs each variant once (interleaved, in a shuffled order), medians
+over rounds;
 ratios are ``jnp time / variant time`` (above 1: the variant is faster).
 
-    python bench/jax_jit.py [--rounds N] [--json PATH]
+    python bench/jax_jit.py [--rounds N] [--tokens 1 8 2048] [--json PATH]
+
+On a process with one CPU device, ``jit_default`` and ``jit_numba`` are the compiled
+kernel call (polynorm.backends.numba.xla) and ``jit_array_api`` the reference that the
+default ran before it; ``eager_pj_front`` / ``eager_pj_jitted`` are an eager call's two
+routes forced (the front end on numpy views / the jitted kernel call), which
+``polynorm.jax.norm.EAGER_JIT_MAX_BYTES`` chooses between.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import statistics
 import time
 
@@ -39,7 +47,26 @@ def variants():
         "jit_array_api": jax.jit(lambda x, w: pj.rms_norm(x, w, backend="array_api")),
         "eager_pn": lambda x, w: pn.rms_norm(x, w),
         "eager_pj": lambda x, w: pj.rms_norm(x, w),
+        **_forced(),
     }
+
+
+def _forced():
+    """The two eager routes of polynorm.jax.rms_norm, where this polynorm has them."""
+    try:
+        from polynorm.core.options import pack_options
+        from polynorm.jax import norm as jn
+        from polynorm.ops import norm as api
+
+        jn._kernel_y  # noqa: B018 - absent before the jitted kernel call
+    except (ImportError, AttributeError):
+        return {}
+    opts = pack_options("rms_norm", {})
+    jitted = jax.jit(lambda x, w: jn._kernel_y(jn._static(opts), x, w, None))
+    # return_rstd: a call the jitted route leaves to the front end (y and rstd back to jax)
+    return {"eager_pj_front": lambda x, w: api.forward(x, None, w, None, opts,
+                                                       return_rstd=True)[0],
+            "eager_pj_jitted": jitted}
 
 
 def _time(f, x, w, reps):
@@ -50,11 +77,11 @@ def _time(f, x, w, reps):
     return (time.perf_counter() - t) / reps
 
 
-def run(rounds: int):
+def run(rounds: int, tokens=TOKENS):
     fns = variants()
     rows = []
     for dtype in (jnp.float32, jnp.bfloat16):
-        for n in TOKENS:
+        for n in tokens:
             rng = np.random.default_rng(0)
             x = jnp.asarray(rng.standard_normal((n, D), np.float32), dtype)
             w = jnp.asarray(rng.standard_normal(D, np.float32), dtype)
@@ -62,8 +89,10 @@ def run(rounds: int):
             for f in fns.values():  # compile and warm
                 jax.block_until_ready(f(x, w))
             times = {k: [] for k in fns}
-            for _ in range(rounds):
-                for k, f in fns.items():
+            order = list(fns.items())
+            for i in range(rounds):
+                random.Random(i).shuffle(order)  # no variant always first (or after another)
+                for k, f in order:
                     times[k].append(_time(f, x, w, reps))
             med = {k: statistics.median(v) for k, v in times.items()}
             base = med["jnp_naive_jit"]
@@ -78,9 +107,10 @@ def run(rounds: int):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     ap.add_argument("--json")
     a = ap.parse_args()
-    rows = run(a.rounds)
+    rows = run(a.rounds, tuple(a.tokens))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"machine": platform.node(), "jax": jax.__version__, "rows": rows}, fh,

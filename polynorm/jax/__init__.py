@@ -10,33 +10,58 @@ What runs where (forward and backward alike):
 - eager, concrete CPU arrays (also the primal and backward computations of
   an eager ``jax.grad``/``jax.vjp``): the Numba kernels on zero-copy views of
   the arrays; results come back to jax without a copy.
-- eager jax arrays all on one CPU device go to the kernels as numpy views
-  (zero-copy) and the results come back to jax: below 1 MiB copied by
-  ``jnp.asarray``, larger ones without a copy.  ~50-70 us at (1, 4096) on 2
-  loaded cores, where a jitted jnp RMSNorm takes ~12-25 us and the general
-  path (jax reshapes, a ``device_put`` per result) took ~250-470 us
-  (``bench/jax_jit.py``).
-- traced arrays (``jax.jit``, ``vmap``, ``scan``, ``grad`` of ``jit``...),
-  ``backend="auto"``: the pure array-API reference, which XLA compiles and
-  fuses like any jnp code (other bits than the kernels: within the dtype's
-  tolerance), at every size: the kernels through the FFI call below win
-  only for 16-bit ``x`` of about 2**22 to 2**23 elements (bfloat16
-  2048 x 4096: 2.5-3.9x a jitted jnp RMSNorm on 2 shared cores; float32 and
-  other sizes lose, ``bench/results/jax-jit-2026-12-06.json``), and a rule
-  that took them there would make a token's bits depend on the number of
-  tokens; ``backend="numba"`` asks for them.
-- traced arrays, ``backend="numba"``: the Numba kernels inside the
-  compiled computation, with the same bits as an eager call: an XLA FFI
-  custom call whose handler (:mod:`polynorm.jax.ffi`) hands the kernels
-  XLA's own buffers (``y`` is written in place; ``rstd``, ``h`` and the
-  gradients are copied into XLA's buffers), or ``jax.pure_callback`` where
-  this jax cannot take the FFI handler.  Measured on 2 cores, float32: as
-  fast as a jitted jnp RMSNorm at 16384 x 4096 (~60 ms, most of it the first
-  touch of XLA's fresh output buffer; the kernel alone: ~10 ms), but
-  ~20 us more per call at (1, 4096): use it for bit-identical results.
+- ``backend="auto"`` (or ``"numba"``) in a process whose jax has one CPU
+  device, :func:`rms_norm`'s plain forward (no residual, the last axis, a
+  ``(d,)`` weight/bias, not ``casting="llama"``/``"none"``, no
+  ``group_size``): the Numba kernels through a compiled XLA FFI handler
+  (:mod:`polynorm.backends.numba.xla`: machine code that reads XLA's call
+  frame and runs the kernel on XLA's own buffers, no Python per call; the
+  serial driver, see :func:`polynorm.backends.numba.xla.allow_threads`),
+  with the eager kernels' bits at every size:
+
+  - under ``jax.jit`` (also ``vmap``, whose batch axis the handler walks,
+    and ``grad``, whose backward is the reference from the kernel's
+    ``rstd``); on other platforms (GPU) the same function lowers the
+    reference (``lax.platform_dependent``);
+  - eager CPU jax arrays below ``polynorm.jax.norm.EAGER_JIT_MAX_BYTES``
+    (32 MiB of ``x``): a jitted call of it, cached per options, dtypes, ranks
+    and hidden size, so an eager call costs jax's dispatch of a jitted
+    function plus ~1 us; larger ones go to the front end below, whose
+    output pool spares the fresh pages of XLA's output buffer.
+
+  Measured on 2 shared cores, d = 4096 (``python bench/jax_jit.py``,
+  ``bench/results/jax-jit-2026-12-06c.json``): see :doc:`quickstart`.  A
+  first call compiles the handler for its dtypes (1-5 s, once per process).
+- eager jax arrays all on one CPU device otherwise (and ``pn.rms_norm`` on
+  them) go to the kernels as numpy views (zero-copy) and the results come
+  back to jax: below 1 MiB copied by ``jnp.asarray``, larger ones without a
+  copy.  ~50-110 us at (1, 4096) on 2 loaded cores, where a jitted jnp
+  RMSNorm takes ~6-15 us.
+- traced arrays (``jax.jit``, ``vmap``, ``scan``, ``grad`` of ``jit``...)
+  not taken by the compiled call (several CPU devices, a GPU, other
+  options, ``add_rms_norm``, the backward), ``backend="auto"``: the pure
+  array-API reference, which XLA compiles, partitions and fuses like any
+  jnp code (other bits than the kernels: within the dtype's tolerance).
+  Its overflow-safe scaled pass sits behind a ``lax.cond`` that runs it
+  only when some row needs it.  A process with several CPU devices (XLA's
+  host device count flag) keeps it for every call: XLA cannot split the
+  host call, and would gather a sharded input to run it.
+- traced arrays not taken by the compiled call, ``backend="numba"``: the
+  Numba kernels inside the compiled computation, with the same bits as an
+  eager call: an XLA FFI custom call whose Python handler
+  (:mod:`polynorm.jax.ffi`) hands the kernels XLA's own buffers (``y`` is
+  written in place; ``rstd``, ``h`` and the gradients are copied into XLA's
+  buffers), or ``jax.pure_callback`` where this jax cannot take the FFI
+  handler.  ~15-60 us more per call than the compiled handler.
   Under ``vmap`` the kernels run once per batch element (``"sequential"``).
   XLA cannot split the host call: a sharded input is gathered and every
   device runs it on the whole array (the result comes back replicated).
+- Large float32 outputs under ``jit`` (32 MiB and up: 2048 x 4096) cost
+  XLA's fresh output buffer more than the kernel: glibc returns an
+  allocation above its largest dynamic mmap threshold (32 MiB) to the
+  system on every call, so each call page-faults the whole buffer in, for
+  the jnp formula as for the kernel call (``MALLOC_MMAP_THRESHOLD_`` in the
+  environment raises it).
 - concrete CUDA arrays: the CuPy kernels through DLPack when cupy is
   installed (not tested on a machine without a GPU).
 - concrete arrays on several devices (sharded, e.g. ``NamedSharding`` over

@@ -187,3 +187,26 @@ def call(index: int, operands: list[Any], result_shapes: list[Any]) -> list[Any]
 
     return jax.ffi.ffi_call(TARGET, result_shapes, vmap_method="sequential")(
         *operands, index=np.uint64(index))
+
+
+# ------------------------------------------------------------------ the compiled forward
+
+_targets: dict[tuple, str] = {}
+
+
+def compiled_target(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> str:
+    """The FFI target of :mod:`polynorm.backends.numba.xla`'s compiled plain forward for
+    these dtypes, registered (and compiled) on first use."""
+    key = (x_dtype, y_dtype, compute_dtype, has_bias)
+    with _lock:
+        name = _targets.get(key)
+        if name is None:
+            import jax
+
+            from polynorm.backends.numba import xla
+
+            name = "polynorm_forward_" + "_".join(map(str, key))
+            address = xla.handler(*key)
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform="cpu")
+            _targets[key] = name
+        return name

@@ -5,6 +5,7 @@ See :mod:`polynorm.jax` for what runs where (eager arrays, ``jit``, devices).
 
 from __future__ import annotations
 
+import functools
 from functools import partial as _partial
 from typing import TYPE_CHECKING
 
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from polynorm.core.options import NormOptions, Options, pack_options, takes_options
+from polynorm.core.options import NormOptions, Options, make_plan, pack_options, takes_options
 from polynorm.jax import ffi as _jax_ffi
 from polynorm.ops import lean as _lean
 from polynorm.ops import norm as _api
@@ -32,12 +33,13 @@ def _static(opts: Options) -> Options:
 
 # ------------------------------------------------------------------ where the work runs
 # Concrete arrays go to polynorm's front end as they are (CPU: the Numba kernels on
-# zero-copy views).  Traced arrays (jit, grad of jit, vmap, scan...) have no data yet.
-# With backend="auto" they take the pure array-API reference, which XLA compiles and
-# fuses like any jnp code.  With backend="numba" they reach the Numba kernels through an
-# XLA FFI host call (polynorm.jax.ffi): the eager bits, but ~20 us more per call and
-# no faster than XLA at 16384 x 4096 (both pay for XLA's fresh output buffer), so the
-# kernels under jit are an opt-in, not the default (numbers in the module docstring).
+# zero-copy views), small CPU ones of rms_norm's plain forward through a jitted call of
+# the compiled kernel call below.  Traced arrays (jit, grad of jit, vmap, scan...) have no
+# data yet: rms_norm's plain forward runs the Numba kernels through the compiled XLA FFI
+# handler (polynorm.backends.numba.xla) on a one-CPU-device process; everything else
+# takes the pure array-API reference with backend="auto", which XLA compiles and fuses
+# like any jnp code, or with backend="numba" the kernels through the Python FFI handler
+# (polynorm.jax.ffi).  The table is polynorm.jax's docstring.
 
 
 def _traced(arrays) -> bool:
@@ -103,6 +105,139 @@ def _dispatch(fn, *arrays):
     return jax.tree.unflatten(tree, outs)
 
 
+# ------------------------------------------------------------------ the compiled kernel call
+# backend "auto" or "numba" on a CPU process of one device: the plain forward of rms_norm runs the
+# Numba kernels through a compiled XLA FFI handler (polynorm.backends.numba.xla), under
+# jit and for small eager arrays; the eager call's bits at every size (batch invariance
+# holds: a token's bits do not depend on the path's choice, there is one path).
+
+
+def _one_cpu_device() -> bool:
+    """A process whose jax sees one CPU device: several (XLA's host device count flag)
+    keep the reference, which XLA partitions; the host call would be gathered."""
+    return len(jax.devices("cpu")) == 1
+
+
+def _kernel_plan(static: Options, x, weight, bias):
+    """The Plan of a call that the compiled kernel call takes, else None."""
+    if (static.backend not in ("auto", "numba") or static.group_size is not None or x.ndim < 1
+            or (weight is not None and weight.ndim != 1)
+            or (bias is not None and bias.ndim != 1)):
+        return None
+    from polynorm.core.dtypes import dtype_name
+
+    try:
+        names = [dtype_name(a.dtype) for a in (x, weight, bias) if a is not None]
+        if any(n not in _FLOATS for n in names):
+            return None
+        if _api._normalize_axis(static.axis, x.ndim) != (x.ndim - 1,) or x.shape[-1] == 0:
+            return None
+        plan = make_plan(x.shape[-1], names[0], static)
+    except (TypeError, ValueError):
+        return None  # the general path raises it, with its own message
+    if plan.llama or plan.cast_none or not _api._backends.usable("numba"):
+        return None
+    if not (_jax_ffi.available() and _one_cpu_device()):
+        return None
+    return plan
+
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
+def _kernel_forward(static: Options, plan, x, weight, bias):
+    """``(y, rstd)`` of the plain forward: the compiled kernel call on CPU, the
+    reference on other platforms (``lax.platform_dependent``: decided at lowering)."""
+    from polynorm.backends import numba as _numba
+
+    flags, y_dt, _, cdt = _numba._info(plan)
+    d = x.shape[-1]
+    target = _jax_ffi.compiled_target(plan.norm_dtype, plan.out_dtype, plan.compute_dtype,
+                                      bias is not None)
+    offset = 0.0 if weight is None else plan.offset  # as the backend's _affine
+    call = jax.ffi.ffi_call(
+        target, (jax.ShapeDtypeStruct(x.shape, y_dt), jax.ShapeDtypeStruct(x.shape[:-1], cdt)),
+        vmap_method="expand_dims")
+
+    def cpu(x, weight, bias):
+        w = _numba._ones(d, cdt) if weight is None else weight.astype(cdt)
+        ops = (x, w) if bias is None else (x, w, bias.astype(cdt))
+        return tuple(call(*ops, a_flags=np.int64(flags), b_k=np.int64(plan.k),
+                          c_eps=np.float64(plan.eps), d_offset=np.float64(offset)))
+
+    def other(x, weight, bias):
+        if static.backend == "numba":  # the host call, which names the platform it lacks
+            return tuple(_dispatch(_partial(_forward, static=static), x, None, weight, bias))
+        return tuple(_forward(x, None, weight, bias, static=_with_backend(static)))
+
+    return jax.lax.platform_dependent(x, weight, bias, cpu=cpu, default=other)
+
+
+#: Eager jax arrays of fewer bytes than this take the compiled kernel call through a
+#: jitted function (jax's dispatch plus ~1 us); larger ones the front end (the kernels on
+#: zero-copy views, y from the backend's buffer pool).  From 32 MiB on, glibc's largest
+#: dynamic mmap threshold, XLA's output buffer is fresh pages on every call (float32
+#: 2048 x 4096: 43 ms jitted vs 17 ms through the front end; bfloat16's 16 MiB: 8 vs 15
+#: ms; bench/results/jax-jit-2026-12-06c.json).  The same kernel and bits either way.
+EAGER_JIT_MAX_BYTES = 32 << 20
+
+
+def _eager_kernel_call(opts: Options, x, weight, bias):
+    """``y`` of a small eager call on CPU jax arrays through the jitted kernel call, else None.
+
+    The call's signature (options, dtypes, ranks, hidden size) is looked up in
+    ``_eager_fns``: its jitted function (None: the front end takes it); a
+    repeated call costs that lookup and jax's dispatch (and, where jax has
+    devices other than the CPU, the arrays' platform check).
+    """
+    if not (isinstance(x, jax.Array) and (weight is None or isinstance(weight, jax.Array))
+            and (bias is None or isinstance(bias, jax.Array))):
+        return None
+    shape = x.shape
+    if not shape:
+        return None
+    try:
+        key = (opts, x.dtype, len(shape), shape[-1],
+               None if weight is None else (weight.dtype, weight.ndim),
+               None if bias is None else (bias.dtype, bias.ndim))
+        fn = _eager_fns.get(key, _UNSEEN)
+    except TypeError:  # an unhashable option (an axis list): the front end
+        return None
+    if fn is _UNSEEN:
+        fn = _eager_fns[key] = _eager_fn(opts, x, weight, bias)
+    if fn is None or x.size * x.dtype.itemsize >= EAGER_JIT_MAX_BYTES:
+        return None
+    if not _cpu_only():
+        for a in (x, weight, bias):
+            if a is not None and (not a.is_fully_addressable
+                                  or next(iter(a.devices())).platform != "cpu"):
+                return None
+    return fn(x, weight, bias)
+
+
+@functools.cache
+def _cpu_only() -> bool:
+    """Whether jax's only devices are the CPU's (then every jax array is on it)."""
+    return {d.platform for d in jax.devices()} == {"cpu"} and jax.default_backend() == "cpu"
+
+
+def _eager_fn(opts: Options, x, weight, bias):
+    static = _static(opts)
+    if _kernel_plan(static, x, weight, bias) is None:
+        return None
+    return jax.jit(_partial(_kernel_y, static))
+
+
+_UNSEEN = object()
+
+
+def _kernel_y(static, x, weight, bias):
+    return _kernel_forward(static, _kernel_plan(static, x, weight, bias), x, weight, bias)[0]
+
+
+_eager_fns: dict = {}
+
+
 def _with_backend(static: Options, backend="array_api") -> Options:
     return static._replace(backend=backend)
 
@@ -147,7 +282,12 @@ def _rms_norm(static, keep, x, weight, bias):
 
 
 def _rms_norm_fwd(static, keep, x, weight, bias):
-    y, rstd = _dispatch(_partial(_forward, static=static), x, None, weight, bias)
+    # concrete arrays (an eager grad's primal computation): the front end, as eager calls
+    plan = _kernel_plan(static, x, weight, bias) if _traced((x, weight, bias)) else None
+    if plan is not None:
+        y, rstd = _kernel_forward(static, plan, x, weight, bias)
+    else:
+        y, rstd = _dispatch(_partial(_forward, static=static), x, None, weight, bias)
     return y, (y if _keeps_output(keep[0], weight, static, rstd) else x, weight, bias, rstd)
 
 
@@ -215,6 +355,7 @@ def rms_norm(
     if not _traced((x, weight, bias)):
         # concrete arrays: no transformation is differentiating this call, and the
         # custom_vjp machinery would cost ~200 us in eager mode
+        # small CPU arrays: the jitted kernel call (EAGER_CALLS, registered below)
         return _api.forward(x, None, weight, bias, opts)
     return _rms_norm(_static(opts), (save, jnp.dtype(x.dtype)), x, weight,
                      bias)
@@ -294,3 +435,15 @@ def add_rms_norm(
     in_dtypes = (x.dtype, residual.dtype)  # each input's gradient comes back in its dtype
     return _add_rms_norm(_static(opts), save, in_dtypes, x, residual, weight,
                          bias)
+
+
+def _register_eager_call() -> None:
+    """pn.rms_norm on eager jax arrays takes the same route (polynorm.ops.norm.forward)."""
+    try:
+        from jax._src.array import ArrayImpl  # the concrete type: a dict key, no array made
+    except ImportError:  # another jax layout: pn.rms_norm keeps the front end's path
+        return
+    _api.EAGER_CALLS[ArrayImpl] = _eager_kernel_call
+
+
+_register_eager_call()

@@ -573,6 +573,11 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
         r = _fast_ref.forward(x, weight, bias, return_rstd, opts)
         if r is not None:
             return r
+    hook = EAGER_CALLS.get(type(x)) if EAGER_CALLS else None
+    if hook is not None and residual is None and out is None and not return_rstd:
+        y = hook(opts, x, weight, bias)
+        if y is not None:
+            return y
     mod = _fast.numba_module(opts) if residual_out is None else None
     if mod is not None:
         views = _jax_host_views(x, residual, weight, bias) if out is None else None
@@ -1794,3 +1799,10 @@ def _rms_norm_from_stats(x, weight, bias, sumsq, d_total, return_rstd, out, opti
     opts = pack_options("rms_norm", options)
     no_residual(opts)
     return from_stats("rms_norm", x, weight, bias, sumsq, d_total, opts, return_rstd)
+
+
+#: ``type(x) -> call(opts, x, weight, bias)``: a framework's own route for the plain
+#: forward of its eager arrays (``y``, or None where it does not take the call), which
+#: :func:`forward` tries first.  ``polynorm.jax`` adds jax's array type on import (a
+#: jitted kernel call for small CPU arrays): ops does not import the frameworks.
+EAGER_CALLS: dict = {}

@@ -1,0 +1,141 @@
+"""jax, backend="auto" on a one-CPU-device process: the Numba kernels through the
+compiled XLA FFI handler (polynorm.backends.numba.xla), under jit and for small eager
+arrays, with the eager kernels' bits.  The test process has two CPU devices (conftest),
+where the reference runs; the tests say "one device" by patching that check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+
+import jax.numpy as jnp  # noqa: E402
+
+import polynorm as pn  # noqa: E402
+from polynorm.jax import norm as jn  # noqa: E402
+from polynorm.jax import rms_norm  # noqa: E402
+from polynorm.ops import norm as _api  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not pn.backends()["numba"][0], reason="needs numba")
+
+
+@pytest.fixture
+def one_device(monkeypatch):
+    monkeypatch.setattr(jn, "_one_cpu_device", lambda: True)
+    monkeypatch.setattr(jn, "_eager_fns", {})
+
+
+def _rand(shape, dtype, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _bits(a):
+    return np.asarray(a).view(np.uint8)
+
+
+def _formula(x, w, b, eps, offset=0.0, k=None):
+    """float64 RMSNorm over the last axis, eps inside the root, statistic of the first k."""
+    x = np.asarray(x, np.float64)
+    k = x.shape[-1] if k is None else k
+    ms = np.mean(x[..., :k] ** 2, axis=-1, keepdims=True)
+    y = x / np.sqrt(ms + eps) * (np.asarray(w, np.float64) + offset)
+    return y if b is None else y + np.asarray(b, np.float64)
+
+
+CASES = {  # dtype, options, bias
+    "float32": ("float32", {}, False),
+    "bfloat16-all": ("bfloat16", dict(partial=0.5, offset=0.5, out_dtype="float32"), True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))  # each compiles a handler of its own (~1.5 s)
+def test_jit_default_is_the_kernel_call_with_the_eager_bits(name, one_device):
+    dtype, opts, has_bias = CASES[name]
+    x = _rand((2, 3, 64), dtype)
+    w = _rand((64,), "float32", seed=1)
+    b = _rand((64,), dtype, seed=2) if has_bias else None
+    f = jax.jit(lambda x, w, b: rms_norm(x, w, b, **opts))
+    text = f.lower(x, w, b).as_text()
+    assert "polynorm_forward_" in text and "stablehlo.reduce" not in text
+    y = f(x, w, b)
+    np_args = [None if a is None else np.asarray(a) for a in (x, w, b)]
+    want = pn.rms_norm(*np_args, **opts)  # the eager kernels
+    assert y.dtype == want.dtype and y.shape == x.shape
+    np.testing.assert_array_equal(_bits(y), _bits(want))
+    k = 32 if "partial" in opts else None
+    np.testing.assert_allclose(np.asarray(y, np.float64),
+                               _formula(x, w, b, 1e-6, opts.get("offset", 0.0), k),
+                               rtol=1e-2 if dtype == "bfloat16" else 2e-6, atol=1e-5)
+    # a token's bits do not depend on the batch (one token alone, jitted)
+    one = jax.jit(lambda x, w, b: rms_norm(x, w, b, **opts))(x[1, 2:3], w, b)
+    np.testing.assert_array_equal(_bits(one), _bits(y[1, 2:3]))
+
+
+def test_jit_kernel_call_under_vmap_and_grad(one_device):
+    x = _rand((4, 5, 32), "float32")
+    w = 1 + 0.3 * _rand((4, 32), "float32", seed=1)
+    f = jax.jit(jax.vmap(lambda x, w: rms_norm(x, w), in_axes=(0, 0)))
+    assert "polynorm_forward_" in f.lower(x, w).as_text()
+    y = f(x, w)
+    for i in range(4):  # a batched weight: batch element i with weight row i
+        np.testing.assert_array_equal(_bits(y[i]), _bits(pn.rms_norm(np.asarray(x[i]),
+                                                                     np.asarray(w[i]))))
+    yv = jax.jit(jax.vmap(lambda x: rms_norm(x, w[0]), in_axes=1))(x)  # unbatched weight
+    np.testing.assert_array_equal(_bits(yv), _bits(pn.rms_norm(np.asarray(x), np.asarray(w[0]))
+                                                   .transpose(1, 0, 2)))
+    # the backward is the hand-written one (the reference under jit), from the kernel's rstd
+    g = jax.jit(jax.grad(lambda x, w: (rms_norm(x, w) ** 2 * jnp.arange(32)).sum(),
+                         argnums=(0, 1)))(x[0], w[0])
+    x64, w64 = np.asarray(x[0], np.float64), np.asarray(w[0], np.float64)
+    r = 1 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + 1e-6)
+    dy = 2 * (x64 * r * w64) * np.arange(32)  # of sum(y**2 * c)
+    dxhat = dy * w64
+    dx = r * (dxhat - x64 * r * np.mean(dxhat * x64 * r, axis=-1, keepdims=True))
+    dw = (dy * x64 * r).sum(0)
+    np.testing.assert_allclose(np.asarray(g[0]), dx, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g[1]), dw, rtol=1e-4, atol=1e-5)
+
+
+def test_jit_default_keeps_the_reference_where_the_call_does_not_fit(one_device):
+    x = _rand((3, 4, 16), "float32")
+    w = _rand((4, 16), "float32", seed=1)
+    for f in (lambda x: rms_norm(x, backend="array_api"), lambda x: rms_norm(x, axis=1),
+              lambda x: rms_norm(x, w, axis=(1, 2)), lambda x: rms_norm(x, casting="llama")):
+        assert "polynorm_forward_" not in jax.jit(f).lower(x).as_text()
+
+
+def test_jit_default_keeps_the_reference_on_several_cpu_devices():
+    assert len(jax.devices("cpu")) > 1  # conftest's two host devices
+    x = _rand((2, 16), "float32")
+    assert "polynorm_forward_" not in jax.jit(rms_norm).lower(x).as_text()
+
+
+def test_small_eager_arrays_take_the_jitted_kernel_call(one_device, monkeypatch):
+    """Below EAGER_JIT_MAX_BYTES an eager call (polynorm.jax.rms_norm, and pn.rms_norm on
+    jax arrays) runs the jitted kernel call, above it the front end's fast path: the
+    kernels' bits either way, the numpy path's bits."""
+    monkeypatch.setattr(jn, "EAGER_JIT_MAX_BYTES", 1024)
+    calls = []
+    fast = _api._fast.forward
+    monkeypatch.setattr(_api._fast, "forward", lambda *a: calls.append(1) or fast(*a))
+    w = _rand((32,), "float32", seed=1)
+    for rows, front_end in ((2, False), (20, True)):  # 256 and 2560 bytes
+        x = _rand((rows, 32), "float32")
+        want = _bits(pn.rms_norm(np.asarray(x), np.asarray(w)))
+        for f in (rms_norm, pn.rms_norm):
+            f(x, w)  # a first call traces the reference too (the branch for other platforms)
+            calls.clear()
+            y = f(x, w)
+            assert bool(calls) == front_end, (f, rows)
+            assert isinstance(y, jax.Array) and y.dtype == x.dtype
+            np.testing.assert_array_equal(_bits(y), want)
+    assert [f for f in jn._eager_fns.values() if f is not None]
+
+
+def test_kernel_call_errors_are_the_front_ends(one_device):
+    x = _rand((2, 16), "float32")
+    with pytest.raises(ValueError, match="weight"):
+        jax.jit(rms_norm)(x, _rand((15,), "float32"))
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, _rand((15,), "float32"))
