@@ -44,7 +44,7 @@ def _formula(x, w, b, eps, offset=0.0, k=None):
 
 
 CASES = {  # dtype, options, bias
-    "float32": ("float32", {}, False),
+    "float32": ("float32", dict(backend="numba"), False),  # the default keeps the reference
     "bfloat16-all": ("bfloat16", dict(partial=0.5, offset=0.5, out_dtype="float32"), True),
 }
 
@@ -75,17 +75,17 @@ def test_jit_default_is_the_kernel_call_with_the_eager_bits(name, one_device):
 def test_jit_kernel_call_under_vmap_and_grad(one_device):
     x = _rand((4, 5, 32), "float32")
     w = 1 + 0.3 * _rand((4, 32), "float32", seed=1)
-    f = jax.jit(jax.vmap(lambda x, w: rms_norm(x, w), in_axes=(0, 0)))
+    f = jax.jit(jax.vmap(lambda x, w: rms_norm(x, w, backend="numba"), in_axes=(0, 0)))
     assert "polynorm_forward_" in f.lower(x, w).as_text()
     y = f(x, w)
     for i in range(4):  # a batched weight: batch element i with weight row i
         np.testing.assert_array_equal(_bits(y[i]), _bits(pn.rms_norm(np.asarray(x[i]),
                                                                      np.asarray(w[i]))))
-    yv = jax.jit(jax.vmap(lambda x: rms_norm(x, w[0]), in_axes=1))(x)  # unbatched weight
+    yv = jax.jit(jax.vmap(lambda x: rms_norm(x, w[0], backend="numba"), in_axes=1))(x)  # unbatched weight
     np.testing.assert_array_equal(_bits(yv), _bits(pn.rms_norm(np.asarray(x), np.asarray(w[0]))
                                                    .transpose(1, 0, 2)))
-    # the backward is the hand-written one (the reference under jit), from the kernel's rstd
-    g = jax.jit(jax.grad(lambda x, w: (rms_norm(x, w) ** 2 * jnp.arange(32)).sum(),
+    # the hand-written backward (the host call under jit), from the kernel's rstd
+    g = jax.jit(jax.grad(lambda x, w: (rms_norm(x, w, backend="numba") ** 2 * jnp.arange(32)).sum(),
                          argnums=(0, 1)))(x[0], w[0])
     x64, w64 = np.asarray(x[0], np.float64), np.asarray(w[0], np.float64)
     r = 1 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + 1e-6)
@@ -100,6 +100,9 @@ def test_jit_kernel_call_under_vmap_and_grad(one_device):
 def test_jit_default_keeps_the_reference_where_the_call_does_not_fit(one_device):
     x = _rand((3, 4, 16), "float32")
     w = _rand((4, 16), "float32", seed=1)
+    # float32 x: the reference, which XLA fuses (jn.JIT_KERNEL_DTYPES); bfloat16: the kernel call
+    assert "polynorm_forward_" not in jax.jit(rms_norm).lower(x).as_text()
+    assert "polynorm_forward_" in jax.jit(rms_norm).lower(x.astype(jnp.bfloat16)).as_text()
     for f in (lambda x: rms_norm(x, backend="array_api"), lambda x: rms_norm(x, axis=1),
               lambda x: rms_norm(x, w, axis=(1, 2)), lambda x: rms_norm(x, casting="llama")):
         assert "polynorm_forward_" not in jax.jit(f).lower(x).as_text()

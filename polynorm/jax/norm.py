@@ -144,6 +144,15 @@ def _kernel_plan(static: Options, x, weight, bias):
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
+#: x dtypes whose jitted default (backend "auto") is the compiled kernel call; float32 and
+#: float64 keep the reference under jit, which XLA fuses and runs on its own threads: the
+#: serial kernel call lost to it 3-6x at 64-256 float32 tokens of 4096 (XLA's fresh
+#: output pages on every call, one thread against XLA's two), while 16-bit rows won at
+#: every size (1.4-6.4x; bench/results/jax-jit-2026-12-06c.json).  backend="numba" takes
+#: the kernel call for every float dtype.  Not a size rule: a token's bits would then
+#: depend on the batch.
+JIT_KERNEL_DTYPES = ("float16", "bfloat16")
+
 
 def _kernel_forward(static: Options, plan, x, weight, bias):
     """``(y, rstd)`` of the plain forward: the compiled kernel call on CPU, the
@@ -284,6 +293,8 @@ def _rms_norm(static, keep, x, weight, bias):
 def _rms_norm_fwd(static, keep, x, weight, bias):
     # concrete arrays (an eager grad's primal computation): the front end, as eager calls
     plan = _kernel_plan(static, x, weight, bias) if _traced((x, weight, bias)) else None
+    if plan is not None and static.backend == "auto" and plan.norm_dtype not in JIT_KERNEL_DTYPES:
+        plan = None  # the reference, which XLA fuses: see JIT_KERNEL_DTYPES
     if plan is not None:
         y, rstd = _kernel_forward(static, plan, x, weight, bias)
     else:
