@@ -3,8 +3,8 @@
 #
 #   bash bench/gpu_check.sh --prepare   # HERE, where pip works: wheels the GPU box lacks -> .whl/
 #   bash bench/gpu_check.sh --dry-run   # here: everything that needs no GPU
-#   bash bench/gpu_check.sh --kernels   # GPU, short: environment, warm-up, model, tuning sweep and
-#                                       # benchmark only (no GPU tests, host profile or HF step)
+#   bash bench/gpu_check.sh --kernels   # GPU, short: environment, warm-up, host path + graph capture,
+#                                       # model, tuning sweep and benchmark (no GPU tests, host profile or HF step)
 #   bash bench/gpu_check.sh             # on the GPU machine, < 10 minutes (timeouts bound each step)
 #
 # With the device tool: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600)
@@ -157,7 +157,7 @@ log "GPU tests exit status $status (5: nothing collected)"
 if [ "$MODE" = dry ]; then
     "$PY" -m polynorm.bench.gpu_host --dry-run >"$RESULTS/gpu_host.txt" 2>&1
     log "host path (dry run) exit status $? (gpu_host.txt)"
-elif [ "$KERNELS_ONLY" = 0 ]; then
+else  # --kernels too: the host path and graph capture are short and the acceptance
     timeout 90 "$PY" -m polynorm.bench.gpu_host --out "$RESULTS/host-path-$(date -u +%Y%m%dT%H%M).json" \
         >"$RESULTS/gpu_host.txt" 2>&1
     log "host path exit status $? (gpu_host.txt; 1: a graph replay differed or failed)"
