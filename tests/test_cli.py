@@ -108,8 +108,18 @@ def _wrong_forward(real):
     return forward
 
 
+def _wrong_eager(real):
+    def eager(x, weight, bias, plan, want_rstd=True):
+        y, rstd = real(x, weight, bias, plan, want_rstd)
+        return y + 1, rstd  # off by one everywhere
+
+    return eager
+
+
 def test_check_fails_when_the_forward_is_broken(monkeypatch, capsys):
     monkeypatch.setattr(reference, "forward", _wrong_forward(reference.forward))
+    # the plain call's fast path (ops/fast_ref.py) runs the reference's eager twin
+    monkeypatch.setattr(reference, "eager_numpy", _wrong_eager(reference.eager_numpy))
     assert main(["check", "--backend", "array_api", "--dtype", "float64"]) == 1
     out = capsys.readouterr().out
     row = next(ln for ln in out.splitlines() if ln.startswith("array_api"))
