@@ -360,6 +360,21 @@ SLOW_SWEEPS = (
     "tests/test_per_head.py::test_per_head_backward_matches_central_differences[add]",
     "tests/test_hf_patch.py::test_model_logits_and_gradients_match_hf[gemma3-torch.bfloat16]",
     "tests/test_hf_patch.py::test_adamw_steps_give_the_same_losses[gemma3]",
+    # kernels only these variants compile (the default run has grown with the rows-body CUDA
+    # kernels' emulator builds and the jax kernel call): the one-pass fused add with a
+    # float16 or mixed-dtype residual ([None-bfloat16] stays), the numba grouped forward in
+    # bfloat16 (float32 stays), jax's eager zero-copy results in float16/float64 (float32,
+    # bfloat16 stay), the float16 gated decode call (float32, bfloat16 stay), DeepSeek-V3's
+    # bfloat16 logits (Qwen3's stay)
+    "tests/test_add_conventions.py::test_numba_one_pass_equals_the_two_pass_form[None-float16-numba]",
+    "tests/test_add_conventions.py::test_numba_one_pass_equals_the_two_pass_form[float16-bfloat16-numba]",
+    "tests/test_add_conventions.py::test_numba_one_pass_equals_the_two_pass_form[float32-bfloat16-numba]",
+    "tests/test_add_conventions.py::test_numba_one_pass_equals_the_two_pass_form[float32-float16-numba]",
+    "tests/test_group_conventions.py::test_grouped_forward_is_mambas_rms_norm_ref[numba-bfloat16]",
+    "tests/test_jax.py::test_eager_results_are_the_kernels_own_memory[float16]",
+    "tests/test_jax.py::test_eager_results_are_the_kernels_own_memory[float64]",
+    "tests/test_decode.py::test_gated_decode_bits_equal_generic[float16-gkw2]",
+    "tests/test_hf_patch.py::test_model_logits_and_gradients_match_hf[deepseek_v3-torch.bfloat16]",
 )
 
 
