@@ -196,6 +196,11 @@ def test_sass_targets(compiled, arch, tmp_path):
             # tracks it: test_emul_none.py::test_nvrtc_every_none_instantiation_without_spills_sm80
             continue
         assert stores == loads == 0, f"{arch} {nm}: spills {stores} B stored, {loads} B loaded"
+        if nm.startswith("pn_bwd_rows"):
+            # a persistent grid of 512 threads per SM by design (98-128 registers: a lane holds
+            # its rows' x and dy chunks), so no 50% occupancy; its spills are checked above and
+            # its bytes in flight are the launch model's (model-prediction-bwd-*.json)
+            continue
         if nm.startswith(("pn_fwd_rows", "pn_gated_rows", "pn_quant_rows")):
             # fewer, wider lanes instead of occupancy: the bytes of x in flight per SM (resident
             # warps x 32 lanes x 16-byte loads pending) at least pn_fwd's 32 warps x 2 chunks
