@@ -808,6 +808,20 @@ def report(records_path: Path = RECORDS, prm: Params = PARAMS, headline_only: bo
     return text, doc
 
 
+#: main's prediction options: the document each writes and the line it prints per case
+_PREDICTIONS = {
+    "predict_bwd_rows": (lambda: bwd_rows_prediction(),
+                         "{dtype:9} {tokens:6}x{d:<6} {name:12} pred {pred_copy_kernel:.3f} | before "
+                         "{before_kernel:11} pred {before_pred_copy_kernel:.3f} measured {before_measured_copy_kernel}"),
+    "predict_fusions": (lambda: fusion_prediction(),
+                        "{op:5} {dtype:9} {tokens:7}x{d:<6} {name:13} pred {pred_copy_kernel:.3f} | before "
+                        "{before_kernel:12} pred {before_pred_copy_kernel:.3f} measured {before_measured_copy_kernel}"),
+    "predict_rows": (lambda: rows_prediction(),
+                     "{op:4} {dtype:9} {tokens:6}x{d:<6} {name:12} pred {pred_copy_kernel:.3f} | before "
+                     "{before_kernel:11} pred {before_pred_copy_kernel:.3f} measured {before_measured_copy_kernel}"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m polynorm.bench.model", description=__doc__.split("\n\n")[0])
     p.add_argument("--records", type=Path, default=RECORDS, help="bench/gpu.py JSON to compare with")
@@ -821,30 +835,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predict-fusions", type=Path,
                    help="write pn_gated_rows' / pn_quant_rows' predictions (beside the kernels before) here")
     args = p.parse_args(argv)
-    if args.predict_bwd_rows:
-        doc = bwd_rows_prediction()
-        args.predict_bwd_rows.write_text(json.dumps(doc, indent=1) + "\n")
-        for r in doc["rows"]:
-            print(f"{r['dtype']:9} {r['tokens']:6}x{r['d']:<6} {r['kernel'].split('<')[0]:12} "
-                  f"pred {r['pred_copy_kernel']:.3f} | before {r['before_kernel']:11} pred "
-                  f"{r['before_pred_copy_kernel']:.3f} measured {r['before_measured_copy_kernel']}")
-        return 0
-    if args.predict_fusions:
-        doc = fusion_prediction()
-        args.predict_fusions.write_text(json.dumps(doc, indent=1) + "\n")
-        for r in doc["rows"]:
-            print(f"{r['op']:5} {r['dtype']:9} {r['tokens']:7}x{r['d']:<6} {r['kernel'].split('<')[0]:13} "
-                  f"pred {r['pred_copy_kernel']:.3f} | before {r['before_kernel']:12} pred "
-                  f"{r['before_pred_copy_kernel']:.3f} measured {r['before_measured_copy_kernel']}")
-        return 0
-    if args.predict_rows:
-        doc = rows_prediction()
-        args.predict_rows.write_text(json.dumps(doc, indent=1) + "\n")
-        for r in doc["rows"]:
-            print(f"{r['op']:4} {r['dtype']:9} {r['tokens']:6}x{r['d']:<6} {r['kernel'].split('<')[0]:12} "
-                  f"pred {r['pred_copy_kernel']:.3f} | before {r['before_kernel']:11} pred "
-                  f"{r['before_pred_copy_kernel']:.3f} measured {r['before_measured_copy_kernel']}")
-        return 0
+    for option, (predict, line) in _PREDICTIONS.items():
+        path = getattr(args, option)
+        if path:
+            doc = predict()
+            path.write_text(json.dumps(doc, indent=1) + "\n")
+            for r in doc["rows"]:
+                print(line.format(name=r["kernel"].split("<")[0], **r))
+            return 0
     prm = PARAMS
     extra: dict = {}
     if args.fit:
