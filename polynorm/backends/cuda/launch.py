@@ -1026,6 +1026,23 @@ def pack_rows_shape(tree_warps: int, tail_first: bool, warps_per_row: int) -> in
     return tree_warps | (int(tail_first) << 12) | (warps_per_row << 16)
 
 
+def _knob_pairs(nw: int, threads: int, instantiated, rpb_max: int | None = None) -> list[tuple[int, int]]:
+    """Every (warps per row R, rows per block) of a rows-body kernel over a tree of ``nw``
+    warps: R a power of two whose ``nw // R`` tree warps per lane are ``instantiated``, rows
+    per block powers of two within ``threads`` and the block's reduction slots (ROWS_RED)."""
+    out = []
+    r = 1
+    while r <= min(nw, threads // 32):
+        if instantiated(nw // r):
+            rpb = 1
+            while (32 * r * rpb <= threads and rpb * nw <= ROWS_RED
+                   and (rpb_max is None or rpb <= rpb_max)):
+                out.append((r, rpb))
+                rpb *= 2
+        r *= 2
+    return out
+
+
 def rows_candidates(d: int, x: str, res: str | None = None) -> list[tuple[int, int]]:
     """Every (warps per row, rows per block) pn_fwd_rows has an instantiation for (the
     tuning sweep's candidates); [] where it does not take rows of ``d``.
@@ -1038,16 +1055,7 @@ def rows_candidates(d: int, x: str, res: str | None = None) -> list[tuple[int, i
         return []
     t, it, _ = tree
     nw = t // 32
-    out = []
-    r = 1
-    while r <= min(nw, ROWS_THREADS // 32):
-        if _rows_inst(x, it, nw // r) is not None:
-            rpb = 1
-            while 32 * r * rpb <= ROWS_THREADS and rpb * nw <= ROWS_RED:
-                out.append((r, rpb))
-                rpb *= 2
-        r *= 2
-    return out
+    return _knob_pairs(nw, ROWS_THREADS, lambda mw: _rows_inst(x, it, mw) is not None)
 
 
 def _rows_inst(x: str, it: int, mw: int) -> tuple[int, int] | None:
@@ -1269,16 +1277,8 @@ def bwd_rows_candidates(d: int, x: str) -> list[tuple[int, int]]:
         return []
     t, it, _ = tree
     nw = t // 32
-    out = []
-    r = 1
-    while r <= min(nw, BWD_ROWS_THREADS // 32):
-        if _bwd_rows_inst(x, it, nw // r) is not None:
-            rpb = 1
-            while 32 * r * rpb <= BWD_ROWS_THREADS and rpb * nw <= ROWS_RED and rpb <= BWD_ROWS_RPB:
-                out.append((r, rpb))
-                rpb *= 2
-        r *= 2
-    return out
+    return _knob_pairs(nw, BWD_ROWS_THREADS, lambda mw: _bwd_rows_inst(x, it, mw) is not None,
+                       BWD_ROWS_RPB)
 
 
 def _bwd_rows_rule(n: int, d: int, x: str) -> tuple[int, int] | None:
@@ -1426,16 +1426,7 @@ def seg_rows_candidates(length: int, x: str, shapes: dict | None = None) -> list
         return []
     t, it = tree
     nw = t // 32
-    out = []
-    r = 1
-    while r <= min(nw, ROWS_THREADS // 32):
-        if _seg_inst(shapes, x, it, nw // r) is not None:
-            rpb = 1
-            while 32 * r * rpb <= ROWS_THREADS and rpb * nw <= ROWS_RED:
-                out.append((r, rpb))
-                rpb *= 2
-        r *= 2
-    return out
+    return _knob_pairs(nw, ROWS_THREADS, lambda mw: _seg_inst(shapes, x, it, mw) is not None)
 
 
 def _seg_inst(shapes: dict, x: str, it: int, mw: int) -> tuple[int, int] | None:
