@@ -72,6 +72,26 @@ def test_jit_default_is_the_kernel_call_with_the_eager_bits(name, one_device):
     np.testing.assert_array_equal(_bits(one), _bits(y[1, 2:3]))
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_jit_kernel_call_on_xla_threads_has_the_eager_bits(name, one_device):
+    """Calls of at least SERIAL_MAX_ELEMENTS run in row chunks on XLA's thread pool
+    (37 rows: chunks of unequal reach); every chunk written, the eager bits.  Each call
+    has inputs of its own: XLA may hand a result buffer that still holds an earlier
+    result."""
+    from polynorm.backends import numba as _nb
+
+    dtype, opts, has_bias = CASES[name]
+    d = 4096
+    assert 37 * d >= _nb.SERIAL_MAX_ELEMENTS
+    f = jax.jit(lambda x, w, b: rms_norm(x, w, b, **opts))
+    for seed in (3, 4):
+        x = _rand((37, d), dtype, seed=seed)
+        w = _rand((d,), "float32", seed=seed + 10)
+        b = _rand((d,), dtype, seed=seed + 20) if has_bias else None
+        want = pn.rms_norm(*[None if a is None else np.asarray(a) for a in (x, w, b)], **opts)
+        np.testing.assert_array_equal(_bits(f(x, w, b)), _bits(want))
+
+
 def test_jit_kernel_call_under_vmap_and_grad(one_device):
     x = _rand((4, 5, 32), "float32")
     w = 1 + 0.3 * _rand((4, 32), "float32", seed=1)

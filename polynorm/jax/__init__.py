@@ -15,9 +15,9 @@ What runs where (forward and backward alike):
   ``(d,)`` weight/bias, not ``casting="llama"``/``"none"``, no
   ``group_size``): the Numba kernels through a compiled XLA FFI handler
   (:mod:`polynorm.backends.numba.xla`: machine code that reads XLA's call
-  frame and runs the kernel on XLA's own buffers, no Python per call; the
-  serial driver, see :func:`polynorm.backends.numba.xla.allow_threads`),
-  with the eager kernels' bits at every size:
+  frame and runs the kernel on XLA's own buffers, no Python per call; calls
+  of 64 Ki elements and more in row chunks on XLA's own thread pool), with
+  the eager kernels' bits at every size:
 
   - under ``jax.jit`` for float16 / bfloat16 ``x`` (``backend="numba"``:
     every float dtype; float32 and float64 keep the reference, which XLA

@@ -16,20 +16,27 @@ results ``y`` (``(n, d)``, any float dtype the kernels store) and ``rstd``
 (``(n,)``, the compute dtype); ``flags``, ``k``, ``eps`` and ``offset`` are the
 call's attributes, in this order (XLA sorts them by name: ``a_flags``,
 ``b_k``, ``c_eps``, ``d_offset``).  One handler per (x, y, compute dtype,
-bias or not), compiled on first use (cached on disk with the kernels).
+bias or not), compiled on first use.
 
-The handlers run the serial driver unless :func:`allow_threads` (see there
-why); the same bits either way.
+Threads: a call of at least ``SERIAL_MAX_ELEMENTS`` (the backend's size rule)
+is cut into row chunks that the handler's thread and tasks scheduled on XLA's
+own thread pool (the FFI ``ThreadPool_Schedule`` API) claim one at a time, so
+the work runs on the threads that run the rest of the computation, not on an
+OpenMP team beside them (which waited on descheduled threads: 4-40 ms medians
+for calls of 0.06-0.6 ms on 2 shared cores).  The handler waits only for chunks
+that a running task has claimed (XLA may run a task late, or on the caller's
+thread); the job record is freed by whoever leaves it last.  A row's bits do not
+depend on the chunking (the serial and parallel drivers' rule).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 from llvmlite import ir
 from numba import carray, cfunc, njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from polynorm.backends import numba as _nb
@@ -38,14 +45,20 @@ _EXECUTE = 3  # XLA_FFI_ExecutionStage_EXECUTE
 _METADATA = 1  # XLA_FFI_Extension_Metadata
 
 #: byte offsets in XLA_FFI_CallFrame (64-bit)
-_EXT, _STAGE = 8, 32
+_EXT, _API, _CTX, _STAGE = 8, 16, 24, 32
 _ARGS_PTRS, _RETS_PTRS, _ATTRS_PTRS = 72, 112, 160
 #: in XLA_FFI_Buffer
 _DATA, _RANK, _DIMS = 24, 32, 40
+#: in XLA_FFI_Api: its struct_size, Error_Destroy, ThreadPool_Schedule, ThreadPool_NumThreads
+_API_SIZE, _ERROR_DESTROY, _SCHEDULE, _NUM_THREADS = 0, 64, 136, 144
 
-#: [parallel driver allowed, forked after an OpenMP launch]: read by the handlers on every call
-_STATE = np.zeros(2, np.int64)
-
+#: the job record shared by a call's handler and tasks (int64 words; see _run_chunks)
+_NEXT, _DONE, _REFS, _CHUNKS, _PER, _N, _D = 0, 1, 2, 3, 4, 5, 6
+_X, _W, _B, _Y, _R, _FLAGS, _K, _EPS, _OFFSET = 7, 8, 9, 10, 11, 12, 13, 14, 15
+_SCRATCH = 16  # five words: the argument structs of the FFI calls
+_JOB_WORDS = 21
+#: row chunks per pool thread: small enough that a thread scheduled late finds work left
+_CHUNKS_PER_THREAD = 8
 
 @intrinsic
 def _word(typingctx, addr):
@@ -101,6 +114,93 @@ def _pointer(typingctx, addr):
     return types.voidptr(types.int64), codegen
 
 
+@intrinsic
+def _put_word(typingctx, addr, v):
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        builder.store(args[1], p)
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _put_double(typingctx, addr, v):
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(args[0], ir.DoubleType().as_pointer())
+        builder.store(args[1], p)
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.float64), codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, addr, v):
+    """Atomically add ``v`` to the int64 at ``addr``; the value before."""
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", p, args[1], "seq_cst")
+
+    return types.int64(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _load_acquire(typingctx, addr):
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.load_atomic(p, "acquire", 8)
+
+    return types.int64(types.int64), codegen
+
+
+@intrinsic
+def _call_ffi(typingctx, fn, arg):
+    """``fn(arg)`` for an XLA FFI API function (``XLA_FFI_Error* (Args*)``); the error's address."""
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        f = builder.inttoptr(args[0], ir.FunctionType(i8p, [i8p]).as_pointer())
+        return builder.ptrtoint(builder.call(f, [builder.inttoptr(args[1], i8p)]),
+                                ir.IntType(64))
+
+    return types.int64(types.int64, types.int64), codegen
+
+
+_i64 = ir.IntType(64)
+_i8p = ir.IntType(8).as_pointer()
+
+
+@intrinsic
+def _malloc(typingctx, size):
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_i8p, [_i64]),
+                                            "malloc")
+        return builder.ptrtoint(builder.call(fn, [args[0]]), _i64)
+
+    return types.int64(types.int64), codegen
+
+
+@intrinsic
+def _free(typingctx, addr):
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module,
+                                            ir.FunctionType(ir.VoidType(), [_i8p]), "free")
+        builder.call(fn, [builder.inttoptr(args[0], _i8p)])
+        return context.get_dummy_value()
+
+    return types.none(types.int64), codegen
+
+
+@intrinsic
+def _yield_cpu(typingctx):
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []),
+                                            "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
 @njit(nogil=True)
 def _rows(buf):
     """The product of an XLA_FFI_Buffer's dimensions but the last (1 for a vector)."""
@@ -122,57 +222,108 @@ def _bits_type(dt: np.dtype):
     return np.dtype(view if view is not None else dt)
 
 
-def allow_threads(allow: bool = True) -> bool:
-    """Let the handlers run the parallel driver for calls of at least
-    ``SERIAL_MAX_ELEMENTS`` (the backend's size rule); returns whether they will.
-
-    Off by default: inside a jax computation XLA's own thread pool holds the
-    cores, and an OpenMP team launched beside it waited on descheduled threads:
-    medians of 4-40 ms for (64..256, 4096) float32 calls that take 0.06-0.6 ms
-    serially (2 shared cores, ``bench/jax_jit.py``).  Only on a threading layer
-    that takes concurrent launches (``omp``, ``tbb``; the handlers have no
-    launch lock); the serial and parallel drivers give the same bits.
-    """
-    import numba
-
-    if allow:
-        k = _nb._k()
-        x = np.zeros((2, 8), np.float32)
-        _nb._launch_parallel(k.forward_parallel, x, None, np.ones(8, np.float32), None,
-                             np.empty_like(x), None, np.empty(2, np.float32), 0, 8, 1e-6,
-                             0.0, None)
-        allow = numba.threading_layer() in ("omp", "tbb")
-    _STATE[0] = int(allow)
-    return allow
-
-
-def sync_fork_state() -> None:
-    """Copy the backend's fork flag where the handlers read it (a child forked after an
-    OpenMP launch runs the serial driver, as the backend does)."""
-    _STATE[1] = int(_nb._forked_after_omp)
-
-
-if hasattr(os, "register_at_fork"):
-    # after the backend's own hook, registered when it was imported (above)
-    os.register_at_fork(after_in_child=sync_fork_state)
-
-
 @functools.cache
 def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> int:
     """The address of the compiled handler for these dtypes (see the module)."""
     from polynorm.core.dtypes import numpy_dtype
 
-    sync_fork_state()
     k = _nb._k()
     xt = _bits_type(numpy_dtype(x_dtype))
     yt = _bits_type(numpy_dtype(y_dtype))
     ct = numpy_dtype(compute_dtype)
-    bits = xt.itemsize == 2
-    rows = k.forward_bits_rows if bits else k.forward_rows
-    par = k.forward_bits_parallel if bits else k.forward_parallel
+    rows = k.forward_bits_rows if xt.itemsize == 2 else k.forward_rows
     serial_max = _nb.SERIAL_MAX_ELEMENTS
     xsize, ysize, csize = xt.itemsize, yt.itemsize, ct.itemsize
-    state_addr = _STATE.ctypes.data
+
+    @njit(nogil=True)
+    def run_chunks(job):
+        """Claim and run row chunks of ``job`` until none is left; drop this thread's
+        reference to it (the last one frees it)."""
+        n, d, per, chunks = _word(job + 8 * _N), _word(job + 8 * _D), _word(
+            job + 8 * _PER), _word(job + 8 * _CHUNKS)
+        x = carray(_pointer(_word(job + 8 * _X)), (n, d), xt)
+        w = carray(_pointer(_word(job + 8 * _W)), (d,), ct)
+        y = carray(_pointer(_word(job + 8 * _Y)), (n, d), yt)
+        rstd = carray(_pointer(_word(job + 8 * _R)), (n,), ct)
+        flags, kk = _word(job + 8 * _FLAGS), _word(job + 8 * _K)
+        eps, offset = _double(job + 8 * _EPS), _double(job + 8 * _OFFSET)
+        bd = _word(job + 8 * _B)
+        c = _fetch_add(job + 8 * _NEXT, 1)
+        while c < chunks:
+            lo = c * per
+            hi = min(lo + per, n)
+            if bd != 0:
+                b = carray(_pointer(bd), (d,), ct)
+                rows(lo, hi, x, None, w, b, y, None, rstd, flags, kk, eps, offset, None)
+            else:
+                rows(lo, hi, x, None, w, None, y, None, rstd, flags, kk, eps, offset, None)
+            _fetch_add(job + 8 * _DONE, 1)
+            c = _fetch_add(job + 8 * _NEXT, 1)
+
+    def task(data):
+        job = _address(data)
+        run_chunks(job)
+        if _fetch_add(job + 8 * _REFS, -1) == 1:
+            _free(job)
+
+    task_fn = cfunc(types.void(types.voidptr), nogil=True, error_model="numpy")(task)
+    task_addr = task_fn.address
+
+    @njit(nogil=True)
+    def pool_threads(f, api):
+        """The size of XLA's thread pool for this call (0: no pool, or an older API)."""
+        if _word(api + _API_SIZE) < _NUM_THREADS + 8:
+            return 0
+        scratch = _malloc(48)
+        if scratch == 0:
+            return 0
+        _put_word(scratch, 32)  # XLA_FFI_ThreadPool_NumThreads_Args
+        _put_word(scratch + 8, 0)
+        _put_word(scratch + 16, _word(f + _CTX))
+        _put_word(scratch + 24, scratch + 40)
+        _put_word(scratch + 40, 0)
+        err = _call_ffi(_word(api + _NUM_THREADS), scratch)
+        t = _word(scratch + 40)
+        if err != 0:
+            _destroy(api, scratch, err)
+            t = 0
+        _free(scratch)
+        return t
+
+    @njit(nogil=True)
+    def run_pooled(f, api, threads, n, d, xd, wd, bd, yd, rd, flags, kk, eps, offset):
+        """The call's rows in chunks on XLA's pool and this thread; False if no job record."""
+        job = _malloc(8 * _JOB_WORDS)
+        if job == 0:
+            return False
+        chunks = min(n, _CHUNKS_PER_THREAD * threads)
+        per = (n + chunks - 1) // chunks
+        chunks = (n + per - 1) // per
+        tasks = min(threads - 1, chunks - 1)
+        for i, v in ((_NEXT, 0), (_DONE, 0), (_REFS, 1 + tasks), (_CHUNKS, chunks),
+                     (_PER, per), (_N, n), (_D, d), (_X, xd), (_W, wd), (_B, bd), (_Y, yd),
+                     (_R, rd), (_FLAGS, flags), (_K, kk)):
+            _put_word(job + 8 * i, v)
+        _put_double(job + 8 * _EPS, eps)
+        _put_double(job + 8 * _OFFSET, offset)
+        args = job + 8 * _SCRATCH  # XLA_FFI_ThreadPool_Schedule_Args
+        for _ in range(tasks):
+            _put_word(args, 40)
+            _put_word(args + 8, 0)
+            _put_word(args + 16, _word(f + _CTX))
+            _put_word(args + 24, task_addr)
+            _put_word(args + 32, job)
+            err = _call_ffi(_word(api + _SCHEDULE), args)
+            if err != 0:  # not scheduled: its reference is dropped here
+                _destroy(api, args, err)
+                _fetch_add(job + 8 * _REFS, -1)
+        run_chunks(job)
+        # every chunk is claimed; the ones still running finish on their threads
+        while _load_acquire(job + 8 * _DONE) < chunks:
+            _yield_cpu()
+        if _fetch_add(job + 8 * _REFS, -1) == 1:
+            _free(job)
+        return True
 
     def run(frame):
         f = _address(frame)
@@ -199,8 +350,6 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
         kk = _word(_word(_word(attrs + 8) + 8))
         eps = _double(_word(_word(attrs + 16) + 8))
         offset = _double(_word(_word(attrs + 24) + 8))
-        state = carray(_pointer(state_addr), (2,), np.int64)
-        threads_ok = state[0] != 0 and state[1] == 0
         # under vmap ("expand_dims") every batched operand leads with the batch axis:
         # batch element i is rows [i*c, (i+1)*c) of y, of x where x is batched (else
         # all of x), and row i of a batched weight or bias
@@ -209,27 +358,36 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
         xd, wd, yd = _word(xb + _DATA), _word(wb + _DATA), _word(yb + _DATA)
         rd = _word(_word(rets + 8) + _DATA)
         bd = _word(_word(args + 16) + _DATA) if has_bias else 0
+        if nb == 1 and c >= 2 and c * d >= serial_max:
+            api = _word(f + _API)
+            threads = pool_threads(f, api)
+            if threads > 1 and run_pooled(f, api, threads, c, d, xd, wd, bd, yd, rd, flags,
+                                          kk, eps, offset):
+                return _pointer(0)
         for i in range(nb):
             x = carray(_pointer(xd + (i * c * d * xsize if rx == ry else 0)), (c, d), xt)
             w = carray(_pointer(wd + (i * d * csize if bw > 1 else 0)), (d,), ct)
             y = carray(_pointer(yd + i * c * d * ysize), (c, d), yt)
             rstd = carray(_pointer(rd + i * c * csize), (c,), ct)
-            parallel = threads_ok and c >= 2 and c * d >= serial_max
             if has_bias:
                 b = carray(_pointer(bd + (i * d * csize if bb > 1 else 0)), (d,), ct)
-                if parallel:
-                    par(x, None, w, b, y, None, rstd, flags, kk, eps, offset, None)
-                else:
-                    rows(0, c, x, None, w, b, y, None, rstd, flags, kk, eps, offset, None)
-            elif parallel:
-                par(x, None, w, None, y, None, rstd, flags, kk, eps, offset, None)
+                rows(0, c, x, None, w, b, y, None, rstd, flags, kk, eps, offset, None)
             else:
                 rows(0, c, x, None, w, None, y, None, rstd, flags, kk, eps, offset, None)
         return _pointer(0)
 
     fn = cfunc(types.voidptr(types.voidptr), nogil=True, error_model="numpy")(run)
-    _keep.append(fn)
+    _keep.extend((fn, task_fn))
     return fn.address
+
+
+@njit(nogil=True)
+def _destroy(api, scratch, err):
+    """Free an XLA_FFI_Error (a failed optional call: the handler goes on without it)."""
+    _put_word(scratch, 24)  # XLA_FFI_Error_Destroy_Args
+    _put_word(scratch + 8, 0)
+    _put_word(scratch + 16, err)
+    _call_ffi(_word(api + _ERROR_DESTROY), scratch)
 
 
 _keep: list = []  # the compiled handlers stay alive with the process
