@@ -314,6 +314,24 @@ def test_functional_api_records_no_history_on_any_backend():
         assert not pn.rms_norm_backward(x, x, backend=backend)[0].requires_grad
 
 
+def test_functional_api_under_torch_func_transforms():
+    """torch.func's wrappers have no storage for the kernels' views: pn.rms_norm under
+    vmap computes with torch's own operations; under grad, where the functional API's
+    no-history rule would be a silent zero gradient, it is a TypeError."""
+    x = _randn(3, 8, dtype=torch.float64)
+    w = 1 + 0.1 * _randn(8, dtype=torch.float64)
+    torch.testing.assert_close(torch.func.vmap(lambda r: pn.rms_norm(r, w, eps=1e-6))(x),
+                               pn.rms_norm(x, w, eps=1e-6))
+    with pytest.raises(TypeError, match="^x is differentiated by torch.func"):
+        torch.func.grad(lambda x: pn.rms_norm(x, w).sum())(x)
+    with pytest.raises(TypeError, match="^an input is differentiated by torch.func"):
+        torch.func.grad(lambda w: pn.rms_norm(x, w).sum())(w)
+    with pytest.raises(TypeError, match="differentiated by torch.func"):
+        torch.func.grad(lambda x: pn.rms_norm_backward(x, x, w)[0].sum())(x)
+    g = torch.func.grad(lambda x: torch_norm.rms_norm(x, w).sum())(x)  # the way to go
+    assert g.shape == x.shape
+
+
 def test_module_extra_options():
     m = RMSNorm(8, eps=1e-5, bias=True, partial=0.5, offset=1.0, eps_mode="outside",
                 casting="llama", dtype=torch.float64)

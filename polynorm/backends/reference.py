@@ -110,8 +110,16 @@ def _jax_rms_cond(xp, vk, ok, rms, plan: Plan):
 
 
 def _eager(a) -> bool:
-    """Whether ``bool()`` of an array of this library is cheap and allowed (not a tracer, not lazy)."""
-    return type(a).__module__.split(".")[0] in ("numpy", "torch", "cupy", "array_api_strict")
+    """Whether ``bool()`` of an array of this library is cheap and allowed (not a tracer, not
+    lazy, not a torch.func transform's wrapper)."""
+    lib = type(a).__module__.split(".")[0]
+    if lib == "torch":
+        import torch
+
+        from polynorm.core.interop import is_functorch_wrapped
+
+        return not is_functorch_wrapped(torch, a)
+    return lib in ("numpy", "cupy", "array_api_strict")
 
 
 def _rms_scaled(xp, vk, plan: Plan):

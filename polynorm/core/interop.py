@@ -44,11 +44,26 @@ def is_host_array(a: Any) -> bool:
     if lib == "torch":
         import torch
 
-        # the default (strided) layout only; sparse, meta and CUDA tensors are not views
-        return isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.layout == torch.strided
+        # the default (strided) layout only; sparse, meta and CUDA tensors are not views,
+        # nor the storage-less wrappers of torch.func's transforms (grad, vmap)
+        return (isinstance(a, torch.Tensor) and a.device.type == "cpu"
+                and a.layout == torch.strided and not is_functorch_wrapped(torch, a))
     if lib in ("jax", "jaxlib"):
         return _is_jax_host(a)
     return False
+
+
+def is_functorch_wrapped(torch, a: Any) -> bool:
+    """Whether torch tensor ``a`` is a torch.func transform's wrapper (grad, vmap): it has
+    no storage to view, and ``bool()`` of its values is not allowed.
+
+    >>> import torch
+    >>> is_functorch_wrapped(torch, torch.ones(2))
+    False
+    """
+    is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
+                         None)
+    return is_wrapped is not None and bool(is_wrapped(a))
 
 
 def _is_jax_host(a: Any) -> bool:
@@ -315,10 +330,13 @@ def torch_host_views(arrays: tuple[Any, ...]) -> list[np.ndarray | None] | None:
             return None
         if a.requires_grad:
             a = a.detach()
-        if dt is torch.bfloat16:
-            views.append(a.view(torch.int16).numpy().view(_bf16()))
-        else:
-            views.append(a.numpy())
+        try:
+            if dt is torch.bfloat16:
+                views.append(a.view(torch.int16).numpy().view(_bf16()))
+            else:
+                views.append(a.numpy())
+        except RuntimeError:  # no storage: a torch.func transform's wrapper (grad, vmap)
+            return None
     return views
 
 
