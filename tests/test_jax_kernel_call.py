@@ -84,6 +84,11 @@ def test_jit_kernel_call_on_xla_threads_has_the_eager_bits(name, one_device):
     d = 4096
     assert 37 * d >= _nb.SERIAL_MAX_ELEMENTS
     f = jax.jit(lambda x, w, b: rms_norm(x, w, b, **opts))
+    # a y of XLA_ASYNC_MIN_BYTES and more: the counted-flops operand (a small reduce)
+    assert 37 * d * 4 >= jn.XLA_ASYNC_MIN_BYTES
+    x0 = _rand((37, d), dtype)
+    text = f.lower(x0, _rand((d,), "float32"), x0[0] if has_bias else None).as_text()
+    assert "polynorm_forward_" in text and "stablehlo.reduce" in text
     for seed in (3, 4):
         x = _rand((37, d), dtype, seed=seed)
         w = _rand((d,), "float32", seed=seed + 10)
