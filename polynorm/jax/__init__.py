@@ -19,12 +19,15 @@ What runs where (forward and backward alike):
   of 64 Ki elements and more in row chunks on XLA's own thread pool), with
   the eager kernels' bits at every size:
 
-  - under ``jax.jit`` for float16 / bfloat16 ``x`` (``backend="numba"``:
-    every float dtype; float32 and float64 keep the reference, which XLA
-    fuses and threads: ``polynorm.jax.norm.JIT_KERNEL_DTYPES``), also
-    ``vmap``, whose batch axis the handler walks, and ``grad``, whose
-    backward is the reference from the kernel's ``rstd``; on other platforms (GPU) the same function lowers the
-    reference (``lax.platform_dependent``);
+  - under ``jax.jit`` for every float dtype of ``x``
+    (``polynorm.jax.norm.JIT_KERNEL_DTYPES``), also ``vmap``, whose batch
+    axis the handler walks, and ``grad``, whose backward is the reference
+    from the kernel's ``rstd``; a ``y`` of 256 KiB and more gives the call
+    an operand that XLA's cost analysis counts, so that XLA runs it
+    asynchronously as it runs the jnp formula (its inline path handed a
+    lone custom call fresh output pages: ``XLA_ASYNC_MIN_BYTES``); on other
+    platforms (GPU) the same function lowers the reference
+    (``lax.platform_dependent``);
   - eager CPU jax arrays below ``polynorm.jax.norm.EAGER_JIT_MAX_BYTES``
     (32 MiB of ``x``): a jitted call of it, cached per options, dtypes, ranks
     and hidden size, so an eager call costs jax's dispatch of a jitted
@@ -40,7 +43,7 @@ What runs where (forward and backward alike):
   copy.  ~50-110 us at (1, 4096) on 2 loaded cores, where a jitted jnp
   RMSNorm takes ~6-15 us.
 - traced arrays (``jax.jit``, ``vmap``, ``scan``, ``grad`` of ``jit``...)
-  not taken by the compiled call (float32/float64 x, several CPU devices, a GPU, other
+  not taken by the compiled call (several CPU devices, a GPU, other
   options, ``add_rms_norm``, the backward), ``backend="auto"``: the pure
   array-API reference, which XLA compiles, partitions and fuses like any
   jnp code (other bits than the kernels: within the dtype's tolerance).

@@ -144,14 +144,12 @@ def _kernel_plan(static: Options, x, weight, bias):
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
-#: x dtypes whose jitted default (backend "auto") is the compiled kernel call; float32 and
-#: float64 keep the reference under jit, which XLA fuses and runs on its own threads: the
-#: serial kernel call lost to it 3-6x at 64-256 float32 tokens of 4096 (XLA's fresh
-#: output pages on every call, one thread against XLA's two), while 16-bit rows won at
-#: every size (1.4-6.4x; bench/results/jax-jit-2026-12-06c.json).  backend="numba" takes
-#: the kernel call for every float dtype.  Not a size rule: a token's bits would then
-#: depend on the batch.
-JIT_KERNEL_DTYPES = ("float16", "bfloat16")
+#: x dtypes whose jitted default (backend "auto") is the compiled kernel call: every float
+#: dtype, since the handler runs calls of 64 Ki elements and more on XLA's own threads and
+#: large ones asynchronously (XLA_ASYNC_MIN_BYTES); the serial handler had lost to the
+#: XLA-fused reference at 64-2048 float32 tokens.  Not a size rule: a token's bits would
+#: then depend on the batch.
+JIT_KERNEL_DTYPES = _FLOATS
 
 
 def _kernel_forward(static: Options, plan, x, weight, bias):
