@@ -77,10 +77,12 @@ def _time(f, x, w, reps):
     return (time.perf_counter() - t) / reps
 
 
-def run(rounds: int, tokens=TOKENS):
+def run(rounds: int, tokens=TOKENS, dtypes=("float32", "bfloat16"), only=None):
     fns = variants()
+    if only:
+        fns = {k: f for k, f in fns.items() if k == "jnp_naive_jit" or k in only}
     rows = []
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype in dtypes:
         for n in tokens:
             rng = np.random.default_rng(0)
             x = jnp.asarray(rng.standard_normal((n, D), np.float32), dtype)
@@ -96,7 +98,7 @@ def run(rounds: int, tokens=TOKENS):
                     times[k].append(_time(f, x, w, reps))
             med = {k: statistics.median(v) for k, v in times.items()}
             base = med["jnp_naive_jit"]
-            row = {"dtype": jnp.dtype(dtype).name, "tokens": n, "d": D,
+            row = {"dtype": str(dtype), "tokens": n, "d": D,
                    "us": {k: round(v * 1e6, 2) for k, v in med.items()},
                    "speed_vs_jnp": {k: round(base / v, 3) for k, v in med.items()}}
             rows.append(row)
@@ -108,9 +110,11 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--only", nargs="+", help="these variants (and the jnp formula) only")
     ap.add_argument("--json")
     a = ap.parse_args()
-    rows = run(a.rounds, tuple(a.tokens))
+    rows = run(a.rounds, tuple(a.tokens), tuple(a.dtypes), a.only)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"machine": platform.node(), "jax": jax.__version__, "rows": rows}, fh,

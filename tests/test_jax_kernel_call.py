@@ -74,15 +74,15 @@ def test_jit_default_is_the_kernel_call_with_the_eager_bits(name, one_device):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_jit_kernel_call_on_xla_threads_has_the_eager_bits(name, one_device):
-    """Calls of at least SERIAL_MAX_ELEMENTS run in row chunks on XLA's thread pool
+    """Calls of at least POOL_MIN_ELEMENTS run in row chunks on XLA's thread pool
     (37 rows: chunks of unequal reach); every chunk written, the eager bits.  Each call
     has inputs of its own: XLA may hand a result buffer that still holds an earlier
     result."""
-    from polynorm.backends import numba as _nb
+    from polynorm.backends.numba import xla
 
     dtype, opts, has_bias = CASES[name]
     d = 4096
-    assert 37 * d >= _nb.SERIAL_MAX_ELEMENTS
+    assert 37 * d >= xla.POOL_MIN_ELEMENTS
     f = jax.jit(lambda x, w, b: rms_norm(x, w, b, **opts))
     # a y of XLA_ASYNC_MIN_BYTES and more: the counted-flops operand (a small reduce)
     assert 37 * d * 4 >= jn.XLA_ASYNC_MIN_BYTES

@@ -18,8 +18,8 @@ call's attributes, in this order (XLA sorts them by name: ``a_flags``,
 ``b_k``, ``c_eps``, ``d_offset``).  One handler per (x, y, compute dtype,
 bias or not), compiled on first use.
 
-Threads: a call of at least ``SERIAL_MAX_ELEMENTS`` (the backend's size rule)
-is cut into row chunks that the handler's thread and tasks scheduled on XLA's
+Threads: a call of at least ``POOL_MIN_ELEMENTS`` is cut into row chunks that the
+handler's thread and tasks scheduled on XLA's
 own thread pool (the FFI ``ThreadPool_Schedule`` API) claim one at a time, so
 the work runs on the threads that run the rest of the computation, not on an
 OpenMP team beside them (which waited on descheduled threads: 4-40 ms medians
@@ -60,6 +60,13 @@ _SCRATCH = 16  # five words: the argument structs of the FFI calls
 _JOB_WORDS = 21
 #: madvise's MADV_HUGEPAGE (Linux), the huge page size, and numpy's size rule for asking it
 _MADV_HUGEPAGE, _HUGE, _HUGE_MIN_BYTES = 14, 2 << 20, 4 << 20
+#: calls of at least this many elements run on XLA's thread pool (read when a handler is
+#: compiled): the backend's rule for its own threads.  From 16 Ki elements (8 x 4096) the
+#: split lost to the serial call (bfloat16 0.43-0.61 of the jnp formula against 1.1-1.3):
+#: a task waits for a sleeping pool thread to wake.
+POOL_MIN_ELEMENTS = _nb.SERIAL_MAX_ELEMENTS
+#: elements per chunk at least: the 16-bit drivers prepare the weight once per call
+_CHUNK_MIN_ELEMENTS = 1 << 14
 #: row chunks per pool thread: small enough that a thread scheduled late finds work left
 _CHUNKS_PER_THREAD = 8
 
@@ -261,7 +268,7 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
     yt = _bits_type(numpy_dtype(y_dtype))
     ct = numpy_dtype(compute_dtype)
     rows = k.forward_bits_rows if xt.itemsize == 2 else k.forward_rows
-    serial_max = _nb.SERIAL_MAX_ELEMENTS
+    pool_min = POOL_MIN_ELEMENTS
     huge_pages = sys.platform == "linux"
     xsize, ysize, csize = xt.itemsize, yt.itemsize, ct.itemsize
 
@@ -326,7 +333,7 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
         job = _malloc(8 * _JOB_WORDS)
         if job == 0:
             return False
-        chunks = min(n, _CHUNKS_PER_THREAD * threads)
+        chunks = max(1, min(n, _CHUNKS_PER_THREAD * threads, n * d // _CHUNK_MIN_ELEMENTS))
         per = (n + chunks - 1) // chunks
         chunks = (n + per - 1) // per
         tasks = min(threads - 1, chunks - 1)
@@ -390,7 +397,7 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
         bd = _word(_word(args + 16) + _DATA) if has_bias else 0
         if huge_pages:
             _huge_pages(yd, ry * d * ysize)
-        if nb == 1 and c >= 2 and c * d >= serial_max:
+        if nb == 1 and c >= 2 and c * d >= pool_min:
             api = _word(f + _API)
             threads = pool_threads(f, api)
             if threads > 1 and run_pooled(f, api, threads, c, d, xd, wd, bd, yd, rd, flags,
