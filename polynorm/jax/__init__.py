@@ -35,7 +35,7 @@ What runs where (forward and backward alike):
     output pool spares the fresh pages of XLA's output buffer.
 
   Measured on 2 shared cores, d = 4096 (``python bench/jax_jit.py``,
-  ``bench/results/jax-jit-2026-12-06c.json``): see :doc:`quickstart`.  A
+  ``bench/results/jax-jit-2026-12-06e.json``): see :doc:`quickstart`.  A
   first call compiles the handler for its dtypes (1-5 s, once per process).
 - eager jax arrays all on one CPU device otherwise (and ``pn.rms_norm`` on
   them) go to the kernels as numpy views (zero-copy) and the results come
@@ -66,7 +66,9 @@ What runs where (forward and backward alike):
   allocation above its largest dynamic mmap threshold (32 MiB) to the
   system on every call, so each call page-faults the whole buffer in, for
   the jnp formula as for the kernel call (``MALLOC_MMAP_THRESHOLD_`` in the
-  environment raises it).
+  environment raises it).  The handler asks for transparent huge pages
+  under outputs of 4 MiB and more (``madvise``, numpy's rule for its own
+  arrays), which faults them in per 2 MiB.
 - concrete CUDA arrays: the CuPy kernels through DLPack when cupy is
   installed (not tested on a machine without a GPU).
 - concrete arrays on several devices (sharded, e.g. ``NamedSharding`` over
