@@ -66,6 +66,18 @@ def is_functorch_wrapped(torch, a: Any) -> bool:
     return is_wrapped is not None and bool(is_wrapped(a))
 
 
+def is_grad_tracked(torch, a: Any) -> bool:
+    """Whether torch tensor ``a`` is being differentiated by torch.func (``grad``, ``vjp``,
+    ``jacrev``): then a result without history would be a silent zero gradient.
+
+    >>> import torch
+    >>> is_grad_tracked(torch, torch.ones(2))
+    False
+    """
+    is_tracked = getattr(getattr(torch._C, "_functorch", None), "is_gradtrackingtensor", None)
+    return is_tracked is not None and bool(is_tracked(a))
+
+
 def _is_jax_host(a: Any) -> bool:
     import jax
 

@@ -751,15 +751,14 @@ def _no_autograd(x, *others):
     if aac.is_torch_array(x):
         import torch
 
-        is_tracked = getattr(getattr(torch._C, "_functorch", None), "is_gradtrackingtensor",
-                             None)
-        if is_tracked is not None:
-            for i, a in enumerate((x, *others)):
-                if a is not None and is_tracked(a):
-                    raise TypeError(
-                        f"{'an input' if i else 'x'} is differentiated by torch.func "
-                        "(grad, vjp, jacrev): polynorm's functional API records no derivative; "
-                        "use polynorm.torch, whose functions have the backward")
+        from polynorm.core.interop import is_grad_tracked
+
+        for i, a in enumerate((x, *others)):
+            if a is not None and is_grad_tracked(torch, a):
+                raise TypeError(
+                    f"{'an input' if i else 'x'} is differentiated by torch.func "
+                    "(grad, vjp, jacrev): polynorm's functional API records no derivative; "
+                    "use polynorm.torch, whose functions have the backward")
         return torch.no_grad()
     return contextlib.nullcontext()
 

@@ -124,24 +124,21 @@ def _pointer(typingctx, addr):
     return types.voidptr(types.int64), codegen
 
 
-@intrinsic
-def _put_word(typingctx, addr, v):
-    def codegen(context, builder, sig, args):
-        p = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        builder.store(args[1], p)
-        return context.get_dummy_value()
+def _store(llvm_type, numba_type):
+    """An intrinsic ``(addr, v)`` that stores ``v`` as ``llvm_type`` at address ``addr``."""
+    @intrinsic
+    def put(typingctx, addr, v):
+        def codegen(context, builder, sig, args):
+            builder.store(args[1], builder.inttoptr(args[0], llvm_type.as_pointer()))
+            return context.get_dummy_value()
 
-    return types.none(types.int64, types.int64), codegen
+        return types.none(types.int64, numba_type), codegen
+
+    return put
 
 
-@intrinsic
-def _put_double(typingctx, addr, v):
-    def codegen(context, builder, sig, args):
-        p = builder.inttoptr(args[0], ir.DoubleType().as_pointer())
-        builder.store(args[1], p)
-        return context.get_dummy_value()
-
-    return types.none(types.int64, types.float64), codegen
+_put_word = _store(ir.IntType(64), types.int64)
+_put_double = _store(ir.DoubleType(), types.float64)
 
 
 @intrinsic
@@ -274,8 +271,7 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
 
     @njit(nogil=True)
     def run_chunks(job):
-        """Claim and run row chunks of ``job`` until none is left; drop this thread's
-        reference to it (the last one frees it)."""
+        """Claim and run row chunks of ``job`` until none is left."""
         n, d, per, chunks = _word(job + 8 * _N), _word(job + 8 * _D), _word(
             job + 8 * _PER), _word(job + 8 * _CHUNKS)
         x = carray(_pointer(_word(job + 8 * _X)), (n, d), xt)
@@ -307,31 +303,33 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
     task_addr = task_fn.address
 
     @njit(nogil=True)
-    def pool_threads(f, api):
-        """The size of XLA's thread pool for this call (0: no pool, or an older API)."""
+    def pool_threads(f, api, scratch):
+        """The size of XLA's thread pool for this call (0: no pool, or an older API);
+        ``scratch``: five words for the call's argument struct and result."""
         if _word(api + _API_SIZE) < _NUM_THREADS + 8:
-            return 0
-        scratch = _malloc(48)
-        if scratch == 0:
             return 0
         _put_word(scratch, 32)  # XLA_FFI_ThreadPool_NumThreads_Args
         _put_word(scratch + 8, 0)
         _put_word(scratch + 16, _word(f + _CTX))
-        _put_word(scratch + 24, scratch + 40)
-        _put_word(scratch + 40, 0)
+        _put_word(scratch + 24, scratch + 32)
+        _put_word(scratch + 32, 0)
         err = _call_ffi(_word(api + _NUM_THREADS), scratch)
-        t = _word(scratch + 40)
         if err != 0:
             _destroy(api, scratch, err)
-            t = 0
-        _free(scratch)
-        return t
+            return 0
+        return _word(scratch + 32)
 
     @njit(nogil=True)
-    def run_pooled(f, api, threads, n, d, xd, wd, bd, yd, rd, flags, kk, eps, offset):
-        """The call's rows in chunks on XLA's pool and this thread; False if no job record."""
+    def run_pooled(f, n, d, xd, wd, bd, yd, rd, flags, kk, eps, offset):
+        """The call's rows in chunks on XLA's pool and this thread; False where there is
+        no pool of two threads or more (or no memory for the job record)."""
         job = _malloc(8 * _JOB_WORDS)
         if job == 0:
+            return False
+        api = _word(f + _API)
+        threads = pool_threads(f, api, job + 8 * _SCRATCH)
+        if threads < 2:
+            _free(job)
             return False
         chunks = max(1, min(n, _CHUNKS_PER_THREAD * threads, n * d // _CHUNK_MIN_ELEMENTS))
         per = (n + chunks - 1) // chunks
@@ -397,12 +395,9 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
         bd = _word(_word(args + 16) + _DATA) if has_bias else 0
         if huge_pages:
             _huge_pages(yd, ry * d * ysize)
-        if nb == 1 and c >= 2 and c * d >= pool_min:
-            api = _word(f + _API)
-            threads = pool_threads(f, api)
-            if threads > 1 and run_pooled(f, api, threads, c, d, xd, wd, bd, yd, rd, flags,
-                                          kk, eps, offset):
-                return _pointer(0)
+        if nb == 1 and c >= 2 and c * d >= pool_min and run_pooled(
+                f, c, d, xd, wd, bd, yd, rd, flags, kk, eps, offset):
+            return _pointer(0)
         for i in range(nb):
             x = carray(_pointer(xd + (i * c * d * xsize if rx == ry else 0)), (c, d), xt)
             w = carray(_pointer(wd + (i * d * csize if bw > 1 else 0)), (d,), ct)
