@@ -146,9 +146,9 @@ _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 #: x dtypes whose jitted default (backend "auto") is the compiled kernel call: every float
 #: dtype, since the handler runs calls of 64 Ki elements and more on XLA's own threads and
-#: large ones asynchronously (XLA_ASYNC_MIN_BYTES); the serial handler had lost to the
-#: XLA-fused reference at 64-2048 float32 tokens.  Not a size rule: a token's bits would
-#: then depend on the batch.
+#: large ones asynchronously (XLA_ASYNC_MIN_BYTES), where a serial handler loses to the
+#: XLA-fused reference (bench/jax_jit.py).  Not a size rule: a token's bits would then
+#: depend on the batch.
 JIT_KERNEL_DTYPES = _FLOATS
 
 
@@ -185,11 +185,10 @@ def _kernel_forward(static: Options, plan, x, weight, bias):
 #: Calls whose ``y`` has at least this many bytes give the custom call an operand that the
 #: handler ignores, :func:`_counted_flops`.  XLA's CPU client runs a computation that its
 #: cost analysis counts under 1000 flops inline on the caller's thread (a custom call
-#: counts -1), and a jitted function of the kernel call alone then got its output as
-#: fresh pages on many calls (float32 x 4096: 38 page faults per call at 64 tokens, 238
-#: at 256, ~2000 and 2-3x the time at 1024), where the same call run asynchronously, as
-#: XLA runs the jnp formula, reused the buffer (0 faults).  Below it, the inline path
-#: spares the thread handoff.
+#: counts -1), and a jitted function of the kernel call alone then gets its output as
+#: fresh pages on many calls (page faults on every call, from 64 x 4096 float32 on),
+#: where the same call run asynchronously, as XLA runs the jnp formula, reuses the
+#: buffer.  Below it, the inline path spares the thread handoff.
 XLA_ASYNC_MIN_BYTES = 256 << 10
 
 

@@ -19,11 +19,10 @@ call's attributes, in this order (XLA sorts them by name: ``a_flags``,
 bias or not), compiled on first use.
 
 Threads: a call of at least ``POOL_MIN_ELEMENTS`` is cut into row chunks that the
-handler's thread and tasks scheduled on XLA's
-own thread pool (the FFI ``ThreadPool_Schedule`` API) claim one at a time, so
-the work runs on the threads that run the rest of the computation, not on an
-OpenMP team beside them (which waited on descheduled threads: 4-40 ms medians
-for calls of 0.06-0.6 ms on 2 shared cores).  The handler waits only for chunks
+handler's thread and tasks scheduled on XLA's own thread pool (the FFI
+``ThreadPool_Schedule`` API) claim one at a time, so the work runs on the
+threads that run the rest of the computation, not on an OpenMP team beside
+them, whose spinning threads and XLA's descheduled each other.  The handler waits only for chunks
 that a running task has claimed (XLA may run a task late, or on the caller's
 thread); the job record is freed by whoever leaves it last.  A row's bits do not
 depend on the chunking (the serial and parallel drivers' rule).
@@ -61,9 +60,8 @@ _JOB_WORDS = 21
 #: madvise's MADV_HUGEPAGE (Linux), the huge page size, and numpy's size rule for asking it
 _MADV_HUGEPAGE, _HUGE, _HUGE_MIN_BYTES = 14, 2 << 20, 4 << 20
 #: calls of at least this many elements run on XLA's thread pool (read when a handler is
-#: compiled): the backend's rule for its own threads.  From 16 Ki elements (8 x 4096) the
-#: split lost to the serial call (bfloat16 0.43-0.61 of the jnp formula against 1.1-1.3):
-#: a task waits for a sleeping pool thread to wake.
+#: compiled): the backend's rule for its own threads.  Smaller calls lose more waiting
+#: for a sleeping pool thread to wake than the split saves.
 POOL_MIN_ELEMENTS = _nb.SERIAL_MAX_ELEMENTS
 #: elements per chunk at least: the 16-bit drivers prepare the weight once per call
 _CHUNK_MIN_ELEMENTS = 1 << 14
