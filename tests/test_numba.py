@@ -412,6 +412,28 @@ def test_concurrent_calls_while_compiling(rng):
         assert_close(results[i], want, xd, f"thread {i}")
 
 
+def test_parallel_kernels_run_on_pips_tbb():
+    # pip puts libtbb in the environment's lib/, where the loader does not look: without
+    # start_threads' preload Numba silently takes OpenMP, whose caller waits for workers
+    # that a busy machine has not scheduled (bench/parallel_load.py)
+    lib = {"linux": "libtbb.so.12", "darwin": "libtbb.12.dylib"}.get(sys.platform)
+    if lib is None or not os.path.exists(os.path.join(sys.prefix, "lib", lib)):
+        pytest.skip("pip's tbb is not installed")
+    code = textwrap.dedent("""
+        import numba, numpy as np, polynorm as pn
+        from polynorm.backends import numba as nb
+        x = np.ones((64, nb.SERIAL_MAX_ELEMENTS // 32), np.float32)
+        assert nb._parallel(*x.shape)
+        y = pn.rms_norm(x, backend="numba")
+        print(numba.threading_layer(), bool(np.isfinite(y).all()))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["tbb", "True"]
+
+
 def test_read_only_cache_dir_still_works(tmp_path):
     # a cache path below a regular file can never be created, even by root
     blocker = tmp_path / "file"

@@ -119,6 +119,9 @@ def _numba_threads() -> str:
         return "numba not installed"
     layer: str
     try:
+        from polynorm.backends import numba as nb
+
+        nb.start_threads()  # the layer polynorm's parallel kernels get (TBB where installed)
         layer = numba.threading_layer()
     except ValueError:
         # numba picks the layer (tbb, omp, workqueue) at the first parallel launch: probe one

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 from typing import Any
 
@@ -215,15 +216,15 @@ def _parallel(n: int, d: int) -> bool:
 
 
 # Fork safety.  Numba picks its threading layer at the first parallel launch:
-# tbb where libtbb is installed, else GNU OpenMP ("omp"), else its own
-# workqueue.  A process forked after an OpenMP parallel region is killed by
+# tbb where libtbb is installed (start_threads loads pip's), else GNU OpenMP
+# ("omp"), else its own workqueue.  A process forked after an OpenMP parallel region is killed by
 # libgomp the moment it enters one ("fork() called from a process already
 # using GNU OpenMP"), e.g. multiprocessing's fork start method and torch
 # DataLoader workers.  So a child forked after this process ran a parallel
 # kernel on the omp layer runs the serial kernels (the same bits: the drivers
-# do not change a row's code); the parent keeps the omp layer, whose launch
-# is the cheapest of the three, and nothing changes for processes that do
-# not fork.  The launch lock is made anew in the child (a fork while another
+# do not change a row's code); the parent keeps the omp layer, and nothing
+# changes for processes that do not fork.  (Numba's tbb layer shuts TBB down
+# before a fork from the main thread and restarts it after.)  The launch lock is made anew in the child (a fork while another
 # thread held it would leave it locked forever).
 _omp_used = False
 _forked_after_omp = False
@@ -241,9 +242,47 @@ def _note_layer() -> None:
             pass
 
 
+_threads_started = False
+
+#: Where pip's ``tbb`` wheel puts the TBB runtime: the environment's ``lib/``, which the
+#: dynamic loader does not search, so Numba (which asks for it by name) misses it.
+_TBB_LIBS = {"linux": "libtbb.so.12", "darwin": "libtbb.12.dylib"}
+
+
+def _preload_tbb() -> None:
+    """Load pip's TBB runtime (where installed) so that Numba's default layer order
+    (tbb, omp, workqueue) finds it.
+
+    TBB's caller runs the tasks no worker has taken: a call on a busy machine
+    costs at most about the serial time, where OpenMP's caller waits at the
+    region's end for a worker that the scheduler has not run yet.
+    """
+    import ctypes
+
+    name = _TBB_LIBS.get(sys.platform)
+    path = os.path.join(sys.prefix, "lib", name) if name else ""
+    if path and os.path.exists(path):
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:  # unusable: Numba falls back to omp or workqueue
+            pass
+
+
+def start_threads() -> None:
+    """Start Numba's threading layer: TBB where pip installed it (:func:`_preload_tbb`)."""
+    global _threads_started
+    from numba.np.ufunc import parallel
+
+    _preload_tbb()
+    parallel._launch_threads()
+    _threads_started = True
+
+
 def _launch_parallel(kernel, *args):
     """Run a parallel kernel (one launch at a time), then note its threading layer."""
     with _launch_lock:
+        if not _threads_started:
+            start_threads()
         result = kernel(*args)
     if not _omp_used:
         _note_layer()
