@@ -262,7 +262,6 @@ def _ort_session(kind: str, dt: str, d: int):
     key = (kind, dt, d)
     if key in _ort_sessions:
         return _ort_sessions[key]
-    import numba
     import onnxruntime as ort
     from onnx import helper
 
@@ -285,7 +284,7 @@ def _ort_session(kind: str, dt: str, d: int):
     model = helper.make_model(helper.make_graph([node], kind, ins, outs), opset_imports=opsets)
     model.ir_version = 10
     so = ort.SessionOptions()
-    so.intra_op_num_threads = numba.get_num_threads()  # the cores polynorm uses
+    so.intra_op_num_threads = _nb_threads()  # the cores polynorm uses
     # no busy-waiting after a run: ORT's spinning threads would take the cores
     # from the call timed next in the round
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -484,6 +483,7 @@ def threshold(ds=(512, 1024, 4096), ns=(1, 2, 4, 8, 16, 32, 64, 128), min_time=0
     """
     from polynorm.backends.numba import kernels as K
 
+    _nb_threads()  # the parallel kernel runs on the layer polynorm starts (TBB first)
     rows = []
     for d in ds:
         for n in ns:
@@ -589,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "suite": "cpu", "quick": args.quick, "note": args.note,
         "numba": numba.__version__, "numpy": np.__version__,
-        "threads": numba.get_num_threads(), "threading_layer": _threading_layer(),
+        "threads": _nb_threads(), "threading_layer": _threading_layer(),
         "call_overhead_us": over, "seconds": time.perf_counter() - t0,
     }
     try:
@@ -609,6 +609,13 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, records, meta)
         print(f"wrote {args.json}")
     return 0
+
+
+def _nb_threads() -> int:
+    """Numba's thread count, its threading layer started as polynorm starts it (TBB first)."""
+    from polynorm.backends import numba as nb
+
+    return nb._threads()
 
 
 def _threading_layer() -> str:

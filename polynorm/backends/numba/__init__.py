@@ -854,6 +854,8 @@ def _resolve(e: Decode, args: tuple) -> None:
 def _threads() -> int:
     import numba
 
+    if not _threads_started:
+        start_threads()  # Numba's thread count starts its threading layer: ours first
     return numba.get_num_threads()
 
 
