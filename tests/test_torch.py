@@ -324,10 +324,20 @@ def test_functional_api_under_torch_func_transforms():
                                pn.rms_norm(x, w, eps=1e-6))
     with pytest.raises(TypeError, match="^x is differentiated by torch.func"):
         torch.func.grad(lambda x: pn.rms_norm(x, w).sum())(x)
-    with pytest.raises(TypeError, match="^an input is differentiated by torch.func"):
+    with pytest.raises(TypeError, match="^weight is differentiated by torch.func"):
         torch.func.grad(lambda w: pn.rms_norm(x, w).sum())(w)
-    with pytest.raises(TypeError, match="differentiated by torch.func"):
-        torch.func.grad(lambda x: pn.rms_norm_backward(x, x, w)[0].sum())(x)
+    with pytest.raises(TypeError, match="^residual is differentiated by torch.func"):
+        torch.func.grad(lambda r: pn.add_rms_norm(x, r, w)[0].sum())(x)
+    with pytest.raises(TypeError, match="^dy is differentiated by torch.func"):
+        torch.func.grad(lambda dy: pn.rms_norm_backward(dy, x, w)[0].sum())(x)
+    with pytest.raises(TypeError, match="^z is differentiated by torch.func"):
+        torch.func.grad(lambda z: pn.rms_norm_gated(x, z, w).sum())(x)
+    with pytest.raises(TypeError, match="^k is differentiated by torch.func"):
+        torch.func.grad(lambda q, k: pn.qk_norm_pair(q, k, None, None)[1].sum(), argnums=1)(
+            x.reshape(3, 2, 4).clone(), x.reshape(3, 2, 4).clone())
+    # an argument grad does not differentiate is wrapped too, and is not an error
+    g = torch.func.grad(lambda a, b: (pn.rms_norm(a, w) * b).sum(), argnums=1)(x, x)
+    torch.testing.assert_close(g, pn.rms_norm(x, w))
     g = torch.func.grad(lambda x: torch_norm.rms_norm(x, w).sum())(x)  # the way to go
     assert g.shape == x.shape
 

@@ -75,7 +75,9 @@ def is_grad_tracked(torch, a: Any) -> bool:
     False
     """
     is_tracked = getattr(getattr(torch._C, "_functorch", None), "is_gradtrackingtensor", None)
-    return is_tracked is not None and bool(is_tracked(a))
+    # grad wraps every argument; those it does not differentiate (argnums) and what is
+    # computed from them alone do not require grad
+    return is_tracked is not None and bool(is_tracked(a)) and bool(a.requires_grad)
 
 
 def _is_jax_host(a: Any) -> bool:

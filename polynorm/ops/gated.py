@@ -224,7 +224,7 @@ def gated_forward(x, z, weight, bias, opts: Options, *, group_size, norm_before_
     else:
         out2 = _api._view_rows(lay, out) if out is not None else None
         try:
-            with _api._no_autograd(x):
+            with _api._no_autograd(x, z=z, weight=weight, bias=bias):
                 y2, rstd = mod.gated_forward(lay.rows(x), lay.rows(z), lay.flat(weight),
                                              lay.flat(bias), gplan, out2)
         except Exception as exc:
@@ -346,7 +346,7 @@ def gated_backward(dy, x, z, weight, bias, rstd, opts: Options, *, group_size,
         dw = None if weight is None else xp.zeros(weight.shape, dtype=weight.dtype, device=dev)
         db = None if bias is None else xp.zeros(bias.shape, dtype=bias.dtype, device=dev)
         return dx, dz, dw, db
-    with _api._no_autograd(x):
+    with _api._no_autograd(x, dy=dy, z=z, weight=weight, bias=bias):
         dx2, dz2, dw, db = mod.gated_backward(
             lay.rows(dy), lay.rows(x), lay.rows(z), lay.flat(weight), lay.flat(bias), rstd2, gplan)
     return lay.unrows(dx2), lay.unrows(dz2), lay.unflat(dw), lay.unflat(db)

@@ -624,7 +624,7 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
             and not plan.cast_none):
         # h and y written straight into the caller's buffers (add_rms_norm_)
         try:
-            with _no_autograd(x, residual, weight, bias):
+            with _no_autograd(x, residual=residual, weight=weight, bias=bias):
                 done = into(lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias),
                             plan, out2, hout2)
         except Exception as exc:
@@ -636,7 +636,7 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
     elif opts.group_size is not None:
         y2, h2, rstd = _grouped_forward(lay, x, residual, weight, bias, plan, opts)
     elif residual is not None and split_add(plan):
-        with _no_autograd(x, residual, weight, bias):
+        with _no_autograd(x, residual=residual, weight=weight, bias=bias):
             try:
                 y2, h2, rstd = _forward_apart(call.backend, lay, x, residual, weight, bias,
                                               plan, opts, out2)
@@ -646,7 +646,7 @@ def forward(x, residual, weight, bias, opts: Options, *, out=None, return_rstd: 
                 raise partly_written(exc) from exc
     else:
         try:
-            with _no_autograd(x, residual, weight, bias):
+            with _no_autograd(x, residual=residual, weight=weight, bias=bias):
                 y2, h2, rstd = call.backend.forward(
                     lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias), plan, out2
                 )
@@ -743,20 +743,21 @@ def _plain_opts(plan: Plan, opts: Options) -> Options:
     return opts._replace(out_dtype=plan.out_dtype, norm_input="h", residual_dtype=None)
 
 
-def _no_autograd(x, *others):
+def _no_autograd(x, x_name: str = "x", **others):
     """torch records no history for the functional API (polynorm.torch is for training).
 
     Under torch.func's ``grad``/``vjp``/``jacrev`` that would be a silent zero gradient:
-    an array being differentiated there is a ``TypeError`` instead."""
+    an array being differentiated there is a ``TypeError`` naming it instead (``others``:
+    the call's other arrays by argument name)."""
     if aac.is_torch_array(x):
         import torch
 
         from polynorm.core.interop import is_grad_tracked
 
-        for i, a in enumerate((x, *others)):
+        for name, a in ((x_name, x), *others.items()):
             if a is not None and is_grad_tracked(torch, a):
                 raise TypeError(
-                    f"{'an input' if i else 'x'} is differentiated by torch.func "
+                    f"{name} is differentiated by torch.func "
                     "(grad, vjp, jacrev): polynorm's functional API records no derivative; "
                     "use polynorm.torch, whose functions have the backward")
         return torch.no_grad()
@@ -1113,7 +1114,7 @@ def backward(dy, x, weight, bias, rstd, grad_residual, opts: Options, out=None):
             dx2, dw, db = _grouped_backward(lay, dy, x, weight, bias, rstd1, grad_residual,
                                             plan, opts)
         else:
-            with _no_autograd(x, dy, weight, bias, grad_residual):
+            with _no_autograd(x, dy=dy, weight=weight, bias=bias, grad_residual=grad_residual):
                 dx2, dw, db = call.backend.backward(
                     lay.rows(dy), lay.rows(x), lay.flat(weight), lay.flat(bias), rstd1,
                     lay.rows(grad_residual), plan, out2,
@@ -1488,7 +1489,7 @@ def _heads_one_call(hd: _Heads, x, residual, weight, bias, opts: Options, out, r
     o3 = hd.view(out)
     out2 = None if o3 is None else xp.reshape(o3, rows)
     try:
-        with _no_autograd(x, residual, weight, bias):
+        with _no_autograd(x, residual=residual, weight=weight, bias=bias):
             done = one(x2, r2, w2, b2, plan, out2, hout2)
     except Exception as exc:
         if out2 is None and hout2 is None:
@@ -1765,7 +1766,7 @@ def from_stats(func: str, x, weight, bias, sumsq, d_total, opts: Options, return
     lay, plan = call.lay, call.plan
     ss = split_row_stat(func, "sumsq", arrays["sumsq"], lay)
     kt = split_d_total(func, d_total, lay.d)
-    with _no_autograd(x, weight, bias):
+    with _no_autograd(x, weight=weight, bias=bias):
         y2, r = split_kernels(call, plan).split_forward(lay.rows(x), lay.flat(weight),
                                                         lay.flat(bias), ss, kt, plan)
     y = lay.unrows(y2)

@@ -177,7 +177,7 @@ def _heads(q3, k3, q_weight, k_weight, rope, opts: Options, *, inplace: bool):
     if t == 0:
         return q3, k3
     out = []
-    with _api._no_autograd(q3):
+    with _api._no_autograd(q3, "q", k=k3, q_weight=q_weight, k_weight=k_weight):
         for x3, w in ((q3, q_weight), (k3, k_weight)):
             if x3.shape[1] == 0:
                 out.append(x3)
@@ -270,13 +270,16 @@ def _torch_cpu_views(arrays: tuple) -> list | None:
 
     A torch call on the CPU runs as the numpy call on views of its tensors (zero copy,
     in place through them): each tensor converted once instead of at every step."""
-    from polynorm.core.interop import to_numpy
+    import torch
+
+    from polynorm.core.interop import is_functorch_wrapped, to_numpy
 
     out = []
     for a in arrays:
         if a is None:
             out.append(None)
-        elif type(a).__module__.split(".")[0] == "torch" and a.device.type == "cpu":
+        elif (type(a).__module__.split(".")[0] == "torch" and a.device.type == "cpu"
+              and not is_functorch_wrapped(torch, a)):  # torch.func's: no storage
             out.append(to_numpy(a))
         else:
             return None

@@ -274,7 +274,7 @@ def rms_norm_quant(  # type: ignore[misc]  # its own group_size (the scales') ta
         _api.no_residual(opts)
     elif _api.split_add(call.plan):
         # norm_input="sum" or a residual_dtype: the add apart, then the plain quantized norm
-        with _api._no_autograd(x, residual, weight, bias):
+        with _api._no_autograd(x, residual=residual, weight=weight, bias=bias):
             s2, h2, plan_s = _api.add_apart(xp, lay.rows(x), lay.rows(residual), call.plan, opts,
                                             mod)
             qplan_s = make_quant_plan(plan_s, qdtype=qdtype, scale=scale_num,
@@ -287,12 +287,12 @@ def rms_norm_quant(  # type: ignore[misc]  # its own group_size (the scales') ta
     if lay.n == 0:
         from polynorm.backends import reference
 
-        with _api._no_autograd(x, residual, weight, bias):
+        with _api._no_autograd(x, residual=residual, weight=weight, bias=bias):
             q2, s2, h2 = reference.quant_forward(
                 lay.rows(x), lay.rows(residual), lay.flat(weight), lay.flat(bias), qplan,
                 scale_arr)
     else:
-        with _api._no_autograd(x, residual, weight, bias):
+        with _api._no_autograd(x, residual=residual, weight=weight, bias=bias):
             q2, s2, h2 = mod.quant_forward(lay.rows(x), lay.rows(residual), lay.flat(weight),
                                            lay.flat(bias), qplan, scale_arr)
     return _quant_result(lay, xp, q2, s2, None if residual is None else h2, qplan, group_size)

@@ -249,7 +249,7 @@ def rms_norm_backward_stats(
     lay, plan = call.lay, call.plan
     ss = _row_stat(func, "sumsq", arrays["sumsq"], lay)
     kt = _d_total(func, d_total, lay.d)
-    with _api._no_autograd(x):
+    with _api._no_autograd(x, dy=arrays["dy"], weight=weight, sumsq=arrays["sumsq"]):
         dot = _api.split_bwd_kernels(call).split_dot(lay.rows(arrays["dy"]), lay.rows(x),
                                                      lay.flat(weight), ss, kt, plan)
     return lay.unbatch(dot)
