@@ -323,7 +323,7 @@ def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fmt, recip, static, amax
     # one encoder call site for both scale kinds (a static scale is one group of
     # the whole row): each site inlines the six encoder loops (compile time)
     span = d if static else gs
-    for g in range(d // span):
+    for g in range(1 if static else d // gs):
         lo = g * span
         if static:
             t = np.float32(1.0) / static_scale if recip else static_scale
