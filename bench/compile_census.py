@@ -25,6 +25,8 @@ _open: list[float] = []  # start times of the compiles in progress (nested: call
 per_test: collections.Counter[str] = collections.Counter()
 per_kernel: collections.Counter[str] = collections.Counter()
 compiles: collections.Counter[str] = collections.Counter()
+# the argument types of each top-level compile: which ones make a kernel's specialisations
+signatures: collections.defaultdict[str, list[tuple[float, str]]] = collections.defaultdict(list)
 
 
 class _Listener(event.Listener):
@@ -40,6 +42,7 @@ class _Listener(event.Listener):
         per_test[_current[0]] += dt
         per_kernel[name] += dt
         compiles[name] += 1
+        signatures[name].append((dt, ", ".join(map(str, ev.data.get("args", ())))))
 
 
 event.register("numba:compile", _Listener())
@@ -64,6 +67,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.write_line("-- by kernel (compiles)")
     for k, s in per_kernel.most_common(25):
         tr.write_line(f"{s:8.1f}  {k} ({compiles[k]})")
+    tr.write_line("-- argument types of the top kernels' compiles (seconds)")
+    for k, _ in per_kernel.most_common(6):
+        tr.write_line(k)
+        for dt, sig in signatures[k]:
+            tr.write_line(f"{dt:8.1f}  ({sig})")
     tr.write_line("-- by test")
     for t, s in per_test.most_common(40):
         tr.write_line(f"{s:8.1f}  {t}")

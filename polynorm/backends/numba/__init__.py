@@ -353,6 +353,19 @@ def _no_rstd(cdt: np.dtype) -> np.ndarray:
     return np.zeros(1, cdt)
 
 
+_NO_GR: dict[np.dtype, np.ndarray] = {}
+
+
+def _no_grad_residual(dt: np.dtype) -> np.ndarray:
+    """The backward's ``grad_residual`` when none is given (``HAS_GR`` unset): never
+    read, a ``(1, 1)`` array of dy's kernel dtype (as a given one usually has), so that
+    calls with and without one run the same compiled kernel (shared, never written)."""
+    a = _NO_GR.get(dt)
+    if a is None:
+        a = _NO_GR[dt] = np.zeros((1, 1), dt)
+    return a
+
+
 def _affine(weight, bias, cdt: np.dtype, d: int, offset: float, exact: bool = False) -> tuple:
     """``(w, b, offset)`` as the forward kernels take them: weight/bias in the
     compute dtype (:func:`_param_vector`), :func:`_ones` for an absent weight
@@ -911,8 +924,9 @@ def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan, dx=N
     # casting does not change the backward: no llama bit
     flags = info[0] & ~kernels.LLAMA
     dyk = _kview(dyn)
-    # absent weight, bias, grad_residual are None: the kernels compile without their terms
-    w = wn = bn = gr = None
+    # absent weight and bias are None: the kernels compile without their terms; an
+    # absent grad_residual is a stand-in (HAS_GR unset): one kernel with and without
+    w = wn = bn = None
     if weight is not None:
         wn = to_numpy(weight)
         w = _param_vector(wn, cdt)
@@ -927,6 +941,9 @@ def _backward_prepare(dy, x, weight, bias, rstd, grad_residual, plan: Plan, dx=N
         rs = _kview(np.ascontiguousarray(to_numpy(rstd)))
     if grad_residual is not None:
         gr = _kview(to_numpy(grad_residual))
+        flags |= kernels.HAS_GR
+    else:
+        gr = _no_grad_residual(dyk.dtype)
     if dx is None:
         empty = _empty_for(caller)
         dx = empty((n, d), xn.dtype)
@@ -1046,9 +1063,15 @@ def backward_decode(e: DecodeBackward, dy, x, weight, bias, rstd, grad_residual)
         w = np.empty(d, cdt)
         (_kernels or _k()).widen_bits(_kview(weight), w)
     rs = _no_rstd(cdt) if rstd is None else _kview(rstd)
-    gr = None if grad_residual is None else _kview(grad_residual)
+    dyk = _kview(dy)
+    flags = e.flags
+    if grad_residual is None:
+        gr = _no_grad_residual(dyk.dtype)
+    else:
+        gr = _kview(grad_residual)
+        flags |= (_kernels or _k()).HAS_GR
     dx = np.empty((n, d), x.dtype)
-    args = (_kview(dy), _kview(x), w, rs, gr, _kview(dx), e.flags, e.k, e.eps, e.offset)
+    args = (dyk, _kview(x), w, rs, gr, _kview(dx), flags, e.k, e.eps, e.offset)
     lvl = np.empty(nb, np.int64)
     idx = np.empty(nb, np.int64)
     vals = np.empty((nb, width), np.float64)

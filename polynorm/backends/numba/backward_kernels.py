@@ -23,6 +23,7 @@ from polynorm.backends.numba.kernels import (
     _PREFETCH_MAX_BYTES,
     EPS_INSIDE,
     HAS_B,
+    HAS_GR,
     HAS_RSTD,
     STREAM_DX,
     _borrow_opt,
@@ -139,11 +140,18 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
     ``g2``: the weight in the pair layout (:mod:`.numba.pairs`) for its
     first ``len(g2)`` columns, whose terms go to the pool in that layout.
 
+    ``gr`` is an array whether the call has one or not (a stand-in; flag
+    HAS_GR): calls with and without it share one compiled kernel.  The
+    branch on the flag is at each call of the column loops, which are
+    compiled for each case (a wrapper function that branched instead made
+    LLVM compile the float32 loops slower: 2048 x 4096 rows took 20% longer).
+
     Pool rows are indices, not array views: a view per row costs Numba
     reference-count calls on every row.
     """
     d = x.shape[1]
     inside = (flags & EPS_INSIDE) != 0
+    has_gr = (flags & HAS_GR) != 0
     e0 = rw[0] if depth >= 1 else rneg
     e1 = rw[1] if depth >= 2 else rneg
     e2 = rw[2] if depth >= 3 else rneg
@@ -175,7 +183,7 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
     else:
         oc = as_type_of(offset, rc)
         # rows as (1, d) C arrays (row_of): one compiled dot for every layout
-        if pairs_kernel(x, w, gr) and g2.shape[0] > 0:
+        if pairs_kernel(x, w, None) and g2.shape[0] > 0:
             c = dot_pairs(x, dy, g2, w, i, rc, oc)
         else:
             c = _dot_row(row_of(dy, i), row_of(x, i), w, 0, rc, oc)
@@ -210,7 +218,7 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
                 if chunked:
                     prefetch_span(x, i + 1, jc, je - jc)
                     prefetch_span(dy, i + 1, jc, je - jc)
-                if pairs_kernel(x, w, gr) and jc < npair:
+                if pairs_kernel(x, w, None) and jc < npair:
                     # whole blocks as pairs (jc is a multiple of the block); the
                     # row's last columns, if any, as below
                     jp = min(je, npair)
@@ -224,23 +232,43 @@ def _bwd_row(i, dy, x, w, rstd_in, gr, dx, flags, k, eps, offset, depth, pc, ro,
                     # two passes where the chunk spans k, as below (one pass with the
                     # coefficient selected ran 1.6-1.8x slower)
                     if jc < jm:
-                        _dx_pass(i, jc, jm, dy, x, w, gr, stage, 0, jc, rc, oc, coef, pc, ro, e0,
-                                 e1, e2, fold)
+                        if has_gr:
+                            _dx_pass(i, jc, jm, dy, x, w, gr, stage, 0, jc, rc, oc, coef, pc, ro,
+                                     e0, e1, e2, fold)
+                        else:
+                            _dx_pass(i, jc, jm, dy, x, w, None, stage, 0, jc, rc, oc, coef, pc, ro,
+                                     e0, e1, e2, fold)
                     if jm < je:
-                        _dx_pass(i, jm, je, dy, x, w, gr, stage, 0, jc, rc, oc, zero, pc, ro, e0,
-                                 e1, e2, fold)
+                        if has_gr:
+                            _dx_pass(i, jm, je, dy, x, w, gr, stage, 0, jc, rc, oc, zero, pc, ro,
+                                     e0, e1, e2, fold)
+                        else:
+                            _dx_pass(i, jm, je, dy, x, w, None, stage, 0, jc, rc, oc, zero, pc, ro,
+                                     e0, e1, e2, fold)
                     stream_copy(dx, i, jc, stage, step)
                     continue
                 if jc < jm:
-                    _dx_pass(i, jc, jm, dy, x, w, gr, dx, i, 0, rc, oc, coef, pc, ro, e0, e1, e2,
-                             fold)
+                    if has_gr:
+                        _dx_pass(i, jc, jm, dy, x, w, gr, dx, i, 0, rc, oc, coef, pc, ro,
+                                 e0, e1, e2, fold)
+                    else:
+                        _dx_pass(i, jc, jm, dy, x, w, None, dx, i, 0, rc, oc, coef, pc, ro,
+                                 e0, e1, e2, fold)
                 if jm < je:
-                    _dx_pass(i, jm, je, dy, x, w, gr, dx, i, 0, rc, oc, zero, pc, ro, e0, e1, e2,
-                             fold)
-        else:
+                    if has_gr:
+                        _dx_pass(i, jm, je, dy, x, w, gr, dx, i, 0, rc, oc, zero, pc, ro,
+                                 e0, e1, e2, fold)
+                    else:
+                        _dx_pass(i, jm, je, dy, x, w, None, dx, i, 0, rc, oc, zero, pc, ro,
+                                 e0, e1, e2, fold)
+        elif has_gr:
             _dx_plain(i, np.intp(0), k, dy, x, gr, dx, rc, oc, coef)
             if k < d:
                 _dx_plain(i, k, d, dy, x, gr, dx, rc, oc, zero)
+        else:
+            _dx_plain(i, np.intp(0), k, dy, x, None, dx, rc, oc, coef)
+            if k < d:
+                _dx_plain(i, k, d, dy, x, None, dx, rc, oc, zero)
 
 
 @_inline
@@ -271,7 +299,7 @@ def _bwd_row_wide(i, dy, x, w, gr, dx, flags, k, eps, offset, r64, rms, pc, ro, 
         dyv = np.float64(load(dy[i, j]))
         g = _g64(w, j, offset)
         v = r64 * (g * dyv - (xh * coef if j < k else 0.0))
-        if gr is not None:
+        if flags & HAS_GR:
             v += np.float64(load(gr[i, j]))
         store(dxi, j, v)
         pc[rtmp, _PAD + pair_position(j, npair)] = as_type_of(dyv * xh, pc[rtmp, _PAD])
@@ -478,8 +506,9 @@ def backward_range(glo, ghi, row0, ntot, cap, dy, x, w, rstd_in, gr, dx, flags, 
     # bfloat16 rows with a weight: whole blocks of columns as pairs
     d = x.shape[1]
     npair = 0
-    if (pairs_kernel(x, w, gr) and x.strides[1] == 2 and dy.strides[1] == 2
-            and dx.strides[1] == 2):
+    # (not with a grad_residual: the arrays' types are those of calls without one)
+    if (pairs_kernel(x, w, None) and not (flags & HAS_GR)
+            and x.strides[1] == 2 and dy.strides[1] == 2 and dx.strides[1] == 2):
         npair = d - d % PAIR_BLOCK
     g2 = pair_weight(w, offset, npair)
     G = 1 << TREE_G

@@ -79,6 +79,7 @@ EPS_INSIDE = 1 << 3
 LLAMA = 1 << 4
 HAS_RSTD = 1 << 5  # backward (plain and gated): rstd given
 STREAM_DX = 1 << 6  # backward: dx leaves through a stage and streaming stores
+HAS_GR = 1 << 7  # backward: grad_residual given (else its argument is a stand-in)
 # llama rounding formats (codes of numba.codec.round_to), two bits each
 XCODE_SHIFT = 16
 WCODE_SHIFT = 18

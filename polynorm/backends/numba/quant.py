@@ -320,18 +320,20 @@ def quantize_row(buf, q, sc, i, static_scale, gs, qmax, fmt, recip, static, amax
     ``static_scale`` is the scale itself; with ``recip`` the encoder takes its
     float32 reciprocal (a dynamic one's too)."""
     d = buf.shape[0]
-    if static:
-        t = np.float32(1.0) / static_scale if recip else static_scale
-        _encode_span(buf, q, i, 0, d, t, fmt, recip, pa, pb, pf)
-        return
-    for g in range(d // gs):
-        lo = g * gs
-        m = amax if gs == d and not amax < 0 else _amax(buf, lo, lo + gs)
-        s = m / qmax
-        s = np.float32(1.0) if s < _F32_MIN_NORMAL else s
-        sc[i, g] = s
-        t = np.float32(1.0) / s if recip else s
-        _encode_span(buf, q, i, lo, lo + gs, t, fmt, recip, pa, pb, pf)
+    # one encoder call site for both scale kinds (a static scale is one group of
+    # the whole row): each site inlines the six encoder loops (compile time)
+    span = d if static else gs
+    for g in range(1 if static else d // gs):
+        lo = g * span
+        if static:
+            t = np.float32(1.0) / static_scale if recip else static_scale
+        else:
+            m = amax if gs == d and not amax < 0 else _amax(buf, lo, lo + gs)
+            s = m / qmax
+            s = np.float32(1.0) if s < _F32_MIN_NORMAL else s
+            sc[i, g] = s
+            t = np.float32(1.0) / s if recip else s
+        _encode_span(buf, q, i, lo, lo + span, t, fmt, recip, pa, pb, pf)
 
 
 @_inline_ir
@@ -378,17 +380,17 @@ def quant_rows(lo, hi, x, r, w, b, h, q, sc, buf, rs, flags, k, eps, offset,
                                borrow(buf), borrow(rs))
     w, b = _borrow_opt(w), _borrow_opt(b)
     n = x.shape[0]
-    if flags & HAS_R:
-        for i in range(lo, hi):
+    has_r = (flags & HAS_R) != 0
+    for i in range(lo, hi):
+        if has_r:
             _add_row(i, x, r, h)
             m = _y_row(i, h, w, b, buf, rs, flags, k, eps, offset)
-            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fmt, recip, static, m, x, r,
-                         3 if i + 1 < n else 0)
-    else:
-        for i in range(lo, hi):
+        else:
             m = _y_row(i, x, w, b, buf, rs, flags, k, eps, offset)
-            quantize_row(buf, q, sc, i, static_scale, gs, qmax, fmt, recip, static, m, x, x,
-                         1 if i + 1 < n else 0)
+        # one quantize_row call site (it inlines the encoders): without a residual
+        # r is a stand-in and only x is prefetched
+        pf = (3 if has_r else 1) if i + 1 < n else 0
+        quantize_row(buf, q, sc, i, static_scale, gs, qmax, fmt, recip, static, m, x, r, pf)
 
 
 @_jit(parallel=True)
