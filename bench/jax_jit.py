@@ -30,7 +30,7 @@ import polynorm as pn
 import polynorm.jax as pj
 
 D = 4096
-TOKENS = (1, 8, 2048)
+TOKENS = (1, 2, 4, 8, 16, 64, 256, 2048)
 
 
 def naive(x, w, eps=1e-6):
