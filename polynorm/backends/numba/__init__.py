@@ -217,15 +217,16 @@ def _parallel(n: int, d: int) -> bool:
 
 # Fork safety.  Numba picks its threading layer at the first parallel launch:
 # tbb where libtbb is installed (start_threads loads pip's), else GNU OpenMP
-# ("omp"), else its own workqueue.  A process forked after an OpenMP parallel region is killed by
-# libgomp the moment it enters one ("fork() called from a process already
-# using GNU OpenMP"), e.g. multiprocessing's fork start method and torch
-# DataLoader workers.  So a child forked after this process ran a parallel
-# kernel on the omp layer runs the serial kernels (the same bits: the drivers
-# do not change a row's code); the parent keeps the omp layer, and nothing
-# changes for processes that do not fork.  (Numba's tbb layer shuts TBB down
-# before a fork from the main thread and restarts it after.)  The launch lock is made anew in the child (a fork while another
-# thread held it would leave it locked forever).
+# ("omp"), else its own workqueue.  A process forked after an OpenMP parallel
+# region is killed by libgomp the moment it enters one ("fork() called from a
+# process already using GNU OpenMP"), e.g. multiprocessing's fork start method
+# and torch DataLoader workers.  So a child forked after this process ran a
+# parallel kernel on the omp layer runs the serial kernels (the same bits: the
+# drivers do not change a row's code); the parent keeps the omp layer, and
+# nothing changes for processes that do not fork.  (Numba's tbb layer shuts
+# TBB down before a fork from the main thread and restarts it after.)  The
+# launch lock is made anew in the child (a fork while another thread held it
+# would leave it locked forever).
 _omp_used = False
 _forked_after_omp = False
 
@@ -269,7 +270,17 @@ def _preload_tbb() -> None:
 
 
 def start_threads() -> None:
-    """Start Numba's threading layer: TBB where pip installed it (:func:`_preload_tbb`)."""
+    """Start Numba's threading layer: TBB where pip installed it (:func:`_preload_tbb`).
+
+    The first parallel kernel calls it; call it first where other Numba code of the
+    process may start a layer before polynorm does (Numba keeps the first one).
+
+    >>> import numba
+    >>> from polynorm.backends import numba as nb
+    >>> nb.start_threads()
+    >>> numba.threading_layer() in ("tbb", "omp", "workqueue")
+    True
+    """
     global _threads_started
     from numba.np.ufunc import parallel
 
