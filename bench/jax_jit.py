@@ -1,8 +1,15 @@
 """polynorm under ``jax.jit`` and on eager jax arrays vs the naive jnp formula jitted.
 
-Paired: every round runs each variant once (interleaved, in a shuffled order), medians
-over rounds;
-ratios are ``jnp time / variant time`` (above 1: the variant is faster).
+Two settings, each paired (every round runs each variant once, interleaved, in a shuffled
+order; medians over rounds; ratios are ``jnp time / variant time``, above 1: the variant
+is faster):
+
+- ``us``: a jitted function of the norm alone, called back to back (the next call's
+  dispatch overlaps the last one's computation where XLA runs it asynchronously);
+- ``graph_us``: the norm inside a jitted program, per step of a ``fori_loop`` of
+  ``h = h + 0.5 * norm(h, w)`` (a residual stream), one call per round trip: what a norm
+  costs in a jitted model, where XLA fuses the jnp formula with its neighbours and a
+  custom call's output takes a pass of its own.
 
     python bench/jax_jit.py [--rounds N] [--tokens 1 8 2048] [--json PATH]
 
@@ -69,6 +76,34 @@ def _forced():
             "eager_pj_jitted": jitted}
 
 
+#: steps of the program of the ``graph`` setting
+GRAPH_STEPS = 16
+
+#: the variants that run inside a program too (the others are eager calls)
+GRAPH_VARIANTS = ("jnp_naive_jit", "jit_default", "jit_numba", "jit_array_api")
+
+
+def _graph(norm):
+    """A jitted residual stream of GRAPH_STEPS norms of ``norm`` (the untransformed
+    variant: ``naive`` or a lambda over ``pj.rms_norm``)."""
+    return jax.jit(lambda x, w: jax.lax.fori_loop(
+        0, GRAPH_STEPS, lambda i, h: h + (0.5 * norm(h, w)).astype(h.dtype), x))
+
+
+def graph_variants():
+    return {"jnp_naive_jit": _graph(naive),
+            "jit_default": _graph(lambda x, w: pj.rms_norm(x, w)),
+            "jit_numba": _graph(lambda x, w: pj.rms_norm(x, w, backend="numba")),
+            "jit_array_api": _graph(lambda x, w: pj.rms_norm(x, w, backend="array_api"))}
+
+
+def _time_graph(f, x, w, reps):
+    t = time.perf_counter()
+    for _ in range(reps):
+        jax.block_until_ready(f(x, w))
+    return (time.perf_counter() - t) / (reps * GRAPH_STEPS)
+
+
 def _time(f, x, w, reps):
     t = time.perf_counter()
     for _ in range(reps):
@@ -79,8 +114,10 @@ def _time(f, x, w, reps):
 
 def run(rounds: int, tokens=TOKENS, dtypes=("float32", "bfloat16"), only=None):
     fns = variants()
+    gfns = graph_variants()
     if only:
         fns = {k: f for k, f in fns.items() if k == "jnp_naive_jit" or k in only}
+        gfns = {k: f for k, f in gfns.items() if k == "jnp_naive_jit" or k in only}
     rows = []
     for dtype in dtypes:
         for n in tokens:
@@ -88,19 +125,24 @@ def run(rounds: int, tokens=TOKENS, dtypes=("float32", "bfloat16"), only=None):
             x = jnp.asarray(rng.standard_normal((n, D), np.float32), dtype)
             w = jnp.asarray(rng.standard_normal(D, np.float32), dtype)
             reps = max(1, min(200, 20000 // n))
-            for f in fns.values():  # compile and warm
+            greps = max(1, reps // GRAPH_STEPS)
+            for f in (*fns.values(), *gfns.values()):  # compile and warm
                 jax.block_until_ready(f(x, w))
             times = {k: [] for k in fns}
-            order = list(fns.items())
+            gtimes = {k: [] for k in gfns}
+            order = [(k, f, times, _time, reps) for k, f in fns.items()]
+            order += [(k, f, gtimes, _time_graph, greps) for k, f in gfns.items()]
             for i in range(rounds):
                 random.Random(i).shuffle(order)  # no variant always first (or after another)
-                for k, f in order:
-                    times[k].append(_time(f, x, w, reps))
-            med = {k: statistics.median(v) for k, v in times.items()}
-            base = med["jnp_naive_jit"]
-            row = {"dtype": str(dtype), "tokens": n, "d": D,
-                   "us": {k: round(v * 1e6, 2) for k, v in med.items()},
-                   "speed_vs_jnp": {k: round(base / v, 3) for k, v in med.items()}}
+                for k, f, into, timer, r in order:
+                    into[k].append(timer(f, x, w, r))
+            row = {"dtype": str(dtype), "tokens": n, "d": D}
+            for us, speed, ts in (("us", "speed_vs_jnp", times),
+                                  ("graph_us", "graph_speed_vs_jnp", gtimes)):
+                med = {k: statistics.median(v) for k, v in ts.items()}
+                base = med["jnp_naive_jit"]
+                row[us] = {k: round(v * 1e6, 2) for k, v in med.items()}
+                row[speed] = {k: round(base / v, 3) for k, v in med.items()}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

@@ -13,8 +13,8 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import polynorm as pn  # noqa: E402
+from polynorm.jax import add_rms_norm, rms_norm  # noqa: E402
 from polynorm.jax import norm as jn  # noqa: E402
-from polynorm.jax import rms_norm  # noqa: E402
 from polynorm.ops import norm as _api  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not pn.backends()["numba"][0], reason="needs numba")
@@ -43,21 +43,22 @@ def _formula(x, w, b, eps, offset=0.0, k=None):
     return y if b is None else y + np.asarray(b, np.float64)
 
 
-CASES = {  # dtype, options, bias
-    "float32": ("float32", {}, False),
-    "bfloat16-all": ("bfloat16", dict(partial=0.5, offset=0.5, out_dtype="float32"), True),
+CASES = {  # dtype, options, bias, the custom call: rstd alone (y from XLA) or the whole forward
+    "float32": ("float32", {}, False, "polynorm_rstd_"),
+    "bfloat16-all": ("bfloat16", dict(partial=0.5, offset=0.5, out_dtype="float32"), True,
+                     "polynorm_forward_"),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))  # each compiles a handler of its own (~1.5 s)
 def test_jit_default_is_the_kernel_call_with_the_eager_bits(name, one_device):
-    dtype, opts, has_bias = CASES[name]
+    dtype, opts, has_bias, target = CASES[name]
     x = _rand((2, 3, 64), dtype)
     w = _rand((64,), "float32", seed=1)
     b = _rand((64,), dtype, seed=2) if has_bias else None
     f = jax.jit(lambda x, w, b: rms_norm(x, w, b, **opts))
     text = f.lower(x, w, b).as_text()
-    assert "polynorm_forward_" in text and "stablehlo.reduce" not in text
+    assert target in text and "stablehlo.reduce" not in text
     y = f(x, w, b)
     np_args = [None if a is None else np.asarray(a) for a in (x, w, b)]
     want = pn.rms_norm(*np_args, **opts)  # the eager kernels
@@ -80,15 +81,16 @@ def test_jit_kernel_call_on_xla_threads_has_the_eager_bits(name, one_device):
     result."""
     from polynorm.backends.numba import xla
 
-    dtype, opts, has_bias = CASES[name]
+    dtype, opts, has_bias, target = CASES[name]
     d = 4096
     assert 37 * d >= xla.POOL_MIN_ELEMENTS
     f = jax.jit(lambda x, w, b: rms_norm(x, w, b, **opts))
-    # a y of XLA_ASYNC_MIN_BYTES and more: the counted-flops operand (a small reduce)
+    # a y of XLA_ASYNC_MIN_BYTES and more: the counted-flops operand (a small reduce) of
+    # the whole forward's call
     assert 37 * d * 4 >= jn.XLA_ASYNC_MIN_BYTES
     x0 = _rand((37, d), dtype)
     text = f.lower(x0, _rand((d,), "float32"), x0[0] if has_bias else None).as_text()
-    assert "polynorm_forward_" in text and "stablehlo.reduce" in text
+    assert target in text and ("stablehlo.reduce" in text) == (target == "polynorm_forward_")
     for seed in (3, 4):
         x = _rand((37, d), dtype, seed=seed)
         w = _rand((d,), "float32", seed=seed + 10)
@@ -101,7 +103,7 @@ def test_jit_kernel_call_under_vmap_and_grad(one_device):
     x = _rand((4, 5, 32), "float32")
     w = 1 + 0.3 * _rand((4, 32), "float32", seed=1)
     f = jax.jit(jax.vmap(lambda x, w: rms_norm(x, w, backend="numba"), in_axes=(0, 0)))
-    assert "polynorm_forward_" in f.lower(x, w).as_text()
+    assert "polynorm_rstd_" in f.lower(x, w).as_text()  # float32, no bias: rstd from the kernels
     y = f(x, w)
     for i in range(4):  # a batched weight: batch element i with weight row i
         np.testing.assert_array_equal(_bits(y[i]), _bits(pn.rms_norm(np.asarray(x[i]),
@@ -125,17 +127,20 @@ def test_jit_kernel_call_under_vmap_and_grad(one_device):
 def test_jit_default_keeps_the_reference_where_the_call_does_not_fit(one_device):
     x = _rand((3, 4, 16), "float32")
     w = _rand((4, 16), "float32", seed=1)
-    for dt in ("float32", "bfloat16"):  # every float dtype: the kernel call (jn.JIT_KERNEL_DTYPES)
-        assert "polynorm_forward_" in jax.jit(rms_norm).lower(x.astype(dt)).as_text()
+    # every float dtype: the kernels (jn.JIT_KERNEL_DTYPES); float32 without bias their rstd
+    for dt, target in (("float32", "polynorm_rstd_"), ("bfloat16", "polynorm_forward_")):
+        assert target in jax.jit(rms_norm).lower(x.astype(dt)).as_text()
     for f in (lambda x: rms_norm(x, backend="array_api"), lambda x: rms_norm(x, axis=1),
               lambda x: rms_norm(x, w, axis=(1, 2)), lambda x: rms_norm(x, casting="llama")):
-        assert "polynorm_forward_" not in jax.jit(f).lower(x).as_text()
+        text = jax.jit(f).lower(x).as_text()
+        assert "polynorm_forward_" not in text and "polynorm_rstd_" not in text
 
 
 def test_jit_default_keeps_the_reference_on_several_cpu_devices():
     assert len(jax.devices("cpu")) > 1  # conftest's two host devices
     x = _rand((2, 16), "float32")
-    assert "polynorm_forward_" not in jax.jit(rms_norm).lower(x).as_text()
+    text = jax.jit(rms_norm).lower(x).as_text()
+    assert "polynorm_forward_" not in text and "polynorm_rstd_" not in text
 
 
 def test_small_eager_arrays_take_the_jitted_kernel_call(one_device, monkeypatch):
@@ -166,3 +171,44 @@ def test_kernel_call_errors_are_the_front_ends(one_device):
         jax.jit(rms_norm)(x, _rand((15,), "float32"))
     with pytest.raises(ValueError, match="weight"):
         rms_norm(x, _rand((15,), "float32"))
+
+
+def _extreme_rows(rng, n, d):
+    """Rows of scales from e**-20 to e**20, an Inf, a NaN, a zero row and one whose squares
+    overflow float32."""
+    x = (rng.standard_normal((n, d)) * np.exp(rng.uniform(-20, 20, (n, 1)))).astype(np.float32)
+    x[3, 2], x[5, 1], x[7], x[9] = np.inf, np.nan, 0, 1e30
+    return x
+
+
+def test_jit_float32_takes_the_kernels_rstd_and_keeps_their_bits(one_device):
+    """float32 without bias under jit: rstd from the kernels, y = x * rstd * (w + offset)
+    from XLA (fused with the program's other ops): the eager kernels' bits, so a token's
+    bits do not depend on the batch, also at a hidden size where XLA's own row sums do
+    (test_jit_reference_rows_depend_on_the_batch)."""
+    rng = np.random.default_rng(5)
+    d = 1000
+    x = _extreme_rows(rng, 33, d)
+    w = rng.standard_normal(d).astype(np.float32)
+    for opts, wt in (({}, w), (dict(offset=1.0, partial=0.5), w),
+                     (dict(eps_mode="outside", eps=1e-3), None)):
+        f = jax.jit(lambda x, w, opts=opts: rms_norm(x, w, **opts))
+        wj = None if wt is None else jnp.asarray(wt)
+        assert "polynorm_rstd_" in f.lower(jnp.asarray(x), wj).as_text()
+        full = np.asarray(f(jnp.asarray(x), wj))
+        np.testing.assert_array_equal(_bits(full), _bits(pn.rms_norm(x, wt, **opts)))
+        for lo, hi in ((9, 10), (0, 7), (5, 33)):
+            np.testing.assert_array_equal(_bits(f(jnp.asarray(x[lo:hi]), wj)), _bits(full[lo:hi]))
+
+
+@pytest.mark.xfail(strict=True, reason="XLA's CPU row sums (YNNPACK fusions in jaxlib 0.10) "
+                   "take their order from the array's shape: the jitted reference breaks SPEC's "
+                   "batch invariance at hidden sizes up to ~1024 (add_rms_norm and the other "
+                   "calls the kernels do not take under jit)")
+def test_jit_reference_rows_depend_on_the_batch(one_device):
+    rng = np.random.default_rng(6)
+    x, r = (jnp.asarray(rng.standard_normal((64, 1000)), jnp.float32) for _ in range(2))
+    f = jax.jit(lambda x, r: add_rms_norm(x, r)[0])
+    full = np.asarray(f(x, r))
+    for n in (1, 3, 7, 16):
+        np.testing.assert_array_equal(_bits(f(x[:n], r[:n])), _bits(full[:n]))

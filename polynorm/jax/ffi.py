@@ -210,3 +210,21 @@ def compiled_target(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bo
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform="cpu")
             _targets[key] = name
         return name
+
+
+def compiled_rstd_target(x_dtype: str, compute_dtype: str) -> str:
+    """The FFI target of :func:`polynorm.backends.numba.xla.rstd_handler` for these dtypes,
+    registered (and compiled) on first use."""
+    key = ("rstd", x_dtype, compute_dtype)
+    with _lock:
+        name = _targets.get(key)
+        if name is None:
+            import jax
+
+            from polynorm.backends.numba import xla
+
+            name = "polynorm_rstd_" + "_".join(key[1:])
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(xla.rstd_handler(*key[1:])),
+                                        platform="cpu")
+            _targets[key] = name
+        return name

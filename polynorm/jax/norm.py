@@ -121,8 +121,8 @@ def _one_cpu_device() -> bool:
 def _kernel_plan(static: Options, x, weight, bias):
     """The Plan of a call that the compiled kernel call takes, else None."""
     if (static.backend not in ("auto", "numba") or static.group_size is not None or x.ndim < 1
-            or (weight is not None and weight.ndim != 1)
-            or (bias is not None and bias.ndim != 1)):
+            or (weight is not None and weight.shape != x.shape[-1:])
+            or (bias is not None and bias.shape != x.shape[-1:])):
         return None
     from polynorm.core.dtypes import dtype_name
 
@@ -159,9 +159,11 @@ def _kernel_forward(static: Options, plan, x, weight, bias):
 
     flags, y_dt, _, cdt = _numba._info(plan)
     d = x.shape[-1]
+    offset = 0.0 if weight is None else plan.offset  # as the backend's _affine
+    if _xla_elementwise(plan, bias):
+        return _statistic_forward(plan, flags, cdt, offset, x, weight, static)
     target = _jax_ffi.compiled_target(plan.norm_dtype, plan.out_dtype, plan.compute_dtype,
                                       bias is not None)
-    offset = 0.0 if weight is None else plan.offset  # as the backend's _affine
     call = jax.ffi.ffi_call(
         target, (jax.ShapeDtypeStruct(x.shape, y_dt), jax.ShapeDtypeStruct(x.shape[:-1], cdt)),
         vmap_method="expand_dims")
@@ -180,6 +182,49 @@ def _kernel_forward(static: Options, plan, x, weight, bias):
         return tuple(_forward(x, None, weight, bias, static=_with_backend(static)))
 
     return jax.lax.platform_dependent(x, weight, bias, cpu=cpu, default=other)
+
+
+#: The smallest ``eps`` of a call whose elementwise pass XLA runs (:func:`_xla_elementwise`):
+#: rstd (at most ``1 / sqrt(eps)``, ``1 / eps`` outside) then fits float32, where the
+#: kernel would otherwise finish the row in float64 (its ``_fwd_row_wide``).
+XLA_PASS_MIN_EPS = 1e-30
+
+
+def _xla_elementwise(plan, bias) -> bool:
+    """Whether the kernels compute only ``rstd`` and XLA the elementwise pass
+    ``y = x * rstd * (weight + offset)``, fused with the program's neighbouring ops.
+
+    float32 and float64 rows of ``x``'s dtype in and out, without bias: there the
+    kernel's output pass is these two products in the compute dtype, each rounded (no
+    fused multiply-add), which XLA's give bit for bit, so the call keeps the
+    eager kernels' bits (batch invariance included).  Inside a jitted program the
+    custom call's own output pass (and the pass that then reads its ``y``) cost more
+    than XLA's fused one (``bench/jax_jit.py``'s graph rows).  16-bit rows keep the
+    whole kernel call: XLA widens each element, the kernels' output pass is faster.
+    """
+    return (bias is None and plan.norm_dtype == plan.out_dtype == plan.compute_dtype
+            and plan.compute_dtype in ("float32", "float64") and plan.eps >= XLA_PASS_MIN_EPS)
+
+
+def _statistic_forward(plan, flags, cdt, offset, x, weight, static: Options):
+    """``(y, rstd)``: ``rstd`` from the kernels (:func:`polynorm.backends.numba.xla.rstd_handler`),
+    ``y`` from XLA, on the CPU; the reference on other platforms."""
+    call = jax.ffi.ffi_call(_jax_ffi.compiled_rstd_target(plan.norm_dtype, plan.compute_dtype),
+                            jax.ShapeDtypeStruct(x.shape[:-1], cdt), vmap_method="expand_dims")
+
+    def cpu(x, weight):
+        r = call(x, a_flags=np.int64(flags), b_k=np.int64(plan.k), c_eps=np.float64(plan.eps))
+        v = x * r[..., None]
+        if weight is None:  # the kernel's ones stand-in: v * (1 + offset) is v
+            return v, r
+        return v * (weight.astype(cdt) + np.asarray(offset, cdt)), r
+
+    def other(x, weight):
+        if static.backend == "numba":  # the host call, which names the platform it lacks
+            return tuple(_dispatch(_partial(_forward, static=static), x, None, weight, None))
+        return tuple(_forward(x, None, weight, None, static=_with_backend(static)))
+
+    return jax.lax.platform_dependent(x, weight, cpu=cpu, default=other)
 
 
 #: Calls whose ``y`` has at least this many bytes give the custom call an operand that the

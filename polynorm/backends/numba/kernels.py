@@ -863,6 +863,17 @@ def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
 
 
 @_jit()
+def rstd_rows(lo, hi, x, rstd, flags, k, eps):
+    """Rows ``[lo, hi)``'s ``rstd`` alone, with the forward's bits (:func:`_stats`): the
+    statistic of a forward whose elementwise pass runs elsewhere (XLA's, under
+    ``jax.jit``: :func:`polynorm.backends.numba.xla.rstd_handler`)."""
+    x, rstd = borrow(x), borrow(rstd)
+    inside = (flags & EPS_INSIDE) != 0
+    for i in range(lo, hi):
+        rstd[i] = _stats(x, i, k, eps, inside)[1]
+
+
+@_jit()
 def forward_bits_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     """Rows ``[lo, hi)`` of a 16-bit forward without residual, y stored as
     usual (pipelined; ``r``, ``h``, ``stage``: None)."""

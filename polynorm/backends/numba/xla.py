@@ -360,14 +360,7 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
 
     def run(frame):
         f = _address(frame)
-        ext = _word(f + _EXT)
-        if ext != 0 and _int32(ext + 8) == _METADATA:
-            md = _word(ext + 24)  # XLA_FFI_Metadata*: api_version {size, ext, major, minor}
-            _put_int32(md + 24, 0)
-            _put_int32(md + 28, 1)
-            _put_int32(md + 32, 0)  # traits
-            return _pointer(0)
-        if _int32(f + _STAGE) != _EXECUTE:
+        if not _executes(f):
             return _pointer(0)
         args = _word(f + _ARGS_PTRS)
         rets = _word(f + _RETS_PTRS)
@@ -410,6 +403,54 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
 
     fn = cfunc(types.voidptr(types.voidptr), nogil=True, error_model="numpy")(run)
     _keep.extend((fn, task_fn))
+    return fn.address
+
+
+@njit(nogil=True)
+def _executes(f):
+    """Whether the call frame at ``f`` asks for the computation; else it is XLA's question
+    of the API version (answered here: 0.1, no traits) or another stage."""
+    ext = _word(f + _EXT)
+    if ext != 0 and _int32(ext + 8) == _METADATA:
+        md = _word(ext + 24)  # XLA_FFI_Metadata*: api_version {size, ext, major, minor}
+        _put_int32(md + 24, 0)
+        _put_int32(md + 28, 1)
+        _put_int32(md + 32, 0)  # traits
+        return False
+    return _int32(f + _STAGE) == _EXECUTE
+
+
+@functools.cache
+def rstd_handler(x_dtype: str, compute_dtype: str) -> int:
+    """The address of the compiled handler of ``rstd`` alone
+    (:func:`polynorm.backends.numba.kernels.rstd_rows`, the forward's bits): argument
+    ``x`` (rows: every axis but the last, also under ``vmap``), result ``rstd`` (``x``'s
+    shape without its last axis, the compute dtype); attributes ``a_flags``, ``b_k``,
+    ``c_eps``.  Serial: the row statistic reads ``x`` once, and XLA threads the
+    elementwise pass that follows it."""
+    from polynorm.core.dtypes import numpy_dtype
+
+    rows = _nb._k().rstd_rows
+    xt = numpy_dtype(x_dtype)
+    ct = numpy_dtype(compute_dtype)
+
+    def run(frame):
+        f = _address(frame)
+        if not _executes(f):
+            return _pointer(0)
+        xb, rb = _word(_word(f + _ARGS_PTRS)), _word(_word(f + _RETS_PTRS))
+        attrs = _word(f + _ATTRS_PTRS)
+        n, d = _rows(xb), _last_dim(xb)
+        flags = _word(_word(_word(attrs) + 8))
+        kk = _word(_word(_word(attrs + 8) + 8))
+        eps = _double(_word(_word(attrs + 16) + 8))
+        if n > 0:
+            rows(0, n, carray(_pointer(_word(xb + _DATA)), (n, d), xt),
+                 carray(_pointer(_word(rb + _DATA)), (n,), ct), flags, kk, eps)
+        return _pointer(0)
+
+    fn = cfunc(types.voidptr(types.voidptr), nogil=True, error_model="numpy")(run)
+    _keep.append(fn)
     return fn.address
 
 
