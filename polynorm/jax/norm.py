@@ -196,28 +196,30 @@ def _xla_elementwise(plan, bias) -> bool:
 
     float32 and float64 rows of ``x``'s dtype in and out, without bias: there the
     kernel's output pass is these two products in the compute dtype, each rounded (no
-    fused multiply-add), which XLA's give bit for bit, so the call keeps the
-    eager kernels' bits (batch invariance included).  Inside a jitted program the
-    custom call's own output pass (and the pass that then reads its ``y``) cost more
-    than XLA's fused one (``bench/jax_jit.py``'s graph rows).  16-bit rows keep the
-    whole kernel call: XLA widens each element, the kernels' output pass is faster.
+    fused multiply-add), which XLA's give bit for bit, so the call keeps the eager
+    kernels' bits (batch invariance included).  Inside a jitted program the custom
+    call's own output pass (and the pass that then reads its ``y``) cost more than
+    XLA's fused one (``bench/jax_jit.py``'s graph rows).  16-bit rows keep the whole
+    kernel call: XLA widens each element, the kernels' output pass is faster.
     """
-    return (bias is None and plan.norm_dtype == plan.out_dtype == plan.compute_dtype
-            and plan.compute_dtype in ("float32", "float64") and plan.eps >= XLA_PASS_MIN_EPS)
+    return (bias is None and plan.norm_dtype in ("float32", "float64")
+            and _statistic_plan_ok(plan))
+
+
+def _statistic_plan_ok(plan) -> bool:
+    """The plan's output pass is ``y = v * rstd * (weight + offset)`` in the compute dtype,
+    rounded once to ``y``'s dtype, which XLA's ops give bit for bit (see
+    :func:`_statistic_forward`)."""
+    return (plan.out_dtype == plan.norm_dtype and not plan.llama and not plan.cast_none
+            and plan.eps >= XLA_PASS_MIN_EPS)
 
 
 def _statistic_forward(plan, flags, cdt, offset, x, weight, static: Options):
-    """``(y, rstd)``: ``rstd`` from the kernels (:func:`polynorm.backends.numba.xla.rstd_handler`),
-    ``y`` from XLA, on the CPU; the reference on other platforms."""
-    call = jax.ffi.ffi_call(_jax_ffi.compiled_rstd_target(plan.norm_dtype, plan.compute_dtype),
-                            jax.ShapeDtypeStruct(x.shape[:-1], cdt), vmap_method="expand_dims")
+    """``(y, rstd)`` of the plain forward: ``rstd`` from the kernels, ``y`` from XLA, on the
+    CPU; the reference on other platforms."""
 
     def cpu(x, weight):
-        r = call(x, a_flags=np.int64(flags), b_k=np.int64(plan.k), c_eps=np.float64(plan.eps))
-        v = x * r[..., None]
-        if weight is None:  # the kernel's ones stand-in: v * (1 + offset) is v
-            return v, r
-        return v * (weight.astype(cdt) + np.asarray(offset, cdt)), r
+        return _statistic_y(plan, flags, cdt, offset, x, weight)
 
     def other(x, weight):
         if static.backend == "numba":  # the host call, which names the platform it lacks
@@ -225,6 +227,50 @@ def _statistic_forward(plan, flags, cdt, offset, x, weight, static: Options):
         return tuple(_forward(x, None, weight, None, static=_with_backend(static)))
 
     return jax.lax.platform_dependent(x, weight, cpu=cpu, default=other)
+
+
+def _statistic_y(plan, flags, cdt, offset, v, weight):
+    """``(y, rstd)`` of rows ``v`` (the normalized input): ``rstd`` from the kernels
+    (:func:`polynorm.backends.numba.xla.rstd_handler`, the forward's bits), ``y`` from
+    XLA as the kernels' output pass computes it."""
+    call = jax.ffi.ffi_call(_jax_ffi.compiled_rstd_target(plan.norm_dtype, plan.compute_dtype),
+                            jax.ShapeDtypeStruct(v.shape[:-1], cdt), vmap_method="expand_dims")
+    r = call(v, a_flags=np.int64(flags), b_k=np.int64(plan.k), c_eps=np.float64(plan.eps))
+    y = v.astype(cdt) * r[..., None]
+    if weight is not None:  # absent: the kernel's ones, and y * (1 + -0.0) is y
+        y = y * (weight.astype(cdt) + np.asarray(offset, cdt))
+    return y.astype(plan.out_dtype), r
+
+
+def _add_statistic(static: Options, x, residual, weight, bias):
+    """``(y, h, rstd)`` of a traced fused add on the CPU that the kernels' statistic takes
+    (``h = x + residual`` and ``y`` from XLA, as the fused kernel computes them), else None.
+
+    The jitted reference's row sums are XLA's, whose order follows the array's shape
+    (no batch invariance); the kernels' ``rstd`` of ``h`` keeps the eager bits.
+    """
+    if (bias is not None or residual.shape != x.shape or residual.dtype != x.dtype
+            or not _traced((x, residual, weight))):
+        return None
+    plan = _kernel_plan(static, x, weight, None)
+    if plan is None or plan.norm_sum or plan.h_dtype != plan.norm_dtype:
+        return None
+    if not _statistic_plan_ok(plan):
+        return None
+    from polynorm.backends import numba as _numba
+
+    flags, _, _, cdt = _numba._info(plan)
+    offset = 0.0 if weight is None else plan.offset
+
+    def cpu(x, residual, weight):
+        h = (x.astype(cdt) + residual.astype(cdt)).astype(plan.norm_dtype)
+        y, r = _statistic_y(plan, flags, cdt, offset, h, weight)
+        return y, h, r
+
+    def other(x, residual, weight):
+        return tuple(_dispatch(_partial(_forward, static=static), x, residual, weight, None))
+
+    return jax.lax.platform_dependent(x, residual, weight, cpu=cpu, default=other)
 
 
 #: Calls whose ``y`` has at least this many bytes give the custom call an operand that the
@@ -442,7 +488,9 @@ def _add_rms_norm(static, save, in_dtypes, x, residual, weight, bias):
 
 
 def _add_fwd(static, save, in_dtypes, x, residual, weight, bias):
-    y, h, rstd = _dispatch(_partial(_forward, static=static), x, residual, weight, bias)
+    fused = _add_statistic(static, x, residual, weight, bias)
+    y, h, rstd = fused if fused is not None else _dispatch(
+        _partial(_forward, static=static), x, residual, weight, bias)
     return (y, h), (y if _keeps_output(save, weight, static, rstd) else h, weight, bias, rstd)
 
 

@@ -431,7 +431,7 @@ def rstd_handler(x_dtype: str, compute_dtype: str) -> int:
     from polynorm.core.dtypes import numpy_dtype
 
     rows = _nb._k().rstd_rows
-    xt = numpy_dtype(x_dtype)
+    xt = _bits_type(numpy_dtype(x_dtype))
     ct = numpy_dtype(compute_dtype)
 
     def run(frame):
