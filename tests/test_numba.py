@@ -419,6 +419,8 @@ def test_parallel_kernels_run_on_pips_tbb():
     lib = {"linux": "libtbb.so.12", "darwin": "libtbb.12.dylib"}.get(sys.platform)
     if lib is None or not os.path.exists(os.path.join(sys.prefix, "lib", lib)):
         pytest.skip("pip's tbb is not installed")
+    if nb._available_cpus() < 2:
+        pytest.skip("one CPU: polynorm leaves TBB out (test_one_cpu_process_...)")
     code = textwrap.dedent("""
         import numba, numpy as np, polynorm as pn
         from polynorm.backends import numba as nb
@@ -432,6 +434,30 @@ def test_parallel_kernels_run_on_pips_tbb():
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["tbb", "True"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_one_cpu_process_whose_first_parallel_call_is_off_the_main_thread_exits():
+    # TBB starts no worker on one CPU, and a layer started from a thread other than the
+    # main one leaves a task that the main thread's wait at exit never gets: the process
+    # hung at exit (numba#10556).  polynorm takes another layer there.
+    code = textwrap.dedent("""
+        import os, threading
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        import numba, numpy as np, polynorm as pn
+        from polynorm.backends import numba as nb
+        x = np.ones((64, nb.SERIAL_MAX_ELEMENTS // 32), np.float32)
+        assert nb._parallel(*x.shape)
+        t = threading.Thread(target=lambda: pn.rms_norm(x, backend="numba"))
+        t.start()
+        t.join()
+        print(numba.threading_layer())
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[-1] in ("omp", "workqueue")
 
 
 def test_read_only_cache_dir_still_works(tmp_path):

@@ -250,6 +250,30 @@ _threads_started = False
 _TBB_LIBS = {"linux": "libtbb.so.12", "darwin": "libtbb.12.dylib"}
 
 
+def _available_cpus() -> int:
+    """The CPUs this process may run on: its affinity, capped by a cgroup CPU quota
+    (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), as TBB counts them."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),
+                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us",
+                                     "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            with open(quota_file) as fh:
+                fields = fh.read().split()
+            if period_file is not None:
+                with open(period_file) as fh:
+                    fields.append(fh.read().strip())
+            quota, period = int(fields[0]), int(fields[1])
+        except (OSError, ValueError, IndexError):  # absent, or "max": no quota
+            continue
+        if quota > 0 and period > 0:
+            n = min(n, -(-quota // period))
+    return max(1, n)
+
+
 def _preload_tbb() -> None:
     """Load pip's TBB runtime (where installed) so that Numba's default layer order
     (tbb, omp, workqueue) finds it.
@@ -257,9 +281,17 @@ def _preload_tbb() -> None:
     TBB's caller runs the tasks no worker has taken: a call on a busy machine
     costs at most about the serial time, where OpenMP's caller waits at the
     region's end for a worker that the scheduler has not run yet.
+
+    Not with a single available CPU (unless ``NUMBA_THREADING_LAYER`` asks for TBB):
+    TBB then starts no worker, and a layer started from a thread other than the main
+    one leaves the task Numba's start posts where the main thread's wait at exit
+    cannot take it, so the process hangs at exit (numba#10556, oneTBB#2056).  One CPU
+    has no worker to wait for either: another layer costs nothing there.
     """
     import ctypes
 
+    if _available_cpus() < 2 and os.environ.get("NUMBA_THREADING_LAYER", "").lower() != "tbb":
+        return
     name = _TBB_LIBS.get(sys.platform)
     path = os.path.join(sys.prefix, "lib", name) if name else ""
     if path and os.path.exists(path):
