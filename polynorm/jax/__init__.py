@@ -13,40 +13,53 @@ What runs where (forward and backward alike):
 - ``backend="auto"`` (or ``"numba"``) in a process whose jax has one CPU
   device, :func:`rms_norm`'s plain forward (no residual, the last axis, a
   ``(d,)`` weight/bias, not ``casting="llama"``/``"none"``, no
-  ``group_size``): the Numba kernels through a compiled XLA FFI handler
+  ``group_size``): the Numba kernels through compiled XLA FFI handlers
   (:mod:`polynorm.backends.numba.xla`: machine code that reads XLA's call
-  frame and runs the kernel on XLA's own buffers, no Python per call; calls
-  of 64 Ki elements and more in row chunks on XLA's own thread pool), with
-  the eager kernels' bits at every size:
+  frame and runs the kernels on XLA's own buffers, no Python per call), with
+  the eager kernels' bits at every size (so a token's bits do not depend on
+  the batch):
 
-  - under ``jax.jit`` for every float dtype of ``x``
-    (``polynorm.jax.norm.JIT_KERNEL_DTYPES``), also ``vmap``, whose batch
-    axis the handler walks, and ``grad``, whose backward is the reference
-    from the kernel's ``rstd``; a ``y`` of 256 KiB and more gives the call
-    an operand that XLA's cost analysis counts, so that XLA runs it
-    asynchronously as it runs the jnp formula (its inline path handed a
-    lone custom call fresh output pages: ``XLA_ASYNC_MIN_BYTES``); on other
-    platforms (GPU) the same function lowers the reference
-    (``lax.platform_dependent``);
+  - under ``jax.jit`` (also ``vmap``, whose batch axis the handlers walk,
+    and ``grad``, whose backward is the reference from the kernels'
+    ``rstd``): without bias, with ``y`` in ``x``'s dtype and ``eps`` of at
+    least ``1e-30`` (``polynorm.jax.norm._xla_elementwise``), the kernels
+    compute only ``rstd`` (``polynorm_rstd_*``) and XLA the elementwise pass
+    ``y = x * rstd * (weight + offset)``, which it fuses with the program's
+    neighbouring operations (the kernels' own output pass is these products,
+    each rounded once: the same bits).  Other calls take the whole kernel
+    call (``polynorm_forward_*``; from 64 Ki elements in row chunks on XLA's
+    own thread pool; a ``y`` of 256 KiB and more gets an operand that XLA's
+    cost analysis counts, so that XLA runs it asynchronously as it runs the
+    jnp formula: ``XLA_ASYNC_MIN_BYTES``).  On other platforms (GPU) the
+    same function lowers the reference (``lax.platform_dependent``);
+  - :func:`add_rms_norm` under ``jax.jit`` with the default conventions (no
+    bias, ``residual`` of ``x``'s dtype and shape, ``norm_input="h"``):
+    ``h = x + residual`` and ``y`` from XLA, ``rstd`` of ``h`` from the
+    kernels: the eager fused kernel's ``y`` and ``h`` bit for bit;
   - eager CPU jax arrays below ``polynorm.jax.norm.EAGER_JIT_MAX_BYTES``
-    (32 MiB of ``x``): a jitted call of it, cached per options, dtypes, ranks
-    and hidden size, so an eager call costs jax's dispatch of a jitted
-    function plus ~1 us; larger ones go to the front end below, whose
-    output pool spares the fresh pages of XLA's output buffer.
+    (32 MiB of ``x``): a jitted call of the above, cached per options,
+    dtypes, ranks and hidden size, so an eager call costs jax's dispatch of
+    a jitted function plus ~1 us; larger ones go to the front end below,
+    whose output pool spares the fresh pages of XLA's output buffer.
 
-  Measured on 2 shared cores, d = 4096 (``python bench/jax_jit.py``,
-  ``bench/results/jax-jit-2026-12-06e.json``): see :doc:`quickstart`.  A
-  first call compiles the handler for its dtypes (1-5 s, once per process).
+  Measured on 2 cores, d = 4096 (``python bench/jax_jit.py``): see
+  :doc:`quickstart`.  A first call compiles the handler for its dtypes (1-5
+  s, once per process).
 - eager jax arrays all on one CPU device otherwise (and ``pn.rms_norm`` on
   them) go to the kernels as numpy views (zero-copy) and the results come
   back to jax: below 1 MiB copied by ``jnp.asarray``, larger ones without a
   copy.  ~50-110 us at (1, 4096) on 2 loaded cores, where a jitted jnp
   RMSNorm takes ~6-15 us.
 - traced arrays (``jax.jit``, ``vmap``, ``scan``, ``grad`` of ``jit``...)
-  not taken by the compiled call (several CPU devices, a GPU, other
-  options, ``add_rms_norm``, the backward), ``backend="auto"``: the pure
-  array-API reference, which XLA compiles, partitions and fuses like any
-  jnp code (other bits than the kernels: within the dtype's tolerance).
+  not taken by the compiled calls (several CPU devices, a GPU, other
+  options, the backward, gated, QK-norm, quantized), ``backend="auto"``:
+  the pure array-API reference, which XLA compiles, partitions and fuses
+  like any jnp code (other bits than the kernels: within the dtype's
+  tolerance).  Its row sums are XLA's, whose order follows the array's
+  shape on the CPU (jaxlib 0.10's YNNPACK fusions): there a token's bits
+  can depend on the number of tokens (hidden sizes up to ~1024), against
+  SPEC's batch invariance (``tests/test_jax_kernel_call.py``'s strict
+  xfail records it).
   Its overflow-safe scaled pass sits behind a ``lax.cond`` that runs it
   only when some row needs it.  A process with several CPU devices (XLA's
   host device count flag) keeps it for every call: XLA cannot split the

@@ -35,11 +35,12 @@ def _static(opts: Options) -> Options:
 # Concrete arrays go to polynorm's front end as they are (CPU: the Numba kernels on
 # zero-copy views), small CPU ones of rms_norm's plain forward through a jitted call of
 # the compiled kernel call below.  Traced arrays (jit, grad of jit, vmap, scan...) have no
-# data yet: rms_norm's plain forward runs the Numba kernels through the compiled XLA FFI
-# handler (polynorm.backends.numba.xla) on a one-CPU-device process; everything else
-# takes the pure array-API reference with backend="auto", which XLA compiles and fuses
-# like any jnp code, or with backend="numba" the kernels through the Python FFI handler
-# (polynorm.jax.ffi).  The table is polynorm.jax's docstring.
+# data yet: rms_norm's plain forward and add_rms_norm's default take the Numba kernels
+# through the compiled XLA FFI handlers (polynorm.backends.numba.xla) on a one-CPU-device
+# process, where they can the kernels' rstd alone and XLA's elementwise pass; everything
+# else takes the pure array-API reference with backend="auto", which XLA compiles and
+# fuses like any jnp code, or with backend="numba" the kernels through the Python FFI
+# handler (polynorm.jax.ffi).  The table is polynorm.jax's docstring.
 
 
 def _traced(arrays) -> bool:
@@ -144,11 +145,10 @@ def _kernel_plan(static: Options, x, weight, bias):
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
-#: x dtypes whose jitted default (backend "auto") is the compiled kernel call: every float
-#: dtype, since the handler runs calls of 64 Ki elements and more on XLA's own threads and
-#: large ones asynchronously (XLA_ASYNC_MIN_BYTES), where a serial handler loses to the
-#: XLA-fused reference (bench/jax_jit.py).  Not a size rule: a token's bits would then
-#: depend on the batch.
+#: x dtypes whose jitted default (backend "auto") is the compiled kernel call (its rstd
+#: alone where :func:`_xla_elementwise`): every float dtype.  Not a size rule: a token's
+#: bits would then depend on the batch, and the reference's do anyway (its row sums are
+#: XLA's, whose order follows the shape).
 JIT_KERNEL_DTYPES = _FLOATS
 
 

@@ -9,7 +9,10 @@ the same serial or parallel driver as :func:`polynorm.backends.numba.forward`
 (the size rule :func:`~polynorm.backends.numba._parallel`) on XLA's own
 buffers: the eager call's bits, at the cost of the custom call itself.
 
-It takes the plain forward only (no residual, not llama, not
+:func:`rstd_handler` is the same for ``rstd`` alone (:func:`~polynorm.backends.numba.kernels.rstd_rows`),
+for calls whose elementwise pass XLA runs (``polynorm.jax.norm._xla_elementwise``).
+
+:func:`handler` takes the plain forward only (no residual, not llama, not
 ``casting="none"``, no ``group_size``), ``x`` as 2-D rows, ``weight`` and
 ``bias`` as ``(d,)`` vectors already in the compute dtype (absent: ones / none),
 results ``y`` (``(n, d)``, any float dtype the kernels store) and ``rstd``
