@@ -256,41 +256,39 @@ def _bits_type(dt: np.dtype):
     return np.dtype(view if view is not None else dt)
 
 
-@functools.cache
-def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> int:
-    """The address of the compiled handler for these dtypes (see the module)."""
-    from polynorm.core.dtypes import numpy_dtype
+@njit(nogil=True)
+def _pool_threads(f, api, scratch):
+    """The size of XLA's thread pool for this call (0: no pool, or an older API);
+    ``scratch``: five words for the call's argument struct and result."""
+    if _word(api + _API_SIZE) < _NUM_THREADS + 8:
+        return 0
+    _put_word(scratch, 32)  # XLA_FFI_ThreadPool_NumThreads_Args
+    _put_word(scratch + 8, 0)
+    _put_word(scratch + 16, _word(f + _CTX))
+    _put_word(scratch + 24, scratch + 32)
+    _put_word(scratch + 32, 0)
+    err = _call_ffi(_word(api + _NUM_THREADS), scratch)
+    if err != 0:
+        _destroy(api, scratch, err)
+        return 0
+    return _word(scratch + 32)
 
-    k = _nb._k()
-    xt = _bits_type(numpy_dtype(x_dtype))
-    yt = _bits_type(numpy_dtype(y_dtype))
-    ct = numpy_dtype(compute_dtype)
-    rows = k.forward_bits_rows if xt.itemsize == 2 else k.forward_rows
-    pool_min = POOL_MIN_ELEMENTS
-    huge_pages = sys.platform == "linux"
-    xsize, ysize, csize = xt.itemsize, yt.itemsize, ct.itemsize
+
+def _pool(chunk):
+    """``(run_pooled, task cfunc)`` for the row-chunk function ``chunk(job, lo, hi)``:
+    ``run_pooled(f, n, d, x, w, b, y, r, flags, k, eps, offset)`` runs rows ``[0, n)`` in
+    chunks on XLA's pool and the calling thread (the job record's words, see the
+    module), False where there is no pool of two threads or more (or no memory for
+    the job record)."""
 
     @njit(nogil=True)
     def run_chunks(job):
         """Claim and run row chunks of ``job`` until none is left."""
-        n, d, per, chunks = _word(job + 8 * _N), _word(job + 8 * _D), _word(
-            job + 8 * _PER), _word(job + 8 * _CHUNKS)
-        x = carray(_pointer(_word(job + 8 * _X)), (n, d), xt)
-        w = carray(_pointer(_word(job + 8 * _W)), (d,), ct)
-        y = carray(_pointer(_word(job + 8 * _Y)), (n, d), yt)
-        rstd = carray(_pointer(_word(job + 8 * _R)), (n,), ct)
-        flags, kk = _word(job + 8 * _FLAGS), _word(job + 8 * _K)
-        eps, offset = _double(job + 8 * _EPS), _double(job + 8 * _OFFSET)
-        bd = _word(job + 8 * _B)
+        n, per, chunks = _word(job + 8 * _N), _word(job + 8 * _PER), _word(job + 8 * _CHUNKS)
         c = _fetch_add(job + 8 * _NEXT, 1)
         while c < chunks:
             lo = c * per
-            hi = min(lo + per, n)
-            if bd != 0:
-                b = carray(_pointer(bd), (d,), ct)
-                rows(lo, hi, x, None, w, b, y, None, rstd, flags, kk, eps, offset, None)
-            else:
-                rows(lo, hi, x, None, w, None, y, None, rstd, flags, kk, eps, offset, None)
+            chunk(job, lo, min(lo + per, n))
             _fetch_add(job + 8 * _DONE, 1)
             c = _fetch_add(job + 8 * _NEXT, 1)
 
@@ -304,31 +302,12 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
     task_addr = task_fn.address
 
     @njit(nogil=True)
-    def pool_threads(f, api, scratch):
-        """The size of XLA's thread pool for this call (0: no pool, or an older API);
-        ``scratch``: five words for the call's argument struct and result."""
-        if _word(api + _API_SIZE) < _NUM_THREADS + 8:
-            return 0
-        _put_word(scratch, 32)  # XLA_FFI_ThreadPool_NumThreads_Args
-        _put_word(scratch + 8, 0)
-        _put_word(scratch + 16, _word(f + _CTX))
-        _put_word(scratch + 24, scratch + 32)
-        _put_word(scratch + 32, 0)
-        err = _call_ffi(_word(api + _NUM_THREADS), scratch)
-        if err != 0:
-            _destroy(api, scratch, err)
-            return 0
-        return _word(scratch + 32)
-
-    @njit(nogil=True)
     def run_pooled(f, n, d, xd, wd, bd, yd, rd, flags, kk, eps, offset):
-        """The call's rows in chunks on XLA's pool and this thread; False where there is
-        no pool of two threads or more (or no memory for the job record)."""
         job = _malloc(8 * _JOB_WORDS)
         if job == 0:
             return False
         api = _word(f + _API)
-        threads = pool_threads(f, api, job + 8 * _SCRATCH)
+        threads = _pool_threads(f, api, job + 8 * _SCRATCH)
         if threads < 2:
             _free(job)
             return False
@@ -360,6 +339,41 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
         if _fetch_add(job + 8 * _REFS, -1) == 1:
             _free(job)
         return True
+
+    return run_pooled, task_fn
+
+
+@functools.cache
+def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> int:
+    """The address of the compiled handler for these dtypes (see the module)."""
+    from polynorm.core.dtypes import numpy_dtype
+
+    k = _nb._k()
+    xt = _bits_type(numpy_dtype(x_dtype))
+    yt = _bits_type(numpy_dtype(y_dtype))
+    ct = numpy_dtype(compute_dtype)
+    rows = k.forward_bits_rows if xt.itemsize == 2 else k.forward_rows
+    pool_min = POOL_MIN_ELEMENTS
+    huge_pages = sys.platform == "linux"
+    xsize, ysize, csize = xt.itemsize, yt.itemsize, ct.itemsize
+
+    @njit(nogil=True)
+    def chunk(job, lo, hi):
+        n, d = _word(job + 8 * _N), _word(job + 8 * _D)
+        x = carray(_pointer(_word(job + 8 * _X)), (n, d), xt)
+        w = carray(_pointer(_word(job + 8 * _W)), (d,), ct)
+        y = carray(_pointer(_word(job + 8 * _Y)), (n, d), yt)
+        rstd = carray(_pointer(_word(job + 8 * _R)), (n,), ct)
+        flags, kk = _word(job + 8 * _FLAGS), _word(job + 8 * _K)
+        eps, offset = _double(job + 8 * _EPS), _double(job + 8 * _OFFSET)
+        bd = _word(job + 8 * _B)
+        if bd != 0:
+            b = carray(_pointer(bd), (d,), ct)
+            rows(lo, hi, x, None, w, b, y, None, rstd, flags, kk, eps, offset, None)
+        else:
+            rows(lo, hi, x, None, w, None, y, None, rstd, flags, kk, eps, offset, None)
+
+    run_pooled, task_fn = _pool(chunk)
 
     def run(frame):
         f = _address(frame)
@@ -429,13 +443,23 @@ def rstd_handler(x_dtype: str, compute_dtype: str) -> int:
     (:func:`polynorm.backends.numba.kernels.rstd_rows`, the forward's bits): argument
     ``x`` (rows: every axis but the last, also under ``vmap``), result ``rstd`` (``x``'s
     shape without its last axis, the compute dtype); attributes ``a_flags``, ``b_k``,
-    ``c_eps``.  Serial: the row statistic reads ``x`` once, and XLA threads the
-    elementwise pass that follows it."""
+    ``c_eps``.  Calls of ``POOL_MIN_ELEMENTS`` and more in row chunks on XLA's pool, as
+    :func:`handler`'s."""
     from polynorm.core.dtypes import numpy_dtype
 
     rows = _nb._k().rstd_rows
     xt = _bits_type(numpy_dtype(x_dtype))
     ct = numpy_dtype(compute_dtype)
+    pool_min = POOL_MIN_ELEMENTS
+
+    @njit(nogil=True)
+    def chunk(job, lo, hi):
+        n, d = _word(job + 8 * _N), _word(job + 8 * _D)
+        rows(lo, hi, carray(_pointer(_word(job + 8 * _X)), (n, d), xt),
+             carray(_pointer(_word(job + 8 * _R)), (n,), ct), _word(job + 8 * _FLAGS),
+             _word(job + 8 * _K), _double(job + 8 * _EPS))
+
+    run_pooled, task_fn = _pool(chunk)
 
     def run(frame):
         f = _address(frame)
@@ -447,13 +471,16 @@ def rstd_handler(x_dtype: str, compute_dtype: str) -> int:
         flags = _word(_word(_word(attrs) + 8))
         kk = _word(_word(_word(attrs + 8) + 8))
         eps = _double(_word(_word(attrs + 16) + 8))
-        if n > 0:
-            rows(0, n, carray(_pointer(_word(xb + _DATA)), (n, d), xt),
-                 carray(_pointer(_word(rb + _DATA)), (n,), ct), flags, kk, eps)
+        xd, rd = _word(xb + _DATA), _word(rb + _DATA)
+        if n == 0 or (n >= 2 and n * d >= pool_min and run_pooled(
+                f, n, d, xd, 0, 0, 0, rd, flags, kk, eps, 0.0)):
+            return _pointer(0)
+        rows(0, n, carray(_pointer(xd), (n, d), xt), carray(_pointer(rd), (n,), ct),
+             flags, kk, eps)
         return _pointer(0)
 
     fn = cfunc(types.voidptr(types.voidptr), nogil=True, error_model="numpy")(run)
-    _keep.append(fn)
+    _keep.extend((fn, task_fn))
     return fn.address
 
 
