@@ -202,6 +202,11 @@ def test_jit_float32_takes_the_kernels_rstd_and_keeps_their_bits(one_device):
         np.testing.assert_array_equal(_bits(full), _bits(pn.rms_norm(x, wt, **opts)))
         for lo, hi in ((9, 10), (0, 7), (5, 33)):
             np.testing.assert_array_equal(_bits(f(jnp.asarray(x[lo:hi]), wj)), _bits(full[lo:hi]))
+    # pn.rms_norm under jit (no derivative) takes the same route
+    g = jax.jit(lambda x, w: pn.rms_norm(x, w))
+    assert "polynorm_rstd_" in g.lower(jnp.asarray(x), jnp.asarray(w)).as_text()
+    np.testing.assert_array_equal(_bits(g(jnp.asarray(x), jnp.asarray(w))),
+                                  _bits(pn.rms_norm(x, w)))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,7 +1,7 @@
 """Differentiable RMSNorm for jax: ``jax.custom_vjp`` on polynorm's hand-written backward.
 
 :func:`polynorm.rms_norm` on jax arrays computes on their data and records no
-derivative (under ``jax.jit`` it runs the pure array-API reference); these
+derivative (under ``jax.jit`` it takes :func:`rms_norm`'s route below); these
 functions add the derivative, so ``jax.grad``/``jax.vjp`` use
 :func:`polynorm.rms_norm_backward` instead of differentiating the forward.
 

@@ -556,13 +556,29 @@ def add_rms_norm(
                          bias)
 
 
+def _jit_kernel_call(opts: Options, x, weight, bias):
+    """``y`` of pn.rms_norm on arrays that ``jax.jit`` traces, through the kernels as
+    :func:`rms_norm` under ``jit`` (no derivative: pn.rms_norm records none), else None."""
+    static = _static(opts)
+    try:
+        plan = _kernel_plan(static, x, weight, bias)
+    except TypeError:  # an unhashable option (an axis list): the front end
+        return None
+    if plan is None or not all(a is None or isinstance(a, jax.Array) for a in (weight, bias)):
+        return None
+    return _kernel_forward(static, plan, x, weight, bias)[0]
+
+
 def _register_eager_call() -> None:
-    """pn.rms_norm on eager jax arrays takes the same route (polynorm.ops.norm.forward)."""
+    """pn.rms_norm on eager jax arrays, and on the ones ``jax.jit`` traces, takes the same
+    route (polynorm.ops.norm.forward)."""
     try:
         from jax._src.array import ArrayImpl  # the concrete type: a dict key, no array made
+        from jax._src.interpreters.partial_eval import DynamicJaxprTracer
     except ImportError:  # another jax layout: pn.rms_norm keeps the front end's path
         return
     _api.EAGER_CALLS[ArrayImpl] = _eager_kernel_call
+    _api.EAGER_CALLS[DynamicJaxprTracer] = _jit_kernel_call
 
 
 _register_eager_call()
