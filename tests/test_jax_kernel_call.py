@@ -228,16 +228,28 @@ def test_jit_add_takes_the_kernels_rstd_and_keeps_their_bits(dtype, one_device):
         np.testing.assert_array_equal(_bits(y1), _bits(np.asarray(y)[lo:hi]))
 
 
-@pytest.mark.xfail(strict=True, reason="XLA's CPU row sums (YNNPACK fusions in jaxlib 0.10) "
-                   "take their order from the array's shape: the jitted reference breaks SPEC's "
-                   "batch invariance at hidden sizes up to ~1024 (backend='array_api' and the "
-                   "calls the kernels do not take under jit: the backward, gated, QK-norm, "
-                   "quantized, other conventions)")
-def test_jit_reference_rows_depend_on_the_batch(one_device):
+def test_jit_reference_row_sums_do_not_depend_on_the_batch(one_device):
+    """The jitted reference sums rows in the kernels' fixed order (ROW_SUMS): XLA's own row
+    sums, fused with the value's producer, gave 912-1849 of 1000 elements other bits for
+    1-4 of 64 tokens at d = 1000."""
     rng = np.random.default_rng(6)
     x, r = (jnp.asarray(rng.standard_normal((64, 1000)), jnp.float32) for _ in range(2))
-    # the norm of a value the program computes (XLA fuses the sum with its producer)
+    # the norm of a value the program computes (XLA fuses a sum with its producer)
     f = jax.jit(lambda x, r: rms_norm(x + r, backend="array_api"))
+    assert "polynorm_row_sumsq_" in f.lower(x, r).as_text()
     full = np.asarray(f(x, r))
     for n in (1, 3, 7, 16):
         np.testing.assert_array_equal(_bits(f(x[:n], r[:n])), _bits(full[:n]))
+
+
+@pytest.mark.xfail(strict=True, reason="XLA's CPU code for the jitted reference backward's "
+                   "elementwise dx takes another rounding (contraction) for one token than "
+                   "for a batch: against SPEC's batch invariance of dx under jit")
+def test_jit_backward_rows_depend_on_the_batch(one_device):
+    rng = np.random.default_rng(8)
+    x, c = (jnp.asarray(rng.standard_normal((64, 128)), jnp.float32) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal(128), jnp.float32)
+    g = jax.jit(jax.grad(lambda x, c: (rms_norm(x, w) * c).sum()))
+    full = np.asarray(g(x, c))
+    for n in (1, 3, 7):
+        np.testing.assert_array_equal(_bits(g(x[:n], c[:n])), _bits(full[:n]))

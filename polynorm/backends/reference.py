@@ -64,6 +64,25 @@ def _c_rows(a):
     return a
 
 
+#: ``type(a) -> row_sum(a)``: fixed-order row sums for array types whose own ``sum`` takes
+#: its order from the array's shape (arrays that ``jax.jit`` traces: XLA's CPU reductions
+#: do), so that a token's bits do not depend on the batch; None where it does not take
+#: the array.  ``polynorm.jax`` registers jax's tracers on import: this module imports no
+#: framework.
+ROW_SUMS: dict = {}
+
+
+def _row_sum(xp, a, square: bool = False):
+    """``sum(a, axis=1)`` of 2-D ``a`` (of ``a * a`` where ``square``), in an order that does
+    not depend on the number of rows (:data:`ROW_SUMS`, else the library's own)."""
+    hook = ROW_SUMS.get(type(a)) if ROW_SUMS else None
+    if hook is not None:
+        s = hook(a, square)
+        if s is not None:
+            return s
+    return xp.sum(a * a if square else a, axis=1)
+
+
 def _rms(xp, v, plan: Plan):
     """``sqrt(mean(v[:, :k]**2))`` per row, without spurious overflow or underflow.
 
@@ -85,7 +104,7 @@ def _rms(xp, v, plan: Plan):
     vk = _c_rows(v if plan.k == plan.d else v[:, : plan.k])
     if plan.k == 0:
         return _rms_scaled(xp, vk, plan)
-    ss = xp.sum(vk * vk, axis=1)
+    ss = _row_sum(xp, vk, square=True)
     fi = xp.finfo(vk.dtype)
     ok = (ss >= plan.k * (float(fi.smallest_normal) / float(fi.eps))) & (ss <= float(fi.max))
     rms = xp.sqrt(ss / plan.k)
@@ -127,7 +146,7 @@ def _rms_scaled(xp, vk, plan: Plan):
     m = xp.max(xp.abs(vk), axis=1) if plan.k > 0 else None
     m_safe = xp.where(m == 0, xp.ones_like(m), m)
     scaled = vk / m_safe[:, None]
-    ss = xp.sum(scaled * scaled, axis=1) / plan.k
+    ss = _row_sum(xp, scaled, square=True) / plan.k
     return xp.where(m == math.inf, m, m * xp.sqrt(ss))
 
 
@@ -264,7 +283,7 @@ def _backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     xhat = v * r[:, None]
     if weight is not None:
         g_dy = g_dy * (xp.astype(weight, cdt) + plan.offset)
-    c = xp.sum(_c_rows(g_dy * xhat), axis=1)
+    c = _row_sum(xp, _c_rows(g_dy * xhat))
     coef = c / plan.k
     if not plan.eps_inside:
         # alpha = (s + eps) / s; the whole term is zero where s == 0 (x is zero there)
@@ -315,7 +334,7 @@ def none_rstd(xp, x, plan: Plan):
     vk = _c_rows(v if plan.k == plan.d else v[:, : plan.k])
     with _quiet():
         sq = _to_t(xp, vk * vk, tdt, cdt)
-        ms = _to_t(xp, xp.sum(sq, axis=1) / plan.k, tdt, cdt)
+        ms = _to_t(xp, _row_sum(xp, sq) / plan.k, tdt, cdt)
         eps = _scalar_in(plan.norm_dtype, plan.eps)
         if plan.eps_inside:
             denom = xp.sqrt(_to_t(xp, ms + eps, tdt, cdt))
@@ -433,7 +452,7 @@ def _gated_backward(dy, x, z, weight, bias, rstd, gplan):
     gw = None if weight is None else xp.astype(weight, cdt) + plan.offset
     dn = dyc * s if gplan.norm_before_gate else dyc  # gradient reaching the norm's output
     g_dy = dn if gw is None else dn * gw
-    c = xp.sum(_c_rows(_by_group(xp, g_dy * xhat, gplan)), axis=1)
+    c = _row_sum(xp, _c_rows(_by_group(xp, g_dy * xhat, gplan)))
     coef = c / gp.k
     if not plan.eps_inside:
         s_safe = xp.where(rms == 0, xp.ones_like(rms), rms)
@@ -586,7 +605,7 @@ def split_stats(x, plan: Plan):
     xp = _xp(x)
     v = _c_rows(xp.astype(x, stat_dtype(xp, x)))
     with _quiet():
-        return xp.sum(v * v, axis=1)
+        return _row_sum(xp, v, square=True)
 
 
 def split_forward(x, weight, bias, sumsq, k_total: int, plan: Plan):
@@ -615,7 +634,7 @@ def split_dot(dy, x, weight, sumsq, k_total: int, plan: Plan):
     stat dtype."""
     with _quiet():
         xp, _, _, _, g_dy, xhat = _split_terms(dy, x, weight, sumsq, k_total, plan)
-        return xp.sum(_c_rows(xp.astype(g_dy * xhat, stat_dtype(xp, x))), axis=1)
+        return _row_sum(xp, _c_rows(xp.astype(g_dy * xhat, stat_dtype(xp, x))))
 
 
 def split_backward(dy, x, weight, bias, sumsq, dot, k_total: int, plan: Plan):

@@ -228,3 +228,21 @@ def compiled_rstd_target(x_dtype: str, compute_dtype: str) -> str:
                                         platform="cpu")
             _targets[key] = name
         return name
+
+
+def compiled_row_sum_target(dtype: str, square: bool) -> str:
+    """The FFI target of :func:`polynorm.backends.numba.xla.row_sum_handler` for ``dtype``
+    (of squares where ``square``), registered (and compiled) on first use."""
+    key = ("row_sum", dtype, square)
+    with _lock:
+        name = _targets.get(key)
+        if name is None:
+            import jax
+
+            from polynorm.backends.numba import xla
+
+            name = f"polynorm_row_sum{'sq' if square else ''}_{dtype}"
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(xla.row_sum_handler(dtype, square)),
+                                        platform="cpu")
+            _targets[key] = name
+        return name

@@ -569,6 +569,20 @@ def _jit_kernel_call(opts: Options, x, weight, bias):
     return _kernel_forward(static, plan, x, weight, bias)[0]
 
 
+def _row_sum(a, square: bool):
+    """Row sums (of squares where ``square``) of a traced 2-D float32/float64 ``a`` on the
+    CPU in the kernels' fixed order (:func:`polynorm.backends.numba.xla.row_sum_handler`):
+    the jitted reference's, whose own (XLA's) follow the array's shape; else None."""
+    name = a.dtype.name
+    if (a.ndim != 2 or name not in ("float32", "float64") or not _api._backends.usable("numba")
+            or not (_jax_ffi.available() and _one_cpu_device())):
+        return None
+    call = jax.ffi.ffi_call(_jax_ffi.compiled_row_sum_target(name, square),
+                            jax.ShapeDtypeStruct(a.shape[:-1], a.dtype), vmap_method="expand_dims")
+    return jax.lax.platform_dependent(
+        a, cpu=call, default=lambda a: jnp.sum(a * a if square else a, axis=1))
+
+
 def _register_eager_call() -> None:
     """pn.rms_norm on eager jax arrays, and on the ones ``jax.jit`` traces, takes the same
     route (polynorm.ops.norm.forward)."""
@@ -579,6 +593,15 @@ def _register_eager_call() -> None:
         return
     _api.EAGER_CALLS[ArrayImpl] = _eager_kernel_call
     _api.EAGER_CALLS[DynamicJaxprTracer] = _jit_kernel_call
+    try:
+        from jax._src.interpreters.batching import BatchTracer
+    except ImportError:
+        BatchTracer = None
+    from polynorm.backends import reference as _ref
+
+    for tracer in (DynamicJaxprTracer, BatchTracer):
+        if tracer is not None:
+            _ref.ROW_SUMS[tracer] = _row_sum
 
 
 _register_eager_call()

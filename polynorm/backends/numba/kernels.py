@@ -862,6 +862,42 @@ def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset)
 
 
+#: elements per compute-dtype partial of :func:`_fixed_row_sum`
+_ROW_SUM_BLOCK = 512
+
+
+@_reduce
+def _fixed_row_sum(a, i, square):
+    """Sum of row ``i`` of ``a`` (of its squares where ``square``): partials in ``a``'s
+    dtype over blocks of ``_ROW_SUM_BLOCK`` elements, added in float64 (the backward's row
+    dot's order).  A pure reduction compiled once: a row's sum has the same bits wherever
+    the row falls."""
+    d = a.shape[1]
+    c = 0.0
+    for b in range(np.uint64(0), np.uint64(d), np.uint64(_ROW_SUM_BLOCK)):
+        e = min(b + np.uint64(_ROW_SUM_BLOCK), np.uint64(d))
+        s = as_type_of(0.0, a[i, 0])
+        if square:
+            for j in range(b, e):
+                s += a[i, j] * a[i, j]
+        else:
+            for j in range(b, e):
+                s += a[i, j]
+        c += np.float64(s)
+    return c
+
+
+@_jit()
+def row_sum_rows(lo, hi, a, out, square):
+    """``out[i] = sum(a[i])`` (``sum(a[i] * a[i])`` where ``square``) for rows ``[lo, hi)``
+    of a float32/float64 ``a`` (at least one column), in :func:`_fixed_row_sum`'s order,
+    rounded once to ``out``'s dtype: row sums that do not depend on the number of rows,
+    for the jitted reference (:data:`polynorm.backends.reference.ROW_SUMS`)."""
+    a, out = borrow(a), borrow(out)
+    for i in range(lo, hi):
+        out[i] = _fixed_row_sum(row_of(a, i), 0, square)
+
+
 @_jit()
 def rstd_rows(lo, hi, x, rstd, flags, k, eps):
     """Rows ``[lo, hi)``'s ``rstd`` alone, with the forward's bits (:func:`_stats`): the

@@ -484,6 +484,51 @@ def rstd_handler(x_dtype: str, compute_dtype: str) -> int:
     return fn.address
 
 
+@functools.cache
+def row_sum_handler(dtype: str, square: bool) -> int:
+    """The address of the compiled handler of row sums in a fixed order
+    (:func:`polynorm.backends.numba.kernels.row_sum_rows`): argument ``a`` (rows: every
+    axis but the last, also under ``vmap``; float32 or float64), result its row sums, of
+    its squares where ``square`` (``a``'s shape without its last axis, ``a``'s dtype).
+    Calls of ``POOL_MIN_ELEMENTS`` and more in row chunks on XLA's pool."""
+    from polynorm.core.dtypes import numpy_dtype
+
+    rows = _nb._k().row_sum_rows
+    t = numpy_dtype(dtype)
+    pool_min = POOL_MIN_ELEMENTS
+
+    @njit(nogil=True)
+    def chunk(job, lo, hi):
+        n, d = _word(job + 8 * _N), _word(job + 8 * _D)
+        rows(lo, hi, carray(_pointer(_word(job + 8 * _X)), (n, d), t),
+             carray(_pointer(_word(job + 8 * _R)), (n,), t), square)
+
+    run_pooled, task_fn = _pool(chunk)
+
+    def run(frame):
+        f = _address(frame)
+        if not _executes(f):
+            return _pointer(0)
+        ab, ob = _word(_word(f + _ARGS_PTRS)), _word(_word(f + _RETS_PTRS))
+        n, d = _rows(ab), _last_dim(ab)
+        ad, od = _word(ab + _DATA), _word(ob + _DATA)
+        out = carray(_pointer(od), (n,), t)
+        if n == 0:
+            return _pointer(0)
+        if d == 0:
+            out[:] = 0
+            return _pointer(0)
+        if n >= 2 and n * d >= pool_min and run_pooled(f, n, d, ad, 0, 0, 0, od, 0, 0, 0.0,
+                                                       0.0):
+            return _pointer(0)
+        rows(0, n, carray(_pointer(ad), (n, d), t), out, square)
+        return _pointer(0)
+
+    fn = cfunc(types.voidptr(types.voidptr), nogil=True, error_model="numpy")(run)
+    _keep.extend((fn, task_fn))
+    return fn.address
+
+
 @njit(nogil=True)
 def _destroy(api, scratch, err):
     """Free an XLA_FFI_Error (a failed optional call: the handler goes on without it)."""
