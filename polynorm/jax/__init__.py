@@ -55,11 +55,13 @@ What runs where (forward and backward alike):
   options, the backward, gated, QK-norm, quantized), ``backend="auto"``:
   the pure array-API reference, which XLA compiles, partitions and fuses
   like any jnp code (other bits than the kernels: within the dtype's
-  tolerance).  Its row sums are XLA's, whose order follows the array's
-  shape on the CPU (jaxlib 0.10's YNNPACK fusions): there a token's bits
-  can depend on the number of tokens (hidden sizes up to ~1024), against
-  SPEC's batch invariance (``tests/test_jax_kernel_call.py``'s strict
-  xfail records it).
+  tolerance).  On a one-CPU-device process its row sums (sums of squares,
+  the backward's row dot) are a compiled Numba call in a fixed order
+  (``polynorm.backends.reference.ROW_SUMS``): XLA's own follow the array's
+  shape on the CPU, so a token's bits would depend on the number of
+  tokens.  The backward's elementwise ``dx`` is XLA's code, which rounds
+  one token's rows once less than a batch's (a strict xfail in
+  ``tests/test_jax_kernel_call.py`` records it).
   Its overflow-safe scaled pass sits behind a ``lax.cond`` that runs it
   only when some row needs it.  A process with several CPU devices (XLA's
   host device count flag) keeps it for every call: XLA cannot split the
