@@ -1114,22 +1114,27 @@ inline int launch_impl(const LaunchCfg* cfg, void (*invoke)(void*), void* ctx) {
   return failed.load() ? 1 : 0;
 }
 
-template <class Tup, size_t... I>
-inline Tup args_from_ptrs(void** args, std::index_sequence<I...>) {
-  return Tup{*static_cast<std::tuple_element_t<I, Tup>*>(args[I])...};
-}
+// Each CUDA thread reads its parameters from args[] (the harness keeps those bytes alive
+// and unchanged until the launch returns).  A plain pack expansion, not std::tuple /
+// std::apply: the same call, without the library templates instantiated per kernel that
+// made up about a quarter of a kernel library's g++ time at -Og.
+template <class... A>
+struct Launcher {
+  void (*k)(A...);
+  void** args;
+  template <size_t... I>
+  void call(std::index_sequence<I...>) const {
+    k(*static_cast<std::decay_t<A>*>(args[I])...);
+  }
+  static void invoke(void* p) { static_cast<const Launcher*>(p)->call(std::index_sequence_for<A...>{}); }
+};
 
 // CUDA-style launch: args[i] points at the i-th parameter's value (as the
 // driver's kernelParams), read as the kernel's declared parameter type.
 template <class... A>
 inline int launch(void (*k)(A...), const LaunchCfg* cfg, void** args) {
-  using Tup = std::tuple<std::decay_t<A>...>;
-  struct Ctx {
-    void (*k)(A...);
-    Tup tup;
-  };
-  Ctx c{k, args_from_ptrs<Tup>(args, std::index_sequence_for<A...>{})};
-  return launch_impl(cfg, [](void* p) { auto* x = static_cast<Ctx*>(p); std::apply(x->k, x->tup); }, &c);
+  Launcher<A...> c{k, args};
+  return launch_impl(cfg, &Launcher<A...>::invoke, &c);
 }
 
 // ---- parameter signatures, for the harness to check the arguments it packs
@@ -1153,25 +1158,58 @@ template <> struct code_of<__half> { static constexpr const char* value = "f2"; 
 template <> struct code_of<__nv_bfloat16> { static constexpr const char* value = "bf16"; };
 template <> struct code_of<void> { static constexpr const char* value = "v"; };
 
+// The signature string ("c*f4,i8:8,...") is a constant built at compile time: no
+// std::string code generated per kernel.
 template <class T>
-inline std::string param_code() {
+constexpr size_t param_code_len() {
   using D = std::decay_t<T>;
   if constexpr (std::is_pointer_v<D>) {
     using E = std::remove_pointer_t<D>;
-    return std::string(std::is_const_v<E> ? "c*" : "*") + code_of<std::remove_cv_t<E>>::value;
+    return (std::is_const_v<E> ? 2 : 1) + std::char_traits<char>::length(code_of<std::remove_cv_t<E>>::value);
   } else {
-    return std::string(code_of<D>::value) + ":" + std::to_string(sizeof(D));
+    size_t n = 0;
+    for (size_t v = sizeof(D); v; v /= 10) ++n;
+    return std::char_traits<char>::length(code_of<D>::value) + 1 + n;
   }
 }
 
+template <class T>
+constexpr void param_code_put(char*& o) {
+  using D = std::decay_t<T>;
+  const char* c;
+  if constexpr (std::is_pointer_v<D>) {
+    using E = std::remove_pointer_t<D>;
+    if (std::is_const_v<E>) *o++ = 'c';
+    *o++ = '*';
+    c = code_of<std::remove_cv_t<E>>::value;
+    while (*c) *o++ = *c++;
+  } else {
+    c = code_of<D>::value;
+    while (*c) *o++ = *c++;
+    *o++ = ':';
+    char digits[24];
+    int n = 0;
+    for (size_t v = sizeof(D); v; v /= 10) digits[n++] = static_cast<char>('0' + v % 10);
+    while (n) *o++ = digits[--n];
+  }
+  *o++ = ',';
+}
+
 template <class... A>
-inline const char* signature(void (*)(A...)) {
-  static const std::string s = [] {
-    std::string r;
-    ((r += param_code<A>() + ","), ...);
+struct Signature {
+  static constexpr size_t size = (size_t{1} + ... + (param_code_len<A>() + 1));
+  static constexpr auto text = [] {
+    struct { char s[size]; } r{};
+    char* o = r.s;
+    (param_code_put<A>(o), ...);
+    *o = 0;
     return r;
   }();
-  return s.c_str();
+};
+
+template <class... A>
+inline const char* signature(void (*)(A...)) {
+  return Signature<A...>::text.s;
 }
 
 }  // namespace cuda_emul
