@@ -128,11 +128,9 @@ def test_jit_default_keeps_the_reference_where_the_call_does_not_fit(one_device)
     x = _rand((3, 4, 16), "float32")
     w = _rand((4, 16), "float32", seed=1)
     # every float dtype: the kernels (jn.JIT_KERNEL_DTYPES), without bias their rstd only
+    # (with a bias the whole kernel call: CASES["bfloat16-all"])
     for dt in ("float32", "bfloat16"):
         assert "polynorm_rstd_" in jax.jit(rms_norm).lower(x.astype(dt)).as_text()
-        b = _rand((16,), dt, seed=2)
-        text = jax.jit(lambda x, b: rms_norm(x, None, b)).lower(x.astype(dt), b).as_text()
-        assert "polynorm_forward_" in text
     for f in (lambda x: rms_norm(x, backend="array_api"), lambda x: rms_norm(x, axis=1),
               lambda x: rms_norm(x, w, axis=(1, 2)), lambda x: rms_norm(x, casting="llama")):
         text = jax.jit(f).lower(x).as_text()
