@@ -191,58 +191,39 @@ def call(index: int, operands: list[Any], result_shapes: list[Any]) -> list[Any]
 
 # ------------------------------------------------------------------ the compiled forward
 
-_targets: dict[tuple, str] = {}
+_targets: set[str] = set()  # the targets registered with jax
+
+
+def _compiled(name: str, handler: str, *args: Any) -> str:
+    """FFI target ``name``: :mod:`polynorm.backends.numba.xla`'s ``handler(*args)``,
+    registered (and compiled) on first use."""
+    with _lock:
+        if name not in _targets:
+            import jax
+
+            from polynorm.backends.numba import xla
+
+            address = getattr(xla, handler)(*args)
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform="cpu")
+            _targets.add(name)
+        return name
 
 
 def compiled_target(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> str:
     """The FFI target of :mod:`polynorm.backends.numba.xla`'s compiled plain forward for
-    these dtypes, registered (and compiled) on first use."""
+    these dtypes."""
     key = (x_dtype, y_dtype, compute_dtype, has_bias)
-    with _lock:
-        name = _targets.get(key)
-        if name is None:
-            import jax
-
-            from polynorm.backends.numba import xla
-
-            name = "polynorm_forward_" + "_".join(map(str, key))
-            address = xla.handler(*key)
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(address), platform="cpu")
-            _targets[key] = name
-        return name
+    return _compiled("polynorm_forward_" + "_".join(map(str, key)), "handler", *key)
 
 
 def compiled_rstd_target(x_dtype: str, compute_dtype: str) -> str:
-    """The FFI target of :func:`polynorm.backends.numba.xla.rstd_handler` for these dtypes,
-    registered (and compiled) on first use."""
-    key = ("rstd", x_dtype, compute_dtype)
-    with _lock:
-        name = _targets.get(key)
-        if name is None:
-            import jax
-
-            from polynorm.backends.numba import xla
-
-            name = "polynorm_rstd_" + "_".join(key[1:])
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(xla.rstd_handler(*key[1:])),
-                                        platform="cpu")
-            _targets[key] = name
-        return name
+    """The FFI target of :func:`polynorm.backends.numba.xla.rstd_handler` for these dtypes."""
+    return _compiled(f"polynorm_rstd_{x_dtype}_{compute_dtype}", "rstd_handler", x_dtype,
+                     compute_dtype)
 
 
 def compiled_row_sum_target(dtype: str, square: bool) -> str:
     """The FFI target of :func:`polynorm.backends.numba.xla.row_sum_handler` for ``dtype``
-    (of squares where ``square``), registered (and compiled) on first use."""
-    key = ("row_sum", dtype, square)
-    with _lock:
-        name = _targets.get(key)
-        if name is None:
-            import jax
-
-            from polynorm.backends.numba import xla
-
-            name = f"polynorm_row_sum{'sq' if square else ''}_{dtype}"
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(xla.row_sum_handler(dtype, square)),
-                                        platform="cpu")
-            _targets[key] = name
-        return name
+    (of squares where ``square``)."""
+    return _compiled(f"polynorm_row_sum{'sq' if square else ''}_{dtype}", "row_sum_handler",
+                     dtype, square)
