@@ -437,27 +437,19 @@ def _executes(f):
     return _int32(f + _STAGE) == _EXECUTE
 
 
-@functools.cache
-def rstd_handler(x_dtype: str, compute_dtype: str) -> int:
-    """The address of the compiled handler of ``rstd`` alone
-    (:func:`polynorm.backends.numba.kernels.rstd_rows`, the forward's bits): argument
-    ``x`` (rows: every axis but the last, also under ``vmap``), result ``rstd`` (``x``'s
-    shape without its last axis, the compute dtype); attributes ``a_flags``, ``b_k``,
-    ``c_eps``.  Calls of ``POOL_MIN_ELEMENTS`` and more in row chunks on XLA's pool, as
-    :func:`handler`'s."""
-    from polynorm.core.dtypes import numpy_dtype
-
-    rows = _nb._k().rstd_rows
-    xt = _bits_type(numpy_dtype(x_dtype))
-    ct = numpy_dtype(compute_dtype)
+def _row_stat_handler(stat, with_attrs: bool) -> int:
+    """The address of a compiled handler of one value per row: argument ``x`` (rows: every
+    axis but the last, also under ``vmap``), result ``(rows,)``; ``stat(lo, hi, x address,
+    result address, rows, d, flags, k, eps)`` (njit) fills rows ``[lo, hi)``, with the
+    attributes ``a_flags``, ``b_k``, ``c_eps`` where ``with_attrs`` (else 0).  Calls of
+    ``POOL_MIN_ELEMENTS`` and more in row chunks on XLA's pool, as :func:`handler`'s."""
     pool_min = POOL_MIN_ELEMENTS
 
     @njit(nogil=True)
     def chunk(job, lo, hi):
-        n, d = _word(job + 8 * _N), _word(job + 8 * _D)
-        rows(lo, hi, carray(_pointer(_word(job + 8 * _X)), (n, d), xt),
-             carray(_pointer(_word(job + 8 * _R)), (n,), ct), _word(job + 8 * _FLAGS),
-             _word(job + 8 * _K), _double(job + 8 * _EPS))
+        stat(lo, hi, _word(job + 8 * _X), _word(job + 8 * _R), _word(job + 8 * _N),
+             _word(job + 8 * _D), _word(job + 8 * _FLAGS), _word(job + 8 * _K),
+             _double(job + 8 * _EPS))
 
     run_pooled, task_fn = _pool(chunk)
 
@@ -466,17 +458,18 @@ def rstd_handler(x_dtype: str, compute_dtype: str) -> int:
         if not _executes(f):
             return _pointer(0)
         xb, rb = _word(_word(f + _ARGS_PTRS)), _word(_word(f + _RETS_PTRS))
-        attrs = _word(f + _ATTRS_PTRS)
         n, d = _rows(xb), _last_dim(xb)
-        flags = _word(_word(_word(attrs) + 8))
-        kk = _word(_word(_word(attrs + 8) + 8))
-        eps = _double(_word(_word(attrs + 16) + 8))
+        flags, kk, eps = 0, 0, 0.0
+        if with_attrs:
+            attrs = _word(f + _ATTRS_PTRS)
+            flags = _word(_word(_word(attrs) + 8))
+            kk = _word(_word(_word(attrs + 8) + 8))
+            eps = _double(_word(_word(attrs + 16) + 8))
         xd, rd = _word(xb + _DATA), _word(rb + _DATA)
         if n == 0 or (n >= 2 and n * d >= pool_min and run_pooled(
                 f, n, d, xd, 0, 0, 0, rd, flags, kk, eps, 0.0)):
             return _pointer(0)
-        rows(0, n, carray(_pointer(xd), (n, d), xt), carray(_pointer(rd), (n,), ct),
-             flags, kk, eps)
+        stat(0, n, xd, rd, n, d, flags, kk, eps)
         return _pointer(0)
 
     fn = cfunc(types.voidptr(types.voidptr), nogil=True, error_model="numpy")(run)
@@ -485,48 +478,45 @@ def rstd_handler(x_dtype: str, compute_dtype: str) -> int:
 
 
 @functools.cache
+def rstd_handler(x_dtype: str, compute_dtype: str) -> int:
+    """The address of the compiled handler of ``rstd`` alone
+    (:func:`polynorm.backends.numba.kernels.rstd_rows`, the forward's bits): argument
+    ``x``, result ``rstd`` in the compute dtype; attributes ``a_flags``, ``b_k``,
+    ``c_eps`` (:func:`_row_stat_handler`)."""
+    from polynorm.core.dtypes import numpy_dtype
+
+    rows = _nb._k().rstd_rows
+    xt = _bits_type(numpy_dtype(x_dtype))
+    ct = numpy_dtype(compute_dtype)
+
+    @njit(nogil=True)
+    def stat(lo, hi, xd, rd, n, d, flags, kk, eps):
+        rows(lo, hi, carray(_pointer(xd), (n, d), xt), carray(_pointer(rd), (n,), ct),
+             flags, kk, eps)
+
+    return _row_stat_handler(stat, True)
+
+
+@functools.cache
 def row_sum_handler(dtype: str, square: bool) -> int:
     """The address of the compiled handler of row sums in a fixed order
-    (:func:`polynorm.backends.numba.kernels.row_sum_rows`): argument ``a`` (rows: every
-    axis but the last, also under ``vmap``; float32 or float64), result its row sums, of
-    its squares where ``square`` (``a``'s shape without its last axis, ``a``'s dtype).
-    Calls of ``POOL_MIN_ELEMENTS`` and more in row chunks on XLA's pool."""
+    (:func:`polynorm.backends.numba.kernels.row_sum_rows`): argument ``a`` (float32 or
+    float64), result its row sums, of its squares where ``square``, in ``a``'s dtype
+    (:func:`_row_stat_handler`)."""
     from polynorm.core.dtypes import numpy_dtype
 
     rows = _nb._k().row_sum_rows
     t = numpy_dtype(dtype)
-    pool_min = POOL_MIN_ELEMENTS
 
     @njit(nogil=True)
-    def chunk(job, lo, hi):
-        n, d = _word(job + 8 * _N), _word(job + 8 * _D)
-        rows(lo, hi, carray(_pointer(_word(job + 8 * _X)), (n, d), t),
-             carray(_pointer(_word(job + 8 * _R)), (n,), t), square)
-
-    run_pooled, task_fn = _pool(chunk)
-
-    def run(frame):
-        f = _address(frame)
-        if not _executes(f):
-            return _pointer(0)
-        ab, ob = _word(_word(f + _ARGS_PTRS)), _word(_word(f + _RETS_PTRS))
-        n, d = _rows(ab), _last_dim(ab)
-        ad, od = _word(ab + _DATA), _word(ob + _DATA)
+    def stat(lo, hi, ad, od, n, d, flags, kk, eps):
         out = carray(_pointer(od), (n,), t)
-        if n == 0:
-            return _pointer(0)
         if d == 0:
-            out[:] = 0
-            return _pointer(0)
-        if n >= 2 and n * d >= pool_min and run_pooled(f, n, d, ad, 0, 0, 0, od, 0, 0, 0.0,
-                                                       0.0):
-            return _pointer(0)
-        rows(0, n, carray(_pointer(ad), (n, d), t), out, square)
-        return _pointer(0)
+            out[lo:hi] = 0
+        else:
+            rows(lo, hi, carray(_pointer(ad), (n, d), t), out, square)
 
-    fn = cfunc(types.voidptr(types.voidptr), nogil=True, error_model="numpy")(run)
-    _keep.extend((fn, task_fn))
-    return fn.address
+    return _row_stat_handler(stat, False)
 
 
 @njit(nogil=True)
