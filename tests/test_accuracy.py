@@ -207,6 +207,29 @@ OVERFLOW = [
 ]
 
 
+def test_float32_rows_whose_partials_leave_float32_range():
+    # the kernels sum float32 squares in float32 partials over blocks of 512 elements: a
+    # row with one overflowing block, one whose sum is below 2**-100 (its squares partly
+    # subnormal) and one whose tiny squares sit beside ordinary ones each get the float64
+    # answer, alone and in the batch
+    rng = np.random.default_rng(11)
+    x = rng.uniform(0.5, 2.0, (4, 1100)) * rng.choice([-1.0, 1.0], (4, 1100))
+    x[0, 600:700] *= 1e21  # squares overflow float32 in the second block only
+    x[1] *= 1e-22  # subnormal squares (~1e-44): the sum is below 2**-100
+    x[2, :512] *= 1e-22  # subnormal squares in the first block, ordinary ones after
+    x[3, 1099] = 3e19  # one overflowing square in the last, partial, block
+    x = x.astype(np.float32)
+    w = rng.uniform(0.5, 2.0, 1100).astype(np.float32)
+    for kw in (dict(eps=0.0), dict(eps=1e-30, eps_mode="outside", partial=0.5)):
+        y, rstd = pn.rms_norm(x, w, backend="numba", return_rstd=True, **kw)
+        want_y, want_rstd = oracle.forward(x, w, **kw)
+        assert_close(y, want_y, "float32", f"y {kw}")
+        assert_close(rstd, want_rstd, "float32", f"rstd {kw}")
+        for i in range(4):
+            yi = pn.rms_norm(x[i : i + 1], w, backend="numba", **kw)
+            assert yi.tobytes() == y[i : i + 1].tobytes(), (i, kw)
+
+
 @pytest.mark.parametrize("dtype, scale, eps", OVERFLOW, ids=lambda p: str(p))
 def test_no_spurious_overflow_or_underflow(case, dtype, scale, eps, rng):
     case.skip_unless_dtype(dtype)

@@ -90,7 +90,8 @@ def rms_norm_stats(x: Array, **options: Unpack[NormOptions]) -> Array:
     unsplit forward's own (the same kernel code and order), so with one shard
     ``rms_norm_from_stats(x, w, sumsq=rms_norm_stats(x), d_total=d)`` gives
     :func:`rms_norm`'s ``y`` and ``rstd`` bit for bit for every token whose sum is
-    in range: not zero, Inf or NaN, and, for 16-bit input, at least ``2**-100``
+    in range: not zero, Inf or NaN, and, for float32 and 16-bit input, at least
+    ``2**-100`` without an overflowing float32 partial
     (the rows the unsplit forward rescales from the whole slice; those agree to
     rounding).  On the CUDA backend the sum is the CUDA forward's (its tree for
     this ``d``), and one shard gives :func:`rms_norm`'s bits for every float32 and

@@ -19,17 +19,21 @@ the format (``int16``: float16, ``uint16``: bfloat16;
 
 Numerics (see the module docstring of :mod:`polynorm.core.options`):
 
-- the sum of squares is accumulated in float64: exact range for float16,
-  bfloat16 and float32 input (``1e25**2`` is nothing for float64).  For
-  float64 input a row whose sum overflows or underflows (or is zero) is
-  recomputed scaled by its largest magnitude; on ordinary data this branch
-  is never taken.
-- the forward sums 16-bit rows in lanes instead (float32 partials over
-  blocks of 128 elements -- exact squares, 8 additions each -- added into
-  float64 lanes, in an order fixed by the code: ``numba.codec``'s
-  ``lanes_*`` intrinsics); an Inf/NaN sum or one below 2**-100 takes the
-  scaled float64 path.  This is what lets a row's sum be accumulated during
-  the previous row's output pass (the forward pipelines 16-bit rows).
+- float64 rows sum their squares in float64; a row whose sum overflows or
+  underflows (or is zero) is recomputed scaled by its largest magnitude; on
+  ordinary data this branch is never taken.
+- float32 rows sum their squares in float32 partials over blocks of 512
+  elements (vectorized), added in float64 (``_block_sum``): the float64
+  conversions of every element cost more than the row's DRAM traffic when
+  the row is in cache.  A partial that overflows (``|x| > 1.8e19``) or a sum
+  below 2**-100 (float32 squares flushed to zero) takes the scaled float64
+  path, so no finite row loses range.
+- the forward sums 16-bit rows in lanes (float32 partials over blocks of
+  128 elements -- exact squares, 8 additions each -- added into float64
+  lanes, in an order fixed by the code: ``numba.codec``'s ``lanes_*``
+  intrinsics); an Inf/NaN sum or one below 2**-100 takes the scaled float64
+  path.  This is what lets a row's sum be accumulated during the previous
+  row's output pass (the forward pipelines 16-bit rows).
 - each row is reduced by one compiled function (vectorized, see ``_reduce``)
   whatever the driver or thread count, so the bits never depend on either.
 - ``dweight``/``dbias`` (the backward) are summed over the row tree of
@@ -201,6 +205,33 @@ def _sumsq(a, i, k):
     return s
 
 
+#: elements per compute-dtype partial of :func:`_block_sum`
+_ROW_SUM_BLOCK = 512
+
+
+@_reduce
+def _block_sum(a, i, k, square):
+    """Sum of ``a[i, :k]`` (of its squares where ``square``): partials in ``a``'s dtype
+    over blocks of ``_ROW_SUM_BLOCK`` elements (vectorized), added in float64.  The
+    float32 forward's statistic (a partial that overflows, ``|x| > 1.8e19``, or a sum
+    that has lost bits to underflow sends the row to the scaled path: :func:`_rms_rstd`),
+    the backward's row dot's order, and the jitted reference's row sums
+    (:func:`row_sum_rows`).  A pure reduction compiled once: a row's sum has the same
+    bits wherever the row falls."""
+    c = 0.0
+    for b in range(np.uint64(0), np.uint64(k), np.uint64(_ROW_SUM_BLOCK)):
+        e = min(b + np.uint64(_ROW_SUM_BLOCK), np.uint64(k))
+        s = as_type_of(0.0, a[i, 0])
+        if square:
+            for j in range(b, e):
+                s += a[i, j] * a[i, j]
+        else:
+            for j in range(b, e):
+                s += a[i, j]
+        c += np.float64(s)
+    return c
+
+
 @_inline
 def _scaled_rms(a, i, k):
     """``sqrt(mean(a[i, :k]**2))`` scaled by the largest magnitude (no overflow).
@@ -237,27 +268,10 @@ def _rms_rstd(a, i, k, eps, inside, ss):
         if inside:
             return rms, 1.0 / math.sqrt(ms + eps)
         return rms, 1.0 / (rms + eps)
-    rms = _rms_out_of_range(a, i, k, ss)
+    rms = _scaled_rms(a, i, k)
     if inside:
         return rms, 1.0 / math.hypot(rms, math.sqrt(eps))
     return rms, 1.0 / (rms + eps)
-
-
-def _rms_out_of_range(a, i, k, ss):  # pragma: no cover - replaced by the overload
-    """The rms of a row whose float64 sum of squares ``ss`` (:func:`_sumsq`, or
-    the lanes of 16-bit rows) is out of :func:`_rms_rstd`'s range."""
-    raise NotImplementedError
-
-
-@overload(_rms_out_of_range, inline="always")
-def _ov_rms_out_of_range(a, i, k, ss):
-    if a.dtype == types.float32:
-        # float32 squares summed in float64 neither overflow nor fall below
-        # 2**-298: ss is out of range only as 0 (a zero row), Inf (an Inf
-        # element, no NaN) or NaN (a NaN element), each its own rms and what
-        # _scaled_rms gives; a float32 call then compiles without that scan
-        return lambda a, i, k, ss: ss
-    return lambda a, i, k, ss: _scaled_rms(a, i, k)
 
 
 @_inline
@@ -271,9 +285,9 @@ def _stats(a, i, k, eps, inside):
 # The forward's row statistic.  16-bit rows (integer bits) are summed in lanes
 # (fixed order, see the intrinsics in ``numba.codec``), so that a row summed
 # on its own and a row summed under the previous row's output pass give the
-# same bits, and the forward pipelines them.  float32/float64 rows keep
-# ``_sumsq`` and two passes, which run them closer to the copy roof than the
-# pipeline or the lanes do (the lanes' float32 partials pay for 16-bit input,
+# same bits, and the forward pipelines them.  float32 rows (``_block_sum``)
+# and float64 rows (``_sumsq``) take two passes, which run them closer to the
+# copy roof than the pipeline or the lanes do (the lanes pay for 16-bit input,
 # whose decode dominates).
 
 #: a float32-partial sum below this may have lost bits to underflow: the row
@@ -289,9 +303,8 @@ def _ss_floor(a):  # pragma: no cover - replaced by the overload
 
 @overload(_ss_floor, inline="always")
 def _ov_ss_floor(a):
-    if bits_dtype(a.dtype):  # float32 partials
-        return lambda a: _LANES_TINY
-    return lambda a: _TINY
+    floor = _LANES_TINY if bits_dtype(a.dtype) or a.dtype == types.float32 else _TINY
+    return lambda a: floor
 
 
 @_inline  # a call: Numba's IR inliner mishandles its loop-carried lanes
@@ -313,7 +326,8 @@ def _sumsq_lanes(a, i, k):
 
 
 def _row_sumsq(a, i, k):  # pragma: no cover - replaced by the overload
-    """The forward's sum of squares of ``a[i, :k]``: lanes for 16-bit rows, else ``_sumsq``.
+    """The forward's sum of squares of ``a[i, :k]``: lanes for 16-bit rows,
+    ``_block_sum`` for float32 rows, else ``_sumsq``.
 
     Chosen at typing time, so float rows never compile the lanes code.
     """
@@ -331,11 +345,25 @@ def _ov_is_bits(a):
     return lambda a: flag
 
 
+def _partial_sums(a):  # pragma: no cover - replaced by the overload
+    """Whether the forward sums ``a``'s rows in float32 partials (float32 and 16-bit rows),
+    whose sums leave range below ``_LANES_TINY`` or by overflowing: a compile-time constant."""
+    raise NotImplementedError
+
+
+@overload(_partial_sums, inline="always")
+def _ov_partial_sums(a):
+    flag = bits_dtype(a.dtype) or a.dtype == types.float32
+    return lambda a: flag
+
+
 @overload(_row_sumsq, inline="always")
 def _ov_row_sumsq(a, i, k):
     if bits_dtype(a.dtype):
         return lambda a, i, k: _sumsq_lanes(a, i, k)
     # the row as a (1, d) C array (row_of): one compiled reduction for every layout
+    if a.dtype == types.float32:
+        return lambda a, i, k: _block_sum(row_of(a, i), 0, k, True)
     return lambda a, i, k: _sumsq(row_of(a, i), 0, k)
 
 
@@ -862,40 +890,15 @@ def forward_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     _plain_rows(lo, hi, x, w, b, y, rstd, flags, k, eps, offset)
 
 
-#: elements per compute-dtype partial of :func:`_fixed_row_sum`
-_ROW_SUM_BLOCK = 512
-
-
-@_reduce
-def _fixed_row_sum(a, i, square):
-    """Sum of row ``i`` of ``a`` (of its squares where ``square``): partials in ``a``'s
-    dtype over blocks of ``_ROW_SUM_BLOCK`` elements, added in float64 (the backward's row
-    dot's order).  A pure reduction compiled once: a row's sum has the same bits wherever
-    the row falls."""
-    d = a.shape[1]
-    c = 0.0
-    for b in range(np.uint64(0), np.uint64(d), np.uint64(_ROW_SUM_BLOCK)):
-        e = min(b + np.uint64(_ROW_SUM_BLOCK), np.uint64(d))
-        s = as_type_of(0.0, a[i, 0])
-        if square:
-            for j in range(b, e):
-                s += a[i, j] * a[i, j]
-        else:
-            for j in range(b, e):
-                s += a[i, j]
-        c += np.float64(s)
-    return c
-
-
 @_jit()
 def row_sum_rows(lo, hi, a, out, square):
     """``out[i] = sum(a[i])`` (``sum(a[i] * a[i])`` where ``square``) for rows ``[lo, hi)``
-    of a float32/float64 ``a`` (at least one column), in :func:`_fixed_row_sum`'s order,
+    of a float32/float64 ``a`` (at least one column), in :func:`_block_sum`'s order,
     rounded once to ``out``'s dtype: row sums that do not depend on the number of rows,
     for the jitted reference (:data:`polynorm.backends.reference.ROW_SUMS`)."""
     a, out = borrow(a), borrow(out)
     for i in range(lo, hi):
-        out[i] = _fixed_row_sum(row_of(a, i), 0, square)
+        out[i] = _block_sum(row_of(a, i), 0, a.shape[1], square)
 
 
 @_jit()

@@ -2,11 +2,12 @@
 :func:`polynorm.rms_norm_from_stats`).
 
 ``stats_rows`` is the forward's own row statistic (``kernels._row_sumsq``: float64
-for float32/float64 rows, the float64 lanes for 16-bit rows), so a one-shard split
-sums in the unsplit forward's order.  A 16-bit row whose lanes sum is out of the
-lanes' range (an Inf/NaN sum or one below 2**-100: the rows the unsplit forward
-rescales from the whole row, which a shard does not have) is summed again in float64,
-where 16-bit squares neither overflow nor underflow.
+for float64 rows, float32 partials added in float64 for float32 rows and the float64
+lanes for 16-bit rows), so a one-shard split sums in the unsplit forward's order.  A
+float32 or 16-bit row whose sum is out of the partials' range (an Inf/NaN sum or one
+below 2**-100: the rows the unsplit forward rescales from the whole row, which a shard
+does not have) is summed again in float64, where their squares neither overflow nor
+underflow.
 
 ``given_rows`` forms rstd from the whole row's sum as the unsplit forward's in-range
 branch does (``kernels._rms_rstd``) and writes y with the unsplit forward's output
@@ -25,9 +26,9 @@ from polynorm.backends.numba.kernels import (
     _LANES_TINY,
     EPS_INSIDE,
     _fwd_row_wide,
-    _is_bits,
     _jit,
     _out_span,
+    _partial_sums,
     _range_bounds,
     _range_count,
     _row_sumsq,
@@ -41,7 +42,7 @@ from polynorm.backends.numba.refs import row_of
 def stats_rows(lo, hi, x, ss, k):
     for i in range(lo, hi):
         s = _row_sumsq(x, i, k)
-        if _is_bits(x) and not (s >= _LANES_TINY and s < math.inf):
+        if _partial_sums(x) and not (s >= _LANES_TINY and s < math.inf):
             s = _sumsq(row_of(x, i), 0, k)
         ss[i] = s
 
