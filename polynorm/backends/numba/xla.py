@@ -66,6 +66,11 @@ _MADV_HUGEPAGE, _HUGE, _HUGE_MIN_BYTES = 14, 2 << 20, 4 << 20
 #: compiled): the backend's rule for its own threads.  Smaller calls lose more waiting
 #: for a sleeping pool thread to wake than the split saves.
 POOL_MIN_ELEMENTS = _nb.SERIAL_MAX_ELEMENTS
+#: the same for the row statistics (:func:`rstd_handler`, :func:`row_sum_handler`): they
+#: read each element once and write one value per row, a quarter of the forward's work per
+#: element, so a split pays from four times the size (float32, d = 4096: from 64 rows;
+#: bench/results/jax-stat-pool-2026-12-06.txt)
+STAT_POOL_MIN_ELEMENTS = 4 * POOL_MIN_ELEMENTS
 #: elements per chunk at least: the 16-bit drivers prepare the weight once per call
 _CHUNK_MIN_ELEMENTS = 1 << 14
 #: row chunks per pool thread: small enough that a thread scheduled late finds work left
@@ -442,8 +447,8 @@ def _row_stat_handler(stat, with_attrs: bool) -> int:
     axis but the last, also under ``vmap``), result ``(rows,)``; ``stat(lo, hi, x address,
     result address, rows, d, flags, k, eps)`` (njit) fills rows ``[lo, hi)``, with the
     attributes ``a_flags``, ``b_k``, ``c_eps`` where ``with_attrs`` (else 0).  Calls of
-    ``POOL_MIN_ELEMENTS`` and more in row chunks on XLA's pool, as :func:`handler`'s."""
-    pool_min = POOL_MIN_ELEMENTS
+    ``STAT_POOL_MIN_ELEMENTS`` and more in row chunks on XLA's pool, as :func:`handler`'s."""
+    pool_min = STAT_POOL_MIN_ELEMENTS
 
     @njit(nogil=True)
     def chunk(job, lo, hi):
