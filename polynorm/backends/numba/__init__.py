@@ -1007,6 +1007,43 @@ def _pools(m: int, width: int, cdt: np.dtype, per_thread: bool = False):
     return np.empty(lead + spc, cdt), np.empty(lead + s64, np.float64)
 
 
+#: The backward kernels' entry points for strided rows (:func:`_bwd_call`).
+_BWD_STRIDED: dict[tuple, Any] = {}
+
+
+def _bwd_call(kernel, lead: int, *call):
+    """``kernel(*call)``; ``call``'s ``dy, x, w, rstd, grad_residual, dx`` start
+    at position ``lead``.
+
+    Where any of ``dy``, ``x``, ``grad_residual``, ``dx`` is not C-contiguous,
+    all four are typed as any layout ("A"): strided calls share one compiled
+    kernel per dtype and weight, where the dispatcher would compile one for
+    each mix of layouts (seconds each).  C-contiguous calls take the
+    dispatcher's kernel, typed for C arrays, as before.
+    """
+    if (call[lead].flags.c_contiguous and call[lead + 1].flags.c_contiguous
+            and call[lead + 4].flags.c_contiguous and call[lead + 5].flags.c_contiguous):
+        return kernel(*call)
+    rows = (lead, lead + 1, lead + 4, lead + 5)
+    dyk, xk, w, rs, gr, dxk = call[lead:lead + 6]
+    key = (kernel, call[-2].dtype, dyk.dtype, xk.dtype, None if w is None else w.dtype, rs.dtype,
+           gr.dtype, dxk.dtype, dyk.flags.aligned, xk.flags.aligned, gr.flags.aligned,
+           dxk.flags.aligned)
+    entry = _BWD_STRIDED.get(key)
+    if entry is None:
+        from numba import types
+
+        tys = [kernel.typeof_pyval(a) if isinstance(a, np.ndarray) or a is None else types.int64
+               for a in call]
+        tys[lead + 8] = tys[lead + 9] = types.float64  # eps, offset
+        for p in rows:
+            tys[p] = tys[p].copy(layout="A")
+        sig = tuple(tys)
+        kernel.compile(sig)
+        entry = _BWD_STRIDED[key] = kernel.overloads[sig].entry_point
+    return entry(*call)
+
+
 def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     """Hand-written backward on 2-D rows (formula in :mod:`polynorm.core.options`).
 
@@ -1029,10 +1066,11 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     par = _parallel(n, d)
     cdt = _info(plan)[3]
     if par and nb > 1:
-        _launch_parallel(bwd_kernels.backward_blocks_parallel, 0, nb, m, 0, n, n, *args, lvl, idx,
-                         vals, *_pools(m, width, cdt, True))
+        _launch_parallel(_bwd_call, bwd_kernels.backward_blocks_parallel, 6, 0, nb, m, 0, n, n,
+                         *args, lvl, idx, vals, *_pools(m, width, cdt, True))
     else:
-        bwd_kernels.backward_range(0, n, 0, n, m, *args, lvl, idx, vals, 0, *_pools(m, width, cdt))
+        _bwd_call(bwd_kernels.backward_range, 5, 0, n, 0, n, m, *args, lvl, idx, vals, 0,
+                  *_pools(m, width, cdt))
     dw = db = None
     if width:
         if par and width >= 4096 and nb > 1:
@@ -1118,8 +1156,8 @@ def backward_decode(e: DecodeBackward, dy, x, weight, bias, rstd, grad_residual)
     lvl = np.empty(nb, np.int64)
     idx = np.empty(nb, np.int64)
     vals = np.empty((nb, width), np.float64)
-    bwd_kernels.backward_range(0, n, 0, n, e.m, *args, lvl, idx, vals, 0,
-                               np.empty(e.pc, cdt), np.empty(e.p64, np.float64))
+    _bwd_call(bwd_kernels.backward_range, 5, 0, n, 0, n, e.m, *args, lvl, idx, vals, 0,
+              np.empty(e.pc, cdt), np.empty(e.p64, np.float64))
     dw = db = None
     if width:
         bwd_kernels.tree_cols(0, width, vals, nb)
@@ -1161,7 +1199,8 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
             lv = np.empty(cap, np.int64)
             ix = np.empty(cap, np.int64)
             va = np.empty((cap, width), np.float64)
-            cnt = bwd_kernels.backward_range(a, b, row0, ntot, m, *args, lv, ix, va, 0, *pools)
+            cnt = _bwd_call(bwd_kernels.backward_range, 5, a, b, row0, ntot, m, *args, lv, ix,
+                            va, 0, *pools)
             states.append((lv[:cnt], ix[:cnt], va[:cnt]))
     nb = ib1 - ib0
     if nb:
@@ -1169,13 +1208,13 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
         ix = np.empty(nb, np.int64)
         va = np.empty((nb, width), np.float64)
         if _parallel(n, d) and nb > 1:
-            _launch_parallel(bwd_kernels.backward_blocks_parallel, ib0, nb, m, row0, n, ntot, *args,
-                             lv, ix, va, *_pools(m, width, cdt, True))
+            _launch_parallel(_bwd_call, bwd_kernels.backward_blocks_parallel, 6, ib0, nb, m, row0,
+                             n, ntot, *args, lv, ix, va, *_pools(m, width, cdt, True))
         else:
             for t in range(nb):
                 b = ib0 + t
-                bwd_kernels.backward_range(b << m, min(hi, (b + 1) << m), row0, ntot, m, *args,
-                                  lv, ix, va, t, *pools)
+                _bwd_call(bwd_kernels.backward_range, 5, b << m, min(hi, (b + 1) << m), row0,
+                          ntot, m, *args, lv, ix, va, t, *pools)
         states.append((lv, ix, va))
     state = merge(states, ntot, cdt)
     return _interop.from_numpy(dx, caller), state
