@@ -341,6 +341,24 @@ def _run_rows(parallel_kernel, rows_kernel, n: int, d: int, args: tuple) -> None
         rows_kernel(0, n, *args)
 
 
+#: Positions of the forward drivers' row arrays ``x, r, y, h`` in their ``args``
+#: (:func:`forward`), and of ``eps, offset``.
+_FWD_ROWS, _FWD_FLOATS = (0, 1, 4, 5), (9, 10)
+
+
+def _run_fwd_rows(parallel_kernel, rows_kernel, n: int, d: int, args: tuple) -> None:
+    """:func:`_run_rows` of the forward drivers; strided rows (any of ``x``,
+    ``residual``, ``y``, ``h`` not C-contiguous) through :func:`_any_layout_entry`."""
+    if _contiguous(args, _FWD_ROWS):
+        _run_rows(parallel_kernel, rows_kernel, n, d, args)
+    elif _parallel(n, d):
+        _launch_parallel(_any_layout_entry(parallel_kernel, args, _FWD_ROWS, _FWD_FLOATS), *args)
+    else:
+        call = (0, n, *args)
+        _any_layout_entry(rows_kernel, call, tuple(p + 2 for p in _FWD_ROWS),
+                          tuple(p + 2 for p in _FWD_FLOATS))(*call)
+
+
 def _after_fork_in_child() -> None:
     global _forked_after_omp, _launch_lock
     _launch_lock = threading.Lock()
@@ -483,10 +501,10 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     stream = residual is None and not plan.llama and _streams(y, x)
     args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, offset, _stage(yk, stream))
     if plan.llama:
-        _run_rows(kernels.forward_llama_parallel, kernels.forward_llama_rows, n, d, args)
+        _run_fwd_rows(kernels.forward_llama_parallel, kernels.forward_llama_rows, n, d, args)
     else:
         drivers = kernels.forward_kernels(residual is not None, xk.dtype.itemsize == 2, stream)
-        _run_rows(*drivers, n, d, args)
+        _run_fwd_rows(*drivers, n, d, args)
     from_numpy = _interop.from_numpy
     return (out if out is not None else from_numpy(y, caller),
             None if h is None else from_numpy(h, caller), from_numpy(rstd, caller))
@@ -1007,41 +1025,56 @@ def _pools(m: int, width: int, cdt: np.dtype, per_thread: bool = False):
     return np.empty(lead + spc, cdt), np.empty(lead + s64, np.float64)
 
 
-#: The backward kernels' entry points for strided rows (:func:`_bwd_call`).
-_BWD_STRIDED: dict[tuple, Any] = {}
+#: Kernels' entry points for strided rows (:func:`_any_layout_entry`).
+_STRIDED: dict[tuple, Any] = {}
 
 
-def _bwd_call(kernel, lead: int, *call):
-    """``kernel(*call)``; ``call``'s ``dy, x, w, rstd, grad_residual, dx`` start
-    at position ``lead``.
+def _any_layout_entry(kernel, call: tuple, rows: tuple[int, ...], floats: tuple[int, ...]):
+    """``kernel``'s compiled entry point for the arguments ``call``, with the
+    arrays at positions ``rows`` (absent ones: None) typed as any layout ("A").
 
-    Where any of ``dy``, ``x``, ``grad_residual``, ``dx`` is not C-contiguous,
-    all four are typed as any layout ("A"): strided calls share one compiled
-    kernel per dtype and weight, where the dispatcher would compile one for
-    each mix of layouts (seconds each).  C-contiguous calls take the
-    dispatcher's kernel, typed for C arrays, as before.
+    The dispatcher compiles a kernel for each mix of C and A layouts of its
+    row arrays (seconds each); a call with strided rows takes this one kernel
+    per dtype and option set instead (C-contiguous calls keep the
+    dispatcher's, typed for C arrays).  The other scalars are typed int64,
+    those at ``floats`` float64 (the entry point converts the values).
     """
-    if (call[lead].flags.c_contiguous and call[lead + 1].flags.c_contiguous
-            and call[lead + 4].flags.c_contiguous and call[lead + 5].flags.c_contiguous):
-        return kernel(*call)
-    rows = (lead, lead + 1, lead + 4, lead + 5)
-    dyk, xk, w, rs, gr, dxk = call[lead:lead + 6]
-    key = (kernel, call[-2].dtype, dyk.dtype, xk.dtype, None if w is None else w.dtype, rs.dtype,
-           gr.dtype, dxk.dtype, dyk.flags.aligned, xk.flags.aligned, gr.flags.aligned,
-           dxk.flags.aligned)
-    entry = _BWD_STRIDED.get(key)
+    key = (kernel, *(
+        (a.dtype, a.ndim, a.flags.aligned, p in rows or a.flags.c_contiguous)
+        if isinstance(a, np.ndarray) else a is None for p, a in enumerate(call)))
+    entry = _STRIDED.get(key)
     if entry is None:
         from numba import types
 
-        tys = [kernel.typeof_pyval(a) if isinstance(a, np.ndarray) or a is None else types.int64
-               for a in call]
-        tys[lead + 8] = tys[lead + 9] = types.float64  # eps, offset
+        tys = [kernel.typeof_pyval(a) if isinstance(a, np.ndarray) or a is None
+               else types.float64 if p in floats else types.int64 for p, a in enumerate(call)]
         for p in rows:
-            tys[p] = tys[p].copy(layout="A")
+            if call[p] is not None:
+                tys[p] = tys[p].copy(layout="A")
         sig = tuple(tys)
         kernel.compile(sig)
-        entry = _BWD_STRIDED[key] = kernel.overloads[sig].entry_point
-    return entry(*call)
+        entry = _STRIDED[key] = kernel.overloads[sig].entry_point
+    return entry
+
+
+def _contiguous(call: tuple, rows: tuple[int, ...]) -> bool:
+    """Whether every array of ``call`` at positions ``rows`` is C-contiguous (or None)."""
+    for p in rows:
+        a = call[p]
+        if a is not None and not a.flags.c_contiguous:
+            return False
+    return True
+
+
+def _bwd_call(kernel, lead: int, *call):
+    """``kernel(*call)``, a backward kernel whose ``dy, x, w, rstd, grad_residual,
+    dx`` start at position ``lead``; strided rows (any of ``dy``, ``x``,
+    ``grad_residual``, ``dx`` not C-contiguous) through :func:`_any_layout_entry`."""
+    if (call[lead].flags.c_contiguous and call[lead + 1].flags.c_contiguous
+            and call[lead + 4].flags.c_contiguous and call[lead + 5].flags.c_contiguous):
+        return kernel(*call)
+    return _any_layout_entry(kernel, call, (lead, lead + 1, lead + 4, lead + 5),
+                             (lead + 8, lead + 9))(*call)
 
 
 def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
