@@ -26,7 +26,8 @@ per_test: collections.Counter[str] = collections.Counter()
 per_kernel: collections.Counter[str] = collections.Counter()
 compiles: collections.Counter[str] = collections.Counter()
 # the argument types of each top-level compile: which ones make a kernel's specialisations
-signatures: collections.defaultdict[str, list[tuple[float, str]]] = collections.defaultdict(list)
+# (and the test that needed each: the one to look at for a specialisation only it uses)
+signatures: collections.defaultdict[str, list[tuple[float, str, str]]] = collections.defaultdict(list)
 
 
 class _Listener(event.Listener):
@@ -42,7 +43,7 @@ class _Listener(event.Listener):
         per_test[_current[0]] += dt
         per_kernel[name] += dt
         compiles[name] += 1
-        signatures[name].append((dt, ", ".join(map(str, ev.data.get("args", ())))))
+        signatures[name].append((dt, ", ".join(map(str, ev.data.get("args", ()))), _current[0]))
 
 
 event.register("numba:compile", _Listener())
@@ -70,8 +71,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.write_line("-- argument types of the top kernels' compiles (seconds)")
     for k, _ in per_kernel.most_common(6):
         tr.write_line(k)
-        for dt, sig in signatures[k]:
-            tr.write_line(f"{dt:8.1f}  ({sig})")
+        for dt, sig, test in signatures[k]:
+            tr.write_line(f"{dt:8.1f}  ({sig})  <- {test}")
     tr.write_line("-- by test")
     for t, s in per_test.most_common(40):
         tr.write_line(f"{s:8.1f}  {t}")

@@ -341,6 +341,24 @@ def _run_rows(parallel_kernel, rows_kernel, n: int, d: int, args: tuple) -> None
         rows_kernel(0, n, *args)
 
 
+#: Positions of the forward drivers' row arrays ``x, r, y, h`` in their ``args``
+#: (:func:`forward`), and of ``eps, offset``.
+_FWD_ROWS, _FWD_FLOATS = (0, 1, 4, 5), (9, 10)
+
+
+def _run_fwd_rows(parallel_kernel, rows_kernel, n: int, d: int, args: tuple) -> None:
+    """:func:`_run_rows` of the forward drivers; strided rows (any of ``x``,
+    ``residual``, ``y``, ``h`` not C-contiguous) through :func:`_any_layout_entry`."""
+    if _contiguous(args, _FWD_ROWS):
+        _run_rows(parallel_kernel, rows_kernel, n, d, args)
+    elif _parallel(n, d):
+        _launch_parallel(_any_layout_entry(parallel_kernel, args, _FWD_ROWS, _FWD_FLOATS), *args)
+    else:
+        call = (0, n, *args)
+        _any_layout_entry(rows_kernel, call, tuple(p + 2 for p in _FWD_ROWS),
+                          tuple(p + 2 for p in _FWD_FLOATS))(*call)
+
+
 def _after_fork_in_child() -> None:
     global _forked_after_omp, _launch_lock
     _launch_lock = threading.Lock()
@@ -483,10 +501,10 @@ def forward(x, residual, weight, bias, plan: Plan, out=None):
     stream = residual is None and not plan.llama and _streams(y, x)
     args = (xk, r, w, b, yk, hk, rstd, flags, plan.k, plan.eps, offset, _stage(yk, stream))
     if plan.llama:
-        _run_rows(kernels.forward_llama_parallel, kernels.forward_llama_rows, n, d, args)
+        _run_fwd_rows(kernels.forward_llama_parallel, kernels.forward_llama_rows, n, d, args)
     else:
         drivers = kernels.forward_kernels(residual is not None, xk.dtype.itemsize == 2, stream)
-        _run_rows(*drivers, n, d, args)
+        _run_fwd_rows(*drivers, n, d, args)
     from_numpy = _interop.from_numpy
     return (out if out is not None else from_numpy(y, caller),
             None if h is None else from_numpy(h, caller), from_numpy(rstd, caller))
@@ -1007,6 +1025,58 @@ def _pools(m: int, width: int, cdt: np.dtype, per_thread: bool = False):
     return np.empty(lead + spc, cdt), np.empty(lead + s64, np.float64)
 
 
+#: Kernels' entry points for strided rows (:func:`_any_layout_entry`).
+_STRIDED: dict[tuple, Any] = {}
+
+
+def _any_layout_entry(kernel, call: tuple, rows: tuple[int, ...], floats: tuple[int, ...]):
+    """``kernel``'s compiled entry point for the arguments ``call``, with the
+    arrays at positions ``rows`` (absent ones: None) typed as any layout ("A").
+
+    The dispatcher compiles a kernel for each mix of C and A layouts of its
+    row arrays (seconds each); a call with strided rows takes this one kernel
+    per dtype and option set instead (C-contiguous calls keep the
+    dispatcher's, typed for C arrays).  The other scalars are typed int64,
+    those at ``floats`` float64 (the entry point converts the values).
+    """
+    key = (kernel, *(
+        (a.dtype, a.ndim, a.flags.aligned, p in rows or a.flags.c_contiguous)
+        if isinstance(a, np.ndarray) else a is None for p, a in enumerate(call)))
+    entry = _STRIDED.get(key)
+    if entry is None:
+        from numba import types
+
+        tys = [kernel.typeof_pyval(a) if isinstance(a, np.ndarray) or a is None
+               else types.float64 if p in floats else types.int64 for p, a in enumerate(call)]
+        for p in rows:
+            if call[p] is not None:
+                tys[p] = tys[p].copy(layout="A")
+        sig = tuple(tys)
+        kernel.compile(sig)
+        entry = _STRIDED[key] = kernel.overloads[sig].entry_point
+    return entry
+
+
+def _contiguous(call: tuple, rows: tuple[int, ...]) -> bool:
+    """Whether every array of ``call`` at positions ``rows`` is C-contiguous (or None)."""
+    for p in rows:
+        a = call[p]
+        if a is not None and not a.flags.c_contiguous:
+            return False
+    return True
+
+
+def _bwd_call(kernel, lead: int, *call):
+    """``kernel(*call)``, a backward kernel whose ``dy, x, w, rstd, grad_residual,
+    dx`` start at position ``lead``; strided rows (any of ``dy``, ``x``,
+    ``grad_residual``, ``dx`` not C-contiguous) through :func:`_any_layout_entry`."""
+    if (call[lead].flags.c_contiguous and call[lead + 1].flags.c_contiguous
+            and call[lead + 4].flags.c_contiguous and call[lead + 5].flags.c_contiguous):
+        return kernel(*call)
+    return _any_layout_entry(kernel, call, (lead, lead + 1, lead + 4, lead + 5),
+                             (lead + 8, lead + 9))(*call)
+
+
 def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     """Hand-written backward on 2-D rows (formula in :mod:`polynorm.core.options`).
 
@@ -1029,10 +1099,11 @@ def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):
     par = _parallel(n, d)
     cdt = _info(plan)[3]
     if par and nb > 1:
-        _launch_parallel(bwd_kernels.backward_blocks_parallel, 0, nb, m, 0, n, n, *args, lvl, idx,
-                         vals, *_pools(m, width, cdt, True))
+        _launch_parallel(_bwd_call, bwd_kernels.backward_blocks_parallel, 6, 0, nb, m, 0, n, n,
+                         *args, lvl, idx, vals, *_pools(m, width, cdt, True))
     else:
-        bwd_kernels.backward_range(0, n, 0, n, m, *args, lvl, idx, vals, 0, *_pools(m, width, cdt))
+        _bwd_call(bwd_kernels.backward_range, 5, 0, n, 0, n, m, *args, lvl, idx, vals, 0,
+                  *_pools(m, width, cdt))
     dw = db = None
     if width:
         if par and width >= 4096 and nb > 1:
@@ -1118,8 +1189,8 @@ def backward_decode(e: DecodeBackward, dy, x, weight, bias, rstd, grad_residual)
     lvl = np.empty(nb, np.int64)
     idx = np.empty(nb, np.int64)
     vals = np.empty((nb, width), np.float64)
-    bwd_kernels.backward_range(0, n, 0, n, e.m, *args, lvl, idx, vals, 0,
-                               np.empty(e.pc, cdt), np.empty(e.p64, np.float64))
+    _bwd_call(bwd_kernels.backward_range, 5, 0, n, 0, n, e.m, *args, lvl, idx, vals, 0,
+              np.empty(e.pc, cdt), np.empty(e.p64, np.float64))
     dw = db = None
     if width:
         bwd_kernels.tree_cols(0, width, vals, nb)
@@ -1161,7 +1232,8 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
             lv = np.empty(cap, np.int64)
             ix = np.empty(cap, np.int64)
             va = np.empty((cap, width), np.float64)
-            cnt = bwd_kernels.backward_range(a, b, row0, ntot, m, *args, lv, ix, va, 0, *pools)
+            cnt = _bwd_call(bwd_kernels.backward_range, 5, a, b, row0, ntot, m, *args, lv, ix,
+                            va, 0, *pools)
             states.append((lv[:cnt], ix[:cnt], va[:cnt]))
     nb = ib1 - ib0
     if nb:
@@ -1169,13 +1241,13 @@ def backward_range(dy, x, weight, bias, rstd, grad_residual, plan: Plan, row0: i
         ix = np.empty(nb, np.int64)
         va = np.empty((nb, width), np.float64)
         if _parallel(n, d) and nb > 1:
-            _launch_parallel(bwd_kernels.backward_blocks_parallel, ib0, nb, m, row0, n, ntot, *args,
-                             lv, ix, va, *_pools(m, width, cdt, True))
+            _launch_parallel(_bwd_call, bwd_kernels.backward_blocks_parallel, 6, ib0, nb, m, row0,
+                             n, ntot, *args, lv, ix, va, *_pools(m, width, cdt, True))
         else:
             for t in range(nb):
                 b = ib0 + t
-                bwd_kernels.backward_range(b << m, min(hi, (b + 1) << m), row0, ntot, m, *args,
-                                  lv, ix, va, t, *pools)
+                _bwd_call(bwd_kernels.backward_range, 5, b << m, min(hi, (b + 1) << m), row0,
+                          ntot, m, *args, lv, ix, va, t, *pools)
         states.append((lv, ix, va))
     state = merge(states, ntot, cdt)
     return _interop.from_numpy(dx, caller), state
