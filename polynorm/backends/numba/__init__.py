@@ -1057,24 +1057,28 @@ def _any_layout_entry(kernel, call: tuple, rows: tuple[int, ...], floats: tuple[
     return entry
 
 
-def _contiguous(call: tuple, rows: tuple[int, ...]) -> bool:
-    """Whether every array of ``call`` at positions ``rows`` is C-contiguous (or None)."""
+def _contiguous(call: tuple, rows: tuple[int, ...], lead: int = 0) -> bool:
+    """Whether every array of ``call`` at positions ``lead + rows`` is C-contiguous (or None)."""
     for p in rows:
-        a = call[p]
+        a = call[lead + p]
         if a is not None and not a.flags.c_contiguous:
             return False
     return True
+
+
+#: Positions of the backward kernels' row arrays ``dy, x, grad_residual, dx`` after their
+#: ``lead`` arguments (:func:`_bwd_call`), and of ``eps, offset``.
+_BWD_ROWS, _BWD_FLOATS = (0, 1, 4, 5), (8, 9)
 
 
 def _bwd_call(kernel, lead: int, *call):
     """``kernel(*call)``, a backward kernel whose ``dy, x, w, rstd, grad_residual,
     dx`` start at position ``lead``; strided rows (any of ``dy``, ``x``,
     ``grad_residual``, ``dx`` not C-contiguous) through :func:`_any_layout_entry`."""
-    if (call[lead].flags.c_contiguous and call[lead + 1].flags.c_contiguous
-            and call[lead + 4].flags.c_contiguous and call[lead + 5].flags.c_contiguous):
+    if _contiguous(call, _BWD_ROWS, lead):
         return kernel(*call)
-    return _any_layout_entry(kernel, call, (lead, lead + 1, lead + 4, lead + 5),
-                             (lead + 8, lead + 9))(*call)
+    return _any_layout_entry(kernel, call, tuple(lead + p for p in _BWD_ROWS),
+                             tuple(lead + p for p in _BWD_FLOATS))(*call)
 
 
 def backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan, out=None):

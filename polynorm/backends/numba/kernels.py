@@ -301,9 +301,16 @@ def _ss_floor(a):  # pragma: no cover - replaced by the overload
     raise NotImplementedError
 
 
+def _sums_partials(dtype) -> bool:
+    """Whether rows of the Numba ``dtype`` are summed in float32 partials (float32 rows:
+    :func:`_block_sum`; 16-bit bits: the lanes), whose sums leave range below
+    ``_LANES_TINY`` or by overflowing."""
+    return bits_dtype(dtype) or dtype == types.float32
+
+
 @overload(_ss_floor, inline="always")
 def _ov_ss_floor(a):
-    floor = _LANES_TINY if bits_dtype(a.dtype) or a.dtype == types.float32 else _TINY
+    floor = _LANES_TINY if _sums_partials(a.dtype) else _TINY
     return lambda a: floor
 
 
@@ -346,14 +353,13 @@ def _ov_is_bits(a):
 
 
 def _partial_sums(a):  # pragma: no cover - replaced by the overload
-    """Whether the forward sums ``a``'s rows in float32 partials (float32 and 16-bit rows),
-    whose sums leave range below ``_LANES_TINY`` or by overflowing: a compile-time constant."""
+    """:func:`_sums_partials` of ``a``'s rows: a compile-time constant."""
     raise NotImplementedError
 
 
 @overload(_partial_sums, inline="always")
 def _ov_partial_sums(a):
-    flag = bits_dtype(a.dtype) or a.dtype == types.float32
+    flag = _sums_partials(a.dtype)
     return lambda a: flag
 
 
