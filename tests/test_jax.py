@@ -423,6 +423,19 @@ def test_uncommitted_inputs_give_uncommitted_results():
     _assert_same_bits(y1, y)
 
 
+@pytest.mark.parametrize("backend", ["array_api", "auto"])
+def test_empty_rows_under_jit(backend):
+    """No rows: the results are made, not computed, and a tracer has no device of its own."""
+    x = _rand((0, 8), "float32")
+    y, h = jax.jit(lambda x: add_rms_norm(x, x, backend=backend))(x)
+    assert y.shape == h.shape == (0, 8) and y.dtype == h.dtype == jnp.float32
+    y, h = jax.jit(lambda x: pn.add_rms_norm(x, x, backend=backend))(x)
+    assert y.shape == h.shape == (0, 8)
+    assert jax.jit(lambda x: rms_norm(x, backend=backend))(x).shape == (0, 8)
+    g = jax.grad(lambda x: add_rms_norm(x, x, backend=backend)[0].sum())(x)
+    assert g.shape == (0, 8)
+
+
 def test_arrays_committed_to_different_devices_are_a_value_error():
     d0, d1 = _devices()[:2]
     x, w = _rand((3, 8), "float32"), _rand((8,), "float32", seed=1)

@@ -180,7 +180,12 @@ def from_numpy(a: np.ndarray | None, like: Any) -> Any:
 
 def jax_committed(a: Any) -> bool:
     """Whether jax array ``a`` is committed to its devices (``jax.Array.committed``;
-    jax versions without the public property have ``_committed``; unknown: True)."""
+    jax versions without the public property have ``_committed``; unknown: True).
+    A tracer is not: its placement is the traced program's, which jnp leaves to jit."""
+    import jax
+
+    if isinstance(a, jax.core.Tracer):
+        return False
     c = getattr(a, "committed", None)
     return bool(getattr(a, "_committed", True) if c is None else c)
 
