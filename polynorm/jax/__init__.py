@@ -20,8 +20,7 @@ What runs where (forward and backward alike):
   the batch):
 
   - under ``jax.jit`` (also ``vmap``, whose batch axis the handlers walk,
-    and ``grad``, whose backward is the reference from the kernels'
-    ``rstd``): without bias, with ``y`` in ``x``'s dtype and ``eps`` of at
+    and ``grad``: see the backward below): without bias, with ``y`` in ``x``'s dtype and ``eps`` of at
     least ``1e-30`` (``polynorm.jax.norm._xla_elementwise``), the kernels
     compute only ``rstd`` (``polynorm_rstd_*``) and XLA the elementwise pass
     ``y = x * rstd * (weight + offset)``, which it fuses with the program's
@@ -36,6 +35,12 @@ What runs where (forward and backward alike):
     bias, ``residual`` of ``x``'s dtype and shape, ``norm_input="h"``):
     ``h = x + residual`` and ``y`` from XLA, ``rstd`` of ``h`` from the
     kernels: the eager fused kernel's ``y`` and ``h`` bit for bit;
+  - the backward of both under ``jax.jit``/``grad`` (with ``dy`` of ``x``'s
+    dtype; the residual stream's gradient fused into ``dx``): the compiled
+    backward handler (``polynorm_backward_*``), the eager backward's kernels
+    and row tree on XLA's buffers, its bits (``dx`` and ``dweight`` do not
+    depend on the batch); from 64 Ki elements its aligned row blocks run on
+    XLA's thread pool; under ``vmap`` once per batch element;
   - eager CPU jax arrays below ``polynorm.jax.norm.EAGER_JIT_MAX_BYTES``
     (32 MiB of ``x``): a jitted call of the above, cached per options,
     dtypes, ranks and hidden size, so an eager call costs jax's dispatch of
@@ -59,9 +64,9 @@ What runs where (forward and backward alike):
   the backward's row dot) are a compiled Numba call in a fixed order
   (``polynorm.backends.reference.ROW_SUMS``): XLA's own follow the array's
   shape on the CPU, so a token's bits would depend on the number of
-  tokens.  The backward's elementwise ``dx`` is XLA's code, which rounds
-  one token's rows once less than a batch's (a strict xfail in
-  ``tests/test_jax_kernel_call.py`` records it).
+  tokens.  A backward the compiled handler does not take (other options,
+  mixed cotangent dtypes) has XLA's elementwise ``dx``, which may round one
+  token's rows once less than a batch's (XLA's contraction).
   Its overflow-safe scaled pass sits behind a ``lax.cond`` that runs it
   only when some row needs it.  A process with several CPU devices (XLA's
   host device count flag) keeps it for every call: XLA cannot split the

@@ -413,9 +413,65 @@ def _rms_norm_bwd(static, keep, res, dy):
     lean = _keeps_output(keep[0], weight, static, rstd)
     x = _kept_input(kept, weight, bias, rstd, static, lean)
     # cotangents may arrive as numpy arrays (jax.test_util does that)
-    dx, dw, db = _dispatch(_partial(_backward, static=static), jnp.asarray(dy), x, weight, bias,
-                           rstd, None)
+    dy = jnp.asarray(dy)
+    grads = _kernel_backward(static, dy, x, weight, bias, rstd, None)
+    if grads is None:
+        grads = _dispatch(_partial(_backward, static=static), dy, x, weight, bias, rstd, None)
+    dx, dw, db = grads
     return dx.astype(keep[1]), dw, db
+
+
+def _kernel_backward(static: Options, dy, x, weight, bias, rstd, grad_residual):
+    """``(dx, dweight, dbias)`` of a traced backward: the Numba kernels through the
+    compiled handler (:func:`polynorm.backends.numba.xla.backward_handler`: the eager
+    backward's bits, batch invariance included) on the CPU, the path it replaces on
+    other platforms; None where the forward's compiled kernel call does not apply."""
+    if (not _traced((dy, x, weight, bias, rstd, grad_residual)) or x.size == 0
+            or dy.shape != x.shape or dy.dtype != x.dtype or rstd.shape != x.shape[:-1]
+            or (grad_residual is not None and (grad_residual.shape != x.shape
+                                               or grad_residual.dtype != x.dtype))):
+        return None  # the front end's dtype rules for mixed cotangents stay its own
+    plan = _kernel_plan(static, x, weight, bias)
+    if plan is None:
+        return None
+    from polynorm.backends import numba as _numba
+    from polynorm.backends.numba import xla as _xla
+
+    kernels = _numba._k()
+    flags, _, _, cdt = _numba._info(plan)
+    flags = (flags & ~kernels.LLAMA) | kernels.HAS_RSTD | (kernels.HAS_B if bias is not None else 0)
+    if grad_residual is not None:
+        flags |= kernels.HAS_GR
+    n, d = x.size // x.shape[-1], x.shape[-1]
+    if x.dtype.itemsize >= 4 and x.size * x.dtype.itemsize >= _numba.STREAM_MIN_BYTES:
+        flags |= kernels.STREAM_DX  # as the backend's _streams_dx for XLA's aligned buffers
+    width = d * ((weight is not None) + (bias is not None))
+    m = _xla.backward_level(n, width)
+    names = [None if a is None else jnp.dtype(a.dtype).name for a in (weight, bias)]
+    target = _jax_ffi.compiled_backward_target(jnp.dtype(x.dtype).name, jnp.dtype(dy.dtype).name,
+                                               np.dtype(cdt).name, *names,
+                                               grad_residual is not None)
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    results += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (weight, bias) if a is not None]
+    results.append(jax.ShapeDtypeStruct(
+        (_xla.backward_scratch_bytes(n, d, width, m, np.dtype(cdt).name),), jnp.uint8))
+    call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
+
+    def cpu(dy, x, weight, bias, rstd, grad_residual):
+        ops = (dy, x, *(() if weight is None else (weight.astype(cdt),)), rstd.astype(cdt),
+               *(() if grad_residual is None else (grad_residual,)))
+        res = iter(call(*ops, a_flags=np.int64(flags), b_k=np.int64(plan.k),
+                        c_eps=np.float64(plan.eps), d_offset=np.float64(plan.offset),
+                        e_level=np.int64(m)))
+        dx = next(res)
+        return (dx, None if weight is None else next(res), None if bias is None else next(res))
+
+    def other(dy, x, weight, bias, rstd, grad_residual):
+        return tuple(_dispatch(_partial(_backward, static=static), dy, x, weight, bias, rstd,
+                               grad_residual))
+
+    return jax.lax.platform_dependent(dy, x, weight, bias, rstd, grad_residual, cpu=cpu,
+                                      default=other)
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
@@ -499,7 +555,10 @@ def _add_bwd(static, save, in_dtypes, res, cts):
     x_dtype, r_dtype = in_dtypes
     dy, dh = (None if c is None else jnp.asarray(c) for c in cts)
     # the gradient reaching h through the residual stream is fused into dx
-    dxh, dw, db = _dispatch(_partial(_backward, static=static), dy, h, weight, bias, rstd, dh)
+    grads = None if dy is None else _kernel_backward(static, dy, h, weight, bias, rstd, dh)
+    if grads is None:
+        grads = _dispatch(_partial(_backward, static=static), dy, h, weight, bias, rstd, dh)
+    dxh, dw, db = grads
     return dxh.astype(x_dtype), dxh.astype(r_dtype), dw, db
 
 

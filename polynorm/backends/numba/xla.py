@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import sys
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import carray, cfunc, njit, types
@@ -522,6 +523,189 @@ def row_sum_handler(dtype: str, square: bool) -> int:
             rows(lo, hi, carray(_pointer(ad), (n, d), t), out, square)
 
     return _row_stat_handler(stat, False)
+
+
+#: words at the head of the backward's scratch (:func:`backward_handler`; its job record's
+#: ``_B`` word points to it): rows, block level, ``[dweight | dbias]`` width, dy, the
+#: row-tree slots (levels, indices, values) of the call's blocks, the serial run's pools,
+#: a flag set by a chunk that found no memory for its pools (its blocks then run again,
+#: serially, on those), and grad_residual
+_BN, _BM, _BWIDTH, _BDY, _BLVL, _BIDX, _BVALS, _BPC, _BP64, _BUNDONE, _BGR = range(11)
+_BWORDS = 11
+
+
+def backward_level(n: int, width: int) -> int:
+    """The block level of :func:`backward_handler`'s rows (the backend's rule for its own
+    threads, :func:`polynorm.backends.numba._block_level`: a matter of speed only)."""
+    return _nb._block_level(n, width, numba.config.NUMBA_NUM_THREADS)
+
+
+def _backward_pools(m: int, width: int, csize: int) -> tuple[int, int, int, int]:
+    """``(rows of pc, rows of p64, columns)`` of the backward kernels' scratch pools and
+    their bytes in all (``pool_shapes``)."""
+    (pc_rows, cols), (p64_rows, _) = _nb._kb().pool_shapes(m, width)
+    return pc_rows, p64_rows, cols, _up64(pc_rows * cols * csize) + p64_rows * cols * 8
+
+
+@njit(nogil=True)
+def _up64(nbytes):
+    """``nbytes`` rounded up to a whole 64-byte line (the float64 pool's start)."""
+    return (nbytes + 63) // 64 * 64
+
+
+def backward_scratch_bytes(n: int, d: int, width: int, m: int, compute_dtype: str) -> int:
+    """The bytes of :func:`backward_handler`'s scratch result for ``n`` rows of ``d``."""
+    from polynorm.core.dtypes import numpy_dtype
+
+    nb = ((n - 1) >> m) + 1
+    pools = _backward_pools(m, width, numpy_dtype(compute_dtype).itemsize)[3]
+    return _up64(8 * (_BWORDS + _JOB_WORDS) + 16 * nb + 8 * nb * width) + pools
+
+
+@functools.cache
+def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dtype,
+                     bias_dtype, has_grad_residual: bool) -> int:
+    """The address of the compiled handler of the plain backward
+    (:func:`polynorm.backends.numba.backward`'s kernels and row tree: its bits).
+
+    Arguments ``dy``, ``x`` (rows: every axis but the last), ``weight`` (``(d,)`` in
+    the compute dtype; only where ``weight_dtype``), the forward's ``rstd`` and, where
+    ``has_grad_residual``, ``grad_residual`` (``dy``'s dtype); results
+    ``dx`` (``x``'s dtype), ``dweight`` and ``dbias`` in their dtypes where given, and a
+    scratch buffer of :func:`backward_scratch_bytes`; attributes ``a_flags``
+    (``HAS_RSTD``, ``HAS_B``, ``HAS_GR`` set as the backend sets them), ``b_k``, ``c_eps``,
+    ``d_offset``, ``e_level`` (:func:`backward_level`).  The rows' aligned blocks
+    (:mod:`polynorm.backends.rowtree`) run in chunks on XLA's pool from
+    ``POOL_MIN_ELEMENTS`` on; their nodes are summed pairwise after, and the bits
+    depend on neither.
+    """
+    from polynorm.core.dtypes import numpy_dtype
+
+    kb = _nb._kb()
+    range_kernel, tree_cols, round_into = kb.backward_range, kb.tree_cols, kb.round_into
+    xt = _bits_type(numpy_dtype(x_dtype))
+    dyt = _bits_type(numpy_dtype(dy_dtype))
+    ct = numpy_dtype(compute_dtype)
+    has_w, has_b, has_gr = weight_dtype is not None, bias_dtype is not None, has_grad_residual
+    wt = _bits_type(numpy_dtype(weight_dtype)) if has_w else ct
+    bt = _bits_type(numpy_dtype(bias_dtype)) if has_b else ct
+    pool_min = POOL_MIN_ELEMENTS
+    huge_pages = sys.platform == "linux"
+    xsize, csize = xt.itemsize, ct.itemsize
+    # the pools' shapes as numba-compiled arithmetic: pool_shapes(m, width)
+    pc_rows, _, pad, _ = _backward_pools(0, 0, csize)
+    tree_g = _nb._kb().TREE_G
+
+    @njit(nogil=True)
+    def p64_rows(m):
+        return max(m, tree_g) - tree_g + 2
+
+    @njit(nogil=True)
+    def run_blocks(job, lo, hi, pcd, p64d):
+        """Blocks ``[lo, hi)`` of the call: their dx and one row-tree node each."""
+        rec, d = _word(job + 8 * _B), _word(job + 8 * _D)
+        n, m, width = _word(rec + 8 * _BN), _word(rec + 8 * _BM), _word(rec + 8 * _BWIDTH)
+        nb = ((n - 1) >> m) + 1
+        dy = carray(_pointer(_word(rec + 8 * _BDY)), (n, d), dyt)
+        x = carray(_pointer(_word(job + 8 * _X)), (n, d), xt)
+        dx = carray(_pointer(_word(job + 8 * _Y)), (n, d), xt)
+        rstd = carray(_pointer(_word(job + 8 * _R)), (n,), ct)
+        if has_gr:
+            gr = carray(_pointer(_word(rec + 8 * _BGR)), (n, d), dyt)
+        else:  # HAS_GR unset: never read
+            gr = carray(_pointer(_word(rec + 8 * _BDY)), (1, 1), dyt)
+        lvl = carray(_pointer(_word(rec + 8 * _BLVL)), (nb,), np.int64)
+        idx = carray(_pointer(_word(rec + 8 * _BIDX)), (nb,), np.int64)
+        vals = carray(_pointer(_word(rec + 8 * _BVALS)), (nb, width), np.float64)
+        cols = width + pad
+        pc = carray(_pointer(pcd), (pc_rows, cols), ct)
+        p64 = carray(_pointer(p64d), (p64_rows(m), cols), np.float64)
+        flags, kk = _word(job + 8 * _FLAGS), _word(job + 8 * _K)
+        eps, offset = _double(job + 8 * _EPS), _double(job + 8 * _OFFSET)
+        for b in range(lo, hi):
+            if has_w:
+                w = carray(_pointer(_word(job + 8 * _W)), (d,), ct)
+                range_kernel(b << m, min(n, (b + 1) << m), 0, n, m, dy, x, w, rstd, gr, dx,
+                             flags, kk, eps, offset, lvl, idx, vals, b, pc, p64)
+            else:
+                range_kernel(b << m, min(n, (b + 1) << m), 0, n, m, dy, x, None, rstd, gr, dx,
+                             flags, kk, eps, offset, lvl, idx, vals, b, pc, p64)
+
+    @njit(nogil=True)
+    def chunk(job, lo, hi):
+        """A pool task's blocks, on pools of its own."""
+        rec = _word(job + 8 * _B)
+        cols = _word(rec + 8 * _BWIDTH) + pad
+        pcd = _malloc(pc_rows * cols * csize)
+        p64d = _malloc(p64_rows(_word(rec + 8 * _BM)) * cols * 8)
+        if pcd != 0 and p64d != 0:
+            run_blocks(job, lo, hi, pcd, p64d)
+        else:
+            _put_word(rec + 8 * _BUNDONE, 1)
+        _free(pcd)
+        _free(p64d)
+
+    run_pooled, task_fn = _pool(chunk)
+
+    def run(frame):
+        f = _address(frame)
+        if not _executes(f):
+            return _pointer(0)
+        args = _word(f + _ARGS_PTRS)
+        rets = _word(f + _RETS_PTRS)
+        attrs = _word(f + _ATTRS_PTRS)
+        dyb, xb = _word(args), _word(args + 8)
+        xd = _word(xb + _DATA)
+        wd = _word(_word(args + 16) + _DATA) if has_w else 0
+        rd = _word(_word(args + (24 if has_w else 16)) + _DATA)
+        grd = _word(_word(args + (32 if has_w else 24)) + _DATA) if has_gr else 0
+        n, d = _rows(xb), _last_dim(xb)
+        dxd = _word(_word(rets) + _DATA)
+        rec = _word(_word(rets + 8 * (1 + has_w + has_b)) + _DATA)
+        flags = _word(_word(_word(attrs) + 8))
+        kk = _word(_word(_word(attrs + 8) + 8))
+        eps = _double(_word(_word(attrs + 16) + 8))
+        offset = _double(_word(_word(attrs + 24) + 8))
+        m = _word(_word(_word(attrs + 32) + 8))
+        width = d * (has_w + has_b)
+        if n == 0:
+            return _pointer(0)
+        if huge_pages:
+            _huge_pages(dxd, n * d * xsize)
+        nb = ((n - 1) >> m) + 1
+        job = rec + 8 * _BWORDS  # the serial run's job record, as the pool's
+        lvl_at = job + 8 * _JOB_WORDS  # then the row-tree slots, the pools from a whole line
+        vals_at = lvl_at + 16 * nb
+        pcd = rec + _up64(vals_at + 8 * nb * width - rec)
+        for i, v in ((_BN, n), (_BM, m), (_BWIDTH, width), (_BDY, _word(dyb + _DATA)),
+                     (_BLVL, lvl_at), (_BIDX, lvl_at + 8 * nb), (_BVALS, vals_at),
+                     (_BPC, pcd), (_BP64, pcd + _up64(pc_rows * (width + pad) * csize)),
+                     (_BUNDONE, 0), (_BGR, grd)):
+            _put_word(rec + 8 * i, v)
+        for i, v in ((_N, nb), (_D, d), (_X, xd), (_W, wd), (_B, rec), (_Y, dxd), (_R, rd),
+                     (_FLAGS, flags), (_K, kk)):
+            _put_word(job + 8 * i, v)
+        _put_double(job + 8 * _EPS, eps)
+        _put_double(job + 8 * _OFFSET, offset)
+        pooled = nb >= 2 and n * d >= pool_min and run_pooled(
+            f, nb, d, xd, wd, rec, dxd, rd, flags, kk, eps, offset)
+        if not pooled or _word(rec + 8 * _BUNDONE) != 0:
+            # every block again where a chunk had no pools: dx and the nodes are rewritten
+            run_blocks(job, 0, nb, _word(rec + 8 * _BPC), _word(rec + 8 * _BP64))
+        if width:
+            vals = carray(_pointer(vals_at), (nb, width), np.float64)
+            tree_cols(0, width, vals, nb)
+            if has_w:
+                dw = _word(_word(rets + 8) + _DATA)
+                round_into(vals[0, :d], carray(_pointer(dw), (d,), wt))
+            if has_b:
+                db = _word(_word(rets + (16 if has_w else 8)) + _DATA)
+                round_into(vals[0, width - d:], carray(_pointer(db), (d,), bt))
+        return _pointer(0)
+
+    fn = cfunc(types.voidptr(types.voidptr), nogil=True, error_model="numpy")(run)
+    _keep.extend((fn, task_fn))
+    return fn.address
 
 
 @njit(nogil=True)
