@@ -9,7 +9,9 @@ is faster):
 - ``graph_us``: the norm inside a jitted program, per step of a ``fori_loop`` of
   ``h = h + 0.5 * norm(h, w)`` (a residual stream), one call per round trip: what a norm
   costs in a jitted model, where XLA fuses the jnp formula with its neighbours and a
-  custom call's output takes a pass of its own.
+  custom call's output takes a pass of its own;
+- ``grad_us``: a jitted ``jax.vjp`` of the norm alone, forward and backward (the
+  cotangent is ``x``), returning ``(dx, dweight)``: a training step's norm.
 
     python bench/jax_jit.py [--rounds N] [--tokens 1 8 2048] [--json PATH]
 
@@ -97,6 +99,18 @@ def graph_variants():
             "jit_array_api": _graph(lambda x, w: pj.rms_norm(x, w, backend="array_api"))}
 
 
+def _grad(norm):
+    """A jitted forward and backward of ``norm``: ``(dx, dweight)`` for the cotangent ``x``."""
+    return jax.jit(lambda x, w: jax.vjp(norm, x, w)[1](x))
+
+
+def grad_variants():
+    return {"jnp_naive_jit": _grad(naive),
+            "jit_default": _grad(lambda x, w: pj.rms_norm(x, w)),
+            "jit_numba": _grad(lambda x, w: pj.rms_norm(x, w, backend="numba")),
+            "jit_array_api": _grad(lambda x, w: pj.rms_norm(x, w, backend="array_api"))}
+
+
 def _time_graph(f, x, w, reps):
     t = time.perf_counter()
     for _ in range(reps):
@@ -115,9 +129,11 @@ def _time(f, x, w, reps):
 def run(rounds: int, tokens=TOKENS, dtypes=("float32", "bfloat16"), only=None):
     fns = variants()
     gfns = graph_variants()
+    dfns = grad_variants()
     if only:
         fns = {k: f for k, f in fns.items() if k == "jnp_naive_jit" or k in only}
         gfns = {k: f for k, f in gfns.items() if k == "jnp_naive_jit" or k in only}
+        dfns = {k: f for k, f in dfns.items() if k == "jnp_naive_jit" or k in only}
     rows = []
     for dtype in dtypes:
         for n in tokens:
@@ -126,19 +142,22 @@ def run(rounds: int, tokens=TOKENS, dtypes=("float32", "bfloat16"), only=None):
             w = jnp.asarray(rng.standard_normal(D, np.float32), dtype)
             reps = max(1, min(200, 20000 // n))
             greps = max(1, reps // GRAPH_STEPS)
-            for f in (*fns.values(), *gfns.values()):  # compile and warm
+            for f in (*fns.values(), *gfns.values(), *dfns.values()):  # compile and warm
                 jax.block_until_ready(f(x, w))
             times = {k: [] for k in fns}
             gtimes = {k: [] for k in gfns}
+            dtimes = {k: [] for k in dfns}
             order = [(k, f, times, _time, reps) for k, f in fns.items()]
             order += [(k, f, gtimes, _time_graph, greps) for k, f in gfns.items()]
+            order += [(k, f, dtimes, _time, max(1, reps // 2)) for k, f in dfns.items()]
             for i in range(rounds):
                 random.Random(i).shuffle(order)  # no variant always first (or after another)
                 for k, f, into, timer, r in order:
                     into[k].append(timer(f, x, w, r))
             row = {"dtype": str(dtype), "tokens": n, "d": D}
             for us, speed, ts in (("us", "speed_vs_jnp", times),
-                                  ("graph_us", "graph_speed_vs_jnp", gtimes)):
+                                  ("graph_us", "graph_speed_vs_jnp", gtimes),
+                                  ("grad_us", "grad_speed_vs_jnp", dtimes)):
                 med = {k: statistics.median(v) for k, v in ts.items()}
                 base = med["jnp_naive_jit"]
                 row[us] = {k: round(v * 1e6, 2) for k, v in med.items()}
