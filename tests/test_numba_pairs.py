@@ -21,8 +21,8 @@ from numba import njit  # noqa: E402
 
 from polynorm.backends.numba.backward_kernels import _PAD, _dx_pass  # noqa: E402
 from polynorm.backends.numba.codec import encode_array  # noqa: E402
+from polynorm.backends.numba.kernels import DOT_BLOCK  # noqa: E402
 from polynorm.backends.numba.pairs import (  # noqa: E402
-    DOT_BLOCK,
     PAIR_BLOCK,
     dot_pairs,
     dx_pairs,

@@ -21,6 +21,7 @@ from polynorm.backends.numba.codec import load, prefetch_row, prefetch_span, sto
 from polynorm.backends.numba.kernels import (
     _PREFETCH_EARLY_BYTES,
     _PREFETCH_MAX_BYTES,
+    DOT_BLOCK,
     EPS_INSIDE,
     HAS_B,
     HAS_GR,
@@ -36,7 +37,6 @@ from polynorm.backends.numba.kernels import (
     as_type_of,
 )
 from polynorm.backends.numba.pairs import (
-    DOT_BLOCK,
     PAIR_BLOCK,
     dot_pairs,
     dx_pairs,

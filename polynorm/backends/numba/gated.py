@@ -44,6 +44,7 @@ from polynorm.backends.numba.codec import (
     store,
 )
 from polynorm.backends.numba.kernels import (
+    DOT_BLOCK,
     EPS_INSIDE,
     HAS_B,
     HAS_RSTD,
@@ -380,8 +381,6 @@ def forward_parallel(x, z, w, b, y, rstd, u, flags, gs, k, eps, offset):
 # dz and the dweight leaves.
 
 _S, _DS, _V, _DN = 0, 1, 2, 3  # rows of the backward's buffer
-#: Elements per float32 partial of the backward's dot (as numba.backward_kernels's).
-DOT_BLOCK = 512
 
 
 @_reduce

@@ -205,22 +205,24 @@ def _sumsq(a, i, k):
     return s
 
 
-#: elements per compute-dtype partial of :func:`_block_sum`
-_ROW_SUM_BLOCK = 512
+#: Elements per float32 partial of every row sum in blocks: the statistic and row sums
+#: of :func:`_block_sum`, the backward's dot (``pairs.dot_pairs``,
+#: ``backward_kernels._dot_row``) and the gated backward's; one order for all of them.
+DOT_BLOCK = 512
 
 
 @_reduce
 def _block_sum(a, i, k, square):
     """Sum of ``a[i, :k]`` (of its squares where ``square``): partials in ``a``'s dtype
-    over blocks of ``_ROW_SUM_BLOCK`` elements (vectorized), added in float64.  The
+    over blocks of ``DOT_BLOCK`` elements (vectorized), added in float64.  The
     float32 forward's statistic (a partial that overflows, ``|x| > 1.8e19``, or a sum
     that has lost bits to underflow sends the row to the scaled path: :func:`_rms_rstd`),
     the backward's row dot's order, and the jitted reference's row sums
     (:func:`row_sum_rows`).  A pure reduction compiled once: a row's sum has the same
     bits wherever the row falls."""
     c = 0.0
-    for b in range(np.uint64(0), np.uint64(k), np.uint64(_ROW_SUM_BLOCK)):
-        e = min(b + np.uint64(_ROW_SUM_BLOCK), np.uint64(k))
+    for b in range(np.uint64(0), np.uint64(k), np.uint64(DOT_BLOCK)):
+        e = min(b + np.uint64(DOT_BLOCK), np.uint64(k))
         s = as_type_of(0.0, a[i, 0])
         if square:
             for j in range(b, e):

@@ -33,14 +33,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from polynorm.backends.numba.codec import _row_at, fma_ir, splat
-from polynorm.backends.numba.kernels import _inline
+from polynorm.backends.numba.kernels import DOT_BLOCK, _inline
 
 #: Columns per block of the pair layout.
 PAIR_BLOCK = 16
-
-#: Elements per float32 partial of the backward's dot (:func:`dot_pairs` and
-#: ``numba.backward_kernels._dot_row``).
-DOT_BLOCK = 512
 
 _LANES = PAIR_BLOCK // 2
 _I1, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(16), ir.IntType(32), ir.IntType(64)
