@@ -416,7 +416,7 @@ SLOW_SWEEPS = (
     "tests/test_accuracy.py::test_backward_matches_oracle[torch-float16-partial-outside-offset]",
     # the emulated CUDA kernels with a float16 x: their library (every specialisation of that
     # x dtype) is the costliest g++ build of the default run after bfloat16's (~20 s) and
-    # its cases ~18 s more; bfloat16 (the other 16-bit x, the same templates with another
+    # its ~220 cases ~15 s more (warm); bfloat16 (the other 16-bit x, the same templates with another
     # storage type), float32 and float64 stay in the default run with every option and size,
     # and the prelude's half conversions (test_emul_prelude.py) stay
     "tests/test_emul_kernels.py::*-float16]",
