@@ -10,11 +10,16 @@ Run it on an empty kernel cache, or it sees only what the cache lacks::
 
 A test's seconds are those of the kernels it was the first to need: taking
 it out of the run moves them to the next test that needs the same kernel.
+
+It also prints each test's CPU (this process) and its child processes' CPU
+(g++ building the CUDA emulator's libraries when ``POLYNORM_EMUL_CACHE`` is
+empty, subprocess and multi-process tests): the compile events do not see them.
 """
 
 from __future__ import annotations
 
 import collections
+import resource
 import time
 
 import pytest
@@ -49,10 +54,23 @@ class _Listener(event.Listener):
 event.register("numba:compile", _Listener())
 
 
+# CPU seconds per test: this process (user + sys) and its waited-for children (g++, subprocesses)
+cpu_self: collections.Counter[str] = collections.Counter()
+cpu_children: collections.Counter[str] = collections.Counter()
+
+
+def _cpu(who: int) -> float:
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _current[0] = item.nodeid
+    s0, c0 = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
     yield
+    cpu_self[item.nodeid] += _cpu(resource.RUSAGE_SELF) - s0
+    cpu_children[item.nodeid] += _cpu(resource.RUSAGE_CHILDREN) - c0
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -76,3 +94,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.write_line("-- by test")
     for t, s in per_test.most_common(40):
         tr.write_line(f"{s:8.1f}  {t}")
+    tr.section("CPU seconds per test (this process + child processes such as g++)")
+    tr.write_line(f"{sum(cpu_self.values()):8.1f}  this process, {sum(cpu_children.values()):.1f} children,"
+                  f" in {len(cpu_self)} tests")
+    files_self: collections.Counter[str] = collections.Counter()
+    files_children: collections.Counter[str] = collections.Counter()
+    for t in cpu_self:
+        files_self[t.split("::")[0]] += cpu_self[t]
+        files_children[t.split("::")[0]] += cpu_children[t]
+    tr.write_line("-- by file (self + children = total)")
+    for f, _ in (files_self + files_children).most_common(40):
+        tr.write_line(f"{files_self[f]:8.1f} + {files_children[f]:6.1f} = {files_self[f] + files_children[f]:7.1f}  {f}")
+    tr.write_line("-- by test, children (g++ builds, subprocesses)")
+    for t, s in cpu_children.most_common(40):
+        if s >= 0.5:
+            tr.write_line(f"{s:8.1f}  {t}")
+    tr.write_line("-- by test, total")
+    for t, s in (cpu_self + cpu_children).most_common(80):
+        tr.write_line(f"{s:8.1f}  {t} (compile {per_test[t]:.1f}, children {cpu_children[t]:.1f})")

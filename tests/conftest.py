@@ -414,6 +414,42 @@ SLOW_SWEEPS = (
     "tests/test_accuracy.py::test_partial_size_and_partial_k_over_d_select_k[torch]",
     "tests/test_accuracy.py::test_backward_matches_oracle[torch-float64-partial-outside-offset]",
     "tests/test_accuracy.py::test_backward_matches_oracle[torch-float16-partial-outside-offset]",
+    # the emulated CUDA kernels with a float16 x: their library (every specialisation of that
+    # x dtype) is the costliest g++ build of the default run after bfloat16's (~20 s) and
+    # its ~220 cases ~15 s more (warm); bfloat16 (the other 16-bit x, the same templates with another
+    # storage type), float32 and float64 stay in the default run with every option and size,
+    # and the prelude's half conversions (test_emul_prelude.py) stay
+    "tests/test_emul_kernels.py::*-float16]",
+    "tests/test_emul_kernels.py::*[float16]",
+    "tests/test_emul_bwd_rows.py::*-float16]",
+    "tests/test_emul_bwd_rows.py::*[float16]",
+    "tests/test_emul_bwd_rows.py::*[float16-*",
+    "tests/test_emul_fwd_rows.py::*-float16]",
+    "tests/test_emul_fwd_rows.py::*[float16]",
+    "tests/test_emul_fwd_rows.py::*[float16-*",
+    "tests/test_emul_fusion_rows.py::*[float16]",
+    "tests/test_emul_fusion_rows.py::*[float16-*",
+    "tests/test_emul_fusions.py::test_emul_fusion_backend_glue[float16]",
+    "tests/test_emul_none.py::*[float16]",
+    "tests/test_emul_split.py::*[float16]",
+    "tests/test_emul_split.py::*[float16-*",
+    "tests/test_emul_cupy_backend.py::*[smem*-float16-*",
+    "tests/test_emul_cupy_backend.py::*[smem*-float16]",
+    "tests/test_emul_cupy_backend.py::*-float16]",
+    "tests/test_emul_cupy_backend.py::*-float16-*",
+    # Numba specialisations that only these cases call (bench/kernel_users.py on a warm cache,
+    # their compile seconds from bench/compile_census.py): the grouped batch invariance in
+    # bfloat16 (~7 s: its grouped rows' layout; float32's reuses a kernel the default run has),
+    # the streamed-dx stage in float64 (~3 s: the only float64 parallel-blocks backward; the
+    # float32 cases, every alignment and option, stay)
+    "tests/test_group_conventions.py::test_grouped_batch_invariant[bfloat16]",
+    "tests/test_numba_bwd_pipeline.py::test_streamed_dx_equals_ordinary[*-float64]",
+    # jax's check_grads of qk_norm with GPT-J's rotation (~3 s of tracing and fd; the plain
+    # norm and NeoX's rotation stay, and every rotation's per-head fd stays on torch)
+    "tests/test_qk_jax.py::test_qk_norm_vjp_fd[gptj]",
+    # NVRTC with ptxas -v for three pn_none_fwd instantiations (~4 s): like the other NVRTC
+    # compiles above, the default run keeps test_nvrtc_cached_cubin's one kernel
+    "tests/test_emul_none.py::test_nvrtc_none_compiles_without_spills",
 )
 
 

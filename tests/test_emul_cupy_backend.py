@@ -245,23 +245,24 @@ def test_emul_cupy_forward(fake_cupy, case, d):
     assert bool(_Kernel.launches) == expect_kernel
 
 
-def test_emul_cupy_forward_strided_out_and_inplace(fake_cupy):
+@pytest.mark.parametrize("x16", ["bfloat16", "float16"])  # float16: the slow run (tests/conftest.py)
+def test_emul_cupy_forward_strided_out_and_inplace(fake_cupy, x16):
     rng = np.random.default_rng(7)
-    base = _rand(rng, (10, 70), "float16")
+    base = _rand(rng, (10, 70), x16)
     view = base[::-2, 3:67]  # negative row stride, unaligned start
-    plan = _plan(64, "float16")
+    plan = _plan(64, x16)
     y, _, _ = cupy_backend.forward(_fake(base)[::-2, 3:67], None, None, None, plan)
     assert_close(np.asarray(y), reference.forward(np.ascontiguousarray(view), None, None, None, plan)[0],
-                 _tol("float16"))
+                 _tol(x16))
     cols = _fake(base)[:, ::2]  # non-contiguous columns: copied
-    y2, _, _ = cupy_backend.forward(cols, None, None, None, _plan(35, "float16"))
-    assert_close(np.asarray(y2), reference.forward(base[:, ::2], None, None, None, _plan(35, "float16"))[0],
-                 _tol("float16"))
+    y2, _, _ = cupy_backend.forward(cols, None, None, None, _plan(35, x16))
+    assert_close(np.asarray(y2), reference.forward(base[:, ::2], None, None, None, _plan(35, x16))[0],
+                 _tol(x16))
     x = _fake(base.copy())
-    want = reference.forward(base, None, None, None, _plan(70, "float16"))[0]
-    y3, _, _ = cupy_backend.forward(x, None, None, None, _plan(70, "float16"), out=x)
+    want = reference.forward(base, None, None, None, _plan(70, x16))[0]
+    y3, _, _ = cupy_backend.forward(x, None, None, None, _plan(70, x16), out=x)
     assert y3 is x
-    assert_close(np.asarray(x), want, _tol("float16"))
+    assert_close(np.asarray(x), want, _tol(x16))
 
 
 BWD = [
@@ -416,13 +417,14 @@ def test_emul_cupy_bfloat16_needs_a_cupy_that_has_it(fake_cupy, monkeypatch):
 
 
 @pytest.mark.parametrize("d", [300, 9000])  # the register kernel; the split / big kernels
-def test_emul_cupy_forward_into_writes_add_rms_norm_bits_over_the_inputs(fake_cupy, d):
+@pytest.mark.parametrize("x16", ["bfloat16", "float16"])  # float16: the slow run (tests/conftest.py)
+def test_emul_cupy_forward_into_writes_add_rms_norm_bits_over_the_inputs(fake_cupy, d, x16):
     """add_rms_norm_ on the GPU: h over the residual and y over x (both aliased in
     one launch) carry the bits of the allocating fused add, also where pass 2
     re-reads the row (pn_fwd_big / pn_fwd_split read h there, not the residual)."""
     rng = np.random.default_rng(d)
     n = 6
-    for xd, rd in (("float16", "float16"), ("float16", "float32")):
+    for xd, rd in ((x16, x16), (x16, "float32")):
         x, r, w = _rand(rng, (n, d), xd), _rand(rng, (n, d), rd), _rand(rng, d, "float32")
         plan = _plan(d, np.promote_types(xd, rd).name)
         y, h, rstd = cupy_backend.forward(_fake(x.copy()), _fake(r.copy()), _fake(w), None, plan)
@@ -441,17 +443,18 @@ def test_emul_cupy_forward_into_writes_add_rms_norm_bits_over_the_inputs(fake_cu
     assert cupy_backend.forward_into(f, f, None, None, plan, None, _fake(np.ones((2, 8)))) is None
 
 
-def test_emul_cupy_per_head_rows_have_the_bits_of_contiguous_rows(fake_cupy):
+@pytest.mark.parametrize("x16", ["bfloat16", "float16"])  # float16: the slow run (tests/conftest.py)
+def test_emul_cupy_per_head_rows_have_the_bits_of_contiguous_rows(fake_cupy, x16):
     """Per-head weights on the GPU: the front end (ops/norm.py forward_heads /
     backward_heads) hands each head's (T, D) rows to the backend as a strided view
     of x (T, H, D) with its weight row; the kernels take the row stride as it is
     and give the bits of the same rows copied out, dweight included."""
     rng = np.random.default_rng(11)
     t, heads, d = 5, 3, 64
-    x = _rand(rng, (t, heads, d), "float16")
-    dy = _rand(rng, (t, heads, d), "float16")
+    x = _rand(rng, (t, heads, d), x16)
+    dy = _rand(rng, (t, heads, d), x16)
     w = _rand(rng, (heads, d), "float32")
-    plan = _plan(d, "float16")
+    plan = _plan(d, x16)
     fx = _fake(x.copy())
     for j in range(heads):
         y, _, rstd = cupy_backend.forward(fx[:, j, :], None, _fake(w[j].copy()), None, plan)

@@ -93,11 +93,14 @@ def test_gated_rows_every_knob_candidate_same_bits(dtype, gs):
         assert la.block == 32 * r * rpb and cl.rows_shape(la.tpr)[2] == r
 
 
-def test_gated_rows_extreme_values_and_misaligned_rows():
+@pytest.mark.parametrize("x16", [False, True], ids=["wide", "float16"])  # float16 x: the slow run (tests/conftest.py)
+def test_gated_rows_extreme_values_and_misaligned_rows(x16):
     """Runs out of float32's range (the lanes' exact fallback), Inf / NaN / zero segments,
     eps 0, a tiny rstd's wide path, and rows not 16-byte aligned (the element twin)."""
     rng = np.random.default_rng(31)
     for dtype, scale in (("float32", 1e25), ("float32", 1e-30), ("bfloat16", 1e30), ("float16", 1e4)):
+        if (dtype == "float16") != x16:
+            continue
         d = 1000
         x = _data(rng, (6, d), dtype, scale)
         x[2] = 0
@@ -110,6 +113,8 @@ def test_gated_rows_extreme_values_and_misaligned_rows():
         w = _data(rng, d, dtype)
         for nbg in (False, True):
             _gated_rows_vs_segments(x, z, w, None, _gplan(d, dtype, d // 2, nbg, eps=0.0), f"{dtype} {scale} {nbg}")
+    if x16:
+        return
     x = _data(rng, (4, 1003), "bfloat16")
     wide = np.concatenate([x, x[:, :3]], axis=1)[:, 1:1002]  # rows not 16-byte aligned
     z = wide[::-1].copy()
@@ -209,11 +214,14 @@ def test_quant_rows_every_knob_candidate_same_bits(dtype, d):
         assert la.block == 32 * cfg[0] * cfg[1] and cl.rows_shape(la.tpr)[2] == cfg[0]
 
 
-def test_quant_rows_extreme_values_and_misaligned_rows():
+@pytest.mark.parametrize("x16", [False, True], ids=["wide", "float16"])  # float16 x: the slow run (tests/conftest.py)
+def test_quant_rows_extreme_values_and_misaligned_rows(x16):
     """Runs out of float32's range, Inf / NaN / zero rows (NaN and 1 scales), eps 0, a
     float32 row whose rstd overflows float32 (the wide path), rows not 16-byte aligned."""
     rng = np.random.default_rng(41)
     for dtype, scale in (("float32", 1e25), ("float32", 1e-30), ("bfloat16", 1e30), ("float16", 1e4)):
+        if (dtype == "float16") != x16:
+            continue
         d = 1000
         x = _data(rng, (6, d), dtype, scale)
         x[2] = 0
@@ -226,6 +234,8 @@ def test_quant_rows_extreme_values_and_misaligned_rows():
         for qdtype in ("float8_e4m3fn", "int8"):
             qp = _qplan(d, dtype, qdtype, None, None, eps=0.0)
             _quant_rows_vs_segments(x, None, w, None, qp, f"{dtype} {scale} {qdtype}")
+    if x16:
+        return
     x = _data(rng, (4, 1003), "bfloat16", 3.0)
     wide = np.concatenate([x, x[:, :3]], axis=1)[:, 1:1002]  # rows not 16-byte aligned
     w = _data(rng, 1001, "bfloat16")

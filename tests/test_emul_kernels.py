@@ -841,12 +841,15 @@ def test_emul_small_rows_same_bits_as_pn_fwd(dtype, opt):
     assert any(nm.startswith("pn_fwd_small") for nm in seen)
 
 
-def test_emul_small_rows_extreme_values():
+@pytest.mark.parametrize("x16", [False, True], ids=["wide", "float16"])  # float16 x: the slow run (tests/conftest.py)
+def test_emul_small_rows_extreme_values(x16):
     """The float runs' exact fallback (squares that overflow float32 or are tiny),
     NaN/Inf and zero rows, eps 0: the same bits as pn_fwd."""
     rng = np.random.default_rng(11)
     for dtype, scale in (("float32", 1e25), ("float32", 1e-30), ("bfloat16", 1e30), ("float64", 1e200),
                          ("float64", 1e-200), ("float16", 1e4)):
+        if (dtype == "float16") != x16:
+            continue
         for d in (7, 64, 128, 200):
             x = _data(rng, 7, d, dtype, scale)
             x[2] = 0
@@ -938,13 +941,16 @@ def test_emul_small_bwd_same_bits_as_pn_bwd(dtype, opt):
     assert any(nm.startswith("pn_bwd_small") for nm in seen) or opt == "dy_f32"
 
 
-def test_emul_small_bwd_extreme_values():
+@pytest.mark.parametrize("x16", [False, True], ids=["wide", "float16"])  # float16 x: the slow run (tests/conftest.py)
+def test_emul_small_bwd_extreme_values(x16):
     """The float runs' exact fallbacks (squares that overflow float32 or are tiny, g*dy*xhat
     that overflows), NaN/Inf and zero rows, eps 0, and float64 rows spread over 2^-30..2^30
     (where the order of the double sums shows in the bits): the same dx bits as pn_bwd."""
     rng = np.random.default_rng(21)
     for dtype, scale in (("float32", 1e25), ("float32", 1e-30), ("bfloat16", 1e30), ("float64", 1e200),
                          ("float64", 1e-200), ("float16", 1e4), ("float32", 1.0), ("float64", 1.0)):
+        if (dtype == "float16") != x16:
+            continue
         for d in (7, 64, 128, 200):
             dy, x, w, b, _, g, plan = _bwd_case(rng, 9, d, dtype, dict(bias=True, grad_residual=True))
             x = (x.astype(np.float64) * scale).astype(x.dtype)
@@ -1077,11 +1083,14 @@ def test_emul_split_same_bits_as_big(dtype, opt):
     np.testing.assert_array_equal(_bits(one[2]), _bits(many[2][1:2]))
 
 
-def test_emul_split_extreme_values():
+@pytest.mark.parametrize("x16", [False, True], ids=["wide", "float16"])  # float16 x: the slow run (tests/conftest.py)
+def test_emul_split_extreme_values(x16):
     """NaN/Inf and zero rows stay in their row, float runs' exact fallback (squares that
     overflow float32 or are tiny), eps 0: pn_fwd_big's bits."""
     rng = np.random.default_rng(21)
     for dtype, scale in (("float32", 1e25), ("float32", 1e-30), ("bfloat16", 1e30), ("float16", 1e4)):
+        if (dtype == "float16") != x16:
+            continue
         d = _split_d(dtype)
         x = _data(rng, 4, d, dtype, scale)
         x[1] = 0

@@ -176,7 +176,8 @@ def fake_cupy(monkeypatch):
     E._POINTERS.clear()
 
 
-def test_emul_none_backend_glue(fake_cupy):
+@pytest.mark.parametrize("x16", ["bfloat16", "float16"])  # float16: the slow run (tests/conftest.py)
+def test_emul_none_backend_glue(fake_cupy, x16):
     """The cupy backend runs casting="none" on pn_none_fwd (the launcher's bits above,
     on strided rows, into ``out``), its fused add on the reference (as Numba's does),
     and says it has the mode (the front end keeps it)."""
@@ -185,10 +186,10 @@ def test_emul_none_backend_glue(fake_cupy):
     backend, fake, launches = fake_cupy
     assert backend.CASTING_NONE and _none_backend(backend) is backend
     rng = np.random.default_rng(11)
-    n, d, t = 5, 96, "float16"
-    base = rng.standard_normal((2 * n, d + 8)).astype(np.float16)
+    n, d, t = 5, 96, x16
+    base = rng.standard_normal((2 * n, d + 8)).astype(NP[t])
     x = np.ascontiguousarray(base[::2, 4:4 + d])
-    w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float16)
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(NP[t])
     plan = _plan(d, t, offset=1.0)
     fx = fake(base.copy())[::2, 4:4 + d]
     y, h, r = backend.forward(fx, None, fake(w.copy()), None, plan)
@@ -196,12 +197,12 @@ def test_emul_none_backend_glue(fake_cupy):
     assert h is None and type(y).__module__ == "cupy"
     np.testing.assert_array_equal(_bits(np.asarray(y)), _bits(ey))
     np.testing.assert_array_equal(_bits(np.asarray(r)), _bits(er))
-    out = fake(np.zeros((n, d), np.float16))
+    out = fake(np.zeros((n, d), NP[t]))
     y2, _, _ = backend.forward(fx, None, fake(w.copy()), None, plan, out)
     assert y2 is out
     np.testing.assert_array_equal(_bits(np.asarray(out)), _bits(ey))
     assert [nm for nm, *_ in launches] == [cl.none_launch(n, d, t).name] * 2
-    res = rng.standard_normal((n, d)).astype(np.float16)
+    res = rng.standard_normal((n, d)).astype(NP[t])
     y3, h3, r3 = backend.forward(fx, fake(res), fake(w.copy()), None, plan)
     wy, wh, wr = reference.forward(x, res, w, None, plan)
     np.testing.assert_array_equal(_bits(np.asarray(y3)), _bits(np.asarray(wy)))

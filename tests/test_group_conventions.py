@@ -123,8 +123,9 @@ def test_grouped_add_rms_norm_and_axes(rng):
     assert_close(y3.reshape(2, 24), want, "float32", "y (tuple axis)")
 
 
-def test_grouped_batch_invariant(rng):
-    x, w, _ = _data(rng, 9, 12, "bfloat16")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bfloat16: the slow run (tests/conftest.py)
+def test_grouped_batch_invariant(dtype, rng):
+    x, w, _ = _data(rng, 9, 12, dtype)
     y = pn.rms_norm(x, w, group_size=3)
     for i in (0, 4, 8):
         np.testing.assert_array_equal(pn.rms_norm(x[i:i + 1], w, group_size=3), y[i:i + 1])
