@@ -230,9 +230,8 @@ def compiled_row_sum_target(dtype: str, square: bool) -> str:
 
 
 def compiled_backward_target(x_dtype: str, dy_dtype: str, compute_dtype: str,
-                             weight_dtype: str | None, bias_dtype: str | None,
-                             has_grad_residual: bool) -> str:
+                             weight_dtype: str | None, bias_dtype: str | None) -> str:
     """The FFI target of :func:`polynorm.backends.numba.xla.backward_handler` for these
     dtypes (None: no weight, no bias)."""
-    key = (x_dtype, dy_dtype, compute_dtype, weight_dtype, bias_dtype, has_grad_residual)
+    key = (x_dtype, dy_dtype, compute_dtype, weight_dtype, bias_dtype)
     return _compiled("polynorm_backward_" + "_".join(map(str, key)), "backward_handler", *key)

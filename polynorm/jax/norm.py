@@ -449,8 +449,7 @@ def _kernel_backward(static: Options, dy, x, weight, bias, rstd, grad_residual):
     m = _xla.backward_level(n, width)
     names = [None if a is None else jnp.dtype(a.dtype).name for a in (weight, bias)]
     target = _jax_ffi.compiled_backward_target(jnp.dtype(x.dtype).name, jnp.dtype(dy.dtype).name,
-                                               np.dtype(cdt).name, *names,
-                                               grad_residual is not None)
+                                               np.dtype(cdt).name, *names)
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
     results += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (weight, bias) if a is not None]
     results.append(jax.ShapeDtypeStruct(

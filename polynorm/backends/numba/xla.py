@@ -564,13 +564,14 @@ def backward_scratch_bytes(n: int, d: int, width: int, m: int, compute_dtype: st
 
 @functools.cache
 def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dtype,
-                     bias_dtype, has_grad_residual: bool) -> int:
+                     bias_dtype) -> int:
     """The address of the compiled handler of the plain backward
     (:func:`polynorm.backends.numba.backward`'s kernels and row tree: its bits).
 
     Arguments ``dy``, ``x`` (rows: every axis but the last), ``weight`` (``(d,)`` in
     the compute dtype; only where ``weight_dtype``), the forward's ``rstd`` and, where
-    ``has_grad_residual``, ``grad_residual`` (``dy``'s dtype); results
+    the flags have ``HAS_GR``, ``grad_residual`` (``dy``'s dtype: one compiled handler
+    with and without); results
     ``dx`` (``x``'s dtype), ``dweight`` and ``dbias`` in their dtypes where given, and a
     scratch buffer of :func:`backward_scratch_bytes`; attributes ``a_flags``
     (``HAS_RSTD``, ``HAS_B``, ``HAS_GR`` set as the backend sets them), ``b_k``, ``c_eps``,
@@ -586,7 +587,8 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
     xt = _bits_type(numpy_dtype(x_dtype))
     dyt = _bits_type(numpy_dtype(dy_dtype))
     ct = numpy_dtype(compute_dtype)
-    has_w, has_b, has_gr = weight_dtype is not None, bias_dtype is not None, has_grad_residual
+    has_w, has_b = weight_dtype is not None, bias_dtype is not None
+    has_gr_flag = _nb._k().HAS_GR
     wt = _bits_type(numpy_dtype(weight_dtype)) if has_w else ct
     bt = _bits_type(numpy_dtype(bias_dtype)) if has_b else ct
     pool_min = POOL_MIN_ELEMENTS
@@ -610,7 +612,7 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
         x = carray(_pointer(_word(job + 8 * _X)), (n, d), xt)
         dx = carray(_pointer(_word(job + 8 * _Y)), (n, d), xt)
         rstd = carray(_pointer(_word(job + 8 * _R)), (n,), ct)
-        if has_gr:
+        if _word(rec + 8 * _BGR) != 0:
             gr = carray(_pointer(_word(rec + 8 * _BGR)), (n, d), dyt)
         else:  # HAS_GR unset: never read
             gr = carray(_pointer(_word(rec + 8 * _BDY)), (1, 1), dyt)
@@ -658,7 +660,6 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
         xd = _word(xb + _DATA)
         wd = _word(_word(args + 16) + _DATA) if has_w else 0
         rd = _word(_word(args + (24 if has_w else 16)) + _DATA)
-        grd = _word(_word(args + (32 if has_w else 24)) + _DATA) if has_gr else 0
         n, d = _rows(xb), _last_dim(xb)
         dxd = _word(_word(rets) + _DATA)
         rec = _word(_word(rets + 8 * (1 + has_w + has_b)) + _DATA)
@@ -667,6 +668,9 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
         eps = _double(_word(_word(attrs + 16) + 8))
         offset = _double(_word(_word(attrs + 24) + 8))
         m = _word(_word(_word(attrs + 32) + 8))
+        grd = 0
+        if flags & has_gr_flag:
+            grd = _word(_word(args + (32 if has_w else 24)) + _DATA)
         width = d * (has_w + has_b)
         if n == 0:
             return _pointer(0)
