@@ -11,7 +11,10 @@ is faster):
   costs in a jitted model, where XLA fuses the jnp formula with its neighbours and a
   custom call's output takes a pass of its own;
 - ``grad_us``: a jitted ``jax.vjp`` of the norm alone, forward and backward (the
-  cotangent is ``x``), returning ``(dx, dweight)``: a training step's norm.
+  cotangent is ``x``), returning ``(dx, dweight)``: a training step's norm; each call
+  waits for the last, as a step's gradients are used before the next step starts
+  (back-to-back independent calls would overlap on XLA's threads, which no training
+  loop does).
 
     python bench/jax_jit.py [--rounds N] [--tokens 1 8 2048] [--json PATH]
 
@@ -118,6 +121,13 @@ def _time_graph(f, x, w, reps):
     return (time.perf_counter() - t) / (reps * GRAPH_STEPS)
 
 
+def _time_steps(f, x, w, reps):
+    t = time.perf_counter()
+    for _ in range(reps):
+        jax.block_until_ready(f(x, w))
+    return (time.perf_counter() - t) / reps
+
+
 def _time(f, x, w, reps):
     t = time.perf_counter()
     for _ in range(reps):
@@ -149,7 +159,7 @@ def run(rounds: int, tokens=TOKENS, dtypes=("float32", "bfloat16"), only=None):
             dtimes = {k: [] for k in dfns}
             order = [(k, f, times, _time, reps) for k, f in fns.items()]
             order += [(k, f, gtimes, _time_graph, greps) for k, f in gfns.items()]
-            order += [(k, f, dtimes, _time, max(1, reps // 2)) for k, f in dfns.items()]
+            order += [(k, f, dtimes, _time_steps, max(1, reps // 2)) for k, f in dfns.items()]
             for i in range(rounds):
                 random.Random(i).shuffle(order)  # no variant always first (or after another)
                 for k, f, into, timer, r in order:

@@ -51,6 +51,16 @@ GPU_CASES: tuple[tuple[str, int, int], ...] = (
 #: The CPU table's dtypes, in column order.
 CPU_DTYPES = ("float32", "bfloat16", "float16")
 
+#: The README's CPU table: the large calls of the plain ops (every row of a run is on the
+#: performance page; the decode sizes have their own bench and paragraph).
+README_OPS = ("fwd", "fwd-out", "add", "bwd")
+README_MIN_ELEMENTS, README_MIN_D = 1 << 26, 4096
+
+
+def _readme_row(key: tuple[str, int, int]) -> bool:
+    op, tokens, d = key
+    return op in README_OPS and tokens * d >= README_MIN_ELEMENTS and d >= README_MIN_D
+
 _CMD = "polynorm bench --readme"
 
 
@@ -149,10 +159,13 @@ def _shape(tokens: int, d: int) -> str:
     return f"{t} x {d}"
 
 
-def _cpu_rows(rf: RecordFile, dtypes: tuple[str, ...] = CPU_DTYPES) -> tuple[list[str], list[list[str]]]:
-    """Per (op, shape): time and fraction of the copy roof per dtype, then float32's peers."""
+def _cpu_rows(rf: RecordFile, dtypes: tuple[str, ...] = CPU_DTYPES,
+              keep=None) -> tuple[list[str], list[list[str]]]:
+    """Per (op, shape): time and fraction of the copy roof per dtype, then float32's peers
+    (the (op, tokens, d) keys that ``keep`` accepts, default all)."""
     dts = [dt for dt in dtypes if any(r["dtype"] == dt for r in rf.records)]
-    keys = list(dict.fromkeys((r["op"], r["tokens"], r["d"]) for r in rf.records))
+    keys = [k for k in dict.fromkeys((r["op"], r["tokens"], r["d"]) for r in rf.records)
+            if keep is None or keep(k)]
     order = list(OP_NAMES)
     keys.sort(key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[0],
                              -k[1] * k[2], -k[1]))
@@ -262,7 +275,8 @@ def readme_block(devices: dict[str, RecordFile], root: Path) -> str:
             if rf.path.resolve().is_relative_to(root.resolve()) else rf.name
         link = f"[`{rf.name}`]({rel})"
         if dev == "cpu":
-            out += [_cpu_caption(rf, link), "", *_markdown(*_cpu_rows(rf)), "", _legend_cpu(), ""]
+            out += [_cpu_caption(rf, link), "", *_markdown(*_cpu_rows(rf, keep=_readme_row)), "",
+                    _legend_cpu(), ""]
         else:
             out += [_gpu_caption(rf, link), "", *_markdown(*_gpu_rows(rf), text=1), "",
                     _gpu_summary(rf), ""]
