@@ -413,12 +413,18 @@ def _rms_norm_bwd(static, keep, res, dy):
     lean = _keeps_output(keep[0], weight, static, rstd)
     x = _kept_input(kept, weight, bias, rstd, static, lean)
     # cotangents may arrive as numpy arrays (jax.test_util does that)
-    dy = jnp.asarray(dy)
-    grads = _kernel_backward(static, dy, x, weight, bias, rstd, None)
-    if grads is None:
-        grads = _dispatch(_partial(_backward, static=static), dy, x, weight, bias, rstd, None)
-    dx, dw, db = grads
+    dx, dw, db = _vjp_backward(static, jnp.asarray(dy), x, weight, bias, rstd, None)
     return dx.astype(keep[1]), dw, db
+
+
+def _vjp_backward(static: Options, dy, x, weight, bias, rstd, grad_residual):
+    """``(dx, dweight, dbias)`` of a vjp: :func:`_kernel_backward` where it applies, else
+    the front end (or the host kernels, :func:`_dispatch`)."""
+    grads = _kernel_backward(static, dy, x, weight, bias, rstd, grad_residual)
+    if grads is None:
+        grads = _dispatch(_partial(_backward, static=static), dy, x, weight, bias, rstd,
+                          grad_residual)
+    return grads
 
 
 def _kernel_backward(static: Options, dy, x, weight, bias, rstd, grad_residual):
@@ -426,7 +432,7 @@ def _kernel_backward(static: Options, dy, x, weight, bias, rstd, grad_residual):
     compiled handler (:func:`polynorm.backends.numba.xla.backward_handler`: the eager
     backward's bits, batch invariance included) on the CPU, the path it replaces on
     other platforms; None where the forward's compiled kernel call does not apply."""
-    if (not _traced((dy, x, weight, bias, rstd, grad_residual)) or x.size == 0
+    if (dy is None or not _traced((dy, x, weight, bias, rstd, grad_residual)) or x.size == 0
             or dy.shape != x.shape or dy.dtype != x.dtype or rstd.shape != x.shape[:-1]
             or (grad_residual is not None and (grad_residual.shape != x.shape
                                                or grad_residual.dtype != x.dtype))):
@@ -554,10 +560,7 @@ def _add_bwd(static, save, in_dtypes, res, cts):
     x_dtype, r_dtype = in_dtypes
     dy, dh = (None if c is None else jnp.asarray(c) for c in cts)
     # the gradient reaching h through the residual stream is fused into dx
-    grads = None if dy is None else _kernel_backward(static, dy, h, weight, bias, rstd, dh)
-    if grads is None:
-        grads = _dispatch(_partial(_backward, static=static), dy, h, weight, bias, rstd, dh)
-    dxh, dw, db = grads
+    dxh, dw, db = _vjp_backward(static, dy, h, weight, bias, rstd, dh)
     return dxh.astype(x_dtype), dxh.astype(r_dtype), dw, db
 
 

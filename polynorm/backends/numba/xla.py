@@ -242,6 +242,19 @@ def _yield_cpu(typingctx):
 
 
 @njit(nogil=True)
+def _int_attr(attrs, i):
+    """The ``i``-th attribute (by name) of a call frame's ``attrs``, an int64
+    (XLA_FFI_Scalar {dtype, value*})."""
+    return _word(_word(_word(attrs + 8 * i) + 8))
+
+
+@njit(nogil=True)
+def _float_attr(attrs, i):
+    """The ``i``-th attribute (by name) of a call frame's ``attrs``, a float64."""
+    return _double(_word(_word(attrs + 8 * i) + 8))
+
+
+@njit(nogil=True)
 def _rows(buf):
     """The product of an XLA_FFI_Buffer's dimensions but the last (1 for a vector)."""
     dims = _word(buf + _DIMS)
@@ -394,11 +407,9 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
         if ry == 0:
             return _pointer(0)
         bb = _rows(_word(args + 16)) if has_bias else 1
-        # attributes (XLA_FFI_Scalar {dtype, value*}), by name
-        flags = _word(_word(_word(attrs) + 8))
-        kk = _word(_word(_word(attrs + 8) + 8))
-        eps = _double(_word(_word(attrs + 16) + 8))
-        offset = _double(_word(_word(attrs + 24) + 8))
+        # attributes by name: a_flags, b_k, c_eps, d_offset
+        flags, kk = _int_attr(attrs, 0), _int_attr(attrs, 1)
+        eps, offset = _float_attr(attrs, 2), _float_attr(attrs, 3)
         # under vmap ("expand_dims") every batched operand leads with the batch axis:
         # batch element i is rows [i*c, (i+1)*c) of y, of x where x is batched (else
         # all of x), and row i of a batched weight or bias
@@ -468,9 +479,7 @@ def _row_stat_handler(stat, with_attrs: bool) -> int:
         flags, kk, eps = 0, 0, 0.0
         if with_attrs:
             attrs = _word(f + _ATTRS_PTRS)
-            flags = _word(_word(_word(attrs) + 8))
-            kk = _word(_word(_word(attrs + 8) + 8))
-            eps = _double(_word(_word(attrs + 16) + 8))
+            flags, kk, eps = _int_attr(attrs, 0), _int_attr(attrs, 1), _float_attr(attrs, 2)
         xd, rd = _word(xb + _DATA), _word(rb + _DATA)
         if n == 0 or (n >= 2 and n * d >= pool_min and run_pooled(
                 f, n, d, xd, 0, 0, 0, rd, flags, kk, eps, 0.0)):
@@ -662,11 +671,9 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
         n, d = _rows(xb), _last_dim(xb)
         dxd = _word(_word(rets) + _DATA)
         rec = _word(_word(rets + 8 * (1 + has_w + has_b)) + _DATA)
-        flags = _word(_word(_word(attrs) + 8))
-        kk = _word(_word(_word(attrs + 8) + 8))
-        eps = _double(_word(_word(attrs + 16) + 8))
-        offset = _double(_word(_word(attrs + 24) + 8))
-        m = _word(_word(_word(attrs + 32) + 8))
+        flags, kk = _int_attr(attrs, 0), _int_attr(attrs, 1)
+        eps, offset = _float_attr(attrs, 2), _float_attr(attrs, 3)
+        m = _int_attr(attrs, 4)
         grd = 0
         if flags & has_gr_flag:
             grd = _word(_word(args + (32 if has_w else 24)) + _DATA)
