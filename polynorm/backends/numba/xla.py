@@ -680,9 +680,9 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
         width = d * (has_w + has_b)
         if n == 0:
             return _pointer(0)
-        # dx is not asked for huge pages (the forward's y is): in a jitted float32 grad of
-        # 2048 x 4096 the fault-time compaction made the step 0.72-0.80x the jnp formula's
-        # speed, 1.25-1.36x without (bench/jax_jit.py's grad rows, 2 cores)
+        # dx is not asked for huge pages (the forward's y is): where the kernel compacts
+        # memory at a madvised fault (THP defrag "madvise"), that made the jitted grad step
+        # slower than the jnp formula's (bench/jax_jit.py's grad rows)
         nb = ((n - 1) >> m) + 1
         job = rec + 8 * _BWORDS  # the serial run's job record, as the pool's
         lvl_at = job + 8 * _JOB_WORDS  # then the row-tree slots, the pools from a whole line
