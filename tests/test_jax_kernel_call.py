@@ -309,3 +309,70 @@ def test_jit_backward_under_vmap_is_a_loop_of_calls(one_device):
         ex, ew = g(x[i], w, c[i])
         np.testing.assert_array_equal(_bits(gx[i]), _bits(ex))
         np.testing.assert_array_equal(_bits(gw[i]), _bits(ew))
+
+
+def _concurrent_calls_keep_the_eager_bits(threads=3, calls=12):
+    """Jitted forwards (whole kernel with bias; rstd alone) and vjps from ``threads``
+    Python threads at once: XLA's executions overlap, and the pooled handlers wait for
+    chunks that tasks preempted by the other executions still run.  Every result has
+    the eager bits."""
+    import threading
+
+    d = 4096
+    rng = np.random.default_rng(5)
+    fwd = jax.jit(lambda x, w, b: rms_norm(x, w, b))
+    grad = jax.jit(lambda x, w: jax.vjp(rms_norm, x, w)[1](x))
+    cases = []
+    for n in (67, 131):  # pooled: from STAT_POOL_MIN_ELEMENTS (rstd) and POOL_MIN_ELEMENTS
+        x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((n, d), d, d))
+        _, rstd = pn.rms_norm(x, w, return_rstd=True)
+        ex, ew, _ = pn.rms_norm_backward(x, x, w, rstd=rstd)
+        cases.append(((jnp.asarray(x), jnp.asarray(w), jnp.asarray(b)),
+                      (pn.rms_norm(x, w, b), pn.rms_norm(x, w), ex, ew)))
+    failures = []
+
+    def run(k):
+        for i in range(calls):
+            (x, w, b), want = cases[(k + i) % len(cases)]
+            got = (fwd(x, w, b), jax.jit(rms_norm)(x, w), *grad(x, w))
+            failures.extend((k, i, j) for j, (g, e) in enumerate(zip(got, want, strict=True))
+                            if not np.array_equal(_bits(g), _bits(e)))
+
+    workers = [threading.Thread(target=run, args=(k,)) for k in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    return failures
+
+
+def test_overlapping_pooled_calls_keep_the_eager_bits(one_device):
+    from polynorm.backends.numba import xla
+
+    assert 67 * 4096 >= max(xla.POOL_MIN_ELEMENTS, xla.STAT_POOL_MIN_ELEMENTS)
+    assert _concurrent_calls_keep_the_eager_bits() == []
+
+
+@pytest.mark.slow  # a process of its own: the handlers compile again (~15 s)
+def test_pooled_calls_whose_handler_sleeps_keep_the_eager_bits():
+    """The handlers' wait for chunks still running on pool tasks with the futex sleep
+    from the first check (no yields first): every wake-up handshake taken."""
+    import os
+    import subprocess
+    import sys
+
+    from polynorm.backends.numba import xla
+
+    if xla._SYS_FUTEX == 0:
+        pytest.skip("no futex on this platform: the handlers only yield")
+    code = ("import sys; sys.path.insert(0, 'tests')\n"
+            "from polynorm.backends.numba import xla\n"
+            "xla._YIELDS_BEFORE_SLEEP = 0  # read when the handlers compile\n"
+            "import test_jax_kernel_call as t\n"
+            "assert t.jn._one_cpu_device()\n"
+            "assert t._concurrent_calls_keep_the_eager_bits(threads=4, calls=20) == []\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]

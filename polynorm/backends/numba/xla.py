@@ -34,6 +34,7 @@ depend on the chunking (the serial and parallel drivers' rule).
 from __future__ import annotations
 
 import functools
+import platform
 import sys
 
 import numba
@@ -60,7 +61,8 @@ _API_SIZE, _ERROR_DESTROY, _SCHEDULE, _NUM_THREADS = 0, 64, 136, 144
 _NEXT, _DONE, _REFS, _CHUNKS, _PER, _N, _D = 0, 1, 2, 3, 4, 5, 6
 _X, _W, _B, _Y, _R, _FLAGS, _K, _EPS, _OFFSET = 7, 8, 9, 10, 11, 12, 13, 14, 15
 _SCRATCH = 16  # five words: the argument structs of the FFI calls
-_JOB_WORDS = 21
+_WAITING = 21  # non-zero once the handler sleeps until the last chunk is done
+_JOB_WORDS = 22
 #: madvise's MADV_HUGEPAGE (Linux), the huge page size, and numpy's size rule for asking it
 _MADV_HUGEPAGE, _HUGE, _HUGE_MIN_BYTES = 14, 2 << 20, 4 << 20
 #: calls of at least this many elements run on XLA's thread pool (read when a handler is
@@ -76,6 +78,18 @@ STAT_POOL_MIN_ELEMENTS = 4 * POOL_MIN_ELEMENTS
 _CHUNK_MIN_ELEMENTS = 1 << 14
 #: row chunks per pool thread: small enough that a thread scheduled late finds work left
 _CHUNKS_PER_THREAD = 8
+#: the handler's waits for chunks that pool tasks run: yields first, then (Linux) a futex
+#: sleep on the job's ``_DONE`` word, which the task finishing the last chunk wakes.  A
+#: yielding thread keeps its core busy, so a task preempted there (XLA's threads
+#: outnumber the cores when executions overlap) is not pulled to it; a sleeping one
+#: frees the core.  The sleep is capped (``_WAIT_NS``) so that a missed wake costs that
+#: much, never a hang.
+_YIELDS_BEFORE_SLEEP = 64
+_WAIT_NS = 1_000_000
+#: ``SYS_futex`` of the machine (0: none known, the handler only yields)
+_SYS_FUTEX = ({"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(
+    platform.machine().lower(), 0) if sys.platform == "linux" else 0)
+_FUTEX_WAIT_PRIVATE, _FUTEX_WAKE_PRIVATE = 128, 129
 
 @intrinsic
 def _word(typingctx, addr):
@@ -165,6 +179,39 @@ def _load_acquire(typingctx, addr):
         return builder.load_atomic(p, "acquire", 8)
 
     return types.int64(types.int64), codegen
+
+
+@intrinsic
+def _load_seq_cst(typingctx, addr):
+    """The int64 at ``addr``, sequentially consistent (the futex handshake's loads: each
+    side's store then load must not both miss the other's store)."""
+    def codegen(context, builder, sig, args):
+        p = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.load_atomic(p, "seq_cst", 8)
+
+    return types.int64(types.int64), codegen
+
+
+@intrinsic
+def _futex(typingctx, addr, op, val, timeout_ns):
+    """``futex(addr, op, val, timeout)`` (Linux ``syscall(SYS_futex, ...)``) on the low 32
+    bits of the int64 at ``addr``; ``timeout_ns`` bounds a wait (relative)."""
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_i64, [_i64], var_arg=True), "syscall")
+        ts = cgutils.alloca_once(builder, ir.ArrayType(_i64, 2))
+        builder.store(builder.sdiv(args[3], ir.Constant(_i64, 1_000_000_000)),
+                      builder.gep(ts, [ir.Constant(i32, 0), ir.Constant(i32, 0)]))
+        builder.store(builder.srem(args[3], ir.Constant(_i64, 1_000_000_000)),
+                      builder.gep(ts, [ir.Constant(i32, 0), ir.Constant(i32, 1)]))
+        builder.call(fn, [ir.Constant(_i64, _SYS_FUTEX), builder.inttoptr(args[0], _i8p),
+                          builder.trunc(args[1], i32), builder.trunc(args[2], i32),
+                          builder.bitcast(ts, _i8p), ir.Constant(_i8p, None),
+                          ir.Constant(i32, 0)])
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.int64, types.int64, types.int64), codegen
 
 
 @intrinsic
@@ -293,12 +340,31 @@ def _pool_threads(f, api, scratch):
     return _word(scratch + 32)
 
 
+@njit(nogil=True)
+def _wait_done(job, chunks):
+    """Until ``job``'s ``_DONE`` word reaches ``chunks``: yields, then futex sleeps (see
+    ``_YIELDS_BEFORE_SLEEP``)."""
+    yields = 0
+    while _load_acquire(job + 8 * _DONE) < chunks:
+        if yields < _YIELDS_BEFORE_SLEEP or _SYS_FUTEX == 0:
+            _yield_cpu()
+            yields += 1
+            continue
+        _fetch_add(job + 8 * _WAITING, 1)  # a full barrier before the load, as the task's
+        done = _load_seq_cst(job + 8 * _DONE)  # _DONE increment before its _WAITING load
+        if done >= chunks:
+            break
+        _futex(job + 8 * _DONE, _FUTEX_WAIT_PRIVATE, done, _WAIT_NS)
+
+
 def _pool(chunk):
     """``(run_pooled, task cfunc)`` for the row-chunk function ``chunk(job, lo, hi)``:
     ``run_pooled(f, n, d, x, w, b, y, r, flags, k, eps, offset)`` runs rows ``[0, n)`` in
     chunks on XLA's pool and the calling thread (the job record's words, see the
     module), False where there is no pool of two threads or more (or no memory for
     the job record)."""
+
+    futex = _SYS_FUTEX != 0
 
     @njit(nogil=True)
     def run_chunks(job):
@@ -308,7 +374,9 @@ def _pool(chunk):
         while c < chunks:
             lo = c * per
             chunk(job, lo, min(lo + per, n))
-            _fetch_add(job + 8 * _DONE, 1)
+            if (_fetch_add(job + 8 * _DONE, 1) == chunks - 1 and futex
+                    and _load_seq_cst(job + 8 * _WAITING) != 0):
+                _futex(job + 8 * _DONE, _FUTEX_WAKE_PRIVATE, 1, 0)
             c = _fetch_add(job + 8 * _NEXT, 1)
 
     def task(data):
@@ -334,7 +402,7 @@ def _pool(chunk):
         per = (n + chunks - 1) // chunks
         chunks = (n + per - 1) // per
         tasks = min(threads - 1, chunks - 1)
-        for i, v in ((_NEXT, 0), (_DONE, 0), (_REFS, 1 + tasks), (_CHUNKS, chunks),
+        for i, v in ((_NEXT, 0), (_DONE, 0), (_WAITING, 0), (_REFS, 1 + tasks), (_CHUNKS, chunks),
                      (_PER, per), (_N, n), (_D, d), (_X, xd), (_W, wd), (_B, bd), (_Y, yd),
                      (_R, rd), (_FLAGS, flags), (_K, kk)):
             _put_word(job + 8 * i, v)
@@ -353,8 +421,7 @@ def _pool(chunk):
                 _fetch_add(job + 8 * _REFS, -1)
         run_chunks(job)
         # every chunk is claimed; the ones still running finish on their threads
-        while _load_acquire(job + 8 * _DONE) < chunks:
-            _yield_cpu()
+        _wait_done(job, chunks)
         if _fetch_add(job + 8 * _REFS, -1) == 1:
             _free(job)
         return True
