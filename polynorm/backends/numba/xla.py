@@ -27,8 +27,10 @@ handler's thread and tasks scheduled on XLA's own thread pool (the FFI
 threads that run the rest of the computation, not on an OpenMP team beside
 them, whose spinning threads and XLA's descheduled each other.  The handler waits only for chunks
 that a running task has claimed (XLA may run a task late, or on the caller's
-thread); the job record is freed by whoever leaves it last.  A row's bits do not
-depend on the chunking (the serial and parallel drivers' rule).
+thread), yielding a few times, then asleep on a futex that the task finishing the
+last chunk wakes (``_YIELDS_BEFORE_SLEEP``); the job record is freed by whoever
+leaves it last.  A row's bits do not depend on the chunking (the serial and
+parallel drivers' rule).
 """
 
 from __future__ import annotations
