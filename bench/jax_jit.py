@@ -1,8 +1,8 @@
 """polynorm under ``jax.jit`` and on eager jax arrays vs the naive jnp formula jitted.
 
-Two settings, each paired (every round runs each variant once, interleaved, in a shuffled
-order; medians over rounds; ratios are ``jnp time / variant time``, above 1: the variant
-is faster):
+Three settings, each paired (every round runs each variant once, interleaved, in a
+shuffled order; medians over rounds; ratios are ``jnp time / variant time``, above 1: the
+variant is faster; ``*_iqr``: the quartiles of the rounds' own ratios):
 
 - ``us``: a jitted function of the norm alone, called back to back (the next call's
   dispatch overlaps the last one's computation where XLA runs it asynchronously);
@@ -136,6 +136,15 @@ def _time(f, x, w, reps):
     return (time.perf_counter() - t) / reps
 
 
+def _quartiles(base: list[float], times: list[float]) -> list[float]:
+    """The first and third quartiles of the per-round ratios ``base / time``: a round
+    times every variant once, back to back, so its ratio sees one machine state; the
+    spread says how far a median ratio near 1 is from parity."""
+    ratios = sorted(b / t for b, t in zip(base, times, strict=True))
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return [round(q[0], 3), round(q[2], 3)]
+
+
 def run(rounds: int, tokens=TOKENS, dtypes=("float32", "bfloat16"), only=None):
     fns = variants()
     gfns = graph_variants()
@@ -172,6 +181,8 @@ def run(rounds: int, tokens=TOKENS, dtypes=("float32", "bfloat16"), only=None):
                 base = med["jnp_naive_jit"]
                 row[us] = {k: round(v * 1e6, 2) for k, v in med.items()}
                 row[speed] = {k: round(base / v, 3) for k, v in med.items()}
+                row[speed + "_iqr"] = {k: _quartiles(ts["jnp_naive_jit"], v) for k, v in ts.items()
+                                       if k != "jnp_naive_jit"}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
