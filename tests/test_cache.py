@@ -59,7 +59,46 @@ def test_kernel_stamp_covers_every_kernel_source():
 def test_warmup_command(capsys):
     from polynorm.cli import main
 
-    assert main(["warmup", "--dtype", "float32", "--no-backward"]) == 0
+    assert main(["warmup", "--dtype", "float32", "--no-backward", "--no-jax"]) == 0
     out = capsys.readouterr().out
     assert "float32 forward" in out and "float32 add" in out and "backward" not in out
+    assert "jax" not in out
     assert str(_cache.cache_dir() / "numba") in out
+
+
+@pytest.mark.slow  # two processes, each importing jax; the first compiles the handlers
+def test_jax_handlers_compiled_by_warmup_load_in_the_next_process(tmp_path):
+    """``polynorm warmup`` writes the XLA FFI handlers to the cache; a later process
+    loads every one of them from disk (each compiled handler reports a cache hit) and
+    its jitted calls keep the eager bits."""
+    pytest.importorskip("jax")
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NUMBA_CACHE_DIR")}
+    env["POLYNORM_CACHE_DIR"] = str(tmp_path / "pc")
+    warm = subprocess.run([sys.executable, "-m", "polynorm", "warmup", "--dtype", "float32"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    assert "float32 jax" in warm.stdout
+    code = """
+import jax, jax.numpy as jnp, numpy as np
+import polynorm as pn
+from polynorm.backends.numba import xla
+from polynorm.jax import rms_norm
+x = np.random.default_rng(0).standard_normal((256, 2048)).astype(np.float32)  # pooled calls
+w = np.random.default_rng(1).standard_normal(2048).astype(np.float32)
+y = jax.jit(rms_norm)(x, w)
+gx, gw = jax.jit(jax.grad(lambda x, w: rms_norm(x, w).sum(), argnums=(0, 1)))(x, w)
+assert np.array_equal(np.asarray(y), pn.rms_norm(x, w))
+_, rstd = pn.rms_norm(x, w, return_rstd=True)
+ex, ew, _ = pn.rms_norm_backward(np.ones_like(x), x, w, rstd=rstd)
+assert np.array_equal(np.asarray(gx), ex) and np.array_equal(np.asarray(gw), ew)
+hits = [f.cache_hits for f in xla._keep]
+assert hits and all(h == 1 for h in hits), hits
+print("handlers", len(hits))
+"""
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "handlers" in res.stdout

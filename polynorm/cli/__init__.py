@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--dtype", action="append", choices=FLOAT_DTYPES,
                    help="compile only for this dtype (repeatable; default: all four)")
     w.add_argument("--no-backward", action="store_true", help="skip the backward")
+    w.add_argument("--no-jax", action="store_true",
+                   help="skip the handlers of jitted polynorm.jax calls (compiled where jax "
+                        "is installed)")
     w.add_argument("--cuda", metavar="ARCH",
                    help="instead: compile every CUDA kernel for ARCH (e.g. sm_90) with NVRTC, "
                         "one process per core; needs no GPU")
@@ -223,7 +226,7 @@ def cmd_warmup(args: argparse.Namespace) -> int:
     if not ok:
         raise ValueError(f"warmup compiles the Numba kernels, which are not usable here: {why}")
     print(f"compiling into {cache_dir() / 'numba'}")
-    steps = warmup(args.dtype, backward=not args.no_backward,
+    steps = warmup(args.dtype, backward=not args.no_backward, jax=not args.no_jax,
                    report=lambda what, s: print(f"  {what:<20} {s:6.2f} s", flush=True))
     print(f"done in {sum(s for _, s in steps):.1f} s")
     return 0

@@ -48,8 +48,9 @@ What runs where (forward and backward alike):
     whose output pool spares the fresh pages of XLA's output buffer.
 
   Measured on 2 cores, d = 4096 (``python bench/jax_jit.py``): see
-  :doc:`quickstart`.  A first call compiles the handler for its dtypes (1-5
-  s, once per process).
+  :doc:`quickstart`.  A first call compiles the handler for its dtypes (1-10
+  s; cached on disk with the kernels, so a later process loads it in well
+  under a second; ``polynorm warmup`` compiles them ahead).
 - eager jax arrays all on one CPU device otherwise (and ``pn.rms_norm`` on
   them) go to the kernels as numpy views (zero-copy) and the results come
   back to jax: below 1 MiB copied by ``jnp.asarray``, larger ones without a

@@ -19,7 +19,7 @@ results ``y`` (``(n, d)``, any float dtype the kernels store) and ``rstd``
 (``(n,)``, the compute dtype); ``flags``, ``k``, ``eps`` and ``offset`` are the
 call's attributes, in this order (XLA sorts them by name: ``a_flags``,
 ``b_k``, ``c_eps``, ``d_offset``).  One handler per (x, y, compute dtype,
-bias or not), compiled on first use.
+bias or not), compiled on first use and cached on disk (:func:`_compiled`).
 
 Threads: a call of at least ``POOL_MIN_ELEMENTS`` is cut into row chunks that the
 handler's thread and tasks scheduled on XLA's own thread pool (the FFI
@@ -36,14 +36,16 @@ parallel drivers' rule).
 from __future__ import annotations
 
 import functools
+import hashlib
 import platform
 import sys
 
+import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import carray, cfunc, njit, types
-from numba.core import cgutils
+from numba import carray, njit, types
+from numba.core import caching, cgutils
 from numba.extending import intrinsic
 
 from polynorm.backends import numba as _nb
@@ -359,8 +361,9 @@ def _wait_done(job, chunks):
         _futex(job + 8 * _DONE, _FUTEX_WAIT_PRIVATE, done, _WAIT_NS)
 
 
-def _pool(chunk):
-    """``(run_pooled, task cfunc)`` for the row-chunk function ``chunk(job, lo, hi)``:
+def _pool(chunk, key: tuple):
+    """``(run_pooled, task cfunc)`` for the row-chunk function ``chunk(job, lo, hi)`` of the
+    handler ``key`` (:func:`_compiled`):
     ``run_pooled(f, n, d, x, w, b, y, r, flags, k, eps, offset)`` runs rows ``[0, n)`` in
     chunks on XLA's pool and the calling thread (the job record's words, see the
     module), False where there is no pool of two threads or more (or no memory for
@@ -387,8 +390,12 @@ def _pool(chunk):
         if _fetch_add(job + 8 * _REFS, -1) == 1:
             _free(job)
 
-    task_fn = cfunc(types.void(types.voidptr), nogil=True, error_model="numpy")(task)
-    task_addr = task_fn.address
+    task_fn = _compiled(task, types.void(types.voidptr), ("task", *key))
+    # the address reaches the handler's code by name, resolved when that code is loaded:
+    # a number compiled in would be stale in the next process that loads it from disk
+    name = "polynorm_xla_task_" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+    llvm.add_symbol(name, task_fn.address)
+    task_address = _function_address(name)
 
     @njit(nogil=True)
     def run_pooled(f, n, d, xd, wd, bd, yd, rd, flags, kk, eps, offset):
@@ -415,7 +422,7 @@ def _pool(chunk):
             _put_word(args, 40)
             _put_word(args + 8, 0)
             _put_word(args + 16, _word(f + _CTX))
-            _put_word(args + 24, task_addr)
+            _put_word(args + 24, task_address())
             _put_word(args + 32, job)
             err = _call_ffi(_word(api + _SCHEDULE), args)
             if err != 0:  # not scheduled: its reference is dropped here
@@ -461,7 +468,8 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
         else:
             rows(lo, hi, x, None, w, None, y, None, rstd, flags, kk, eps, offset, None)
 
-    run_pooled, task_fn = _pool(chunk)
+    key = ("forward", x_dtype, y_dtype, compute_dtype, has_bias)
+    run_pooled, task_fn = _pool(chunk, key)
 
     def run(frame):
         f = _address(frame)
@@ -504,7 +512,7 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
                 rows(0, c, x, None, w, None, y, None, rstd, flags, kk, eps, offset, None)
         return _pointer(0)
 
-    fn = cfunc(types.voidptr(types.voidptr), nogil=True, error_model="numpy")(run)
+    fn = _compiled(run, types.voidptr(types.voidptr), key)
     _keep.extend((fn, task_fn))
     return fn.address
 
@@ -523,7 +531,7 @@ def _executes(f):
     return _int32(f + _STAGE) == _EXECUTE
 
 
-def _row_stat_handler(stat, with_attrs: bool) -> int:
+def _row_stat_handler(stat, with_attrs: bool, key: tuple) -> int:
     """The address of a compiled handler of one value per row: argument ``x`` (rows: every
     axis but the last, also under ``vmap``), result ``(rows,)``; ``stat(lo, hi, x address,
     result address, rows, d, flags, k, eps)`` (njit) fills rows ``[lo, hi)``, with the
@@ -537,7 +545,7 @@ def _row_stat_handler(stat, with_attrs: bool) -> int:
              _word(job + 8 * _D), _word(job + 8 * _FLAGS), _word(job + 8 * _K),
              _double(job + 8 * _EPS))
 
-    run_pooled, task_fn = _pool(chunk)
+    run_pooled, task_fn = _pool(chunk, key)
 
     def run(frame):
         f = _address(frame)
@@ -556,7 +564,7 @@ def _row_stat_handler(stat, with_attrs: bool) -> int:
         stat(0, n, xd, rd, n, d, flags, kk, eps)
         return _pointer(0)
 
-    fn = cfunc(types.voidptr(types.voidptr), nogil=True, error_model="numpy")(run)
+    fn = _compiled(run, types.voidptr(types.voidptr), key)
     _keep.extend((fn, task_fn))
     return fn.address
 
@@ -578,7 +586,7 @@ def rstd_handler(x_dtype: str, compute_dtype: str) -> int:
         rows(lo, hi, carray(_pointer(xd), (n, d), xt), carray(_pointer(rd), (n,), ct),
              flags, kk, eps)
 
-    return _row_stat_handler(stat, True)
+    return _row_stat_handler(stat, True, ("rstd", x_dtype, compute_dtype))
 
 
 @functools.cache
@@ -600,7 +608,7 @@ def row_sum_handler(dtype: str, square: bool) -> int:
         else:
             rows(lo, hi, carray(_pointer(ad), (n, d), t), out, square)
 
-    return _row_stat_handler(stat, False)
+    return _row_stat_handler(stat, False, ("row_sum", dtype, square))
 
 
 #: words at the head of the backward's scratch (:func:`backward_handler`; its job record's
@@ -724,7 +732,8 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
         _free(pcd)
         _free(p64d)
 
-    run_pooled, task_fn = _pool(chunk)
+    key = ("backward", x_dtype, dy_dtype, compute_dtype, weight_dtype, bias_dtype)
+    run_pooled, task_fn = _pool(chunk, key)
 
     def run(frame):
         f = _address(frame)
@@ -783,9 +792,69 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
                 round_into(vals[0, width - d:], carray(_pointer(db), (d,), bt))
         return _pointer(0)
 
-    fn = cfunc(types.voidptr(types.voidptr), nogil=True, error_model="numpy")(run)
+    fn = _compiled(run, types.voidptr(types.voidptr), key)
     _keep.extend((fn, task_fn))
     return fn.address
+
+
+def _knobs() -> tuple:
+    """This module's values that the handlers compile in (part of every cache key: a
+    changed value, e.g. a test's, compiles anew instead of loading the other one)."""
+    return (POOL_MIN_ELEMENTS, STAT_POOL_MIN_ELEMENTS, _CHUNK_MIN_ELEMENTS, _CHUNKS_PER_THREAD,
+            _YIELDS_BEFORE_SLEEP, _WAIT_NS, _SYS_FUTEX, sys.platform)
+
+
+def _compiled(fn, sig, key: tuple):
+    """``cfunc(sig)(fn)``, kept in polynorm's on-disk cache (:mod:`polynorm.core.cache`:
+    dropped with any edit of the kernel sources) under ``key`` and :func:`_knobs`.
+
+    Numba keys a closure's entry on the pickle of what it captures, which holds every
+    captured dispatcher's per-process id: an entry written by one process is never
+    found by the next.  The handlers capture only what their key names (dtypes,
+    flags) and module values, so the key is stable and complete.  Without a
+    writable cache the handler compiles as before.
+    """
+    from numba.core import ccallback, sigutils
+
+    cf = ccallback.CFunc(fn, sigutils.normalize_signature(sig), locals={},
+                         options={"nogil": True, "error_model": "numpy"})
+    try:
+        cf._cache = _KeyedCache(fn, (key, _knobs()))
+    except RuntimeError:  # no cache locator answers (no writable directory)
+        pass
+    cf.compile()
+    return cf
+
+
+class _KeyedCache(caching.FunctionCache):
+    """Numba's function cache with the closure's part of the index key replaced by ``key``."""
+
+    def __init__(self, py_func, key: tuple):
+        super().__init__(py_func)
+        self._key = repr(key).encode()
+
+    def _index_key(self, sig, codegen):
+        def digest(b):
+            return hashlib.sha256(b).hexdigest()
+
+        return sig, codegen.magic_tuple(), (digest(self._py_func.__code__.co_code),
+                                            digest(self._key))
+
+
+def _function_address(name: str):
+    """An intrinsic ``() -> int64``: the address of the external function ``name`` (a
+    symbol given to LLVM with ``llvmlite.binding.add_symbol``)."""
+
+    @intrinsic
+    def address(typingctx):
+        def codegen(context, builder, sig, args):
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [_i8p]), name)
+            return builder.ptrtoint(fn, _i64)
+
+        return types.int64(), codegen
+
+    return address
 
 
 @njit(nogil=True)
