@@ -14,11 +14,16 @@ it out of the run moves them to the next test that needs the same kernel.
 It also prints each test's CPU (this process) and its child processes' CPU
 (g++ building the CUDA emulator's libraries when ``POLYNORM_EMUL_CACHE`` is
 empty, subprocess and multi-process tests): the compile events do not see them.
+With ``COMPILE_CENSUS_TSV`` set to a path it also writes every test's row there
+(test, CPU self, CPU children, compile seconds; tab-separated), for sums over
+groups of tests that the printed top lists leave out, and every top-level compile
+to the same path plus ``.compiles`` (seconds, kernel, argument types, the test).
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import resource
 import time
 
@@ -112,3 +117,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.write_line("-- by test, total")
     for t, s in (cpu_self + cpu_children).most_common(80):
         tr.write_line(f"{s:8.1f}  {t} (compile {per_test[t]:.1f}, children {cpu_children[t]:.1f})")
+    path = os.environ.get("COMPILE_CENSUS_TSV")
+    if path:
+        with open(path, "w") as fh:
+            fh.write("test\tcpu_self\tcpu_children\tcompile\n")
+            for t in cpu_self:
+                fh.write(f"{t}\t{cpu_self[t]:.3f}\t{cpu_children[t]:.3f}\t{per_test[t]:.3f}\n")
+        with open(path + ".compiles", "w") as fh:
+            fh.write("seconds\tkernel\targs\ttest\n")
+            for k, sigs in signatures.items():
+                for dt, sig, test in sigs:
+                    fh.write(f"{dt:.3f}\t{k}\t{sig}\t{test}\n")
+        tr.write_line(f"every test's row: {path} (every compile: {path}.compiles)")

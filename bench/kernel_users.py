@@ -12,12 +12,15 @@ kernel cache (the calls are what it records, not the compiles)::
 Set ``KERNEL_USERS_COST`` to a compile_census.py output file to weigh each
 specialisation by its compile seconds there (its signature lines); others count
 ``--`` seconds.  Calls from inside jitted code are compiled into their caller and
-are not seen.
+are not seen.  ``KERNEL_USERS_JSON`` set to a path writes every specialisation's
+users there (``[[kernel, signature, [tests...]], ...]``), for questions the
+printed tables do not answer (which tests a layout's or dtype's kernels serve).
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 
@@ -96,3 +99,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
     show("-- specialisations that one test alone calls (compile seconds where known)", only)
     show("-- specialisations that only the cases of one parametrised test call", groups)
+    path = os.environ.get("KERNEL_USERS_JSON")
+    if path:
+        with open(path, "w") as fh:
+            json.dump([[k, sig, sorted(tests)] for (k, sig), tests in sorted(users.items())], fh, indent=0)
+        tr.write_line(f"every specialisation's users: {path}")
