@@ -128,6 +128,9 @@ def _worker(rank, path):
         _check_split(rank)
         _check_dtensor(rank)
         _check_dtensor_add(rank)
+        # neither rank tears gloo down while the other still runs a collective: that
+        # aborted a worker ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
