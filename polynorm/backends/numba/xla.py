@@ -369,8 +369,6 @@ def _pool(chunk, key: tuple):
     module), False where there is no pool of two threads or more (or no memory for
     the job record)."""
 
-    futex = _SYS_FUTEX != 0
-
     @njit(nogil=True)
     def run_chunks(job):
         """Claim and run row chunks of ``job`` until none is left."""
@@ -379,7 +377,7 @@ def _pool(chunk, key: tuple):
         while c < chunks:
             lo = c * per
             chunk(job, lo, min(lo + per, n))
-            if (_fetch_add(job + 8 * _DONE, 1) == chunks - 1 and futex
+            if (_fetch_add(job + 8 * _DONE, 1) == chunks - 1 and _SYS_FUTEX != 0
                     and _load_seq_cst(job + 8 * _WAITING) != 0):
                 _futex(job + 8 * _DONE, _FUTEX_WAKE_PRIVATE, 1, 0)
             c = _fetch_add(job + 8 * _NEXT, 1)
@@ -393,7 +391,7 @@ def _pool(chunk, key: tuple):
     task_fn = _compiled(task, types.void(types.voidptr), ("task", *key))
     # the address reaches the handler's code by name, resolved when that code is loaded:
     # a number compiled in would be stale in the next process that loads it from disk
-    name = "polynorm_xla_task_" + hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+    name = "polynorm_xla_task_" + _digest(key)[:32]
     llvm.add_symbol(name, task_fn.address)
     task_address = _function_address(name)
 
@@ -831,14 +829,17 @@ class _KeyedCache(caching.FunctionCache):
 
     def __init__(self, py_func, key: tuple):
         super().__init__(py_func)
-        self._key = repr(key).encode()
+        self._key = key
 
     def _index_key(self, sig, codegen):
-        def digest(b):
-            return hashlib.sha256(b).hexdigest()
+        code = hashlib.sha256(self._py_func.__code__.co_code).hexdigest()
+        return sig, codegen.magic_tuple(), (code, _digest(self._key))
 
-        return sig, codegen.magic_tuple(), (digest(self._py_func.__code__.co_code),
-                                            digest(self._key))
+
+def _digest(key: tuple) -> str:
+    """A handler key's hash (its repr: dtypes as names, flags, numbers), stable across
+    processes."""
+    return hashlib.sha256(repr(key).encode()).hexdigest()
 
 
 def _function_address(name: str):
