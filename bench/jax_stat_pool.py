@@ -1,11 +1,14 @@
-"""Where the row-statistic XLA handlers should start splitting rows over XLA's pool.
+"""Where the row-statistic XLA handlers should start splitting rows over XLA's pool,
+and in how many chunks.
 
-Compiles :func:`polynorm.backends.numba.xla.rstd_handler` once per candidate
-threshold (``POOL_MIN_ELEMENTS``: 64 Ki, 256 Ki, 1 Mi elements, never) and times, paired
-and interleaved, float32 rows of d = 4096 under ``jax.jit``: ``x * rstd * w`` with the
-rstd from each handler against the jnp formula, as a jitted call and per step of a
-jitted ``fori_loop`` of ``h = h + 0.5 * norm(h, w)`` (``g_`` columns).  Microseconds,
-medians of the rounds.  Behind ``xla.STAT_POOL_MIN_ELEMENTS``.
+Compiles :func:`polynorm.backends.numba.xla.rstd_handler` once per candidate (the
+threshold ``STAT_POOL_MIN_ELEMENTS``: 64 Ki, 256 Ki, 1 Mi elements, never; and at 256 Ki,
+``_STAT_CHUNKS_PER_THREAD`` 1 and 8: ``c1``, ``c8``) and times, paired and interleaved,
+float32 rows of d = 4096 under ``jax.jit``: ``x * rstd * w`` with the rstd from each
+handler against the jnp formula, as a jitted call and per step of a jitted
+``fori_loop`` of ``h = h + 0.5 * norm(h, w)`` (``g_`` columns: there each step's ``h`` is
+the output of XLA's loop fusion, partitioned over its pool, of the step before).
+Microseconds, medians of the rounds.
 
     python bench/jax_stat_pool.py [TOKENS ...]
 """
@@ -23,12 +26,15 @@ import numpy as np
 from polynorm.backends.numba import xla
 
 D = 4096
-THRESHOLDS = {"p64k": 1 << 16, "p256k": 1 << 18, "p1m": 1 << 20, "never": 1 << 62}
+#: name: (STAT_POOL_MIN_ELEMENTS, _STAT_CHUNKS_PER_THREAD)
+THRESHOLDS = {"p64k": (1 << 16, 1), "p256k_c1": (1 << 18, 1), "p256k_c8": (1 << 18, 8),
+              "p1m": (1 << 20, 1), "never": (1 << 62, 1)}
 
 
 def _register() -> None:
-    for name, elements in THRESHOLDS.items():
+    for name, (elements, per_thread) in THRESHOLDS.items():
         xla.STAT_POOL_MIN_ELEMENTS = elements
+        xla._STAT_CHUNKS_PER_THREAD = per_thread
         xla.rstd_handler.cache_clear()
         address = xla.rstd_handler("float32", "float32")
         jax.ffi.register_ffi_target("bench_rstd_" + name, jax.ffi.pycapsule(address),

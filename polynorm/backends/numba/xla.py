@@ -82,6 +82,15 @@ STAT_POOL_MIN_ELEMENTS = 4 * POOL_MIN_ELEMENTS
 _CHUNK_MIN_ELEMENTS = 1 << 14
 #: row chunks per pool thread: small enough that a thread scheduled late finds work left
 _CHUNKS_PER_THREAD = 8
+#: the same for the row statistics: one contiguous share of rows per thread, as XLA
+#: partitions a loop fusion over its pool.  Their input is typically the output of such
+#: a fusion in the step before (``h`` of a residual stream), so the thread that claims a
+#: share first reads rows that it wrote, from its own cache; interleaved chunks read
+#: half of them from the other cores' caches.  At 256 x 4096 float32 on two cores whose
+#: caches are apart, the statistic took 200 us a step in a jitted loop with eight chunks
+#: a thread and 30-40 us with one (XLA's own reduce: 45-75 us;
+#: bench/results/jax-stat-locality-2026-12-07.txt)
+_STAT_CHUNKS_PER_THREAD = 1
 #: the handler's waits for chunks that pool tasks run: yields first, then (Linux) a futex
 #: sleep on the job's ``_DONE`` word, which the task finishing the last chunk wakes.  A
 #: yielding thread keeps its core busy, so a task preempted there (XLA's threads
@@ -361,13 +370,15 @@ def _wait_done(job, chunks):
         _futex(job + 8 * _DONE, _FUTEX_WAIT_PRIVATE, done, _WAIT_NS)
 
 
-def _pool(chunk, key: tuple):
+def _pool(chunk, key: tuple, per_thread: int | None = None):
     """``(run_pooled, task cfunc)`` for the row-chunk function ``chunk(job, lo, hi)`` of the
     handler ``key`` (:func:`_compiled`):
     ``run_pooled(f, n, d, x, w, b, y, r, flags, k, eps, offset)`` runs rows ``[0, n)`` in
-    chunks on XLA's pool and the calling thread (the job record's words, see the
-    module), False where there is no pool of two threads or more (or no memory for
-    the job record)."""
+    up to ``per_thread`` contiguous chunks a pool thread (default ``_CHUNKS_PER_THREAD``),
+    on XLA's pool and the calling thread (the job record's words, see the module), False
+    where there is no pool of two threads or more (or no memory for the job record)."""
+    if per_thread is None:
+        per_thread = _CHUNKS_PER_THREAD
 
     @njit(nogil=True)
     def run_chunks(job):
@@ -405,7 +416,7 @@ def _pool(chunk, key: tuple):
         if threads < 2:
             _free(job)
             return False
-        chunks = max(1, min(n, _CHUNKS_PER_THREAD * threads, n * d // _CHUNK_MIN_ELEMENTS))
+        chunks = max(1, min(n, per_thread * threads, n * d // _CHUNK_MIN_ELEMENTS))
         per = (n + chunks - 1) // chunks
         chunks = (n + per - 1) // per
         tasks = min(threads - 1, chunks - 1)
@@ -534,7 +545,8 @@ def _row_stat_handler(stat, with_attrs: bool, key: tuple) -> int:
     axis but the last, also under ``vmap``), result ``(rows,)``; ``stat(lo, hi, x address,
     result address, rows, d, flags, k, eps)`` (njit) fills rows ``[lo, hi)``, with the
     attributes ``a_flags``, ``b_k``, ``c_eps`` where ``with_attrs`` (else 0).  Calls of
-    ``STAT_POOL_MIN_ELEMENTS`` and more in row chunks on XLA's pool, as :func:`handler`'s."""
+    ``STAT_POOL_MIN_ELEMENTS`` and more on XLA's pool, as :func:`handler`'s, in one share
+    of rows a thread (``_STAT_CHUNKS_PER_THREAD``)."""
     pool_min = STAT_POOL_MIN_ELEMENTS
 
     @njit(nogil=True)
@@ -543,7 +555,7 @@ def _row_stat_handler(stat, with_attrs: bool, key: tuple) -> int:
              _word(job + 8 * _D), _word(job + 8 * _FLAGS), _word(job + 8 * _K),
              _double(job + 8 * _EPS))
 
-    run_pooled, task_fn = _pool(chunk, key)
+    run_pooled, task_fn = _pool(chunk, key, _STAT_CHUNKS_PER_THREAD)
 
     def run(frame):
         f = _address(frame)
@@ -799,7 +811,7 @@ def _knobs() -> tuple:
     """This module's values that the handlers compile in (part of every cache key: a
     changed value, e.g. a test's, compiles anew instead of loading the other one)."""
     return (POOL_MIN_ELEMENTS, STAT_POOL_MIN_ELEMENTS, _CHUNK_MIN_ELEMENTS, _CHUNKS_PER_THREAD,
-            _YIELDS_BEFORE_SLEEP, _WAIT_NS, _SYS_FUTEX, sys.platform)
+            _STAT_CHUNKS_PER_THREAD, _YIELDS_BEFORE_SLEEP, _WAIT_NS, _SYS_FUTEX, sys.platform)
 
 
 def _compiled(fn, sig, key: tuple):
