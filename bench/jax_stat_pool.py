@@ -3,7 +3,8 @@ and in how many chunks.
 
 Compiles :func:`polynorm.backends.numba.xla.rstd_handler` once per candidate (the
 threshold ``STAT_POOL_MIN_ELEMENTS``: 64 Ki, 256 Ki, 1 Mi elements, never; and at 256 Ki,
-``_STAT_CHUNKS_PER_THREAD`` 1 and 8: ``c1``, ``c8``) and times, paired and interleaved,
+the chunks in shares, one a thread, or in one sequence for all threads,
+``xla._MAX_SHARES`` 64 and 1: ``shares``, ``one_seq``) and times, paired and interleaved,
 float32 rows of d = 4096 under ``jax.jit``: ``x * rstd * w`` with the rstd from each
 handler against the jnp formula, as a jitted call and per step of a jitted
 ``fori_loop`` of ``h = h + 0.5 * norm(h, w)`` (``g_`` columns: there each step's ``h`` is
@@ -26,15 +27,15 @@ import numpy as np
 from polynorm.backends.numba import xla
 
 D = 4096
-#: name: (STAT_POOL_MIN_ELEMENTS, _STAT_CHUNKS_PER_THREAD)
-THRESHOLDS = {"p64k": (1 << 16, 1), "p256k_c1": (1 << 18, 1), "p256k_c8": (1 << 18, 8),
-              "p1m": (1 << 20, 1), "never": (1 << 62, 1)}
+#: name: (STAT_POOL_MIN_ELEMENTS, _MAX_SHARES)
+THRESHOLDS = {"p64k": (1 << 16, 64), "p256k_shares": (1 << 18, 64), "p256k_one_seq": (1 << 18, 1),
+              "p1m": (1 << 20, 64), "never": (1 << 62, 64)}
 
 
 def _register() -> None:
-    for name, (elements, per_thread) in THRESHOLDS.items():
+    for name, (elements, shares) in THRESHOLDS.items():
         xla.STAT_POOL_MIN_ELEMENTS = elements
-        xla._STAT_CHUNKS_PER_THREAD = per_thread
+        xla._MAX_SHARES = shares
         xla.rstd_handler.cache_clear()
         address = xla.rstd_handler("float32", "float32")
         jax.ffi.register_ffi_target("bench_rstd_" + name, jax.ffi.pycapsule(address),

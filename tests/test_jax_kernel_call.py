@@ -352,21 +352,16 @@ def test_overlapping_pooled_calls_keep_the_eager_bits(one_device):
     assert _concurrent_calls_keep_the_eager_bits() == []
 
 
-@pytest.mark.slow  # a process of its own: the handlers compile again (~15 s)
-def test_pooled_calls_whose_handler_sleeps_keep_the_eager_bits():
-    """The handlers' wait for chunks still running on pool tasks with the futex sleep
-    from the first check (no yields first): every wake-up handshake taken."""
+def _pooled_calls_in_a_process(knob: str) -> None:
+    """:func:`_concurrent_calls_keep_the_eager_bits` in a process of its own whose handlers
+    compile with ``xla.<knob>`` (an assignment) instead of the module's value."""
     import os
     import subprocess
     import sys
 
-    from polynorm.backends.numba import xla
-
-    if xla._SYS_FUTEX == 0:
-        pytest.skip("no futex on this platform: the handlers only yield")
     code = ("import sys; sys.path.insert(0, 'tests')\n"
             "from polynorm.backends.numba import xla\n"
-            "xla._YIELDS_BEFORE_SLEEP = 0  # read when the handlers compile\n"
+            f"xla.{knob}  # read when the handlers compile\n"
             "import test_jax_kernel_call as t\n"
             "assert t.jn._one_cpu_device()\n"
             "assert t._concurrent_calls_keep_the_eager_bits(threads=4, calls=20) == []\n")
@@ -375,3 +370,21 @@ def test_pooled_calls_whose_handler_sleeps_keep_the_eager_bits():
     res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+@pytest.mark.slow  # a process of its own: the handlers compile again (~15 s)
+def test_pooled_calls_whose_handler_sleeps_keep_the_eager_bits():
+    """The handlers' wait for chunks still running on pool tasks with the futex sleep
+    from the first check (no yields first): every wake-up handshake taken."""
+    from polynorm.backends.numba import xla
+
+    if xla._SYS_FUTEX == 0:
+        pytest.skip("no futex on this platform: the handlers only yield")
+    _pooled_calls_in_a_process("_YIELDS_BEFORE_SLEEP = 0")
+
+
+@pytest.mark.slow  # a process of its own: the handlers compile again (~15 s)
+def test_pooled_calls_with_more_threads_than_shares_keep_the_eager_bits():
+    """One share for every thread (``_MAX_SHARES = 1``): the tasks whose share is past the
+    last take it modulo, and every chunk is claimed from one counter."""
+    _pooled_calls_in_a_process("_MAX_SHARES = 1")

@@ -61,12 +61,14 @@ _DATA, _RANK, _DIMS = 24, 32, 40
 #: in XLA_FFI_Api: its struct_size, Error_Destroy, ThreadPool_Schedule, ThreadPool_NumThreads
 _API_SIZE, _ERROR_DESTROY, _SCHEDULE, _NUM_THREADS = 0, 64, 136, 144
 
-#: the job record shared by a call's handler and tasks (int64 words; see _run_chunks)
+#: the job record shared by a call's handler and tasks (int64 words; see _pool): _NEXT is
+#: the share of the next task to start (see _MAX_SHARES), _DONE the chunks run
 _NEXT, _DONE, _REFS, _CHUNKS, _PER, _N, _D = 0, 1, 2, 3, 4, 5, 6
 _X, _W, _B, _Y, _R, _FLAGS, _K, _EPS, _OFFSET = 7, 8, 9, 10, 11, 12, 13, 14, 15
 _SCRATCH = 16  # five words: the argument structs of the FFI calls
 _WAITING = 21  # non-zero once the handler sleeps until the last chunk is done
-_JOB_WORDS = 22
+_SHARES = 22  # the number of shares
+_JOB_WORDS = 23  # then a pool's job record has one counter a share: its chunks not yet claimed
 #: madvise's MADV_HUGEPAGE (Linux), the huge page size, and numpy's size rule for asking it
 _MADV_HUGEPAGE, _HUGE, _HUGE_MIN_BYTES = 14, 2 << 20, 4 << 20
 #: calls of at least this many elements run on XLA's thread pool (read when a handler is
@@ -82,15 +84,17 @@ STAT_POOL_MIN_ELEMENTS = 4 * POOL_MIN_ELEMENTS
 _CHUNK_MIN_ELEMENTS = 1 << 14
 #: row chunks per pool thread: small enough that a thread scheduled late finds work left
 _CHUNKS_PER_THREAD = 8
-#: the same for the row statistics: one contiguous share of rows per thread, as XLA
-#: partitions a loop fusion over its pool.  Their input is typically the output of such
-#: a fusion in the step before (``h`` of a residual stream), so the thread that claims a
-#: share first reads rows that it wrote, from its own cache; interleaved chunks read
-#: half of them from the other cores' caches.  At 256 x 4096 float32 on two cores whose
-#: caches are apart, the statistic took 200 us a step in a jitted loop with eight chunks
-#: a thread and 30-40 us with one (XLA's own reduce: 45-75 us;
-#: bench/results/jax-stat-locality-2026-12-07.txt)
-_STAT_CHUNKS_PER_THREAD = 1
+#: The chunks are dealt in contiguous shares, one a thread (the handler's thread the
+#: first), as XLA partitions a loop fusion over its pool; a thread runs its own share's
+#: chunks last first, then takes the others' from their far ends.  A handler's input is
+#: often such a fusion's output (``h`` of a residual stream), so a thread reads rows
+#: that it wrote, from its own cache, and a late thread's work still gets done.  With
+#: chunks claimed in one sequence by all threads, half the rows came from the other
+#: core's cache: the statistic of 256 x 4096 float32 took 150-200 us a step in a jitted
+#: loop on two cores whose caches are apart, 30-45 us in shares, XLA's reduce 45-75 us
+#: (bench/results/jax-stat-locality-2026-12-07.txt).  At most this many shares (threads
+#: beyond them share the last ones; 1: every thread claims from one sequence):
+_MAX_SHARES = 64
 #: the handler's waits for chunks that pool tasks run: yields first, then (Linux) a futex
 #: sleep on the job's ``_DONE`` word, which the task finishing the last chunk wakes.  A
 #: yielding thread keeps its core busy, so a task preempted there (XLA's threads
@@ -370,32 +374,43 @@ def _wait_done(job, chunks):
         _futex(job + 8 * _DONE, _FUTEX_WAIT_PRIVATE, done, _WAIT_NS)
 
 
-def _pool(chunk, key: tuple, per_thread: int | None = None):
+@njit(nogil=True)
+def _claim(job, share):
+    """The next chunk of ``job`` for the thread of ``share`` (see ``_MAX_SHARES``), -1 when
+    every chunk is claimed."""
+    chunks, shares = _word(job + 8 * _CHUNKS), _word(job + 8 * _SHARES)
+    for t in range(shares):
+        q = (share + t) % shares
+        left = _fetch_add(job + 8 * (_JOB_WORDS + q), -1)
+        if left > 0:
+            return q * chunks // shares + left - 1
+    return -1
+
+
+def _pool(chunk, key: tuple):
     """``(run_pooled, task cfunc)`` for the row-chunk function ``chunk(job, lo, hi)`` of the
     handler ``key`` (:func:`_compiled`):
     ``run_pooled(f, n, d, x, w, b, y, r, flags, k, eps, offset)`` runs rows ``[0, n)`` in
-    up to ``per_thread`` contiguous chunks a pool thread (default ``_CHUNKS_PER_THREAD``),
-    on XLA's pool and the calling thread (the job record's words, see the module), False
-    where there is no pool of two threads or more (or no memory for the job record)."""
-    if per_thread is None:
-        per_thread = _CHUNKS_PER_THREAD
+    chunks on XLA's pool and the calling thread (the job record's words, see the
+    module; the chunks in shares, see ``_MAX_SHARES``), False where there is no pool of
+    two threads or more (or no memory for the job record)."""
 
     @njit(nogil=True)
-    def run_chunks(job):
-        """Claim and run row chunks of ``job`` until none is left."""
+    def run_chunks(job, share):
+        """Claim and run row chunks of ``job``, ``share``'s first, until none is left."""
         n, per, chunks = _word(job + 8 * _N), _word(job + 8 * _PER), _word(job + 8 * _CHUNKS)
-        c = _fetch_add(job + 8 * _NEXT, 1)
-        while c < chunks:
+        c = _claim(job, share)
+        while c >= 0:
             lo = c * per
             chunk(job, lo, min(lo + per, n))
             if (_fetch_add(job + 8 * _DONE, 1) == chunks - 1 and _SYS_FUTEX != 0
                     and _load_seq_cst(job + 8 * _WAITING) != 0):
                 _futex(job + 8 * _DONE, _FUTEX_WAKE_PRIVATE, 1, 0)
-            c = _fetch_add(job + 8 * _NEXT, 1)
+            c = _claim(job, share)
 
     def task(data):
         job = _address(data)
-        run_chunks(job)
+        run_chunks(job, _fetch_add(job + 8 * _NEXT, 1))
         if _fetch_add(job + 8 * _REFS, -1) == 1:
             _free(job)
 
@@ -408,7 +423,7 @@ def _pool(chunk, key: tuple, per_thread: int | None = None):
 
     @njit(nogil=True)
     def run_pooled(f, n, d, xd, wd, bd, yd, rd, flags, kk, eps, offset):
-        job = _malloc(8 * _JOB_WORDS)
+        job = _malloc(8 * (_JOB_WORDS + _MAX_SHARES))
         if job == 0:
             return False
         api = _word(f + _API)
@@ -416,14 +431,18 @@ def _pool(chunk, key: tuple, per_thread: int | None = None):
         if threads < 2:
             _free(job)
             return False
-        chunks = max(1, min(n, per_thread * threads, n * d // _CHUNK_MIN_ELEMENTS))
+        chunks = max(1, min(n, _CHUNKS_PER_THREAD * threads, n * d // _CHUNK_MIN_ELEMENTS))
         per = (n + chunks - 1) // chunks
         chunks = (n + per - 1) // per
+        shares = min(threads, chunks, _MAX_SHARES)
         tasks = min(threads - 1, chunks - 1)
-        for i, v in ((_NEXT, 0), (_DONE, 0), (_WAITING, 0), (_REFS, 1 + tasks), (_CHUNKS, chunks),
+        for i, v in ((_NEXT, 1), (_DONE, 0), (_WAITING, 0), (_REFS, 1 + tasks), (_CHUNKS, chunks),
                      (_PER, per), (_N, n), (_D, d), (_X, xd), (_W, wd), (_B, bd), (_Y, yd),
-                     (_R, rd), (_FLAGS, flags), (_K, kk)):
+                     (_R, rd), (_FLAGS, flags), (_K, kk), (_SHARES, shares)):
             _put_word(job + 8 * i, v)
+        for q in range(shares):
+            _put_word(job + 8 * (_JOB_WORDS + q),
+                      (q + 1) * chunks // shares - q * chunks // shares)
         _put_double(job + 8 * _EPS, eps)
         _put_double(job + 8 * _OFFSET, offset)
         args = job + 8 * _SCRATCH  # XLA_FFI_ThreadPool_Schedule_Args
@@ -437,7 +456,7 @@ def _pool(chunk, key: tuple, per_thread: int | None = None):
             if err != 0:  # not scheduled: its reference is dropped here
                 _destroy(api, args, err)
                 _fetch_add(job + 8 * _REFS, -1)
-        run_chunks(job)
+        run_chunks(job, 0)
         # every chunk is claimed; the ones still running finish on their threads
         _wait_done(job, chunks)
         if _fetch_add(job + 8 * _REFS, -1) == 1:
@@ -545,8 +564,7 @@ def _row_stat_handler(stat, with_attrs: bool, key: tuple) -> int:
     axis but the last, also under ``vmap``), result ``(rows,)``; ``stat(lo, hi, x address,
     result address, rows, d, flags, k, eps)`` (njit) fills rows ``[lo, hi)``, with the
     attributes ``a_flags``, ``b_k``, ``c_eps`` where ``with_attrs`` (else 0).  Calls of
-    ``STAT_POOL_MIN_ELEMENTS`` and more on XLA's pool, as :func:`handler`'s, in one share
-    of rows a thread (``_STAT_CHUNKS_PER_THREAD``)."""
+    ``STAT_POOL_MIN_ELEMENTS`` and more in row chunks on XLA's pool, as :func:`handler`'s."""
     pool_min = STAT_POOL_MIN_ELEMENTS
 
     @njit(nogil=True)
@@ -555,7 +573,7 @@ def _row_stat_handler(stat, with_attrs: bool, key: tuple) -> int:
              _word(job + 8 * _D), _word(job + 8 * _FLAGS), _word(job + 8 * _K),
              _double(job + 8 * _EPS))
 
-    run_pooled, task_fn = _pool(chunk, key, _STAT_CHUNKS_PER_THREAD)
+    run_pooled, task_fn = _pool(chunk, key)
 
     def run(frame):
         f = _address(frame)
@@ -811,7 +829,7 @@ def _knobs() -> tuple:
     """This module's values that the handlers compile in (part of every cache key: a
     changed value, e.g. a test's, compiles anew instead of loading the other one)."""
     return (POOL_MIN_ELEMENTS, STAT_POOL_MIN_ELEMENTS, _CHUNK_MIN_ELEMENTS, _CHUNKS_PER_THREAD,
-            _STAT_CHUNKS_PER_THREAD, _YIELDS_BEFORE_SLEEP, _WAIT_NS, _SYS_FUTEX, sys.platform)
+            _MAX_SHARES, _YIELDS_BEFORE_SLEEP, _WAIT_NS, _SYS_FUTEX, sys.platform)
 
 
 def _compiled(fn, sig, key: tuple):
