@@ -42,7 +42,7 @@ import polynorm as pn
 import polynorm.jax as pj
 
 D = 4096
-TOKENS = (1, 2, 4, 8, 16, 64, 256, 2048)
+TOKENS = (1, 2, 4, 8, 16, 64, 256, 2048, 4096)
 
 
 def naive(x, w, eps=1e-6):
