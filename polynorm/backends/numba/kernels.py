@@ -918,9 +918,8 @@ def rstd_rows(lo, hi, x, rstd, flags, k, eps):
     Last row first: the loop fusion that wrote the rows (a residual stream's step
     before) and the elementwise pass that follows both go first row first, so reading
     backwards starts on the rows written last and ends on the rows read next: the ones
-    still in cache when the rows outgrow it (float32 2048 x 4096, 32 MiB: a jitted
-    residual-stream step 15% faster than first row first;
-    bench/results/jax-stat-locality-2026-12-07.txt).  Each row's bits are its own."""
+    still in cache when the rows outgrow it (``python bench/jax_stat_order.py``).  Each
+    row's bits are its own."""
     x, rstd = borrow(x), borrow(rstd)
     inside = (flags & EPS_INSIDE) != 0
     for i in range(hi - 1, lo - 1, -1):

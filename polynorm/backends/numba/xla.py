@@ -90,10 +90,9 @@ _CHUNKS_PER_THREAD = 8
 #: often such a fusion's output (``h`` of a residual stream), so a thread reads rows
 #: that it wrote, from its own cache, and a late thread's work still gets done.  With
 #: chunks claimed in one sequence by all threads, half the rows came from the other
-#: core's cache: the statistic of 256 x 4096 float32 took 150-200 us a step in a jitted
-#: loop on two cores whose caches are apart, 30-45 us in shares, XLA's reduce 45-75 us
-#: (bench/results/jax-stat-locality-2026-12-07.txt).  At most this many shares (threads
-#: beyond them share the last ones; 1: every thread claims from one sequence):
+#: core's cache, several times slower where the cores' caches are apart (the ``g_``
+#: columns of ``python bench/jax_stat_pool.py``).  At most this many shares (threads
+#: beyond them start on a share modulo this; 1: every thread claims from one sequence):
 _MAX_SHARES = 64
 #: the handler's waits for chunks that pool tasks run: yields first, then (Linux) a futex
 #: sleep on the job's ``_DONE`` word, which the task finishing the last chunk wakes.  A
@@ -383,8 +382,14 @@ def _claim(job, share):
         q = (share + t) % shares
         left = _fetch_add(job + 8 * (_JOB_WORDS + q), -1)
         if left > 0:
-            return q * chunks // shares + left - 1
+            return _share_start(q, chunks, shares) + left - 1
     return -1
+
+
+@njit(nogil=True)
+def _share_start(q, chunks, shares):
+    """The first chunk of share ``q`` of ``chunks`` dealt in ``shares``."""
+    return q * chunks // shares
 
 
 def _pool(chunk, key: tuple):
@@ -441,8 +446,8 @@ def _pool(chunk, key: tuple):
                      (_R, rd), (_FLAGS, flags), (_K, kk), (_SHARES, shares)):
             _put_word(job + 8 * i, v)
         for q in range(shares):
-            _put_word(job + 8 * (_JOB_WORDS + q),
-                      (q + 1) * chunks // shares - q * chunks // shares)
+            _put_word(job + 8 * (_JOB_WORDS + q), _share_start(q + 1, chunks, shares)
+                      - _share_start(q, chunks, shares))
         _put_double(job + 8 * _EPS, eps)
         _put_double(job + 8 * _OFFSET, offset)
         args = job + 8 * _SCRATCH  # XLA_FFI_ThreadPool_Schedule_Args
