@@ -226,6 +226,37 @@ def test_jit_add_takes_the_kernels_rstd_and_keeps_their_bits(dtype, one_device):
         np.testing.assert_array_equal(_bits(y1), _bits(np.asarray(y)[lo:hi]))
 
 
+def test_jit_outputs_of_fresh_pages_size_take_the_huge_page_buffer_with_the_same_bits(
+        one_device, monkeypatch):
+    """From FRESH_PAGES_MIN_BYTES on, the statistic path's y (and the fused add's h) is a
+    select over the huge-page handler's buffer, which XLA then writes: the same bits as
+    the eager kernels, under grad too; smaller outputs have no such call."""
+    rng = np.random.default_rng(11)
+    x, r = _extreme_rows(rng, 33, 1000), rng.standard_normal((33, 1000)).astype(np.float32)
+    w = rng.standard_normal(1000).astype(np.float32)
+    xj, rj, wj = (jnp.asarray(a) for a in (x, r, w))
+    monkeypatch.setattr(jn, "FRESH_PAGES_MIN_BYTES", x.nbytes)
+    f = jax.jit(lambda x, w: rms_norm(x, w))
+    assert f.lower(xj, wj).as_text().count("polynorm_huge_pages") == 1
+    assert "polynorm_huge_pages" not in f.lower(xj[:32], wj).as_text()
+    for rows in (33, 32):
+        np.testing.assert_array_equal(_bits(f(xj[:rows], wj)), _bits(pn.rms_norm(x[:rows], w)))
+    add = jax.jit(lambda x, r, w: add_rms_norm(x, r, w))
+    assert add.lower(xj, rj, wj).as_text().count("polynorm_huge_pages") == 2
+    for got, want in zip(add(xj, rj, wj), pn.add_rms_norm(x, r, w), strict=True):
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+    def grads():
+        def loss(x, w):
+            return jnp.sum(rms_norm(x, w) * jnp.cos(x))
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(xj, wj)
+
+    with_buffer = grads()
+    monkeypatch.setattr(jn, "FRESH_PAGES_MIN_BYTES", 1 << 62)
+    for got, want in zip(with_buffer, grads(), strict=True):
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
 def test_jit_reference_row_sums_do_not_depend_on_the_batch(one_device):
     """The jitted reference sums rows in the kernels' fixed order (ROW_SUMS): XLA's own row
     sums, fused with the value's producer, gave 912-1849 of 1000 elements other bits for

@@ -222,6 +222,11 @@ def compiled_rstd_target(x_dtype: str, compute_dtype: str) -> str:
                      compute_dtype)
 
 
+def compiled_huge_page_target() -> str:
+    """The FFI target of :func:`polynorm.backends.numba.xla.huge_page_handler`."""
+    return _compiled("polynorm_huge_pages", "huge_page_handler")
+
+
 def compiled_row_sum_target(dtype: str, square: bool) -> str:
     """The FFI target of :func:`polynorm.backends.numba.xla.row_sum_handler` for ``dtype``
     (of squares where ``square``)."""

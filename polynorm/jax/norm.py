@@ -238,7 +238,35 @@ def _statistic_y(plan, flags, cdt, offset, v, weight):
     y = v.astype(cdt) * r[..., None]
     if weight is not None:  # absent: the kernel's ones, and y * (1 + -0.0) is y
         y = y * (weight.astype(cdt) + np.asarray(offset, cdt))
-    return y.astype(plan.out_dtype), r
+    return _on_huge_pages(y.astype(plan.out_dtype)), r
+
+
+#: glibc's largest dynamic mmap threshold: XLA's buffers of at least this many bytes are
+#: fresh pages on every call, faulted in 4 KiB at a time where nothing asks for more.
+FRESH_PAGES_MIN_BYTES = 32 << 20
+
+
+def _on_huge_pages(y):
+    """``y``, its fused pass writing a buffer that asks for huge pages, from
+    ``FRESH_PAGES_MIN_BYTES`` on (smaller: ``y`` itself).
+
+    ``select(flag, y, buffer)`` with the buffer and the flag (always 1) from
+    :func:`polynorm.backends.numba.xla.huge_page_handler`: XLA gives the fused pass the
+    buffer for its output, as it gives any elementwise pass an operand's buffer that
+    nothing reads after it, so where ``y`` is the program's output the pass faults in
+    one page per 2 MiB instead of one per 4 KiB, the jnp formula's cost (the call
+    alone: 1.7x it, where ``y`` otherwise costs it a pass more; ``python
+    bench/jax_consumers.py``).  Where XLA fuses ``y`` into a later op the select goes
+    with it, and the buffer's untouched pages read as the zero page.  The same bits.
+    """
+    nbytes = y.size * y.dtype.itemsize
+    if nbytes < FRESH_PAGES_MIN_BYTES:
+        return y
+    call = jax.ffi.ffi_call(_jax_ffi.compiled_huge_page_target(),
+                            (jax.ShapeDtypeStruct(y.shape, y.dtype),
+                             jax.ShapeDtypeStruct((), jnp.int32)))
+    buffer, flag = call(a_bytes=np.int64(nbytes))
+    return jax.lax.select(jnp.broadcast_to(flag != 0, y.shape), y, buffer)
 
 
 def _add_statistic(static: Options, x, residual, weight, bias):
@@ -262,7 +290,7 @@ def _add_statistic(static: Options, x, residual, weight, bias):
     offset = 0.0 if weight is None else plan.offset
 
     def cpu(x, residual, weight):
-        h = (x.astype(cdt) + residual.astype(cdt)).astype(plan.norm_dtype)
+        h = _on_huge_pages((x.astype(cdt) + residual.astype(cdt)).astype(plan.norm_dtype))
         y, r = _statistic_y(plan, flags, cdt, offset, h, weight)
         return y, h, r
 
@@ -294,7 +322,7 @@ def _counted_flops(x):
 #: dynamic mmap threshold, XLA's output buffer is fresh pages on every call (float32
 #: 2048 x 4096: 43 ms jitted vs 17 ms through the front end; bfloat16's 16 MiB: 8 vs 15
 #: ms; bench/results/jax-jit-2026-12-06c.json).  The same kernel and bits either way.
-EAGER_JIT_MAX_BYTES = 32 << 20
+EAGER_JIT_MAX_BYTES = FRESH_PAGES_MIN_BYTES
 
 
 def _eager_kernel_call(opts: Options, x, weight, bias):

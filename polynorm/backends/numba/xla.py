@@ -644,6 +644,35 @@ def row_sum_handler(dtype: str, square: bool) -> int:
     return _row_stat_handler(stat, False, ("row_sum", dtype, square))
 
 
+@functools.cache
+def huge_page_handler() -> int:
+    """The address of the compiled handler that asks for huge pages under its first
+    result, ``a_bytes`` (attribute) bytes that it leaves unwritten, and sets its second,
+    an int32 scalar, to 1.
+
+    XLA gives a fused elementwise pass that reads such a buffer (``select(flag, y,
+    buffer)``, ``polynorm.jax.norm._on_huge_pages``) that buffer for its output, so
+    the pass writes ``y`` on huge pages (:func:`_huge_pages`), where the program's output
+    is otherwise fresh 4 KiB pages on every call; its reads of the buffer before that
+    find the zero page.
+    """
+    linux = sys.platform == "linux"
+
+    def run(frame):
+        f = _address(frame)
+        if not _executes(f):
+            return _pointer(0)
+        rets = _word(f + _RETS_PTRS)
+        if linux:
+            _huge_pages(_word(_word(rets) + _DATA), _int_attr(_word(f + _ATTRS_PTRS), 0))
+        _put_int32(_word(_word(rets + 8) + _DATA), 1)
+        return _pointer(0)
+
+    fn = _compiled(run, types.voidptr(types.voidptr), ("huge_pages",))
+    _keep.append(fn)
+    return fn.address
+
+
 #: words at the head of the backward's scratch (:func:`backward_handler`; its job record's
 #: ``_B`` word points to it): rows, block level, ``[dweight | dbias]`` width, dy, the
 #: row-tree slots (levels, indices, values) of the call's blocks, the serial run's pools,
