@@ -1,24 +1,26 @@
-"""polynorm's two jitted float32 forward paths against the jnp formula, by what consumes ``y``.
+"""polynorm's two jitted forward paths against the jnp formula, by what consumes ``y``.
 
-Under ``jax.jit`` on one CPU device the default computes ``rstd`` in the kernels and leaves
-the elementwise pass to XLA (``statistic``); the whole kernel call (``whole``: the Numba
-forward writes ``y``, huge pages asked for) is what calls with a bias take.  Which is faster
-depends on what reads ``y``, which a trace cannot see.  Per step of a jitted ``fori_loop``
-(d = 4096, float32), microseconds, medians of 9 shuffled rounds:
+Under ``jax.jit`` on one CPU device the kernels compute ``rstd`` and XLA the elementwise
+pass (``statistic``; from 32 MiB its ``y`` on huge pages: ``polynorm.jax.norm._on_huge_pages``),
+or the whole kernel call writes ``y`` (``whole``, huge pages asked for: what calls with a bias
+take); ``default`` is what ``polynorm.jax.rms_norm`` picks (the statistic, but the whole call
+for bfloat16 from 32 MiB: ``polynorm.jax.norm._xla_elementwise``).  Which is faster depends on
+what reads ``y``, which a trace cannot see.  Per step of a jitted ``fori_loop``
+(d = 4096, float32 unless ``--dtype``), microseconds, medians of 9 shuffled rounds:
 
 - ``call``: a jitted call of the norm alone (``y`` is the program's output);
 - ``add``: ``h = h + 0.5 * norm(h)`` (XLA fuses the formula's pass into the add);
 - ``barrier``: the same with ``y`` behind ``lax.optimization_barrier``;
 - ``matmul``: ``h = h + (norm(h) @ a) @ c`` (a transformer's norm feeds a projection).
 
-    python bench/jax_consumers.py [TOKENS ...]
+    python bench/jax_consumers.py [TOKENS ...] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
-import sys
 import time
 
 import jax
@@ -34,17 +36,29 @@ ROUNDS = 9
 
 
 def naive(x, w, eps=1e-6):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + eps) * w
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * r * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def statistic(x, w):
+def default(x, w):
     return pj.rms_norm(x, w)
 
 
+def statistic(x, w):
+    """The statistic path at every size."""
+    keep = jn.BF16_KERNEL_PASS_MIN_BYTES
+    jn.BF16_KERNEL_PASS_MIN_BYTES = 1 << 62
+    try:
+        return pj.rms_norm(x, w)
+    finally:
+        jn.BF16_KERNEL_PASS_MIN_BYTES = keep
+
+
 def whole(x, w):
-    """The whole kernel call: the default with its statistic path switched off at trace time."""
+    """The whole kernel call: the statistic path switched off at trace time."""
     keep = jn._xla_elementwise
-    jn._xla_elementwise = lambda plan, bias: False
+    jn._xla_elementwise = lambda plan, bias, size: False
     try:
         return pj.rms_norm(x, w)
     finally:
@@ -64,16 +78,15 @@ def consumers(norm):
     }
 
 
-def main(tokens) -> None:
-    variants = {(name, k): f for name, norm in (("naive", naive), ("statistic", statistic),
-                                                ("whole", whole))
-                for k, f in consumers(norm).items()}
+def main(tokens, dtype="float32") -> None:
+    paths = (("naive", naive), ("default", default), ("statistic", statistic), ("whole", whole))
+    variants = {(name, k): f for name, norm in paths for k, f in consumers(norm).items()}
     rng = np.random.default_rng(0)
-    a = jnp.asarray(rng.standard_normal((D, 16), np.float32)) * 1e-3
-    c = jnp.asarray(rng.standard_normal((16, D), np.float32)) * 1e-3
-    w = jnp.ones(D, jnp.float32)
+    a = jnp.asarray(rng.standard_normal((D, 16), np.float32) * 1e-3, dtype)
+    c = jnp.asarray(rng.standard_normal((16, D), np.float32) * 1e-3, dtype)
+    w = jnp.ones(D, dtype)
     for n in tokens:
-        x = jnp.asarray(rng.standard_normal((n, D), np.float32))
+        x = jnp.asarray(rng.standard_normal((n, D), np.float32), dtype)
         for f in variants.values():
             jax.block_until_ready(f(x, w, a, c))
         times: dict = {k: [] for k in variants}
@@ -91,11 +104,14 @@ def main(tokens) -> None:
         cells = []
         for consumer in ("call", "add", "barrier", "matmul"):
             base = med[("naive", consumer)]
-            cells.append(f"{consumer}: naive {base:.0f} us, statistic "
-                         f"{base / med[('statistic', consumer)]:.2f}x, whole "
-                         f"{base / med[('whole', consumer)]:.2f}x")
+            cells.append(f"{consumer}: naive {base:.0f} us, " + ", ".join(
+                f"{v} {base / med[(v, consumer)]:.2f}x" for v in ("default", "statistic", "whole")))
         print(n, " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
-    main([int(t) for t in sys.argv[1:]] or [256, 2048, 4096])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tokens", type=int, nargs="*", default=[256, 2048, 4096])
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    main(args.tokens, args.dtype)

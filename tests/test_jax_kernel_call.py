@@ -257,6 +257,22 @@ def test_jit_outputs_of_fresh_pages_size_take_the_huge_page_buffer_with_the_same
         np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+def test_jit_bfloat16_from_its_size_rule_takes_the_whole_kernel_call(one_device, monkeypatch):
+    """bfloat16 from BF16_KERNEL_PASS_MIN_BYTES of x on: the whole kernel call, not the
+    statistic (a matter of speed); both give the eager kernels' bits."""
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(_extreme_rows(rng, 33, 1000), "bfloat16")
+    w = jnp.asarray(rng.standard_normal(1000), "bfloat16")
+    monkeypatch.setattr(jn, "BF16_KERNEL_PASS_MIN_BYTES", 2 * x.size)
+    f = jax.jit(lambda x, w: rms_norm(x, w))
+    text = f.lower(x, w).as_text()
+    assert "polynorm_forward_" in text and "polynorm_rstd_" not in text
+    assert "polynorm_rstd_" in f.lower(x[:32], w).as_text()
+    for rows in (33, 32):
+        want = pn.rms_norm(np.asarray(x[:rows]), np.asarray(w))
+        np.testing.assert_array_equal(_bits(f(x[:rows], w)), _bits(want))
+
+
 def test_jit_reference_row_sums_do_not_depend_on_the_batch(one_device):
     """The jitted reference sums rows in the kernels' fixed order (ROW_SUMS): XLA's own row
     sums, fused with the value's producer, gave 912-1849 of 1000 elements other bits for

@@ -160,7 +160,7 @@ def _kernel_forward(static: Options, plan, x, weight, bias):
     flags, y_dt, _, cdt = _numba._info(plan)
     d = x.shape[-1]
     offset = 0.0 if weight is None else plan.offset  # as the backend's _affine
-    if _xla_elementwise(plan, bias):
+    if _xla_elementwise(plan, bias, x.size):
         return _statistic_forward(plan, flags, cdt, offset, x, weight, static)
     target = _jax_ffi.compiled_target(plan.norm_dtype, plan.out_dtype, plan.compute_dtype,
                                       bias is not None)
@@ -190,9 +190,15 @@ def _kernel_forward(static: Options, plan, x, weight, bias):
 XLA_PASS_MIN_EPS = 1e-30
 
 
-def _xla_elementwise(plan, bias) -> bool:
+#: bfloat16 calls of ``x`` at least this many bytes take the whole kernel call (see
+#: :func:`_xla_elementwise`).
+BF16_KERNEL_PASS_MIN_BYTES = 32 << 20
+
+
+def _xla_elementwise(plan, bias, size: int) -> bool:
     """Whether the kernels compute only ``rstd`` and XLA the elementwise pass
-    ``y = x * rstd * (weight + offset)``, fused with the program's neighbouring ops.
+    ``y = x * rstd * (weight + offset)``, fused with the program's neighbouring ops,
+    for a call of ``size`` elements.
 
     Calls without bias whose ``y`` has ``x``'s dtype: there the kernel's output pass is
     these two products in the compute dtype, each rounded (no fused multiply-add), and
@@ -201,7 +207,16 @@ def _xla_elementwise(plan, bias) -> bool:
     custom call's own output pass (and the pass that then reads its ``y``) cost more
     than XLA's fused one (``bench/jax_jit.py``'s graph rows); a jitted call of the norm
     alone costs about the same either way.
+
+    Not bfloat16 from ``BF16_KERNEL_PASS_MIN_BYTES``: from there XLA compiles the jnp
+    formula into one YNNPACK fusion, where its loop fusion of the elementwise pass
+    converts bfloat16 slower than the kernel's pass does, which then wins the call
+    alone and the fused add (1.77x and 1.27x the formula at 4096 x 4096, against the
+    statistic's 1.10x and 0.97x; ``python bench/jax_consumers.py --dtype bfloat16``).
+    The choice is a matter of speed: both give the eager kernels' bits.
     """
+    if plan.norm_dtype == "bfloat16" and 2 * size >= BF16_KERNEL_PASS_MIN_BYTES:
+        return False
     return bias is None and _statistic_plan_ok(plan)
 
 
