@@ -287,6 +287,49 @@ def test_jit_reference_row_sums_do_not_depend_on_the_batch(one_device):
         np.testing.assert_array_equal(_bits(f(x[:n], r[:n])), _bits(full[:n]))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_jit_reference_sums_16_bit_rows_without_their_float32_cast(dtype, one_device,
+                                                                   monkeypatch):
+    """A 16-bit x's row sums read x itself (``raw``), not its float32 cast: the sums, and
+    so y and the gradient, have the bits of the sums of the cast, whatever the batch."""
+    from polynorm.backends import reference as ref
+
+    rng = np.random.default_rng(13)
+    x = _extreme_rows(rng, 21, 700)
+    x = jnp.asarray(np.clip(x, -6e4, 6e4) if dtype == "float16" else x, dtype)
+    w = jnp.asarray(rng.standard_normal(700), dtype)
+
+    def results():
+        f = jax.jit(lambda x, w: rms_norm(x, w, backend="array_api", partial=0.75))
+        g = jax.jit(jax.grad(lambda x, w: jnp.sum(
+            rms_norm(x, w, backend="array_api").astype(jnp.float32) * jnp.cos(x)), (0, 1)))
+        return f.lower(x, w).as_text(), f(x, w), f(x[4:5], w), *g(x, w)
+
+    text, *got = results()
+    assert f"polynorm_row_sumsq_{dtype}" in text
+    np.testing.assert_array_equal(_bits(got[1]), _bits(np.asarray(got[0])[4:5]))
+    for t, hook in list(ref.ROW_SUMS.items()):  # the sums of the cast
+        monkeypatch.setitem(ref.ROW_SUMS, t, lambda a, sq, raw, hook=hook: hook(a, sq, None))
+    text, *want = results()
+    assert f"polynorm_row_sumsq_{dtype}" not in text
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_jit_reference_output_of_fresh_pages_size_takes_the_huge_page_buffer(
+        one_device, monkeypatch):
+    """The jitted reference's y from FRESH_PAGES_MIN_BYTES: the huge-page buffer's select,
+    the same bits."""
+    rng = np.random.default_rng(14)
+    x = jnp.asarray(rng.standard_normal((9, 300)), jnp.float32)
+    f = jax.jit(lambda x: rms_norm(x, backend="array_api"))
+    want = f(x)
+    monkeypatch.setattr(jn, "FRESH_PAGES_MIN_BYTES", x.size * 4)
+    g = jax.jit(lambda x: rms_norm(x, backend="array_api"))
+    assert "polynorm_huge_pages" in g.lower(x).as_text()
+    np.testing.assert_array_equal(_bits(g(x)), _bits(want))
+
+
 def test_jit_backward_rows_do_not_depend_on_the_batch(one_device):
     """SPEC's batch invariance of dx under jit: the compiled backward handler runs the
     eager kernels (the jitted reference's elementwise dx took another rounding, XLA's

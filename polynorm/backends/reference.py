@@ -72,19 +72,22 @@ def _c_rows(a):
 ROW_SUMS: dict = {}
 
 
-def _row_sum(xp, a, square: bool = False):
+def _row_sum(xp, a, square: bool = False, raw=None):
     """``sum(a, axis=1)`` of 2-D ``a`` (of ``a * a`` where ``square``), in an order that does
-    not depend on the number of rows (:data:`ROW_SUMS`, else the library's own)."""
+    not depend on the number of rows (:data:`ROW_SUMS`, else the library's own).  ``raw``:
+    an array of another dtype whose cast ``a`` is (a 16-bit ``x``), which a hook may read
+    in its place, sparing the cast's array."""
     hook = ROW_SUMS.get(type(a)) if ROW_SUMS else None
     if hook is not None:
-        s = hook(a, square)
+        s = hook(a, square, raw)
         if s is not None:
             return s
     return xp.sum(a * a if square else a, axis=1)
 
 
-def _rms(xp, v, plan: Plan):
-    """``sqrt(mean(v[:, :k]**2))`` per row, without spurious overflow or underflow.
+def _rms(xp, v, plan: Plan, x=None):
+    """``sqrt(mean(v[:, :k]**2))`` per row, without spurious overflow or underflow
+    (``v``: ``x`` in the compute dtype, where ``x`` is given).
 
     One pass where it can: the plain sum of squares, kept for the rows where it
     is a normal number at least ``k * tiny / eps`` (there the squares that
@@ -104,7 +107,8 @@ def _rms(xp, v, plan: Plan):
     vk = _c_rows(v if plan.k == plan.d else v[:, : plan.k])
     if plan.k == 0:
         return _rms_scaled(xp, vk, plan)
-    ss = _row_sum(xp, vk, square=True)
+    raw = None if x is None or x.dtype == v.dtype else x if plan.k == plan.d else x[:, : plan.k]
+    ss = _row_sum(xp, vk, square=True, raw=raw)
     fi = xp.finfo(vk.dtype)
     ok = (ss >= plan.k * (float(fi.smallest_normal) / float(fi.eps))) & (ss <= float(fi.max))
     rms = xp.sqrt(ss / plan.k)
@@ -241,7 +245,7 @@ def _forward(x, residual, weight, bias, plan: Plan):
         y, r = _none_forward(xp, x, weight, bias, plan)
         return xp.astype(y, namespace_dtype(xp, plan.out_dtype, x), copy=False), h, r
     v = xp.astype(x, cdt, copy=False)
-    r = _rstd_from_rms(xp, _rms(xp, v, plan), plan)
+    r = _rstd_from_rms(xp, _rms(xp, v, plan, x), plan)
     xhat = v * r[:, None]
     y = _affine(xp, xhat, x, weight, bias, plan, cdt)
     y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x), copy=False)
@@ -276,7 +280,7 @@ def _backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
     g_dy = xp.astype(dy, cdt, copy=False)
     dyc = g_dy
     need_rms = rstd is None or not plan.eps_inside
-    rms = _rms(xp, v, plan) if need_rms else None
+    rms = _rms(xp, v, plan, x) if need_rms else None
     if rstd is None and plan.cast_none:
         rstd = none_rstd(xp, x, plan)
     r = _rstd_from_rms(xp, rms, plan) if rstd is None else xp.astype(rstd, cdt)

@@ -448,7 +448,18 @@ def _rms_norm_fwd(static, keep, x, weight, bias):
         y, rstd = _kernel_forward(static, plan, x, weight, bias)
     else:
         y, rstd = _dispatch(_partial(_forward, static=static), x, None, weight, bias)
+        if static.backend != "numba" and _traced((x, weight, bias)):
+            y = _reference_pages(y)
     return y, (y if _keeps_output(keep[0], weight, static, rstd) else x, weight, bias, rstd)
+
+
+def _reference_pages(y):
+    """The jitted reference's ``y`` on huge pages from ``FRESH_PAGES_MIN_BYTES``, as the
+    kernels' (:func:`_on_huge_pages`), on a CPU process of one device."""
+    if (y.size * y.dtype.itemsize < FRESH_PAGES_MIN_BYTES or not _api._backends.usable("numba")
+            or not (_jax_ffi.available() and _one_cpu_device())):
+        return y
+    return jax.lax.platform_dependent(y, cpu=_on_huge_pages, default=lambda y: y)
 
 
 def _rms_norm_bwd(static, keep, res, dy):
@@ -673,18 +684,22 @@ def _jit_kernel_call(opts: Options, x, weight, bias):
     return _kernel_forward(static, plan, x, weight, bias)[0]
 
 
-def _row_sum(a, square: bool):
+def _row_sum(a, square: bool, raw=None):
     """Row sums (of squares where ``square``) of a traced 2-D float32/float64 ``a`` on the
     CPU in the kernels' fixed order (:func:`polynorm.backends.numba.xla.row_sum_handler`):
-    the jitted reference's, whose own (XLA's) follow the array's shape; else None."""
-    name = a.dtype.name
-    if (a.ndim != 2 or name not in ("float32", "float64") or not _api._backends.usable("numba")
+    the jitted reference's, whose own (XLA's) follow the array's shape; else None.  A
+    16-bit ``raw`` whose float32 cast ``a`` is is read in its place (the same sums)."""
+    src = raw if (raw is not None and raw.ndim == 2 and a.dtype.name == "float32"
+                  and raw.dtype.name in ("bfloat16", "float16")) else a
+    name = src.dtype.name
+    if (a.ndim != 2 or name not in ("float32", "float64", "bfloat16", "float16")
+            or not _api._backends.usable("numba")
             or not (_jax_ffi.available() and _one_cpu_device())):
         return None
     call = jax.ffi.ffi_call(_jax_ffi.compiled_row_sum_target(name, square),
                             jax.ShapeDtypeStruct(a.shape[:-1], a.dtype), vmap_method="expand_dims")
     return jax.lax.platform_dependent(
-        a, cpu=call, default=lambda a: jnp.sum(a * a if square else a, axis=1))
+        src, cpu=call, default=lambda _: jnp.sum(a * a if square else a, axis=1))
 
 
 def _register_eager_call() -> None:
