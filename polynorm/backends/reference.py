@@ -115,21 +115,26 @@ def _rms(xp, v, plan: Plan, x=None):
     if _eager(vk) and bool(xp.all(ok)):
         return rms
     if type(vk).__module__.startswith("jax"):
-        return _jax_rms_cond(xp, vk, ok, rms, plan)
+        return _jax_rms_cond(xp, vk, ok, rms, plan, raw)
     return xp.where(ok, rms, _rms_scaled(xp, vk, plan))
 
 
-def _jax_rms_cond(xp, vk, ok, rms, plan: Plan):
+def _jax_rms_cond(xp, vk, ok, rms, plan: Plan, raw=None):
     """jax arrays and tracers: the scaled pass behind ``lax.cond`` on "some row needs
     it", which XLA runs as a branch, so that a call of ordinary rows costs what
     the naive formula does (two passes, not four).  Each row's value is the
     ``where``'s of the other branch (the plain rms where ``ok``), so the bits do
     not depend on the branch taken nor on the other rows; under ``vmap`` the cond
-    becomes a select of both, the same values."""
+    becomes a select of both, the same values.  The branch casts ``raw`` (``vk``'s
+    16-bit source) itself: a cast outside it is an operand that XLA writes out on
+    every call, taken or not."""
     from jax import lax
 
-    return lax.cond(xp.all(ok), lambda: rms,
-                    lambda: xp.where(ok, rms, _rms_scaled(xp, vk, plan)))
+    def scaled():
+        rows = vk if raw is None else xp.astype(raw, vk.dtype)
+        return xp.where(ok, rms, _rms_scaled(xp, rows, plan))
+
+    return lax.cond(xp.all(ok), lambda: rms, scaled)
 
 
 def _eager(a) -> bool:
