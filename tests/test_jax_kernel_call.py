@@ -316,6 +316,33 @@ def test_jit_reference_sums_16_bit_rows_without_their_float32_cast(dtype, one_de
         np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [5, 300])  # serial; chunks on XLA's pool
+def test_jit_reference_backward_row_dots_skip_the_products_array(dtype, rows, one_device,
+                                                                 monkeypatch):
+    """The jitted reference backward's row dots (ROW_DOTS: the products summed where they
+    are made) have the bits of the row sums of the products' array, whatever the batch."""
+    from polynorm.backends import reference as ref
+
+    rng = np.random.default_rng(15)
+    x = jnp.asarray(rng.standard_normal((rows, 700)) * 3, dtype)
+    w = jnp.asarray(rng.standard_normal(700), dtype)
+
+    def results():
+        g = jax.jit(jax.grad(lambda x, w: jnp.sum(rms_norm(
+            x, w, backend="array_api", offset=1.0).astype(jnp.float32) * jnp.cos(
+                x.astype(jnp.float32))), (0, 1)))
+        return g.lower(x, w).as_text(), *g(x, w)
+
+    text, *got = results()
+    assert "polynorm_row_dot_" in text
+    monkeypatch.setattr(ref, "ROW_DOTS", {})
+    text, *want = results()
+    assert "polynorm_row_dot_" not in text
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
 def test_jit_reference_output_of_fresh_pages_size_takes_the_huge_page_buffer(
         one_device, monkeypatch):
     """The jitted reference's y from FRESH_PAGES_MIN_BYTES: the huge-page buffer's select,

@@ -70,6 +70,11 @@ def _c_rows(a):
 #: the array.  ``polynorm.jax`` registers jax's tracers on import: this module imports no
 #: framework.
 ROW_SUMS: dict = {}
+#: Row dots of the backward by array type: ``hook(dy, x, r, wo)`` gives ``sum((dy * wo) *
+#: (x * r[:, None]), axis=1)`` (``wo`` None: ``dy`` alone; ``dy``, ``x`` cast to ``r``'s
+#: dtype), summed as :data:`ROW_SUMS`'s hook sums those products, or None.  ``polynorm.jax``
+#: registers jax's jit tracers: the products' array is then not written out.
+ROW_DOTS: dict = {}
 
 
 def _row_sum(xp, a, square: bool = False, raw=None):
@@ -290,9 +295,13 @@ def _backward(dy, x, weight, bias, rstd, grad_residual, plan: Plan):
         rstd = none_rstd(xp, x, plan)
     r = _rstd_from_rms(xp, rms, plan) if rstd is None else xp.astype(rstd, cdt)
     xhat = v * r[:, None]
-    if weight is not None:
-        g_dy = g_dy * (xp.astype(weight, cdt) + plan.offset)
-    c = _row_sum(xp, _c_rows(g_dy * xhat))
+    wo = None if weight is None else xp.astype(weight, cdt) + plan.offset
+    if wo is not None:
+        g_dy = g_dy * wo
+    hook = ROW_DOTS.get(type(x)) if ROW_DOTS else None
+    c = None if hook is None else hook(dy, x, r, wo)
+    if c is None:
+        c = _row_sum(xp, _c_rows(g_dy * xhat))
     coef = c / plan.k
     if not plan.eps_inside:
         # alpha = (s + eps) / s; the whole term is zero where s == 0 (x is zero there)

@@ -222,6 +222,13 @@ def compiled_rstd_target(x_dtype: str, compute_dtype: str) -> str:
                      compute_dtype)
 
 
+def compiled_row_dot_target(dy_dtype: str, x_dtype: str, compute_dtype: str,
+                            has_scale: bool) -> str:
+    """The FFI target of :func:`polynorm.backends.numba.xla.row_dot_handler`."""
+    key = (dy_dtype, x_dtype, compute_dtype, has_scale)
+    return _compiled("polynorm_row_dot_" + "_".join(map(str, key)), "row_dot_handler", *key)
+
+
 def compiled_huge_page_target() -> str:
     """The FFI target of :func:`polynorm.backends.numba.xla.huge_page_handler`."""
     return _compiled("polynorm_huge_pages", "huge_page_handler")

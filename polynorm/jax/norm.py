@@ -702,6 +702,30 @@ def _row_sum(a, square: bool, raw=None):
         src, cpu=call, default=lambda _: jnp.sum(a * a if square else a, axis=1))
 
 
+def _row_dot(dy, x, r, wo):
+    """The jitted reference backward's row dots (:data:`polynorm.backends.reference.ROW_DOTS`)
+    of traced 2-D rows on the CPU (:func:`polynorm.backends.numba.xla.row_dot_handler`),
+    else None."""
+    floats = ("float32", "float64", "bfloat16", "float16")
+    if (x.ndim != 2 or dy.shape != x.shape or r.shape != x.shape[:1]
+            or dy.dtype.name not in floats or x.dtype.name not in floats
+            or r.dtype.name not in ("float32", "float64")
+            or (wo is not None and (wo.shape != x.shape[1:] or wo.dtype != r.dtype))
+            or not _api._backends.usable("numba")
+            or not (_jax_ffi.available() and _one_cpu_device())):
+        return None
+    target = _jax_ffi.compiled_row_dot_target(dy.dtype.name, x.dtype.name, r.dtype.name,
+                                              wo is not None)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(r.shape, r.dtype))
+
+    def default(dy, x, r, *wo):
+        g = dy.astype(r.dtype) * wo[0] if wo else dy.astype(r.dtype)
+        return jnp.sum(g * (x.astype(r.dtype) * r[:, None]), axis=1)
+
+    ops = (dy, x, r) if wo is None else (dy, x, r, wo)
+    return jax.lax.platform_dependent(*ops, cpu=call, default=default)
+
+
 def _register_eager_call() -> None:
     """pn.rms_norm on eager jax arrays, and on the ones ``jax.jit`` traces, takes the same
     route (polynorm.ops.norm.forward)."""
@@ -721,6 +745,7 @@ def _register_eager_call() -> None:
     for tracer in (DynamicJaxprTracer, BatchTracer):
         if tracer is not None:
             _ref.ROW_SUMS[tracer] = _row_sum
+    _ref.ROW_DOTS[DynamicJaxprTracer] = _row_dot  # not under vmap: one weight for all rows
 
 
 _register_eager_call()

@@ -925,6 +925,28 @@ def row_sum_bits_rows(lo, hi, a, out, square):
 
 
 @_jit()
+def row_dot_rows(lo, hi, dy, x, r, wo, out):
+    """``out[i] = sum((dy[i] * wo) * (x[i] * r[i]))`` for rows ``[lo, hi)`` (``wo`` None:
+    ``dy[i]`` alone), ``dy`` and ``x`` as their values in ``out``'s dtype, each product
+    rounded there, summed as :func:`row_sum_rows` sums those products' array: the jitted
+    reference backward's row dot (``g_dy * xhat``), with its bits, without that array."""
+    dy, x, r, out = borrow(dy), borrow(x), borrow(r), borrow(out)
+    d = x.shape[1]
+    row = np.empty((1, d), out.dtype)
+    square = d < 0  # False, typed as row_sum_rows's flag: one compiled _block_sum
+    for i in range(lo, hi):
+        ri = r[i]
+        if wo is None:
+            for j in range(d):
+                row[0, j] = as_type_of(load(dy[i, j]), ri) * (as_type_of(load(x[i, j]), ri) * ri)
+        else:
+            for j in range(d):
+                g = as_type_of(load(dy[i, j]), ri) * wo[j]
+                row[0, j] = g * (as_type_of(load(x[i, j]), ri) * ri)
+        out[i] = _block_sum(row_of(row, 0), 0, d, square)
+
+
+@_jit()
 def rstd_rows(lo, hi, x, rstd, flags, k, eps):
     """Rows ``[lo, hi)``'s ``rstd`` alone, with the forward's bits (:func:`_stats`): the
     statistic of a forward whose elementwise pass runs elsewhere (XLA's, under

@@ -648,6 +648,64 @@ def row_sum_handler(dtype: str, square: bool) -> int:
 
 
 @functools.cache
+def row_dot_handler(dy_dtype: str, x_dtype: str, compute_dtype: str, has_scale: bool) -> int:
+    """The address of the compiled handler of the jitted reference backward's row dots
+    (:func:`polynorm.backends.numba.kernels.row_dot_rows`): arguments ``dy``, ``x``
+    (rows), ``r`` (``(rows,)``) and, where ``has_scale``, ``wo`` (``(d,)``), the last two
+    in the compute dtype; result ``(rows,)`` in the compute dtype.  Not under ``vmap``
+    (one ``wo`` for all rows).  Calls of ``STAT_POOL_MIN_ELEMENTS`` and more in row chunks
+    on XLA's pool, as :func:`handler`'s."""
+    from polynorm.core.dtypes import numpy_dtype
+
+    rows = _nb._k().row_dot_rows
+    dyt, xt = _bits_type(numpy_dtype(dy_dtype)), _bits_type(numpy_dtype(x_dtype))
+    ct = numpy_dtype(compute_dtype)
+    pool_min = STAT_POOL_MIN_ELEMENTS
+
+    @njit(nogil=True)
+    def dots(lo, hi, n, d, dyd, xd, rd, wd, od):
+        dy = carray(_pointer(dyd), (n, d), dyt)
+        x = carray(_pointer(xd), (n, d), xt)
+        r = carray(_pointer(rd), (n,), ct)
+        out = carray(_pointer(od), (n,), ct)
+        if has_scale:
+            rows(lo, hi, dy, x, r, carray(_pointer(wd), (d,), ct), out)
+        else:
+            rows(lo, hi, dy, x, r, None, out)
+
+    @njit(nogil=True)
+    def chunk(job, lo, hi):
+        dots(lo, hi, _word(job + 8 * _N), _word(job + 8 * _D), _word(job + 8 * _B),
+             _word(job + 8 * _X), _word(job + 8 * _Y), _word(job + 8 * _W),
+             _word(job + 8 * _R))
+
+    key = ("row_dot", dy_dtype, x_dtype, compute_dtype, has_scale)
+    run_pooled, task_fn = _pool(chunk, key)
+
+    def run(frame):
+        f = _address(frame)
+        if not _executes(f):
+            return _pointer(0)
+        args = _word(f + _ARGS_PTRS)
+        dyb, xb, rb = _word(args), _word(args + 8), _word(args + 16)
+        n, d = _rows(xb), _last_dim(xb)
+        if n == 0:
+            return _pointer(0)
+        dyd, xd, rd = _word(dyb + _DATA), _word(xb + _DATA), _word(rb + _DATA)
+        wd = _word(_word(args + 24) + _DATA) if has_scale else 0
+        od = _word(_word(_word(f + _RETS_PTRS)) + _DATA)
+        if n >= 2 and n * d >= pool_min and run_pooled(
+                f, n, d, xd, wd, dyd, rd, od, 0, 0, 0.0, 0.0):
+            return _pointer(0)
+        dots(0, n, n, d, dyd, xd, rd, wd, od)
+        return _pointer(0)
+
+    fn = _compiled(run, types.voidptr(types.voidptr), key)
+    _keep.extend((fn, task_fn))
+    return fn.address
+
+
+@functools.cache
 def huge_page_handler() -> int:
     """The address of the compiled handler that asks for huge pages under its first
     result, ``a_bytes`` (attribute) bytes that it leaves unwritten, and sets its second,
