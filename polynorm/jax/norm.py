@@ -716,7 +716,8 @@ def _row_dot(dy, x, r, wo):
         return None
     target = _jax_ffi.compiled_row_dot_target(dy.dtype.name, x.dtype.name, r.dtype.name,
                                               wo is not None)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(r.shape, r.dtype))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(r.shape, r.dtype),
+                            vmap_method="sequential")
 
     def default(dy, x, r, *wo):
         g = dy.astype(r.dtype) * wo[0] if wo else dy.astype(r.dtype)
@@ -745,7 +746,9 @@ def _register_eager_call() -> None:
     for tracer in (DynamicJaxprTracer, BatchTracer):
         if tracer is not None:
             _ref.ROW_SUMS[tracer] = _row_sum
-    _ref.ROW_DOTS[DynamicJaxprTracer] = _row_dot  # not under vmap: one weight for all rows
+    # jit's tracers only (vmap's batch a weight per example); a jitted call under vmap
+    # loops over the batch (vmap_method "sequential")
+    _ref.ROW_DOTS[DynamicJaxprTracer] = _row_dot
 
 
 _register_eager_call()

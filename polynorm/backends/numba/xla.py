@@ -652,8 +652,8 @@ def row_dot_handler(dy_dtype: str, x_dtype: str, compute_dtype: str, has_scale: 
     """The address of the compiled handler of the jitted reference backward's row dots
     (:func:`polynorm.backends.numba.kernels.row_dot_rows`): arguments ``dy``, ``x``
     (rows), ``r`` (``(rows,)``) and, where ``has_scale``, ``wo`` (``(d,)``), the last two
-    in the compute dtype; result ``(rows,)`` in the compute dtype.  Not under ``vmap``
-    (one ``wo`` for all rows).  Calls of ``STAT_POOL_MIN_ELEMENTS`` and more in row chunks
+    in the compute dtype; result ``(rows,)`` in the compute dtype (one ``wo`` for all
+    rows: a ``vmap`` loops over calls).  Calls of ``STAT_POOL_MIN_ELEMENTS`` and more in row chunks
     on XLA's pool, as :func:`handler`'s."""
     from polynorm.core.dtypes import numpy_dtype
 
