@@ -317,6 +317,36 @@ def test_jit_reference_sums_16_bit_rows_without_their_float32_cast(dtype, one_de
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [12, 300])  # serial; chunks on XLA's pool
+def test_jit_reference_row_statistics_in_one_call_keep_their_bits(dtype, rows, one_device,
+                                                                   monkeypatch):
+    """The jitted reference's row statistics in one call (ROW_STATS: the plain sums and,
+    for the rows that need it, the scaled pass's parts) instead of the row sums and a
+    lax.cond: the bits of y and of the gradient are the cond's, overflowing, subnormal,
+    zero and non-finite rows included, and a token's do not depend on the batch."""
+    from polynorm.backends import reference as ref
+
+    rng = np.random.default_rng(16)
+    x = jnp.asarray(_extreme_rows(rng, rows, 700), dtype)
+    w = jnp.asarray(rng.standard_normal(700), dtype)
+
+    def results():
+        f = jax.jit(lambda x, w: rms_norm(x, w, backend="array_api", partial=0.5))
+        g = jax.jit(jax.grad(lambda x, w: jnp.sum(rms_norm(x, w, backend="array_api").astype(
+            jnp.float32) * jnp.cos(x.astype(jnp.float32))), (0, 1)))
+        return f.lower(x, w).as_text(), f(x, w), f(x[3:4], w), *g(x, w)
+
+    text, y, y3, *grads = results()
+    assert "polynorm_row_stats_" in text and "polynorm_row_sumsq_" not in text
+    np.testing.assert_array_equal(_bits(y3), _bits(np.asarray(y)[3:4]))
+    monkeypatch.setattr(ref, "ROW_STATS", {})
+    text, want_y, _, *want_grads = results()
+    assert "polynorm_row_stats_" not in text
+    for a, b in zip((y, *grads), (want_y, *want_grads), strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows", [5, 300])  # serial; chunks on XLA's pool
 def test_jit_reference_backward_row_dots_skip_the_products_array(dtype, rows, one_device,
                                                                  monkeypatch):

@@ -70,6 +70,12 @@ def _c_rows(a):
 #: the array.  ``polynorm.jax`` registers jax's tracers on import: this module imports no
 #: framework.
 ROW_SUMS: dict = {}
+#: The row statistics of :func:`_rms` by array type: ``hook(vk, raw, floor)`` gives ``(ss,
+#: m, ss2)``, the row sums of squares of ``vk`` as :data:`ROW_SUMS`'s hook sums them and,
+#: for at least the rows whose ``ss`` is not a finite number of ``floor`` or more, the
+#: scaled pass's largest magnitude and sum (:func:`_rms_scaled`), or None.  ``polynorm.jax``
+#: registers jax's tracers: one call, no ``lax.cond`` and its predicate's reductions.
+ROW_STATS: dict = {}
 #: Row dots of the backward by array type: ``hook(dy, x, r, wo)`` gives ``sum((dy * wo) *
 #: (x * r[:, None]), axis=1)`` (``wo`` None: ``dy`` alone; ``dy``, ``x`` cast to ``r``'s
 #: dtype), summed as :data:`ROW_SUMS`'s hook sums those products, or None.  ``polynorm.jax``
@@ -113,9 +119,16 @@ def _rms(xp, v, plan: Plan, x=None):
     if plan.k == 0:
         return _rms_scaled(xp, vk, plan)
     raw = None if x is None or x.dtype == v.dtype else x if plan.k == plan.d else x[:, : plan.k]
-    ss = _row_sum(xp, vk, square=True, raw=raw)
     fi = xp.finfo(vk.dtype)
-    ok = (ss >= plan.k * (float(fi.smallest_normal) / float(fi.eps))) & (ss <= float(fi.max))
+    floor = plan.k * (float(fi.smallest_normal) / float(fi.eps))
+    hook = ROW_STATS.get(type(vk)) if ROW_STATS else None
+    parts = None if hook is None else hook(vk, raw, floor)
+    if parts is not None:
+        ss, m, ss2 = parts
+        ok = (ss >= floor) & (ss <= float(fi.max))
+        return xp.where(ok, xp.sqrt(ss / plan.k), _scaled_rms(xp, m, ss2, plan))
+    ss = _row_sum(xp, vk, square=True, raw=raw)
+    ok = (ss >= floor) & (ss <= float(fi.max))
     rms = xp.sqrt(ss / plan.k)
     if _eager(vk) and bool(xp.all(ok)):
         return rms
@@ -160,8 +173,13 @@ def _rms_scaled(xp, vk, plan: Plan):
     m = xp.max(xp.abs(vk), axis=1) if plan.k > 0 else None
     m_safe = xp.where(m == 0, xp.ones_like(m), m)
     scaled = vk / m_safe[:, None]
-    ss = _row_sum(xp, scaled, square=True) / plan.k
-    return xp.where(m == math.inf, m, m * xp.sqrt(ss))
+    return _scaled_rms(xp, m, _row_sum(xp, scaled, square=True), plan)
+
+
+def _scaled_rms(xp, m, ss, plan: Plan):
+    """The rms from a row's largest magnitude ``m`` and the sum ``ss`` of its squares
+    divided by ``m``."""
+    return xp.where(m == math.inf, m, m * xp.sqrt(ss / plan.k))
 
 
 def _rstd_from_rms(xp, rms, plan: Plan):

@@ -222,6 +222,11 @@ def compiled_rstd_target(x_dtype: str, compute_dtype: str) -> str:
                      compute_dtype)
 
 
+def compiled_row_stats_target(dtype: str) -> str:
+    """The FFI target of :func:`polynorm.backends.numba.xla.row_stats_handler` for ``dtype``."""
+    return _compiled(f"polynorm_row_stats_{dtype}", "row_stats_handler", dtype)
+
+
 def compiled_row_dot_target(dy_dtype: str, x_dtype: str, compute_dtype: str,
                             has_scale: bool) -> str:
     """The FFI target of :func:`polynorm.backends.numba.xla.row_dot_handler`."""

@@ -702,6 +702,31 @@ def _row_sum(a, square: bool, raw=None):
         src, cpu=call, default=lambda _: jnp.sum(a * a if square else a, axis=1))
 
 
+def _row_stats(vk, raw, floor: float):
+    """The jitted reference's row statistics
+    (:data:`polynorm.backends.reference.ROW_STATS`) of traced 2-D rows on the CPU, in one
+    call (:func:`polynorm.backends.numba.xla.row_stats_handler`; a 16-bit ``raw``, whose
+    cast ``vk`` is, read in its place), else None."""
+    src = raw if (raw is not None and raw.ndim == 2 and vk.dtype.name == "float32"
+                  and raw.dtype.name in ("bfloat16", "float16")) else vk
+    if (vk.ndim != 2 or vk.shape[1] == 0
+            or src.dtype.name not in ("float32", "float64", "bfloat16", "float16")
+            or not _api._backends.usable("numba")
+            or not (_jax_ffi.available() and _one_cpu_device())):
+        return None
+    out = jax.ShapeDtypeStruct(vk.shape[:-1], vk.dtype)
+    call = jax.ffi.ffi_call(_jax_ffi.compiled_row_stats_target(src.dtype.name), (out,) * 3,
+                            vmap_method="expand_dims")
+
+    def default(_):  # not taken on the CPU; elsewhere the plain sums and the scaled pass's
+        m = jnp.max(jnp.abs(vk), axis=1)
+        scaled = vk / jnp.where(m == 0, jnp.ones_like(m), m)[:, None]
+        return jnp.sum(vk * vk, axis=1), m, jnp.sum(scaled * scaled, axis=1)
+
+    return tuple(jax.lax.platform_dependent(
+        src, cpu=lambda a: tuple(call(a, a_floor=np.float64(floor))), default=default))
+
+
 def _row_dot(dy, x, r, wo):
     """The jitted reference backward's row dots (:data:`polynorm.backends.reference.ROW_DOTS`)
     of traced 2-D rows on the CPU (:func:`polynorm.backends.numba.xla.row_dot_handler`),
@@ -746,6 +771,7 @@ def _register_eager_call() -> None:
     for tracer in (DynamicJaxprTracer, BatchTracer):
         if tracer is not None:
             _ref.ROW_SUMS[tracer] = _row_sum
+            _ref.ROW_STATS[tracer] = _row_stats
     # jit's tracers only (vmap's batch a weight per example); a jitted call under vmap
     # loops over the batch (vmap_method "sequential")
     _ref.ROW_DOTS[DynamicJaxprTracer] = _row_dot

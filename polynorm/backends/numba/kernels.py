@@ -925,6 +925,44 @@ def row_sum_bits_rows(lo, hi, a, out, square):
 
 
 @_jit()
+def row_stats_rows(lo, hi, a, ss, m, ss2, floor):
+    """The jitted reference's row statistics (its ``_rms``) for rows ``[lo, hi)`` of ``a``
+    (float32/float64, or 16-bit bits summed as their float32 values), each row decoded
+    into a row of ``ss``'s dtype first: ``ss[i]``, the sum of squares as
+    :func:`row_sum_rows` sums it; where that is not a finite number of at least ``2 *
+    floor`` (a superset of the rows whose plain sum the reference does not keep),
+    ``m[i]`` (the largest magnitude, NaN where one is) and ``ss2[i]``, the sum of the
+    squares of the row divided by ``m[i]`` (1 where 0), as the scaled pass has them;
+    elsewhere 0."""
+    a, ss, m, ss2 = borrow(a), borrow(ss), borrow(m), borrow(ss2)
+    d = a.shape[1]
+    row = np.empty((1, d), ss.dtype)
+    square = d >= 0  # True, typed as row_sum_rows's flag: one compiled _block_sum
+    zero = as_type_of(0.0, ss[0])
+    for i in range(lo, hi):
+        for j in range(d):
+            row[0, j] = as_type_of(load(a[i, j]), zero)
+        ss[i] = _block_sum(row_of(row, 0), 0, d, square)
+        s = np.float64(ss[i])
+        if s >= 2.0 * floor and s < math.inf:
+            m[i] = zero
+            ss2[i] = zero
+            continue
+        mx = zero
+        for j in range(d):
+            v = abs(row[0, j])
+            if v != v or mx != mx:
+                mx = v if v != v else mx
+            elif v > mx:
+                mx = v
+        m[i] = mx
+        div = mx if mx != zero else as_type_of(1.0, zero)
+        for j in range(d):
+            row[0, j] = row[0, j] / div
+        ss2[i] = _block_sum(row_of(row, 0), 0, d, square)
+
+
+@_jit()
 def row_dot_rows(lo, hi, dy, x, r, wo, out):
     """``out[i] = sum((dy[i] * wo) * (x[i] * r[i]))`` for rows ``[lo, hi)`` (``wo`` None:
     ``dy[i]`` alone), ``dy`` and ``x`` as their values in ``out``'s dtype, each product

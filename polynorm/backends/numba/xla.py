@@ -648,6 +648,59 @@ def row_sum_handler(dtype: str, square: bool) -> int:
 
 
 @functools.cache
+def row_stats_handler(dtype: str) -> int:
+    """The address of the compiled handler of the jitted reference's row statistics
+    (:func:`polynorm.backends.numba.kernels.row_stats_rows`): argument ``a`` (rows: every
+    axis but the last, also under ``vmap``; float32/float64, or 16-bit), results ``ss``,
+    ``m``, ``ss2`` (float64 for float64 ``a``, else float32); attribute ``a_floor``.
+    Calls of ``STAT_POOL_MIN_ELEMENTS`` and more in row chunks on XLA's pool, as
+    :func:`handler`'s."""
+    from polynorm.core.dtypes import numpy_dtype
+
+    rows = _nb._k().row_stats_rows
+    t = _bits_type(numpy_dtype(dtype))
+    ct = np.dtype(np.float64 if t == np.float64 else np.float32)
+    pool_min = STAT_POOL_MIN_ELEMENTS
+
+    @njit(nogil=True)
+    def stats(lo, hi, n, d, ad, sd, md, s2d, floor):
+        rows(lo, hi, carray(_pointer(ad), (n, d), t), carray(_pointer(sd), (n,), ct),
+             carray(_pointer(md), (n,), ct), carray(_pointer(s2d), (n,), ct), floor)
+
+    @njit(nogil=True)
+    def chunk(job, lo, hi):
+        stats(lo, hi, _word(job + 8 * _N), _word(job + 8 * _D), _word(job + 8 * _X),
+              _word(job + 8 * _R), _word(job + 8 * _Y), _word(job + 8 * _W),
+              _double(job + 8 * _EPS))
+
+    key = ("row_stats", dtype)
+    run_pooled, task_fn = _pool(chunk, key)
+
+    def run(frame):
+        f = _address(frame)
+        if not _executes(f):
+            return _pointer(0)
+        ab = _word(_word(f + _ARGS_PTRS))
+        rets = _word(f + _RETS_PTRS)
+        n, d = _rows(ab), _last_dim(ab)
+        if n == 0:
+            return _pointer(0)
+        floor = _float_attr(_word(f + _ATTRS_PTRS), 0)
+        ad = _word(ab + _DATA)
+        sd, md = _word(_word(rets) + _DATA), _word(_word(rets + 8) + _DATA)
+        s2d = _word(_word(rets + 16) + _DATA)
+        if n >= 2 and n * d >= pool_min and run_pooled(
+                f, n, d, ad, s2d, 0, md, sd, 0, 0, floor, 0.0):
+            return _pointer(0)
+        stats(0, n, n, d, ad, sd, md, s2d, floor)
+        return _pointer(0)
+
+    fn = _compiled(run, types.voidptr(types.voidptr), key)
+    _keep.extend((fn, task_fn))
+    return fn.address
+
+
+@functools.cache
 def row_dot_handler(dy_dtype: str, x_dtype: str, compute_dtype: str, has_scale: bool) -> int:
     """The address of the compiled handler of the jitted reference backward's row dots
     (:func:`polynorm.backends.numba.kernels.row_dot_rows`): arguments ``dy``, ``x``
