@@ -354,6 +354,7 @@ def test_jit_reference_backward_row_dots_skip_the_products_array(dtype, rows, on
     are made) have the bits of the row sums of the products' array, whatever the batch."""
     from polynorm.backends import reference as ref
 
+    monkeypatch.setattr(jn, "ROW_DOT_MIN_ELEMENTS", 5 * 700)
     rng = np.random.default_rng(15)
     x = jnp.asarray(rng.standard_normal((rows, 700)) * 3, dtype)
     w = jnp.asarray(rng.standard_normal(700), dtype)

@@ -924,11 +924,29 @@ def row_sum_bits_rows(lo, hi, a, out, square):
         out[i] = _block_sum(row_of(row, 0), 0, d, square)
 
 
+def _stats_sum(a, i, row, square):  # pragma: no cover - replaced by the overload
+    """:func:`row_stats_rows`'s sum of row ``i`` of ``a``: of its float32 values decoded
+    into ``row`` for 16-bit bits, else of ``a``'s row in place."""
+    raise NotImplementedError
+
+
+@overload(_stats_sum, **_PLAIN_CALL)
+def _ov_stats_sum(a, i, row, square):
+    if bits_dtype(a.dtype):
+        def decoded(a, i, row, square):
+            for j in range(a.shape[1]):
+                row[0, j] = load(a[i, j])
+            return _block_sum(row_of(row, 0), 0, a.shape[1], square)
+
+        return decoded
+    return lambda a, i, row, square: _block_sum(row_of(a, i), 0, a.shape[1], square)
+
+
 @_jit()
 def row_stats_rows(lo, hi, a, ss, m, ss2, floor):
     """The jitted reference's row statistics (its ``_rms``) for rows ``[lo, hi)`` of ``a``
-    (float32/float64, or 16-bit bits summed as their float32 values), each row decoded
-    into a row of ``ss``'s dtype first: ``ss[i]``, the sum of squares as
+    (float32/float64, or 16-bit bits summed as their float32 values, each row decoded
+    into a float32 row first): ``ss[i]``, the sum of squares as
     :func:`row_sum_rows` sums it; where that is not a finite number of at least ``2 *
     floor`` (a superset of the rows whose plain sum the reference does not keep),
     ``m[i]`` (the largest magnitude, NaN where one is) and ``ss2[i]``, the sum of the
@@ -940,14 +958,14 @@ def row_stats_rows(lo, hi, a, ss, m, ss2, floor):
     square = d >= 0  # True, typed as row_sum_rows's flag: one compiled _block_sum
     zero = as_type_of(0.0, ss[0])
     for i in range(lo, hi):
-        for j in range(d):
-            row[0, j] = as_type_of(load(a[i, j]), zero)
-        ss[i] = _block_sum(row_of(row, 0), 0, d, square)
+        ss[i] = _stats_sum(a, i, row, square)
         s = np.float64(ss[i])
         if s >= 2.0 * floor and s < math.inf:
             m[i] = zero
             ss2[i] = zero
             continue
+        for j in range(d):
+            row[0, j] = load(a[i, j])
         mx = zero
         for j in range(d):
             v = abs(row[0, j])
