@@ -83,14 +83,12 @@ ROW_STATS: dict = {}
 ROW_DOTS: dict = {}
 
 
-def _row_sum(xp, a, square: bool = False, raw=None):
+def _row_sum(xp, a, square: bool = False):
     """``sum(a, axis=1)`` of 2-D ``a`` (of ``a * a`` where ``square``), in an order that does
-    not depend on the number of rows (:data:`ROW_SUMS`, else the library's own).  ``raw``:
-    an array of another dtype whose cast ``a`` is (a 16-bit ``x``), which a hook may read
-    in its place, sparing the cast's array."""
+    not depend on the number of rows (:data:`ROW_SUMS`, else the library's own)."""
     hook = ROW_SUMS.get(type(a)) if ROW_SUMS else None
     if hook is not None:
-        s = hook(a, square, raw)
+        s = hook(a, square)
         if s is not None:
             return s
     return xp.sum(a * a if square else a, axis=1)
@@ -127,7 +125,7 @@ def _rms(xp, v, plan: Plan, x=None):
         ss, m, ss2 = parts
         ok = (ss >= floor) & (ss <= float(fi.max))
         return xp.where(ok, xp.sqrt(ss / plan.k), _scaled_rms(xp, m, ss2, plan))
-    ss = _row_sum(xp, vk, square=True, raw=raw)
+    ss = _row_sum(xp, vk, square=True)
     ok = (ss >= floor) & (ss <= float(fi.max))
     rms = xp.sqrt(ss / plan.k)
     if _eager(vk) and bool(xp.all(ok)):

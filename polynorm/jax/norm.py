@@ -684,22 +684,18 @@ def _jit_kernel_call(opts: Options, x, weight, bias):
     return _kernel_forward(static, plan, x, weight, bias)[0]
 
 
-def _row_sum(a, square: bool, raw=None):
+def _row_sum(a, square: bool):
     """Row sums (of squares where ``square``) of a traced 2-D float32/float64 ``a`` on the
     CPU in the kernels' fixed order (:func:`polynorm.backends.numba.xla.row_sum_handler`):
-    the jitted reference's, whose own (XLA's) follow the array's shape; else None.  A
-    16-bit ``raw`` whose float32 cast ``a`` is is read in its place (the same sums)."""
-    src = raw if (raw is not None and raw.ndim == 2 and a.dtype.name == "float32"
-                  and raw.dtype.name in ("bfloat16", "float16")) else a
-    name = src.dtype.name
-    if (a.ndim != 2 or name not in ("float32", "float64", "bfloat16", "float16")
-            or not _api._backends.usable("numba")
+    the jitted reference's, whose own (XLA's) follow the array's shape; else None."""
+    name = a.dtype.name
+    if (a.ndim != 2 or name not in ("float32", "float64") or not _api._backends.usable("numba")
             or not (_jax_ffi.available() and _one_cpu_device())):
         return None
     call = jax.ffi.ffi_call(_jax_ffi.compiled_row_sum_target(name, square),
                             jax.ShapeDtypeStruct(a.shape[:-1], a.dtype), vmap_method="expand_dims")
     return jax.lax.platform_dependent(
-        src, cpu=call, default=lambda _: jnp.sum(a * a if square else a, axis=1))
+        a, cpu=call, default=lambda a: jnp.sum(a * a if square else a, axis=1))
 
 
 def _row_stats(vk, raw, floor: float):

@@ -909,21 +909,6 @@ def row_sum_rows(lo, hi, a, out, square):
         out[i] = _block_sum(row_of(a, i), 0, a.shape[1], square)
 
 
-@_jit()
-def row_sum_bits_rows(lo, hi, a, out, square):
-    """:func:`row_sum_rows` of 16-bit rows ``a`` (bits, :func:`load`'s formats), summed
-    as their float32 values: each row decoded into a float32 row first, so that the sums
-    have the bits of :func:`row_sum_rows` on ``a`` cast to float32, without that cast's
-    array (the jitted reference of a 16-bit ``x``)."""
-    a, out = borrow(a), borrow(out)
-    d = a.shape[1]
-    row = np.empty((1, d), np.float32)
-    for i in range(lo, hi):
-        for j in range(d):
-            row[0, j] = load(a[i, j])
-        out[i] = _block_sum(row_of(row, 0), 0, d, square)
-
-
 def _stats_sum(a, i, row, square):  # pragma: no cover - replaced by the overload
     """:func:`row_stats_rows`'s sum of row ``i`` of ``a``: of its float32 values decoded
     into ``row`` for 16-bit bits, else of ``a``'s row in place."""

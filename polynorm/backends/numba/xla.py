@@ -627,18 +627,15 @@ def row_sum_handler(dtype: str, square: bool) -> int:
     """The address of the compiled handler of row sums in a fixed order
     (:func:`polynorm.backends.numba.kernels.row_sum_rows`): argument ``a`` (float32 or
     float64), result its row sums, of its squares where ``square``, in ``a``'s dtype
-    (:func:`_row_stat_handler`); a float16 or bfloat16 ``a``: the sums of its float32
-    values, float32 (``row_sum_bits_rows``)."""
+    (:func:`_row_stat_handler`)."""
     from polynorm.core.dtypes import numpy_dtype
 
-    t = _bits_type(numpy_dtype(dtype))
-    bits = t.itemsize == 2
-    rows = _nb._k().row_sum_bits_rows if bits else _nb._k().row_sum_rows
-    ot = np.dtype(np.float32) if bits else t
+    rows = _nb._k().row_sum_rows
+    t = numpy_dtype(dtype)
 
     @njit(nogil=True)
     def stat(lo, hi, ad, od, n, d, flags, kk, eps):
-        out = carray(_pointer(od), (n,), ot)
+        out = carray(_pointer(od), (n,), t)
         if d == 0:
             out[lo:hi] = 0
         else:
