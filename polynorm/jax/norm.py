@@ -348,6 +348,15 @@ def _eager_kernel_call(opts: Options, x, weight, bias):
     repeated call costs that lookup and jax's dispatch (and, where jax has
     devices other than the CPU, the arrays' platform check).
     """
+    if bias is None and x.__class__ is _ARRAY_IMPL and (
+            weight is None or weight.__class__ is _ARRAY_IMPL):
+        return _plain_eager_call(opts, x, weight)
+    fn = _eager_kernel_fn(opts, x, weight, bias)
+    return None if fn is None else fn(x, weight, bias)
+
+
+def _eager_kernel_fn(opts: Options, x, weight, bias):
+    """The jitted kernel call that :func:`_eager_kernel_call` makes, else None."""
     if not (isinstance(x, jax.Array) and (weight is None or isinstance(weight, jax.Array))
             and (bias is None or isinstance(bias, jax.Array))):
         return None
@@ -370,7 +379,7 @@ def _eager_kernel_call(opts: Options, x, weight, bias):
             if a is not None and (not a.is_fully_addressable
                                   or next(iter(a.devices())).platform != "cpu"):
                 return None
-    return fn(x, weight, bias)
+    return fn
 
 
 @functools.cache
@@ -394,6 +403,27 @@ def _kernel_y(static, x, weight, bias):
 
 
 _eager_fns: dict = {}
+#: :func:`rms_norm`'s calls on eager CPU jax arrays without bias or ``save``, by options
+#: and the avals of ``x`` and ``weight``: their jitted kernel call (None: the front end);
+#: a repeated decode call then costs a dict lookup and jax's dispatch.  Only where jax's
+#: devices are all CPUs (the avals name no device); cleared past ``_EAGER_PLAIN_MAX``.
+_eager_plain: dict = {}
+_EAGER_PLAIN_MAX = 1024
+
+
+def _plain_eager_call(opts: Options, x, weight):
+    """``y`` of :func:`rms_norm`'s plain eager call through :data:`_eager_plain`, else None."""
+    try:
+        key = (opts, x.aval, None if weight is None else weight.aval)
+        fn = _eager_plain.get(key, _UNSEEN)
+    except TypeError:  # an unhashable option (an axis list): the general path
+        return None
+    if fn is _UNSEEN:
+        if len(_eager_plain) >= _EAGER_PLAIN_MAX:
+            _eager_plain.clear()
+        fn = _eager_plain[key] = (_eager_kernel_fn(opts, x, weight, None) if _cpu_only()
+                                  else None)
+    return None if fn is None else fn(x, weight, None)
 
 
 def _with_backend(static: Options, backend="array_api") -> Options:
@@ -583,6 +613,11 @@ def rms_norm(
     Array([[ 0.04525483, -0.03394116]], dtype=float32)
     """
     opts = pack_options("rms_norm", options)
+    if (bias is None and x.__class__ is _ARRAY_IMPL and save == "input"
+            and (weight is None or weight.__class__ is _ARRAY_IMPL)):
+        y = _plain_eager_call(opts, x, weight)
+        if y is not None:
+            return y
     _lean.check_save(save)
     if not _traced((x, weight, bias)):
         # concrete arrays: no transformation is differentiating this call, and the
@@ -753,6 +788,12 @@ def _row_dot(dy, x, r, wo):
 
     ops = (dy, x, r) if wo is None else (dy, x, r, wo)
     return jax.lax.platform_dependent(*ops, cpu=call, default=default)
+
+
+try:
+    from jax._src.array import ArrayImpl as _ARRAY_IMPL  # eager arrays' concrete type
+except ImportError:  # another jax layout: no plain eager fast path
+    _ARRAY_IMPL = None
 
 
 def _register_eager_call() -> None:
