@@ -25,7 +25,12 @@ What runs where (forward and backward alike):
     compute only ``rstd`` (``polynorm_rstd_*``) and XLA the elementwise pass
     ``y = x * rstd * (weight + offset)``, which it fuses with the program's
     neighbouring operations (the kernels' own output pass is these products,
-    each rounded once: the same bits).  Other calls take the whole kernel
+    each rounded once: the same bits); from 32 MiB its ``y`` is written on
+    huge pages (``_on_huge_pages``: a select over a buffer that the
+    ``polynorm_huge_pages`` handler asks them for, which XLA gives the pass
+    for its output).  bfloat16 ``x`` from 32 MiB
+    (``BF16_KERNEL_PASS_MIN_BYTES``: XLA's loop fusion converts bfloat16
+    slower than the kernel) and other calls take the whole kernel
     call (``polynorm_forward_*``; from 64 Ki elements in row chunks on XLA's
     own thread pool; a ``y`` of 256 KiB and more gets an operand that XLA's
     cost analysis counts, so that XLA runs it asynchronously as it runs the
@@ -42,9 +47,10 @@ What runs where (forward and backward alike):
     depend on the batch); from 64 Ki elements its aligned row blocks run on
     XLA's thread pool; under ``vmap`` once per batch element;
   - eager CPU jax arrays below ``polynorm.jax.norm.EAGER_JIT_MAX_BYTES``
-    (32 MiB of ``x``): a jitted call of the above, cached per options,
-    dtypes, ranks and hidden size, so an eager call costs jax's dispatch of
-    a jitted function plus ~1 us; larger ones go to the front end below,
+    (32 MiB of ``x``): a jitted call of the above, cached per options and
+    the avals of ``x`` and ``weight`` (with a bias: per dtypes, ranks and
+    hidden size), so an eager call costs jax's dispatch of a jitted function
+    plus ~2 us; larger ones go to the front end below,
     whose output pool spares the fresh pages of XLA's output buffer.
 
   Measured on 2 cores, d = 4096 (``python bench/jax_jit.py``): see
@@ -61,15 +67,18 @@ What runs where (forward and backward alike):
   options, the backward, gated, QK-norm, quantized), ``backend="auto"``:
   the pure array-API reference, which XLA compiles, partitions and fuses
   like any jnp code (other bits than the kernels: within the dtype's
-  tolerance).  On a one-CPU-device process its row sums (sums of squares,
-  the backward's row dot) are a compiled Numba call in a fixed order
-  (``polynorm.backends.reference.ROW_SUMS``): XLA's own follow the array's
-  shape on the CPU, so a token's bits would depend on the number of
-  tokens.  A backward the compiled handler does not take (other options,
+  tolerance).  On a one-CPU-device process its row sums are compiled Numba
+  calls in a fixed order: XLA's own follow the array's shape on the CPU, so
+  a token's bits would depend on the number of tokens.  The forward's row
+  statistics are one call (``polynorm.backends.reference.ROW_STATS``: the
+  sums of squares of ``x`` as it is, 16-bit too, and for the rows that need
+  it the scaled pass's parts), the backward's row dots another from 64 Ki
+  elements (``ROW_DOTS``: the products summed where they are made), other
+  row sums ``ROW_SUMS``; its ``y`` from 32 MiB on huge pages as above.  A backward the compiled handler does not take (other options,
   mixed cotangent dtypes) has XLA's elementwise ``dx``, which may round one
   token's rows once less than a batch's (XLA's contraction).
-  Its overflow-safe scaled pass sits behind a ``lax.cond`` that runs it
-  only when some row needs it.  A process with several CPU devices (XLA's
+  Elsewhere its overflow-safe scaled pass sits behind a ``lax.cond`` that
+  runs it only when some row needs it.  A process with several CPU devices (XLA's
   host device count flag) keeps it for every call: XLA cannot split the
   host call, and would gather a sharded input to run it.
 - traced arrays not taken by the compiled call, ``backend="numba"``: the
@@ -87,9 +96,10 @@ What runs where (forward and backward alike):
   allocation above its largest dynamic mmap threshold (32 MiB) to the
   system on every call, so each call page-faults the whole buffer in, for
   the jnp formula as for the kernel call (``MALLOC_MMAP_THRESHOLD_`` in the
-  environment raises it).  The handler asks for transparent huge pages
-  under outputs of 4 MiB and more (``madvise``, numpy's rule for its own
-  arrays), which faults them in per 2 MiB.
+  environment raises it).  The handlers ask for transparent huge pages
+  under their outputs of 4 MiB and more (``madvise``, numpy's rule for its
+  own arrays), which faults them in per 2 MiB, and XLA's own pass of ``y``
+  from 32 MiB gets a buffer that asks for them (above).
 - concrete CUDA arrays: the CuPy kernels through DLPack when cupy is
   installed (not tested on a machine without a GPU).
 - concrete arrays on several devices (sharded, e.g. ``NamedSharding`` over

@@ -10,7 +10,12 @@ the same serial or parallel driver as :func:`polynorm.backends.numba.forward`
 buffers: the eager call's bits, at the cost of the custom call itself.
 
 :func:`rstd_handler` is the same for ``rstd`` alone (:func:`~polynorm.backends.numba.kernels.rstd_rows`),
-for calls whose elementwise pass XLA runs (``polynorm.jax.norm._xla_elementwise``).
+for calls whose elementwise pass XLA runs (``polynorm.jax.norm._xla_elementwise``), and
+:func:`huge_page_handler` a buffer on huge pages that XLA gives that pass for a large
+output (``polynorm.jax.norm._on_huge_pages``).  :func:`row_sum_handler`,
+:func:`row_stats_handler` and :func:`row_dot_handler` are the jitted reference's row sums,
+row statistics and backward row dots, in a fixed order (``polynorm.backends.reference``'s
+``ROW_SUMS``, ``ROW_STATS``, ``ROW_DOTS``).
 
 :func:`handler` takes the plain forward only (no residual, not llama, not
 ``casting="none"``, no ``group_size``), ``x`` as 2-D rows, ``weight`` and
