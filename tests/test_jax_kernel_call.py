@@ -258,6 +258,21 @@ def test_jit_outputs_of_fresh_pages_size_take_the_huge_page_buffer_with_the_same
         np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+def test_jit_bfloat16_size_rule_chooses_the_whole_kernel_call():
+    """From BF16_KERNEL_PASS_MIN_BYTES of bfloat16 x the kernels' whole call, not the
+    statistic; float32 and float16 keep the statistic at every size."""
+    from polynorm.core.options import make_plan, pack_options
+
+    opts = pack_options("rms_norm", {})
+    limit = jn.BF16_KERNEL_PASS_MIN_BYTES
+    for dtype, size, statistic in (("bfloat16", limit // 2 - 1, True),
+                                   ("bfloat16", limit // 2, False),
+                                   ("float16", 4 * limit, True), ("float32", 4 * limit, True)):
+        plan = make_plan(4096, dtype, opts)
+        assert jn._xla_elementwise(plan, None, size) is statistic, (dtype, size)
+
+
+@pytest.mark.slow  # a bfloat16 handler of its own, compiled cold in ~5 s
 def test_jit_bfloat16_from_its_size_rule_takes_the_whole_kernel_call(one_device, monkeypatch):
     """bfloat16 from BF16_KERNEL_PASS_MIN_BYTES of x on: the whole kernel call, not the
     statistic (a matter of speed); both give the eager kernels' bits."""
@@ -288,8 +303,13 @@ def test_jit_reference_row_sums_do_not_depend_on_the_batch(one_device):
         np.testing.assert_array_equal(_bits(f(x[:n], r[:n])), _bits(full[:n]))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize("rows", [12, 300])  # serial; chunks on XLA's pool
+# the default run: float32, serial (the others compile handlers of their own, or take the
+# row-dot handler's ~3 s: the long sweeps)
+_ROW_CASES = [("float32", 12)] + [pytest.param(t, n, marks=pytest.mark.slow) for t, n in (
+    ("float32", 300), ("bfloat16", 12), ("bfloat16", 300), ("float16", 12))]
+
+
+@pytest.mark.parametrize(("dtype", "rows"), _ROW_CASES)  # serial; chunks on XLA's pool
 def test_jit_reference_row_statistics_in_one_call_keep_their_bits(dtype, rows, one_device,
                                                                    monkeypatch):
     """The jitted reference's row statistics in one call (ROW_STATS: the plain sums and,
@@ -320,6 +340,7 @@ def test_jit_reference_row_statistics_in_one_call_keep_their_bits(dtype, rows, o
         np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
+@pytest.mark.slow  # the row-dot handler compiles cold in ~3 s
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows", [5, 300])  # serial; chunks on XLA's pool
 def test_jit_reference_backward_row_dots_skip_the_products_array(dtype, rows, one_device,
