@@ -219,6 +219,7 @@ def test_jit_host_kernel_errors_reach_the_caller(monkeypatch):
         jax.block_until_ready(jax.jit(lambda x: rms_norm(x, backend="numba"))(jnp.ones((2, 8))))
 
 
+@pytest.mark.slow  # the fallback of a jax without the FFI: its own compiles (~10 s cold)
 @pytest.mark.skipif(BEST != "numba", reason="needs numba")
 def test_jit_without_the_ffi_falls_back_to_pure_callback(monkeypatch):
     from polynorm.jax import ffi as _jax_ffi
@@ -385,7 +386,7 @@ def _every_op(x, r, w):
     }
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_results_and_gradients_stay_on_a_non_default_device(dtype):
     """Arrays on cpu:1: every result there too (not on cpu:0), and the eager bits."""
     dev = _devices()[1]

@@ -303,13 +303,12 @@ def test_jit_reference_row_sums_do_not_depend_on_the_batch(one_device):
         np.testing.assert_array_equal(_bits(f(x[:n], r[:n])), _bits(full[:n]))
 
 
-# the default run: float32, serial (the others compile handlers of their own, or take the
-# row-dot handler's ~3 s: the long sweeps)
-_ROW_CASES = [("float32", 12)] + [pytest.param(t, n, marks=pytest.mark.slow) for t, n in (
-    ("float32", 300), ("bfloat16", 12), ("bfloat16", 300), ("float16", 12))]
-
-
-@pytest.mark.parametrize(("dtype", "rows"), _ROW_CASES)  # serial; chunks on XLA's pool
+# the long sweeps: a handler each, compiled cold in 3-5 s (the default run is at its CPU
+# budget; test_jit_reference_row_sums_do_not_depend_on_the_batch takes ROW_STATS there)
+@pytest.mark.slow
+@pytest.mark.parametrize(("dtype", "rows"), [("float32", 12), ("float32", 300),
+                                             ("bfloat16", 12), ("bfloat16", 300),
+                                             ("float16", 12)])  # serial; XLA's pool
 def test_jit_reference_row_statistics_in_one_call_keep_their_bits(dtype, rows, one_device,
                                                                    monkeypatch):
     """The jitted reference's row statistics in one call (ROW_STATS: the plain sums and,
