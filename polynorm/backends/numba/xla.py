@@ -550,9 +550,7 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
                 rows(0, c, x, None, w, None, y, None, rstd, flags, kk, eps, offset, None)
         return _pointer(0)
 
-    fn = _compiled(run, types.voidptr(types.voidptr), key)
-    _keep.extend((fn, task_fn))
-    return fn.address
+    return _handler_address(run, key, task_fn)
 
 
 @njit(nogil=True)
@@ -602,9 +600,7 @@ def _row_stat_handler(stat, with_attrs: bool, key: tuple) -> int:
         stat(0, n, xd, rd, n, d, flags, kk, eps)
         return _pointer(0)
 
-    fn = _compiled(run, types.voidptr(types.voidptr), key)
-    _keep.extend((fn, task_fn))
-    return fn.address
+    return _handler_address(run, key, task_fn)
 
 
 @functools.cache
@@ -697,9 +693,7 @@ def row_stats_handler(dtype: str) -> int:
         stats(0, n, n, d, ad, sd, md, s2d, floor)
         return _pointer(0)
 
-    fn = _compiled(run, types.voidptr(types.voidptr), key)
-    _keep.extend((fn, task_fn))
-    return fn.address
+    return _handler_address(run, key, task_fn)
 
 
 @functools.cache
@@ -755,9 +749,7 @@ def row_dot_handler(dy_dtype: str, x_dtype: str, compute_dtype: str, has_scale: 
         dots(0, n, n, d, dyd, xd, rd, wd, od)
         return _pointer(0)
 
-    fn = _compiled(run, types.voidptr(types.voidptr), key)
-    _keep.extend((fn, task_fn))
-    return fn.address
+    return _handler_address(run, key, task_fn)
 
 
 @functools.cache
@@ -970,9 +962,7 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
                 round_into(vals[0, width - d:], carray(_pointer(db), (d,), bt))
         return _pointer(0)
 
-    fn = _compiled(run, types.voidptr(types.voidptr), key)
-    _keep.extend((fn, task_fn))
-    return fn.address
+    return _handler_address(run, key, task_fn)
 
 
 def _knobs() -> tuple:
@@ -1002,6 +992,14 @@ def _compiled(fn, sig, key: tuple):
         pass
     cf.compile()
     return cf
+
+
+def _handler_address(run, key: tuple, task_fn=None) -> int:
+    """The address of the compiled handler ``run`` (:func:`_compiled`), kept alive with its
+    pool task."""
+    fn = _compiled(run, types.voidptr(types.voidptr), key)
+    _keep.extend((fn, task_fn))
+    return fn.address
 
 
 class _KeyedCache(caching.FunctionCache):
