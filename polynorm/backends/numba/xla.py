@@ -72,8 +72,9 @@ _NEXT, _DONE, _REFS, _CHUNKS, _PER, _N, _D = 0, 1, 2, 3, 4, 5, 6
 _X, _W, _B, _Y, _R, _FLAGS, _K, _EPS, _OFFSET = 7, 8, 9, 10, 11, 12, 13, 14, 15
 _SCRATCH = 16  # five words: the argument structs of the FFI calls
 _WAITING = 21  # non-zero once the handler sleeps until the last chunk is done
-_SHARES = 22  # the number of shares
-_JOB_WORDS = 23  # then a pool's job record has one counter a share: its chunks not yet claimed
+_SHARES = 22  # the number of shares (0: a serial run's record)
+_CHUNK_FN = 23  # the address of the handler's compiled chunk function (see _pool)
+_JOB_WORDS = 24  # then a pool's job record has one counter a share: its chunks not yet claimed
 #: madvise's MADV_HUGEPAGE (Linux), the huge page size, and numpy's size rule for asking it
 _MADV_HUGEPAGE, _HUGE, _HUGE_MIN_BYTES = 14, 2 << 20, 4 << 20
 #: calls of at least this many elements run on XLA's thread pool (read when a handler is
@@ -252,6 +253,28 @@ _i8p = ir.IntType(8).as_pointer()
 
 
 @intrinsic
+def _call_chunk(typingctx, fn, job, lo, hi):
+    """``fn(job, lo, hi)`` for a compiled row-chunk function (``void (int64, int64, int64)``,
+    see :func:`_pool`): a call, never inlined, so the kernels compile once per handler."""
+    def codegen(context, builder, sig, args):
+        f = builder.inttoptr(args[0], ir.FunctionType(ir.VoidType(), [_i64] * 3).as_pointer())
+        builder.call(f, list(args[1:]))
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _job_record(typingctx):
+    """The address of a job record (``_JOB_WORDS`` words) in the calling function's frame."""
+    def codegen(context, builder, sig, args):
+        rec = cgutils.alloca_once(builder, ir.ArrayType(_i64, _JOB_WORDS))
+        return builder.ptrtoint(rec, _i64)
+
+    return types.int64(), codegen
+
+
+@intrinsic
 def _malloc(typingctx, size):
     def codegen(context, builder, sig, args):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_i8p, [_i64]),
@@ -398,21 +421,76 @@ def _share_start(q, chunks, shares):
 
 
 def _pool(chunk, key: tuple):
-    """``(run_pooled, task cfunc)`` for the row-chunk function ``chunk(job, lo, hi)`` of the
-    handler ``key`` (:func:`_compiled`):
-    ``run_pooled(f, n, d, x, w, b, y, r, flags, k, eps, offset)`` runs rows ``[0, n)`` in
-    chunks on XLA's pool and the calling thread (the job record's words, see the
-    module; the chunks in shares, see ``_MAX_SHARES``), False where there is no pool of
-    two threads or more (or no memory for the job record)."""
+    """``(run_pooled, run_serial, run_chunk, compiled)`` for the row-chunk function
+    ``chunk(job, lo, hi)`` (njit) of the handler ``key`` (:func:`_compiled`):
+
+    - ``run_pooled(f, n, d, x, w, b, y, r, flags, k, eps, offset)`` runs rows ``[0, n)``
+      in chunks on XLA's pool and the calling thread (the job record's words, see the
+      module; the chunks in shares, see ``_MAX_SHARES``), False where there is no pool
+      of two threads or more (or no memory for the job record);
+    - ``run_serial(n, d, x, w, b, y, r, flags, k, eps, offset)`` runs them on the calling
+      thread (a job record of ``_SHARES`` 0 in its frame);
+    - ``run_chunk(job, lo, hi)`` calls the compiled ``chunk``;
+    - ``compiled``: the cfuncs to keep alive with the handler.
+
+    ``chunk`` is compiled once, as a function of its own that the handler and the
+    pool's task (one for every handler, :func:`_pool_runtime`) call by address: linked
+    into both, its kernels would compile twice.
+    """
+    def chunk_entry(job, lo, hi):
+        chunk(job, lo, hi)
+
+    chunk_fn = _compiled(chunk_entry, types.void(types.int64, types.int64, types.int64),
+                         ("chunk", *key))
+    chunk_address = _symbol_address("polynorm_xla_chunk_" + _digest(key)[:32], chunk_fn)
+    pooled, task_fn = _pool_runtime(_knobs())
+
+    @njit(nogil=True)
+    def run_chunk(job, lo, hi):
+        _call_chunk(chunk_address(), job, lo, hi)
+
+    @njit(nogil=True)
+    def run_serial(n, d, xd, wd, bd, yd, rd, flags, kk, eps, offset):
+        job = _job_record()
+        for i, v in ((_N, n), (_D, d), (_X, xd), (_W, wd), (_B, bd), (_Y, yd), (_R, rd),
+                     (_FLAGS, flags), (_K, kk), (_SHARES, 0)):
+            _put_word(job + 8 * i, v)
+        _put_double(job + 8 * _EPS, eps)
+        _put_double(job + 8 * _OFFSET, offset)
+        run_chunk(job, 0, n)
+
+    @njit(nogil=True)
+    def run_pooled(f, n, d, xd, wd, bd, yd, rd, flags, kk, eps, offset):
+        return pooled(f, chunk_address(), n, d, xd, wd, bd, yd, rd, flags, kk, eps, offset)
+
+    return run_pooled, run_serial, run_chunk, (chunk_fn, task_fn)
+
+
+def _symbol_address(name: str, fn):
+    """An intrinsic ``() -> int64`` of the compiled ``fn``'s address, given to LLVM as the
+    symbol ``name``: the address reaches a handler's code by name, resolved when that code
+    is loaded (a number compiled in would be stale in the next process that loads it
+    from disk)."""
+    llvm.add_symbol(name, fn.address)
+    return _function_address(name)
+
+
+@functools.cache
+def _pool_runtime(knobs: tuple):
+    """``(pooled, task cfunc)``, every handler's (compiled once for the module's knob
+    values, :func:`_knobs`): ``pooled(f, chunk, n, d, x, w, b, y, r, flags, k, eps,
+    offset)`` is :func:`_pool`'s ``run_pooled`` of the compiled chunk function at address
+    ``chunk`` (the job record's ``_CHUNK_FN``), which the pool's tasks call."""
 
     @njit(nogil=True)
     def run_chunks(job, share):
         """Claim and run row chunks of ``job``, ``share``'s first, until none is left."""
         n, per, chunks = _word(job + 8 * _N), _word(job + 8 * _PER), _word(job + 8 * _CHUNKS)
+        fn = _word(job + 8 * _CHUNK_FN)
         c = _claim(job, share)
         while c >= 0:
             lo = c * per
-            chunk(job, lo, min(lo + per, n))
+            _call_chunk(fn, job, lo, min(lo + per, n))
             if (_fetch_add(job + 8 * _DONE, 1) == chunks - 1 and _SYS_FUTEX != 0
                     and _load_seq_cst(job + 8 * _WAITING) != 0):
                 _futex(job + 8 * _DONE, _FUTEX_WAKE_PRIVATE, 1, 0)
@@ -424,15 +502,11 @@ def _pool(chunk, key: tuple):
         if _fetch_add(job + 8 * _REFS, -1) == 1:
             _free(job)
 
-    task_fn = _compiled(task, types.void(types.voidptr), ("task", *key))
-    # the address reaches the handler's code by name, resolved when that code is loaded:
-    # a number compiled in would be stale in the next process that loads it from disk
-    name = "polynorm_xla_task_" + _digest(key)[:32]
-    llvm.add_symbol(name, task_fn.address)
-    task_address = _function_address(name)
+    task_fn = _compiled(task, types.void(types.voidptr), ("task",))
+    task_address = _symbol_address("polynorm_xla_task_" + _digest(knobs)[:32], task_fn)
 
     @njit(nogil=True)
-    def run_pooled(f, n, d, xd, wd, bd, yd, rd, flags, kk, eps, offset):
+    def pooled(f, chunk_fn, n, d, xd, wd, bd, yd, rd, flags, kk, eps, offset):
         job = _malloc(8 * (_JOB_WORDS + _MAX_SHARES))
         if job == 0:
             return False
@@ -448,7 +522,8 @@ def _pool(chunk, key: tuple):
         tasks = min(threads - 1, chunks - 1)
         for i, v in ((_NEXT, 1), (_DONE, 0), (_WAITING, 0), (_REFS, 1 + tasks), (_CHUNKS, chunks),
                      (_PER, per), (_N, n), (_D, d), (_X, xd), (_W, wd), (_B, bd), (_Y, yd),
-                     (_R, rd), (_FLAGS, flags), (_K, kk), (_SHARES, shares)):
+                     (_R, rd), (_FLAGS, flags), (_K, kk), (_SHARES, shares),
+                     (_CHUNK_FN, chunk_fn)):
             _put_word(job + 8 * i, v)
         for q in range(shares):
             _put_word(job + 8 * (_JOB_WORDS + q), _share_start(q + 1, chunks, shares)
@@ -473,7 +548,7 @@ def _pool(chunk, key: tuple):
             _free(job)
         return True
 
-    return run_pooled, task_fn
+    return pooled, task_fn
 
 
 @functools.cache
@@ -507,7 +582,7 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
             rows(lo, hi, x, None, w, None, y, None, rstd, flags, kk, eps, offset, None)
 
     key = ("forward", x_dtype, y_dtype, compute_dtype, has_bias)
-    run_pooled, task_fn = _pool(chunk, key)
+    run_pooled, run_serial, _, compiled = _pool(chunk, key)
 
     def run(frame):
         f = _address(frame)
@@ -539,18 +614,13 @@ def handler(x_dtype: str, y_dtype: str, compute_dtype: str, has_bias: bool) -> i
                 f, c, d, xd, wd, bd, yd, rd, flags, kk, eps, offset):
             return _pointer(0)
         for i in range(nb):
-            x = carray(_pointer(xd + (i * c * d * xsize if rx == ry else 0)), (c, d), xt)
-            w = carray(_pointer(wd + (i * d * csize if bw > 1 else 0)), (d,), ct)
-            y = carray(_pointer(yd + i * c * d * ysize), (c, d), yt)
-            rstd = carray(_pointer(rd + i * c * csize), (c,), ct)
-            if has_bias:
-                b = carray(_pointer(bd + (i * d * csize if bb > 1 else 0)), (d,), ct)
-                rows(0, c, x, None, w, b, y, None, rstd, flags, kk, eps, offset, None)
-            else:
-                rows(0, c, x, None, w, None, y, None, rstd, flags, kk, eps, offset, None)
+            run_serial(c, d, xd + (i * c * d * xsize if rx == ry else 0),
+                       wd + (i * d * csize if bw > 1 else 0),
+                       bd + (i * d * csize if has_bias and bb > 1 else 0),
+                       yd + i * c * d * ysize, rd + i * c * csize, flags, kk, eps, offset)
         return _pointer(0)
 
-    return _handler_address(run, key, task_fn)
+    return _handler_address(run, key, compiled)
 
 
 @njit(nogil=True)
@@ -581,7 +651,7 @@ def _row_stat_handler(stat, with_attrs: bool, key: tuple) -> int:
              _word(job + 8 * _D), _word(job + 8 * _FLAGS), _word(job + 8 * _K),
              _double(job + 8 * _EPS))
 
-    run_pooled, task_fn = _pool(chunk, key)
+    run_pooled, run_serial, _, compiled = _pool(chunk, key)
 
     def run(frame):
         f = _address(frame)
@@ -597,10 +667,10 @@ def _row_stat_handler(stat, with_attrs: bool, key: tuple) -> int:
         if n == 0 or (n >= 2 and n * d >= pool_min and run_pooled(
                 f, n, d, xd, 0, 0, 0, rd, flags, kk, eps, 0.0)):
             return _pointer(0)
-        stat(0, n, xd, rd, n, d, flags, kk, eps)
+        run_serial(n, d, xd, 0, 0, 0, rd, flags, kk, eps, 0.0)
         return _pointer(0)
 
-    return _handler_address(run, key, task_fn)
+    return _handler_address(run, key, compiled)
 
 
 @functools.cache
@@ -672,7 +742,7 @@ def row_stats_handler(dtype: str) -> int:
               _double(job + 8 * _EPS))
 
     key = ("row_stats", dtype)
-    run_pooled, task_fn = _pool(chunk, key)
+    run_pooled, run_serial, _, compiled = _pool(chunk, key)
 
     def run(frame):
         f = _address(frame)
@@ -690,10 +760,10 @@ def row_stats_handler(dtype: str) -> int:
         if n >= 2 and n * d >= pool_min and run_pooled(
                 f, n, d, ad, s2d, 0, md, sd, 0, 0, floor, 0.0):
             return _pointer(0)
-        stats(0, n, n, d, ad, sd, md, s2d, floor)
+        run_serial(n, d, ad, s2d, 0, md, sd, 0, 0, floor, 0.0)
         return _pointer(0)
 
-    return _handler_address(run, key, task_fn)
+    return _handler_address(run, key, compiled)
 
 
 @functools.cache
@@ -729,7 +799,7 @@ def row_dot_handler(dy_dtype: str, x_dtype: str, compute_dtype: str, has_scale: 
              _word(job + 8 * _R))
 
     key = ("row_dot", dy_dtype, x_dtype, compute_dtype, has_scale)
-    run_pooled, task_fn = _pool(chunk, key)
+    run_pooled, run_serial, _, compiled = _pool(chunk, key)
 
     def run(frame):
         f = _address(frame)
@@ -746,10 +816,10 @@ def row_dot_handler(dy_dtype: str, x_dtype: str, compute_dtype: str, has_scale: 
         if n >= 2 and n * d >= pool_min and run_pooled(
                 f, n, d, xd, wd, dyd, rd, od, 0, 0, 0.0, 0.0):
             return _pointer(0)
-        dots(0, n, n, d, dyd, xd, rd, wd, od)
+        run_serial(n, d, xd, wd, dyd, rd, od, 0, 0, 0.0, 0.0)
         return _pointer(0)
 
-    return _handler_address(run, key, task_fn)
+    return _handler_address(run, key, compiled)
 
 
 @functools.cache
@@ -776,9 +846,7 @@ def huge_page_handler() -> int:
         _put_int32(_word(_word(rets + 8) + _DATA), 1)
         return _pointer(0)
 
-    fn = _compiled(run, types.voidptr(types.voidptr), ("huge_pages",))
-    _keep.append(fn)
-    return fn.address
+    return _handler_address(run, ("huge_pages",))
 
 
 #: words at the head of the backward's scratch (:func:`backward_handler`; its job record's
@@ -890,8 +958,12 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
 
     @njit(nogil=True)
     def chunk(job, lo, hi):
-        """A pool task's blocks, on pools of its own."""
+        """Blocks ``[lo, hi)``: the serial run's (``_SHARES`` 0) on the pools of the scratch
+        buffer, a pool task's on pools of its own."""
         rec = _word(job + 8 * _B)
+        if _word(job + 8 * _SHARES) == 0:
+            run_blocks(job, lo, hi, _word(rec + 8 * _BPC), _word(rec + 8 * _BP64))
+            return
         cols = _word(rec + 8 * _BWIDTH) + pad
         pcd = _malloc(pc_rows * cols * csize)
         p64d = _malloc(p64_rows(_word(rec + 8 * _BM)) * cols * 8)
@@ -903,7 +975,7 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
         _free(p64d)
 
     key = ("backward", x_dtype, dy_dtype, compute_dtype, weight_dtype, bias_dtype)
-    run_pooled, task_fn = _pool(chunk, key)
+    run_pooled, _, run_chunk, compiled = _pool(chunk, key)
 
     def run(frame):
         f = _address(frame)
@@ -942,7 +1014,7 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
                      (_BUNDONE, 0), (_BGR, grd)):
             _put_word(rec + 8 * i, v)
         for i, v in ((_N, nb), (_D, d), (_X, xd), (_W, wd), (_B, rec), (_Y, dxd), (_R, rd),
-                     (_FLAGS, flags), (_K, kk)):
+                     (_FLAGS, flags), (_K, kk), (_SHARES, 0)):
             _put_word(job + 8 * i, v)
         _put_double(job + 8 * _EPS, eps)
         _put_double(job + 8 * _OFFSET, offset)
@@ -950,7 +1022,7 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
             f, nb, d, xd, wd, rec, dxd, rd, flags, kk, eps, offset)
         if not pooled or _word(rec + 8 * _BUNDONE) != 0:
             # every block again where a chunk had no pools: dx and the nodes are rewritten
-            run_blocks(job, 0, nb, _word(rec + 8 * _BPC), _word(rec + 8 * _BP64))
+            run_chunk(job, 0, nb)
         if width:
             vals = carray(_pointer(vals_at), (nb, width), np.float64)
             tree_cols(0, width, vals, nb)
@@ -962,7 +1034,7 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
                 round_into(vals[0, width - d:], carray(_pointer(db), (d,), bt))
         return _pointer(0)
 
-    return _handler_address(run, key, task_fn)
+    return _handler_address(run, key, compiled)
 
 
 def _knobs() -> tuple:
@@ -994,11 +1066,11 @@ def _compiled(fn, sig, key: tuple):
     return cf
 
 
-def _handler_address(run, key: tuple, task_fn=None) -> int:
-    """The address of the compiled handler ``run`` (:func:`_compiled`), kept alive with its
-    pool task."""
+def _handler_address(run, key: tuple, compiled: tuple = ()) -> int:
+    """The address of the compiled handler ``run`` (:func:`_compiled`), kept alive with the
+    cfuncs it calls (``compiled``: its pool's, see :func:`_pool`)."""
     fn = _compiled(run, types.voidptr(types.voidptr), key)
-    _keep.extend((fn, task_fn))
+    _keep.extend((fn, *compiled))
     return fn.address
 
 
