@@ -100,7 +100,8 @@ def test_decode_reads_the_weight_each_call(rng):
 
 
 def test_decode_read_only_and_misaligned_arrays(rng):
-    """Read-only or misaligned arrays of a cached signature take the dispatcher, same bits."""
+    """Read-only arrays of a cached signature take its entry point (the lean call, no
+    kernel specialisation of their own), misaligned ones the dispatcher; same bits."""
     x = _a(rng, (3, D), "float32")
     w = _a(rng, D, "float32")
     pn.rms_norm(x, w)
@@ -109,7 +110,13 @@ def test_decode_read_only_and_misaligned_arrays(rng):
     ro.flags.writeable = False
     wro = w.copy()
     wro.flags.writeable = False
+    e = _entry(x)
+    kernels = len(e.kernel.overloads)
+    y = e.lean(ro, wro, None, False)
+    assert y is not None and len(e.kernel.overloads) == kernels
+    _same(y, pn.rms_norm(x, w, axis=(1,)))
     _same(pn.rms_norm(ro, wro), pn.rms_norm(x, w, axis=(1,)))
+    assert not ro.flags.writeable and not wro.flags.writeable
     raw = np.zeros(x.nbytes + 4, np.uint8)[1:1 + x.nbytes]  # misaligned float32 rows
     mis = raw.view(np.float32).reshape(x.shape)
     mis[...] = x
@@ -129,8 +136,8 @@ def test_decode_read_only_and_misaligned_arrays(rng):
 def test_decode_lean_widened_weight(xdt, wdt, rng):
     """The lean call (the weight widened by its entry point into a pooled buffer; the 16-bit
     arrays passed as themselves where x and weight share a format) gives the generic
-    path's bits, reads a weight changed in place anew, and leaves a read-only or
-    misaligned weight to the general decode call."""
+    path's bits, reads a weight changed in place anew, takes a read-only weight as it
+    is, and leaves a misaligned weight to the general decode call."""
     x = _a(rng, (1, D), xdt)
     w = _a(rng, D, wdt)
     out = np.empty_like(x)
@@ -147,7 +154,9 @@ def test_decode_lean_widened_weight(xdt, wdt, rng):
     _same(pn.rms_norm(x, w, out=out), pn.rms_norm(x, w, axis=(1,)))
     wro = w.copy()
     wro.flags.writeable = False
-    assert e.lean(x, wro, out, False) is None
+    out[...] = 7
+    assert e.lean(x, wro, out, False) is out  # a read-only weight: the entry points too
+    _same(out, pn.rms_norm(x, w, axis=(1,)))
     _same(pn.rms_norm(x, wro, out=out), pn.rms_norm(x, w, axis=(1,)))
     raw = np.zeros(w.nbytes + 1, np.uint8)[1:].view(w.dtype)  # misaligned 16-bit weight
     raw[...] = w

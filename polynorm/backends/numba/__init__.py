@@ -792,9 +792,13 @@ def _lean(e: Decode):
     weight and neither residual nor bias (``y`` or ``(y, rstd)``, as ``rms_norm``
     returns them), once its entry points are known, with the constants
     bound in the closure (a decode call's Python work is most of its time).  It
-    returns None, having done nothing, where an array is read-only or unaligned or
-    an entry point is not known yet: :func:`forward_decode` runs then.  ``out``:
-    writable, aligned and C-contiguous (the caller's ``plain_out_ok``)."""
+    returns None, having done nothing, where an array is unaligned or an entry point
+    is not known yet: :func:`forward_decode` runs then.  A read-only ``x`` or
+    ``weight`` (a jax array's buffer, safetensors' ``frombuffer``) goes to the entry
+    point as it is: the entry point checks dtype and rank, not writability, and the
+    kernels never write their inputs (Numba's dispatcher would type it apart,
+    :func:`_kview`).  ``out``: writable, aligned and C-contiguous (the caller's
+    ``plain_out_ok``)."""
     n, d, cdt, y_dt, xv, yv, wv = e.n, e.d, e.cdt, e.y_dt, e.xv, e.yv, e.wv
     flags, k, eps, offset = e.flags, e.k, e.eps, e.offset
     pool = e.wpool
@@ -807,8 +811,7 @@ def _lean(e: Decode):
         entry, wide = e.entry, e.wide
         if not entry or (wv is not None and not wide):
             return None
-        fx, fw = x.flags, weight.flags
-        if not (fx.writeable and fx.aligned and fw.writeable and fw.aligned):
+        if not (x.flags.aligned and weight.flags.aligned):
             return None
         y = empty(shape, y_dt) if out is None else out
         rstd = empty(n, cdt) if return_rstd or not rpool else rpool.pop()
