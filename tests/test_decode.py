@@ -131,6 +131,30 @@ def test_decode_read_only_and_misaligned_arrays(rng):
     _same(mout, pn.rms_norm(x, w, axis=(1,)))
 
 
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_decode_add_takes_read_only_inputs_as_they_are(dt, rng):
+    """A read-only x, residual and weight of a prepared fused add go to its entry point
+    (no kernel specialisation of their own), with the writable arrays' bits, unchanged."""
+    x, r, w = _a(rng, (2, D), dt), _a(rng, (2, D), dt), _a(rng, D, dt)
+    want = pn.add_rms_norm(x, r, w, axis=(1,))
+    for _ in range(3):  # prepare, resolve the entry point, then call it
+        pn.add_rms_norm(x, r, w)
+    e = _entry(x)
+    assert e is not None and e.entry
+    ro = [a.copy() for a in (x, r, w)]
+    for a in ro:
+        a.flags.writeable = False
+    kernel, e.kernel = e.kernel, None  # calling the dispatcher would raise
+    try:
+        got = pn.add_rms_norm(*ro)
+    finally:
+        e.kernel = kernel
+    for g, v in zip(got, want, strict=True):
+        _same(g, v)
+    for a, b in zip(ro, (x, r, w), strict=True):
+        _same(a, b)
+
+
 @pytest.mark.parametrize("xdt,wdt", [("float16", "float16"), ("bfloat16", "bfloat16"),
                                      ("float32", "float16")])
 def test_decode_lean_widened_weight(xdt, wdt, rng):

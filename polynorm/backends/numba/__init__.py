@@ -714,10 +714,13 @@ def decode_plan(plan: Plan, x: np.ndarray, residual, weight, bias) -> Decode | N
     return e
 
 
-def _plain(a: np.ndarray) -> bool:
-    """Writable and aligned: the arrays a compiled entry point was typed for."""
+def _plain(a: np.ndarray, read_only_ok: bool = False) -> bool:
+    """Aligned, and writable unless ``read_only_ok``: the arrays a compiled entry point
+    takes (a read-only input once the entry point is known: it checks dtype and rank,
+    not writability, and the kernels never write their inputs; the dispatcher would
+    type it apart and compile the kernel again)."""
     f = a.flags
-    return f.writeable and f.aligned
+    return f.aligned and (read_only_ok or f.writeable)
 
 
 def _decode_vector(a: np.ndarray, view, cdt: np.dtype, d: int) -> np.ndarray:
@@ -735,34 +738,36 @@ def forward_decode(e: Decode, x: np.ndarray, residual, weight, bias, out):
 
     The key ``e`` was found by proves each array's dtype, shape and strides, so
     the kernel's compiled entry point can be called without Numba's type
-    dispatch where every array is also writable and aligned (the two facts of
-    its type the key does not fix); else the dispatcher runs, on :func:`_kview`'s
-    writable aliases.
+    dispatch where every array is also aligned (and, until the entry point is
+    known, writable: the two facts of its type the key does not fix); else the
+    dispatcher runs, on :func:`_kview`'s writable aliases.
     """
     n, d, cdt = e.n, e.d, e.cdt
-    # out: writable, C-contiguous and aligned (plain_out_ok, the caller's check)
-    plain = _plain(x) and (residual is None or _plain(residual))
-    if weight is None:
-        w = e.ones
-    elif e.wv is None:
-        f = weight.flags
-        w = weight if f.writeable else _writable_alias(weight)
-        plain = plain and f.writeable and f.aligned
-    elif e.wide and weight.flags.aligned:
-        # the weight's widening through its compiled entry point into a pooled buffer:
-        # the same values as _decode_vector, without the dispatcher and the allocation
-        pool = e.wpool
-        w = pool.pop() if pool else np.empty(d, cdt)
-        e.wide(weight.view(e.wv) if weight.flags.writeable else _kview(weight), w)
-    else:
-        w = _decode_vector(weight, e.wv, cdt, d)
-        if e.wide is None:
-            _resolve_wide(e, weight, w)
+    # out: writable, C-contiguous and aligned (plain_out_ok, the caller's check).  Once
+    # the entry point is known, read-only inputs go to it as they are (see _lean)
+    entry = bool(e.entry)
+    plain = _plain(x, entry) and (residual is None or _plain(residual, entry))
     if bias is None:
         b = None
     else:
         b = _decode_vector(bias, e.bv, cdt, d)
         plain = plain and (e.bv is not None or _plain(bias))
+    if weight is None:
+        w = e.ones
+    elif e.wv is None:
+        plain = plain and _plain(weight, entry)
+        w = weight if weight.flags.writeable or plain else _writable_alias(weight)
+    elif e.wide and weight.flags.aligned:
+        # the weight's widening through its compiled entry point (a read-only weight as
+        # it is) into a pooled buffer: the same values as _decode_vector, without the
+        # dispatcher and the allocation
+        pool = e.wpool
+        w = pool.pop() if pool else np.empty(d, cdt)
+        e.wide(weight.view(e.wv), w)
+    else:
+        w = _decode_vector(weight, e.wv, cdt, d)
+        if e.wide is None:
+            _resolve_wide(e, weight, w)
     y = np.empty((n, d), e.y_dt) if out is None else out
     rstd = np.empty(n, cdt)
     xv = e.xv

@@ -24,7 +24,9 @@ results ``y`` (``(n, d)``, any float dtype the kernels store) and ``rstd``
 (``(n,)``, the compute dtype); ``flags``, ``k``, ``eps`` and ``offset`` are the
 call's attributes, in this order (XLA sorts them by name: ``a_flags``,
 ``b_k``, ``c_eps``, ``d_offset``).  One handler per (x, y, compute dtype,
-bias or not), compiled on first use and cached on disk (:func:`_compiled`).
+bias or not), compiled on first use and cached on disk (:func:`_compiled`).  A
+handler's kernels are compiled once, into its row-chunk function, which the handler
+and the pool's tasks call by address (:func:`_pool`).
 
 Threads: a call of at least ``POOL_MIN_ELEMENTS`` is cut into row chunks that the
 handler's thread and tasks scheduled on XLA's own thread pool (the FFI
