@@ -13,6 +13,10 @@ running it under each (``PYTHONPATH=/path/to/checkout python bench/decode.py``):
 
     python bench/decode.py --out bench/results/decode-cpu-DATE.json
     python bench/decode.py --ops fwd fwd-out add --rounds 31
+    python bench/decode.py --ops fwd add --read-only   # inputs as safetensors gives them
+
+``--read-only`` makes every input array read-only (``out`` stays writable): the arrays
+a jax buffer or ``np.frombuffer`` over a weights file gives.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ def _batch(fn, calls: int) -> float:
     return (time.perf_counter_ns() - t) / calls / 1e3
 
 
-def case(op: str, dt: str, n: int, d: int, rounds: int, calls: int) -> dict:
+def case(op: str, dt: str, n: int, d: int, rounds: int, calls: int,
+         read_only: bool = False) -> dict:
     """One row: per-call microseconds (medians) and peer / polynorm ratios."""
     rng = np.random.default_rng(0)
     npd = numpy_dtype(dt)
@@ -52,6 +57,9 @@ def case(op: str, dt: str, n: int, d: int, rounds: int, calls: int) -> dict:
     r = rng.standard_normal((n, d), dtype=np.float32).astype(npd)
     dy = rng.standard_normal((n, d), dtype=np.float32).astype(npd)
     out = np.empty_like(x)
+    if read_only:
+        for a in (x, w, r, dy):
+            a.flags.writeable = False
     fns = {"polynorm": cpu._polynorm_fn("gated" if op == "gated" else op, x, w, r, dy, out)}
     for k, f in cpu._ort_fns(op, x, w, r, out).items():
         fns[f"ort_{k}"] = f
@@ -67,7 +75,7 @@ def case(op: str, dt: str, n: int, d: int, rounds: int, calls: int) -> dict:
         for k, f in fns.items():
             times[k].append(_batch(f, calls))
     pn = times["polynorm"]
-    row = {"op": op, "dtype": dt, "tokens": n, "d": d,
+    row = {"op": op, "dtype": dt, "tokens": n, "d": d, **({"read_only": True} if read_only else {}),
            "us": {k: round(statistics.median(v), 2) for k, v in times.items()}}
     ratios = {}
     ort = [k for k in fns if k.startswith("ort_")]
@@ -92,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="threads of Numba, torch and ONNX Runtime (0: their defaults); the "
                         "decode path runs serial kernels, and one thread is the peers' "
                         "fastest at these sizes on a shared host")
+    p.add_argument("--read-only", action="store_true", help="read-only input arrays")
     p.add_argument("--out", help="also write the JSON here")
     args = p.parse_args(argv)
     import numba
@@ -111,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     for n in args.tokens:
         for dt in args.dtypes:
             for op in args.ops:
-                row = case(op, dt, n, D, args.rounds, args.calls)
+                row = case(op, dt, n, D, args.rounds, args.calls, args.read_only)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     try:

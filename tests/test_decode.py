@@ -100,16 +100,17 @@ def test_decode_reads_the_weight_each_call(rng):
 
 
 def test_decode_read_only_and_misaligned_arrays(rng):
-    """Read-only arrays of a cached signature take its entry point (the lean call, no
-    kernel specialisation of their own), misaligned ones the dispatcher; same bits."""
+    """Read-only arrays of a signature take its entry point (the lean call, no kernel
+    specialisation of their own), from its first calls on; misaligned ones the
+    dispatcher; same bits."""
     x = _a(rng, (3, D), "float32")
     w = _a(rng, D, "float32")
-    pn.rms_norm(x, w)
-    pn.rms_norm(x, w)  # cached, entry point resolved
     ro = x.copy()
     ro.flags.writeable = False
     wro = w.copy()
     wro.flags.writeable = False
+    pn.rms_norm(ro, wro)
+    pn.rms_norm(ro, wro)  # cached, entry point resolved
     e = _entry(x)
     kernels = len(e.kernel.overloads)
     y = e.lean(ro, wro, None, False)
@@ -133,17 +134,19 @@ def test_decode_read_only_and_misaligned_arrays(rng):
 
 @pytest.mark.parametrize("dt", ["float32", "bfloat16"])
 def test_decode_add_takes_read_only_inputs_as_they_are(dt, rng):
-    """A read-only x, residual and weight of a prepared fused add go to its entry point
-    (no kernel specialisation of their own), with the writable arrays' bits, unchanged."""
+    """Read-only x, residual and weight (from a signature's first call on) go to the
+    fused add's entry point (no kernel specialisation of their own), with the writable
+    arrays' bits, unchanged."""
+    fast._DECODE.clear()  # this signature's entry made here (_entry: the last one of x's)
     x, r, w = _a(rng, (2, D), dt), _a(rng, (2, D), dt), _a(rng, D, dt)
     want = pn.add_rms_norm(x, r, w, axis=(1,))
-    for _ in range(3):  # prepare, resolve the entry point, then call it
-        pn.add_rms_norm(x, r, w)
-    e = _entry(x)
-    assert e is not None and e.entry
     ro = [a.copy() for a in (x, r, w)]
     for a in ro:
         a.flags.writeable = False
+    for _ in range(3):  # prepare, resolve the entry point, then call it
+        pn.add_rms_norm(*ro)
+    e = _entry(x)
+    assert e is not None and e.entry
     kernel, e.kernel = e.kernel, None  # calling the dispatcher would raise
     try:
         got = pn.add_rms_norm(*ro)
@@ -153,6 +156,24 @@ def test_decode_add_takes_read_only_inputs_as_they_are(dt, rng):
         _same(g, v)
     for a, b in zip(ro, (x, r, w), strict=True):
         _same(a, b)
+
+
+@pytest.mark.parametrize("xdt,wdt", [("bfloat16", "bfloat16"), ("float32", "float16")])
+def test_decode_lean_call_of_read_only_16_bit_arrays(xdt, wdt, rng):
+    """A read-only 16-bit weight (safetensors' arrays) from a signature's first call on:
+    its widening's entry point is found, and the lean call takes it."""
+    fast._DECODE.clear()  # this signature's entry made here (_entry: the last one of x's)
+    x, w = _a(rng, (1, D), xdt), _a(rng, D, wdt)
+    want = pn.rms_norm(x, w, axis=(1,))
+    for a in (x, w):
+        a.flags.writeable = False
+    for _ in range(3):
+        _same(pn.rms_norm(x, w), want)
+    e = _entry(x)
+    assert e is not None and e.entry and e.wide
+    y = e.lean(x, w, None, False)
+    assert y is not None
+    _same(y, want)
 
 
 @pytest.mark.parametrize("xdt,wdt", [("float16", "float16"), ("bfloat16", "bfloat16"),

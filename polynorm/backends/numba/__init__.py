@@ -744,17 +744,23 @@ def forward_decode(e: Decode, x: np.ndarray, residual, weight, bias, out):
     """
     n, d, cdt = e.n, e.d, e.cdt
     # out: writable, C-contiguous and aligned (plain_out_ok, the caller's check).  Once
-    # the entry point is known, read-only inputs go to it as they are (see _lean)
+    # the entry point is known, read-only inputs go to it as they are (see _lean);
+    # ``aligned``: the arrays as the entry point takes them, read-only or not
     entry = bool(e.entry)
+    aligned = _plain(x, True) and (residual is None or _plain(residual, True))
     plain = _plain(x, entry) and (residual is None or _plain(residual, entry))
     if bias is None:
         b = None
+    elif e.bv is None:
+        b = _decode_vector(bias, e.bv, cdt, d)
+        aligned = aligned and _plain(bias, True)
+        plain = plain and _plain(bias)
     else:
         b = _decode_vector(bias, e.bv, cdt, d)
-        plain = plain and (e.bv is not None or _plain(bias))
     if weight is None:
         w = e.ones
     elif e.wv is None:
+        aligned = aligned and _plain(weight, True)
         plain = plain and _plain(weight, entry)
         w = weight if weight.flags.writeable or plain else _writable_alias(weight)
     elif e.wide and weight.flags.aligned:
@@ -785,7 +791,9 @@ def forward_decode(e: Decode, x: np.ndarray, residual, weight, bias, out):
         e.entry(*args)
     else:
         e.kernel(*args)
-        if plain and e.entry is None:
+        if aligned and e.entry is None:
+            # the arrays' types (their writable aliases' where read-only): the entry
+            # point's, so that read-only arrays from the first call on find it too
             _resolve(e, args)
     if e.wide and weight is not None and w.base is None and len(e.wpool) < 4:
         e.wpool.append(w)  # not before the kernel has returned: it reads w
@@ -903,10 +911,11 @@ def forward_into_decode(e: Decode, x: np.ndarray, residual: np.ndarray, weight) 
 def _resolve_wide(e: Decode, weight: np.ndarray, w: np.ndarray) -> None:
     """``e.wide``: widen_bits's compiled entry point for this weight's bits into
     ``w`` (False: none, and :func:`_decode_vector` stays)."""
-    if e.wv is None or not weight.flags.writeable or not weight.flags.aligned:
+    if e.wv is None or not weight.flags.aligned:
         return
     widen = (_kernels or _k()).widen_bits
-    ov = widen.overloads.get((widen.typeof_pyval(weight.view(e.wv)), widen.typeof_pyval(w)))
+    src = weight.view(e.wv) if weight.flags.writeable else _kview(weight)  # as _decode_vector
+    ov = widen.overloads.get((widen.typeof_pyval(src), widen.typeof_pyval(w)))
     e.wide = False if ov is None else ov.entry_point
     if e.wide and e.xv == e.wv and (e.yv is None or e.yv == e.wv):
         e.raw = _takes_raw(e.wide, weight, w)
