@@ -375,11 +375,40 @@ def test_backward_decode_bits_equal_generic(dt, wdt, kw, rng):
     if not kw.pop("no_rstd", False):
         kw["rstd"] = pn.rms_norm(x, w, return_rstd=True, partial=kw.get("partial", 1.0))[1]
     want = pn.rms_norm_backward(dy, x, w, axis=(1,), **kw)
-    for _ in range(2):
+    for _ in range(3):  # prepare (the dispatcher), then its compiled entry point
         _same(pn.rms_norm_backward(dy, x, w, **kw), want)
     # the same signature, eps of another type: the general path's answer (an error)
     with pytest.raises(TypeError, match="eps"):
         pn.rms_norm_backward(dy, x, w, eps=True, **kw)
+
+
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_backward_decode_takes_read_only_arrays_through_its_entry_point(dt, rng, monkeypatch):
+    """Read-only dy, x, weight, rstd and grad_residual (from the signature's first call
+    on) go to the backward kernel's compiled entry point as they are, with the writable
+    arrays' bits, unchanged."""
+    from polynorm.backends import numba as nb
+
+    x, dy, gr = (_a(rng, (2, D), dt) for _ in range(3))
+    w = _a(rng, D, dt)
+    rstd = pn.rms_norm(x, w, return_rstd=True)[1]
+    want = pn.rms_norm_backward(dy, x, w, rstd=rstd, grad_residual=gr, axis=(1,))
+    ro = [a.copy() for a in (dy, x, w, rstd, gr)]
+    for a in ro:
+        a.flags.writeable = False
+    dy_, x_, w_, r_, g_ = ro
+    for _ in range(2):  # prepare, then resolve the entry point
+        pn.rms_norm_backward(dy_, x_, w_, rstd=r_, grad_residual=g_)
+
+    def dispatcher(*args):
+        raise AssertionError("the dispatcher ran")
+
+    monkeypatch.setattr(nb, "_bwd_call", dispatcher)
+    got = pn.rms_norm_backward(dy_, x_, w_, rstd=r_, grad_residual=g_)
+    for g, v in zip(got, want, strict=True):
+        _same(g, v)
+    for a, b in zip(ro, (dy, x, w, rstd, gr), strict=True):
+        _same(a, b)
 
 
 def test_pack_options_eps_cache():

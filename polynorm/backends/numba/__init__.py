@@ -139,6 +139,14 @@ def _writable_alias(a: np.ndarray) -> np.ndarray:
     return np.asarray(_Alias(a))
 
 
+def _bits(a: np.ndarray) -> np.ndarray:
+    """``a``, its 16-bit floats as their bits (:func:`_kview` without the writable alias: for
+    a compiled entry point, which takes read-only arrays)."""
+    if a.dtype.itemsize == 2:
+        return a.view(_BF16_BITS if _bf(a) else _F16_BITS)
+    return a
+
+
 def _kview(a: np.ndarray) -> np.ndarray:
     """What the kernels take: the bits of the 16-bit floats, else ``a`` itself.
 
@@ -1144,9 +1152,10 @@ class DecodeBackward:
     """A decode call signature's serial backward (:func:`decode_backward_plan`)."""
 
     __slots__ = ("n", "d", "m", "nb", "width", "cdt", "wv", "wdt", "bdt", "flags", "k", "eps",
-                 "offset", "pc", "p64")
+                 "offset", "pc", "p64", "entry")
 
     def __init__(self, **kw):
+        self.entry = None  # backward_range's compiled entry point (False: none), once known
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -1190,28 +1199,41 @@ def backward_decode(e: DecodeBackward, dy, x, weight, bias, rstd, grad_residual)
     kernels and arguments, without working them out again."""
     bwd_kernels = _bwd_kernels or _kb()
     n, d, cdt, width, nb = e.n, e.d, e.cdt, e.width, e.nb
+    arrays = (dy, x, grad_residual, rstd, None if e.wv is not None else weight)
+    # the compiled entry point takes the arrays as they are, read-only ones too (see
+    # _lean): contiguous and aligned ones, once it is known
+    direct = e.entry is not False and all(
+        a is None or (a.flags.c_contiguous and a.flags.aligned) for a in arrays)
+    view = _bits if direct and e.entry else _kview
     if weight is None:
         w = None
     elif e.wv is None:
-        w = weight if weight.flags.writeable else _writable_alias(weight)
+        w = weight if weight.flags.writeable or view is _bits else _writable_alias(weight)
     else:
         w = np.empty(d, cdt)
         (_kernels or _k()).widen_bits(_kview(weight), w)
-    rs = _no_rstd(cdt) if rstd is None else _kview(rstd)
-    dyk = _kview(dy)
+    rs = _no_rstd(cdt) if rstd is None else view(rstd)
+    dyk = view(dy)
     flags = e.flags
     if grad_residual is None:
         gr = _no_grad_residual(dyk.dtype)
     else:
-        gr = _kview(grad_residual)
+        gr = view(grad_residual)
         flags |= (_kernels or _k()).HAS_GR
     dx = np.empty((n, d), x.dtype)
-    args = (dyk, _kview(x), w, rs, gr, _kview(dx), flags, e.k, e.eps, e.offset)
     lvl = np.empty(nb, np.int64)
     idx = np.empty(nb, np.int64)
     vals = np.empty((nb, width), np.float64)
-    _bwd_call(bwd_kernels.backward_range, 5, 0, n, 0, n, e.m, *args, lvl, idx, vals, 0,
-              np.empty(e.pc, cdt), np.empty(e.p64, np.float64))
+    call = (0, n, 0, n, e.m, dyk, view(x), w, rs, gr, _bits(dx), flags, e.k, e.eps, e.offset,
+            lvl, idx, vals, 0, np.empty(e.pc, cdt), np.empty(e.p64, np.float64))
+    if view is _bits:
+        e.entry(*call)
+    else:
+        kernel = bwd_kernels.backward_range
+        _bwd_call(kernel, 5, *call)
+        if direct:  # every array contiguous and aligned: the kernel's entry point
+            ov = kernel.overloads.get(tuple(kernel.typeof_pyval(a) for a in call))
+            e.entry = False if ov is None else ov.entry_point
     dw = db = None
     if width:
         bwd_kernels.tree_cols(0, width, vals, nb)
