@@ -936,13 +936,13 @@ def row_stats_rows(lo, hi, a, ss, m, ss2, floor):
     floor`` (a superset of the rows whose plain sum the reference does not keep),
     ``m[i]`` (the largest magnitude, NaN where one is) and ``ss2[i]``, the sum of the
     squares of the row divided by ``m[i]`` (1 where 0), as the scaled pass has them;
-    elsewhere 0."""
+    elsewhere 0.  Last row first, as :func:`rstd_rows` (the rows still in cache first)."""
     a, ss, m, ss2 = borrow(a), borrow(ss), borrow(m), borrow(ss2)
     d = a.shape[1]
     row = np.empty((1, d), ss.dtype)
     square = d >= 0  # True, typed as row_sum_rows's flag: one compiled _block_sum
     zero = as_type_of(0.0, ss[0])
-    for i in range(lo, hi):
+    for i in range(hi - 1, lo - 1, -1):
         ss[i] = _stats_sum(a, i, row, square)
         s = np.float64(ss[i])
         if s >= 2.0 * floor and s < math.inf:
