@@ -157,8 +157,7 @@ def _kview(a: np.ndarray) -> np.ndarray:
     compile every kernel again for them, and the kernels never write their
     inputs.
     """
-    if a.dtype.itemsize == 2:
-        a = a.view(_BF16_BITS if _bf(a) else _F16_BITS)
+    a = _bits(a)
     return a if a.flags.writeable else _writable_alias(a)
 
 
@@ -759,12 +758,11 @@ def forward_decode(e: Decode, x: np.ndarray, residual, weight, bias, out):
     plain = _plain(x, entry) and (residual is None or _plain(residual, entry))
     if bias is None:
         b = None
-    elif e.bv is None:
-        b = _decode_vector(bias, e.bv, cdt, d)
-        aligned = aligned and _plain(bias, True)
-        plain = plain and _plain(bias)
     else:
         b = _decode_vector(bias, e.bv, cdt, d)
+        if e.bv is None:  # the bias itself (else a widened copy)
+            aligned = aligned and _plain(bias, True)
+            plain = plain and _plain(bias)
     if weight is None:
         w = e.ones
     elif e.wv is None:
@@ -922,7 +920,7 @@ def _resolve_wide(e: Decode, weight: np.ndarray, w: np.ndarray) -> None:
     if e.wv is None or not weight.flags.aligned:
         return
     widen = (_kernels or _k()).widen_bits
-    src = weight.view(e.wv) if weight.flags.writeable else _kview(weight)  # as _decode_vector
+    src = _kview(weight)  # its bits, as _decode_vector passes them
     ov = widen.overloads.get((widen.typeof_pyval(src), widen.typeof_pyval(w)))
     e.wide = False if ov is None else ov.entry_point
     if e.wide and e.xv == e.wv and (e.yv is None or e.yv == e.wv):
