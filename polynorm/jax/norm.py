@@ -543,11 +543,15 @@ def _kernel_backward(static: Options, dy, x, weight, bias, rstd, grad_residual):
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype)]
     results += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (weight, bias) if a is not None]
     results.append(jax.ShapeDtypeStruct(
-        (_xla.backward_scratch_bytes(n, d, width, m, np.dtype(cdt).name),), jnp.uint8))
+        (_xla.backward_scratch_bytes(n, d, width, m, np.dtype(cdt).name, names[0]),), jnp.uint8))
     call = jax.ffi.ffi_call(target, results, vmap_method="sequential")
+    # a 16-bit weight goes as it is: the handler widens it (no convert pass before the call)
+    raw_weight = _xla.widens_weight(names[0])
 
     def cpu(dy, x, weight, bias, rstd, grad_residual):
-        ops = (dy, x, *(() if weight is None else (weight.astype(cdt),)), rstd.astype(cdt),
+        if weight is not None and not raw_weight:
+            weight = weight.astype(cdt)
+        ops = (dy, x, *(() if weight is None else (weight,)), rstd.astype(cdt),
                *(() if grad_residual is None else (grad_residual,)))
         res = iter(call(*ops, a_flags=np.int64(flags), b_k=np.int64(plan.k),
                         c_eps=np.float64(plan.eps), d_offset=np.float64(plan.offset),

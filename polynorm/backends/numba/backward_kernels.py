@@ -409,18 +409,26 @@ def _emit(lv, j, r, pc, p64, out_lvl, out_idx, out_val, o, npair):
     out_idx[o] = j
     dst = out_val[o]
     if lv < TREE_G:
-        src = _row(pc, r)
-        for t in range(dst.shape[0]):
-            dst[t] = src[t]
+        _unpair(_row(pc, r), dst, npair)
     else:
-        src64 = _row(p64, r)
-        for t in range(dst.shape[0]):
-            dst[t] = src64[t]
-    if npair:
-        for t in range(npair):
-            dst[t] = pc[r, _PAD + pair_position(t, npair)] if lv < TREE_G else \
-                p64[r, _PAD + pair_position(t, npair)]
+        _unpair(_row(p64, r), dst, npair)
     return o + 1
+
+
+@_inline
+def _unpair(src, dst, npair):
+    """``dst = src`` in float64, the first ``npair`` columns put back in order from
+    the pair layout (:func:`.numba.pairs.pair_position`).  A block at a time, with
+    constant offsets: an index worked out per column kept the loop scalar, and
+    it was most of a one-row bfloat16 backward."""
+    # unsigned throughout: a signed literal would make the indices float64
+    half, two, one = np.uint64(PAIR_BLOCK // 2), np.uint64(2), np.uint64(1)
+    for b in range(np.uint64(0), np.uint64(npair), np.uint64(PAIR_BLOCK)):
+        for t in range(half):
+            dst[b + two * t] = src[b + t]
+            dst[b + two * t + one] = src[b + half + t]
+    for t in range(np.uint64(npair), np.uint64(dst.shape[0])):
+        dst[t] = src[t]
 
 
 @_inline

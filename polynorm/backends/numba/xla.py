@@ -879,13 +879,26 @@ def _up64(nbytes):
     return (nbytes + 63) // 64 * 64
 
 
-def backward_scratch_bytes(n: int, d: int, width: int, m: int, compute_dtype: str) -> int:
-    """The bytes of :func:`backward_handler`'s scratch result for ``n`` rows of ``d``."""
+def backward_scratch_bytes(n: int, d: int, width: int, m: int, compute_dtype: str,
+                           weight_dtype: str | None = None) -> int:
+    """The bytes of :func:`backward_handler`'s scratch result for ``n`` rows of ``d``
+    (and a weight of ``weight_dtype``: a 16-bit one is widened there)."""
     from polynorm.core.dtypes import numpy_dtype
 
     nb = ((n - 1) >> m) + 1
-    pools = _backward_pools(m, width, numpy_dtype(compute_dtype).itemsize)[3]
-    return _up64(8 * (_BWORDS + _JOB_WORDS) + 16 * nb + 8 * nb * width) + pools
+    csize = numpy_dtype(compute_dtype).itemsize
+    pools = _backward_pools(m, width, csize)[3]
+    wide = _up64(d * csize) if widens_weight(weight_dtype) else 0
+    return _up64(8 * (_BWORDS + _JOB_WORDS) + 16 * nb + 8 * nb * width) + _up64(pools) + wide
+
+
+def widens_weight(weight_dtype: str | None) -> bool:
+    """Whether :func:`backward_handler` takes the weight in ``weight_dtype`` and widens it
+    to the compute dtype itself (16-bit weights: exact, and one XLA pass fewer than a
+    convert before the call), rather than in the compute dtype."""
+    from polynorm.core.dtypes import numpy_dtype
+
+    return weight_dtype is not None and numpy_dtype(weight_dtype).itemsize == 2
 
 
 @functools.cache
@@ -895,7 +908,8 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
     (:func:`polynorm.backends.numba.backward`'s kernels and row tree: its bits).
 
     Arguments ``dy``, ``x`` (rows: every axis but the last), ``weight`` (``(d,)`` in
-    the compute dtype; only where ``weight_dtype``), the forward's ``rstd`` and, where
+    the compute dtype, or in its own where :func:`widens_weight`; only where
+    ``weight_dtype``), the forward's ``rstd`` and, where
     the flags have ``HAS_GR``, ``grad_residual`` (``dy``'s dtype: one compiled handler
     with and without); results
     ``dx`` (``x``'s dtype), ``dweight`` and ``dbias`` in their dtypes where given, and a
@@ -917,6 +931,8 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
     has_gr_flag = _nb._k().HAS_GR
     wt = _bits_type(numpy_dtype(weight_dtype)) if has_w else ct
     bt = _bits_type(numpy_dtype(bias_dtype)) if has_b else ct
+    wide = widens_weight(weight_dtype)
+    widen = _nb._k().widen_bits
     pool_min = POOL_MIN_ELEMENTS
     csize = ct.itemsize
     # the pools' shapes as numba-compiled arithmetic: pool_shapes(m, width)
@@ -1010,6 +1026,11 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
         lvl_at = job + 8 * _JOB_WORDS  # then the row-tree slots, the pools from a whole line
         vals_at = lvl_at + 16 * nb
         pcd = rec + _up64(vals_at + 8 * nb * width - rec)
+        if wide:  # the weight's bits widened after the pools (backward_scratch_bytes)
+            at = rec + _up64(pcd + _up64(pc_rows * (width + pad) * csize)
+                             + p64_rows(m) * (width + pad) * 8 - rec)
+            widen(carray(_pointer(wd), (d,), wt), carray(_pointer(at), (d,), ct))
+            wd = at
         for i, v in ((_BN, n), (_BM, m), (_BWIDTH, width), (_BDY, _word(dyb + _DATA)),
                      (_BLVL, lvl_at), (_BIDX, lvl_at + 8 * nb), (_BVALS, vals_at),
                      (_BPC, pcd), (_BP64, pcd + _up64(pc_rows * (width + pad) * csize)),
