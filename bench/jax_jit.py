@@ -86,6 +86,9 @@ def _forced():
 #: steps of the program of the ``graph`` setting
 GRAPH_STEPS = 16
 
+#: a ``graph`` sample runs the program once per this many calls of a ``us`` sample
+GRAPH_PROGRAMS_PER_CALLS = 4
+
 #: the eager calls, whose ``eager_extra_us`` is their time over the jitted jnp formula's
 #: (the median of the rounds' differences)
 EAGER_VARIANTS = ("eager_pn", "eager_pj")
@@ -166,7 +169,9 @@ def run(rounds: int, tokens=TOKENS, dtypes=("float32", "bfloat16"), only=None):
             x = jnp.asarray(rng.standard_normal((n, D), np.float32), dtype)
             w = jnp.asarray(rng.standard_normal(D, np.float32), dtype)
             reps = max(1, min(200, 20000 // n))
-            greps = max(1, reps // GRAPH_STEPS)
+            # at decode sizes a step takes 2-12 us: one program per GRAPH_STEPS calls made
+            # samples of 0.4 ms, the noisiest of the three settings
+            greps = max(1, reps // GRAPH_PROGRAMS_PER_CALLS)
             for f in (*fns.values(), *gfns.values(), *dfns.values()):  # compile and warm
                 jax.block_until_ready(f(x, w))
             times = {k: [] for k in fns}

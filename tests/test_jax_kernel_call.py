@@ -382,6 +382,40 @@ def test_jit_reference_output_of_fresh_pages_size_takes_the_huge_page_buffer(
     np.testing.assert_array_equal(_bits(g(x)), _bits(want))
 
 
+@pytest.mark.slow  # two handlers of their own (~5 s of compiling): in the long sweeps
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("shape", [(3, 96), (40, 2048)])  # serial; rows on XLA's pool
+def test_jit_reference_bfloat16_pass_is_xla_s_bitwise(one_device, monkeypatch, weighted,
+                                                       shape):
+    """The jitted reference's bfloat16 y from REFERENCE_SCALE_MIN_BYTES: the compiled
+    pass (scale_handler) given the reference's rstd, with XLA's own pass's bits, for
+    finite, Inf, subnormal and NaN inputs, with an offset and without a weight."""
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[0, :4] = [np.inf, 1e-40, 3e38, -0.0]
+    x[1, 5] = np.nan  # a NaN row: NaN wherever XLA has one
+    x = jnp.asarray(x, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(shape[1]), jnp.bfloat16) if weighted else None
+
+    def run(offset):
+        return jax.jit(lambda x, w: rms_norm(x, w, backend="array_api", offset=offset))
+
+    monkeypatch.setattr(jn, "REFERENCE_SCALE_MIN_BYTES", 1 << 62)
+    want = [run(off)(x, w) for off in (0.0, 1.0)]
+    monkeypatch.setattr(jn, "REFERENCE_SCALE_MIN_BYTES", x.size * 2)
+    for off, expect in zip((0.0, 1.0), want, strict=True):
+        f = run(off)
+        assert "polynorm_scale_" in f.lower(x, w).as_text()
+        got = np.asarray(f(x, w), np.float32)
+        expect = np.asarray(expect, np.float32)
+        nan = np.isnan(expect)
+        np.testing.assert_array_equal(np.isnan(got), nan)
+        np.testing.assert_array_equal(_bits(got[~nan]), _bits(expect[~nan]))
+    # below the size, a bias, or another dtype: XLA's pass
+    monkeypatch.setattr(jn, "REFERENCE_SCALE_MIN_BYTES", x.size * 2 + 1)
+    assert "polynorm_scale_" not in run(0.0).lower(x, w).as_text()
+
+
 def test_jit_backward_rows_do_not_depend_on_the_batch(one_device):
     """SPEC's batch invariance of dx under jit: the compiled backward handler runs the
     eager kernels (the jitted reference's elementwise dx took another rounding, XLA's

@@ -227,6 +227,12 @@ def compiled_row_stats_target(dtype: str) -> str:
     return _compiled(f"polynorm_row_stats_{dtype}", "row_stats_handler", dtype)
 
 
+def compiled_scale_target(x_dtype: str, compute_dtype: str, has_weight: bool) -> str:
+    """The FFI target of :func:`polynorm.backends.numba.xla.scale_handler`."""
+    key = (x_dtype, compute_dtype, has_weight)
+    return _compiled("polynorm_scale_" + "_".join(map(str, key)), "scale_handler", *key)
+
+
 def compiled_row_dot_target(dy_dtype: str, x_dtype: str, compute_dtype: str,
                             has_scale: bool) -> str:
     """The FFI target of :func:`polynorm.backends.numba.xla.row_dot_handler`."""

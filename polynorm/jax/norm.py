@@ -479,8 +479,37 @@ def _rms_norm_fwd(static, keep, x, weight, bias):
     else:
         y, rstd = _dispatch(_partial(_forward, static=static), x, None, weight, bias)
         if static.backend != "numba" and _traced((x, weight, bias)):
-            y = _reference_pages(y)
+            y = _reference_y(static, x, weight, bias, rstd, y)
     return y, (y if _keeps_output(keep[0], weight, static, rstd) else x, weight, bias, rstd)
+
+
+#: bfloat16 rows of the jitted reference from this many bytes take its elementwise pass
+#: from a compiled call (:func:`_reference_y`), as the kernels take theirs from
+#: ``BF16_KERNEL_PASS_MIN_BYTES``
+REFERENCE_SCALE_MIN_BYTES = BF16_KERNEL_PASS_MIN_BYTES
+
+
+def _reference_y(static: Options, x, weight, bias, rstd, y):
+    """The jitted reference's ``y``: XLA's (:func:`_reference_pages`), or for bfloat16
+    rows from ``REFERENCE_SCALE_MIN_BYTES`` without a bias the same values from
+    :func:`polynorm.backends.numba.xla.scale_handler`, given the reference's own ``rstd``
+    (XLA then drops its own pass).  There XLA's loop fusion of ``(x * r) * g`` converts
+    bfloat16 several times slower than the compiled pass does; the bits are XLA's."""
+    plan = None
+    if (bias is None and x.dtype == jnp.bfloat16 and y.dtype == jnp.bfloat16
+            and x.size * 2 >= REFERENCE_SCALE_MIN_BYTES and rstd.shape == x.shape[:-1]
+            and rstd.dtype == jnp.float32):
+        plan = _kernel_plan(static._replace(backend="auto"), x, weight, None)
+    if plan is None or plan.compute_dtype != "float32" or plan.out_dtype != "bfloat16":
+        return _reference_pages(y)
+    call = jax.ffi.ffi_call(
+        _jax_ffi.compiled_scale_target("bfloat16", "float32", weight is not None),
+        jax.ShapeDtypeStruct(x.shape, x.dtype), vmap_method="sequential")
+    # g as the reference's _affine forms it: weight in the compute dtype, plus the offset
+    gs = () if weight is None else (weight.astype(jnp.float32) + plan.offset,)
+    return jax.lax.platform_dependent(x, rstd, y, *gs,
+                                      cpu=lambda x, r, y, *g: call(x, r, *g),
+                                      default=lambda x, r, y, *g: y)
 
 
 def _reference_pages(y):

@@ -1005,6 +1005,26 @@ def rstd_rows(lo, hi, x, rstd, flags, k, eps):
 
 
 @_jit()
+def scale_rows(lo, hi, x, r, g, y):
+    """Rows ``[lo, hi)`` of ``y = (x * r[i]) * g`` (``g`` None: ``x * r[i]``), each product
+    rounded to ``r``'s dtype, then once to ``y``'s: the jitted reference's elementwise pass
+    (:func:`polynorm.backends.reference._affine` without a bias, ``g`` its ``weight +
+    offset``) with XLA's bits (a NaN is a NaN: which one, XLA's operand order decides,
+    and SPEC fixes none).  For 16-bit rows, whose conversions XLA's loop fusion runs
+    several times slower (:func:`polynorm.jax.norm._reference_y`)."""
+    # g as passed: Numba prunes the branch on an argument it never reassigns
+    x, r, y = borrow(x), borrow(r), borrow(y)
+    d = x.shape[1]
+    for i in range(lo, hi):
+        ri = r[i]
+        for j in range(d):
+            v = load(x[i, j]) * ri
+            if g is not None:
+                v = v * g[j]
+            store(y, (i, j), v)
+
+
+@_jit()
 def forward_bits_rows(lo, hi, x, r, w, b, y, h, rstd, flags, k, eps, offset, stage):
     """Rows ``[lo, hi)`` of a 16-bit forward without residual, y stored as
     usual (pipelined; ``r``, ``h``, ``stage``: None)."""

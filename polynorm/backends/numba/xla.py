@@ -718,6 +718,60 @@ def row_sum_handler(dtype: str, square: bool) -> int:
 
 
 @functools.cache
+def scale_handler(x_dtype: str, compute_dtype: str, has_weight: bool) -> int:
+    """The address of the compiled handler of the jitted reference's elementwise pass
+    (:func:`polynorm.backends.numba.kernels.scale_rows`): arguments ``x`` (rows: every
+    axis but the last; 16-bit), ``r`` (``(rows,)``) and, where ``has_weight``, ``g``
+    (``(d,)``: ``weight + offset``), both in the compute dtype; result ``y`` (``x``'s
+    dtype), asked for huge pages as :func:`handler`'s.  Calls of ``POOL_MIN_ELEMENTS``
+    and more in row chunks on XLA's pool."""
+    from polynorm.core.dtypes import numpy_dtype
+
+    rows = _nb._k().scale_rows
+    xt = _bits_type(numpy_dtype(x_dtype))
+    ct = numpy_dtype(compute_dtype)
+    pool_min = POOL_MIN_ELEMENTS
+    huge_pages = sys.platform == "linux"
+    xsize = xt.itemsize
+
+    @njit(nogil=True)
+    def chunk(job, lo, hi):
+        n, d = _word(job + 8 * _N), _word(job + 8 * _D)
+        x = carray(_pointer(_word(job + 8 * _X)), (n, d), xt)
+        r = carray(_pointer(_word(job + 8 * _R)), (n,), ct)
+        y = carray(_pointer(_word(job + 8 * _Y)), (n, d), xt)
+        if has_weight:
+            rows(lo, hi, x, r, carray(_pointer(_word(job + 8 * _W)), (d,), ct), y)
+        else:
+            rows(lo, hi, x, r, None, y)
+
+    key = ("scale", x_dtype, compute_dtype, has_weight)
+    run_pooled, run_serial, _, compiled = _pool(chunk, key)
+
+    def run(frame):
+        f = _address(frame)
+        if not _executes(f):
+            return _pointer(0)
+        args = _word(f + _ARGS_PTRS)
+        xb = _word(args)
+        n, d = _rows(xb), _last_dim(xb)
+        if n == 0:
+            return _pointer(0)
+        xd, rd = _word(xb + _DATA), _word(_word(args + 8) + _DATA)
+        wd = _word(_word(args + 16) + _DATA) if has_weight else 0
+        yd = _word(_word(_word(f + _RETS_PTRS)) + _DATA)
+        if huge_pages:
+            _huge_pages(yd, n * d * xsize)
+        if n >= 2 and n * d >= pool_min and run_pooled(
+                f, n, d, xd, wd, 0, yd, rd, 0, 0, 0.0, 0.0):
+            return _pointer(0)
+        run_serial(n, d, xd, wd, 0, yd, rd, 0, 0, 0.0, 0.0)
+        return _pointer(0)
+
+    return _handler_address(run, key, compiled)
+
+
+@functools.cache
 def row_stats_handler(dtype: str) -> int:
     """The address of the compiled handler of the jitted reference's row statistics
     (:func:`polynorm.backends.numba.kernels.row_stats_rows`): argument ``a`` (rows: every
