@@ -500,7 +500,7 @@ def _reference_y(static: Options, x, weight, bias, rstd, y):
             and x.size * 2 >= REFERENCE_SCALE_MIN_BYTES and rstd.shape == x.shape[:-1]
             and rstd.dtype == jnp.float32):
         plan = _kernel_plan(static._replace(backend="auto"), x, weight, None)
-    if plan is None or plan.compute_dtype != "float32" or plan.out_dtype != "bfloat16":
+    if plan is None or plan.compute_dtype != "float32":
         return _reference_pages(y)
     call = jax.ffi.ffi_call(
         _jax_ffi.compiled_scale_target("bfloat16", "float32", weight is not None),

@@ -920,9 +920,7 @@ def _resolve_wide(e: Decode, weight: np.ndarray, w: np.ndarray) -> None:
     if e.wv is None or not weight.flags.aligned:
         return
     widen = (_kernels or _k()).widen_bits
-    src = _kview(weight)  # its bits, as _decode_vector passes them
-    ov = widen.overloads.get((widen.typeof_pyval(src), widen.typeof_pyval(w)))
-    e.wide = False if ov is None else ov.entry_point
+    e.wide = _entry_point(widen, (_kview(weight), w))  # its bits, as _decode_vector passes them
     if e.wide and e.xv == e.wv and (e.yv is None or e.yv == e.wv):
         e.raw = _takes_raw(e.wide, weight, w)
 
@@ -943,9 +941,14 @@ def _takes_raw(entry, a: np.ndarray, widened: np.ndarray) -> bool:
 
 def _resolve(e: Decode, args: tuple) -> None:
     """``e.entry``: the compiled entry point the dispatcher chose for ``args`` (False: none)."""
-    kernel = e.kernel
+    e.entry = _entry_point(e.kernel, args)
+
+
+def _entry_point(kernel, args: tuple):
+    """The compiled entry point of ``kernel`` (a Numba dispatcher) for ``args``' types, or
+    False where it has none (the dispatcher then stays)."""
     ov = kernel.overloads.get(tuple(kernel.typeof_pyval(a) for a in args))
-    e.entry = False if ov is None else ov.entry_point
+    return False if ov is None else ov.entry_point
 
 
 def _threads() -> int:
@@ -1230,8 +1233,7 @@ def backward_decode(e: DecodeBackward, dy, x, weight, bias, rstd, grad_residual)
         kernel = bwd_kernels.backward_range
         _bwd_call(kernel, 5, *call)
         if direct:  # every array contiguous and aligned: the kernel's entry point
-            ov = kernel.overloads.get(tuple(kernel.typeof_pyval(a) for a in call))
-            e.entry = False if ov is None else ov.entry_point
+            e.entry = _entry_point(kernel, call)
     dw = db = None
     if width:
         bwd_kernels.tree_cols(0, width, vals, nb)

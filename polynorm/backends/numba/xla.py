@@ -1080,14 +1080,14 @@ def backward_handler(x_dtype: str, dy_dtype: str, compute_dtype: str, weight_dty
         lvl_at = job + 8 * _JOB_WORDS  # then the row-tree slots, the pools from a whole line
         vals_at = lvl_at + 16 * nb
         pcd = rec + _up64(vals_at + 8 * nb * width - rec)
+        p64d = pcd + _up64(pc_rows * (width + pad) * csize)
         if wide:  # the weight's bits widened after the pools (backward_scratch_bytes)
-            at = rec + _up64(pcd + _up64(pc_rows * (width + pad) * csize)
-                             + p64_rows(m) * (width + pad) * 8 - rec)
+            at = rec + _up64(p64d + p64_rows(m) * (width + pad) * 8 - rec)
             widen(carray(_pointer(wd), (d,), wt), carray(_pointer(at), (d,), ct))
             wd = at
         for i, v in ((_BN, n), (_BM, m), (_BWIDTH, width), (_BDY, _word(dyb + _DATA)),
                      (_BLVL, lvl_at), (_BIDX, lvl_at + 8 * nb), (_BVALS, vals_at),
-                     (_BPC, pcd), (_BP64, pcd + _up64(pc_rows * (width + pad) * csize)),
+                     (_BPC, pcd), (_BP64, p64d),
                      (_BUNDONE, 0), (_BGR, grd)):
             _put_word(rec + 8 * i, v)
         for i, v in ((_N, nb), (_D, d), (_X, xd), (_W, wd), (_B, rec), (_Y, dxd), (_R, rd),
