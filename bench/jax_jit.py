@@ -169,8 +169,8 @@ def run(rounds: int, tokens=TOKENS, dtypes=("float32", "bfloat16"), only=None):
             x = jnp.asarray(rng.standard_normal((n, D), np.float32), dtype)
             w = jnp.asarray(rng.standard_normal(D, np.float32), dtype)
             reps = max(1, min(200, 20000 // n))
-            # at decode sizes a step takes 2-12 us: one program per GRAPH_STEPS calls made
-            # samples of 0.4 ms, the noisiest of the three settings
+            # at decode sizes a step takes 2-12 us: one program per GRAPH_STEPS calls would
+            # make samples of 0.4 ms, too short to time steadily
             greps = max(1, reps // GRAPH_PROGRAMS_PER_CALLS)
             for f in (*fns.values(), *gfns.values(), *dfns.values()):  # compile and warm
                 jax.block_until_ready(f(x, w))

@@ -419,8 +419,8 @@ def _emit(lv, j, r, pc, p64, out_lvl, out_idx, out_val, o, npair):
 def _unpair(src, dst, npair):
     """``dst = src`` in float64, the first ``npair`` columns put back in order from
     the pair layout (:func:`.numba.pairs.pair_position`).  A block at a time, with
-    constant offsets: an index worked out per column kept the loop scalar, and
-    it was most of a one-row bfloat16 backward."""
+    constant offsets: an index worked out per column keeps the loop scalar, which
+    costs more than the rest of a one-row bfloat16 backward."""
     # unsigned throughout: a signed literal would make the indices float64
     half, two, one = np.uint64(PAIR_BLOCK // 2), np.uint64(2), np.uint64(1)
     for b in range(np.uint64(0), np.uint64(npair), np.uint64(PAIR_BLOCK)):
