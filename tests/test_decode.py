@@ -357,6 +357,43 @@ def test_gated_decode_bits_equal_generic(dt, gkw, rng):
     _same(pn.rms_norm_gated(x, zf, w, **gkw), pn.rms_norm_gated(x, zf, w, axis=(1,), **gkw))
 
 
+@pytest.mark.parametrize("dt,gkw", [
+    ("float32", {}),
+    ("bfloat16", {"norm_before_gate": True, "return_rstd": True}),
+    pytest.param("float16", {"group_size": 16, "offset": 1.0}, marks=pytest.mark.slow),
+])
+def test_gated_decode_takes_read_only_arrays_through_its_entry_point(dt, gkw, rng,
+                                                                     monkeypatch):
+    """Read-only x, z and weight (a jax buffer, safetensors' frombuffer), from the
+    signature's first call on, go to the gated kernel's compiled entry point as they are
+    (no writable alias, no dispatcher), with the writable arrays' bits, unchanged; a
+    weight changed in place between calls is read anew."""
+    from polynorm.backends import numba as nb
+    from polynorm.backends.numba import gated as G
+
+    x, z, w = _a(rng, (2, 64), dt), _a(rng, (2, 64), dt), _a(rng, 64, dt)
+    want = pn.rms_norm_gated(x, z, w, axis=(1,), **gkw)
+    ro = [a.copy() for a in (x, z, w)]
+    for a in ro:
+        a.flags.writeable = False
+    x_, z_, w_ = ro
+    _same(pn.rms_norm_gated(x_, z_, w_, **gkw), want)  # prepares, resolves the entry point
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a writable alias or the dispatcher")
+
+    monkeypatch.setattr(nb, "_writable_alias", refused)
+    monkeypatch.setattr(G, "forward_rows", refused)
+    _same(pn.rms_norm_gated(x_, z_, w_, **gkw), want)
+    for a, b in zip(ro, (x, z, w), strict=True):
+        _same(a, b)
+    monkeypatch.undo()
+    w2 = w.copy()  # writable: the same signature, changed in place
+    _same(pn.rms_norm_gated(x, z, w2, **gkw), want)
+    w2[:] = w2 * 2
+    _same(pn.rms_norm_gated(x, z, w2, **gkw), pn.rms_norm_gated(x, z, w2, axis=(1,), **gkw))
+
+
 @pytest.mark.parametrize("dt,wdt,kw", [
     ("float32", "float32", {}),
     ("bfloat16", "bfloat16", {"bias": True, "grad_residual": True}),

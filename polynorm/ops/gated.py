@@ -127,13 +127,15 @@ def rms_norm_gated(  # type: ignore[misc]  # its own group_size takes the option
                          norm_before_gate=norm_before_gate, out=out, return_rstd=return_rstd)
 
 
-#: decode calls: call signature -> (numba module, GatedPlan), or None (the general path)
+#: decode calls: call signature -> (numba module, GatedPlan, its GatedDecode), or None (the
+#: general path)
 _DECODE: dict[tuple, Any] = {}
 
 
 def _decode_entry(x, z, weight, bias, opts: Options, group_size, norm_before_gate):
-    """``(numba module, GatedPlan)`` for a serial-size numpy call the decode path serves
-    (2-D rows, axis=-1, backend="auto", options of exact types, no out), else None."""
+    """``(numba module, GatedPlan, GatedDecode)`` for a serial-size numpy call the decode
+    path serves (2-D rows, axis=-1, backend="auto", options of exact types, no out), else
+    None."""
     mod = _fast.numba_module(opts)
     if (mod is None or not hasattr(mod, "gated_forward") or x.ndim != 2
             or type(z) is not _np.ndarray or z.shape != x.shape or not _fast._exact(opts)
@@ -153,7 +155,7 @@ def _decode_entry(x, z, weight, bias, opts: Options, group_size, norm_before_gat
         gplan = make_gated_plan(plan, group_size=group_size, norm_before_gate=norm_before_gate)
     except (TypeError, ValueError):
         return None  # the general path raises it, in its own order
-    return mod, gplan
+    return mod, gplan, mod.GatedDecode()
 
 
 def _decode_forward(x, z, weight, bias, opts, group_size, norm_before_gate, return_rstd):
@@ -175,8 +177,8 @@ def _decode_forward(x, z, weight, bias, opts, group_size, norm_before_gate, retu
     if (e is None or not _fast._exact(opts) or norm_before_gate.__class__ is not bool
             or not (group_size is None or group_size.__class__ is int)):
         return None
-    mod, gplan = e
-    y, rstd = mod.gated_forward(x, z, weight, bias, gplan, None)
+    mod, gplan, decode = e
+    y, rstd = mod.gated_forward(x, z, weight, bias, gplan, None, decode)
     if return_rstd:
         return y, (rstd.reshape(rstd.shape[0]) if group_size is None else rstd)
     return y

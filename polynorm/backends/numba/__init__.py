@@ -1326,11 +1326,45 @@ def _gated_in(a) -> np.ndarray:
     return _kview(np.ascontiguousarray(_interop.to_numpy(a)))
 
 
-def gated_forward(x, z, weight, bias, gplan, out=None):
+class GatedDecode:
+    """A gated decode call signature's compiled entry points, once known
+    (:func:`gated_forward`'s ``decode``): ``entry``, the serial driver's; ``wide``,
+    widen_bits's for a 16-bit weight (None: not known yet; False: none)."""
+
+    __slots__ = ("entry", "wide")
+
+    def __init__(self):
+        self.entry = None
+        self.wide = None
+
+
+def _entry_rows(a) -> bool:
+    """A numpy array that a compiled entry point typed for C rows takes as it is (read-only
+    too: see :func:`_plain`); the entry point does not check the layout, so this does."""
+    return type(a) is np.ndarray and a.flags.c_contiguous and a.flags.aligned
+
+
+def _entry_vector(a: np.ndarray, cdt: np.dtype, wide) -> np.ndarray:
+    """A weight as :func:`_param_vector` gives it, without a writable alias of a read-only
+    one: itself in the compute dtype, a 16-bit one widened through ``wide``
+    (widen_bits's entry point)."""
+    if a.dtype == cdt and _entry_rows(a):
+        return a
+    if wide and a.dtype.itemsize == 2 and a.ndim == 1 and _entry_rows(a):
+        w = np.empty(a.shape[0], cdt)
+        wide(_bits(a), w)
+        return w
+    return _param_vector(a, cdt)
+
+
+def gated_forward(x, z, weight, bias, gplan, out=None, decode: GatedDecode | None = None):
     """Gated forward on 2-D rows; the contract is :func:`.reference.gated_forward`.
 
     ``casting="llama"`` runs the reference (its three roundings are not in
     these kernels).  ``out`` of unit-stride C rows is written in place.
+    ``decode``: a serial-size call signature's entry points (``polynorm.ops.gated``
+    keeps one per signature), found by its first call; later calls of aligned C rows
+    go to them with read-only inputs as they are (no writable alias, no dispatcher).
     """
     plan = gplan.plan
     if plan.llama:
@@ -1347,18 +1381,34 @@ def gated_forward(x, z, weight, bias, gplan, out=None):
         flags |= G.NBG
     if GATED_PREFETCH:
         flags |= G.PREFETCH
-    xk, zk = _gated_in(x), _gated_in(z)
+    entry = (decode is not None and decode.entry and out is None and _entry_rows(x)
+             and _entry_rows(z) and (weight is None or type(weight) is np.ndarray))
+    if entry:
+        xk, zk = _bits(x), _bits(z)
+    else:
+        xk, zk = _gated_in(x), _gated_in(z)
     n, d = xk.shape
     empty = _empty_for(caller)
     o = None if out is None else _interop.to_numpy(out)
     direct = o is not None and o.flags.c_contiguous and o.dtype == y_dt
     y = o if direct else empty((n, d), y_dt)
     rstd = empty((n, gplan.groups), cdt)
-    w, b, offset = _affine(weight, bias, cdt, d, plan.offset)
+    if entry and weight is not None:
+        w, offset = _entry_vector(weight, cdt, decode.wide), plan.offset
+        b = None if bias is None else _param_vector(_interop.to_numpy(bias), cdt)
+    else:
+        w, b, offset = _affine(weight, bias, cdt, d, plan.offset)
     u = np.empty((1, d), cdt)  # the gated row buffer (per task in the parallel driver)
     args = (xk, zk, w, b, _kview(y), rstd, u, flags, gplan.group_size, gplan.k, plan.eps,
             offset)
-    _run_rows(G.forward_parallel, G.forward_rows, n, d, args)
+    if entry:
+        decode.entry(0, n, *args)
+    else:
+        _run_rows(G.forward_parallel, G.forward_rows, n, d, args)
+        if decode is not None and decode.entry is None and not _parallel(n, d):
+            decode.entry = _entry_point(G.forward_rows, (0, n, *args))
+            if weight is not None and weight.dtype.itemsize == 2 and weight.ndim == 1:
+                decode.wide = _entry_point(kernels.widen_bits, (_kview(weight), w))
     from_numpy = _interop.from_numpy
     if o is not None:
         if not direct:
