@@ -394,6 +394,39 @@ def test_gated_decode_takes_read_only_arrays_through_its_entry_point(dt, gkw, rn
     _same(pn.rms_norm_gated(x, z, w2, **gkw), pn.rms_norm_gated(x, z, w2, axis=(1,), **gkw))
 
 
+@pytest.mark.parametrize("dt,qkw", [
+    ("float32", {"residual": True}),
+    ("bfloat16", {"group_size": 16}),
+])
+def test_quant_takes_read_only_arrays_through_its_entry_point(dt, qkw, rng, monkeypatch):
+    """Read-only x, residual and weight, from the first read-only call of their types on, go
+    to the quantized driver's compiled entry point as they are (no writable alias, no
+    dispatcher), with the writable arrays' bits, unchanged."""
+    from polynorm.backends import numba as nb
+    from polynorm.backends.numba import quant as Q
+
+    qkw = dict(qkw)
+    x, w = _a(rng, (2, 64), dt), _a(rng, 64, dt)
+    if qkw.pop("residual", False):
+        qkw["residual"] = _a(rng, (2, 64), dt)
+    want = pn.rms_norm_quant(x, w, **qkw)
+    ro = {k: v.copy() for k, v in (("x", x), ("weight", w), *qkw.items())
+          if isinstance(v, np.ndarray)}
+    for a in ro.values():
+        a.flags.writeable = False
+    kw = {**qkw, **{k: v for k, v in ro.items() if k not in ("x", "weight")}}
+    _same(pn.rms_norm_quant(ro["x"], ro["weight"], **kw), want)  # finds the entry point
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a writable alias or the dispatcher")
+
+    monkeypatch.setattr(nb, "_writable_alias", refused)
+    monkeypatch.setattr(Q, "quant_rows", refused)
+    _same(pn.rms_norm_quant(ro["x"], ro["weight"], **kw), want)
+    _same(ro["x"], x)
+    _same(ro["weight"], w)
+
+
 @pytest.mark.parametrize("dt,wdt,kw", [
     ("float32", "float32", {}),
     ("bfloat16", "bfloat16", {"bias": True, "grad_residual": True}),

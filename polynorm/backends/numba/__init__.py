@@ -1494,6 +1494,27 @@ def _stand_in_h(dt: np.dtype) -> np.ndarray:
     return a
 
 
+#: The serial quantized driver's compiled entry points (and widen_bits's for a 16-bit
+#: weight) for calls with read-only inputs, by the facts of the arguments' Numba types
+#: that vary (:func:`quant_forward`): such inputs then go to it as they are (no writable
+#: alias, no dispatcher).
+_QUANT_ENTRIES: dict = {}
+
+
+def _layout_key(a) -> tuple:
+    """The facts of an array's Numba type besides its rank: dtype and layout."""
+    f = a.flags
+    return a.dtype, a.ndim, f.c_contiguous, f.f_contiguous
+
+
+def _all_writable(*arrays) -> bool:
+    return all(a is None or a.flags.writeable for a in arrays)
+
+
+def _aligned(*arrays) -> bool:
+    return all(a is None or a.flags.aligned for a in arrays)
+
+
 def quant_forward(x, residual, weight, bias, qplan, scale=None):
     """Quantized forward on 2-D rows; the contract is :func:`.reference.quant_forward`.
 
@@ -1528,19 +1549,43 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
         if xn.shape[1] > 1 and xn.strides[1] != xn.itemsize:
             xn = np.ascontiguousarray(xn)
         flags, _, h_dt, cdt = _info(plan)
-        xk = _kview(xn)
-        rk, hk = xk, _stand_in_h(xk.dtype)  # h must be writable (a jax x is not)
+        rn = None
         if residual is not None:
             rn = _interop.to_numpy(residual)
             if rn.shape[1] > 1 and rn.strides[1] != rn.itemsize:
                 rn = np.ascontiguousarray(rn)
+        # read-only inputs: the serial driver's entry point for their types, once known
+        key = entry = None
+        wn = None if weight is None else _interop.to_numpy(weight)
+        bn = None if bias is None else _interop.to_numpy(bias)
+        if not _parallel(n, d) and not _all_writable(xn, rn, wn, bn):
+            key = (_layout_key(xn), None if rn is None else _layout_key(rn),
+                   None if wn is None else _layout_key(wn), bn is None,
+                   qplan.group_size is None, cdt)
+            entry = _QUANT_ENTRIES.get(key)
+            if entry and not _aligned(xn, rn, wn):
+                entry = None
+        xk = _bits(xn) if entry else _kview(xn)
+        rk, hk = xk, _stand_in_h(xk.dtype)  # h must be writable (a jax x is not)
+        if rn is not None:
             h = empty((n, d), h_dt)
             flags |= kernels.HAS_R
-            rk, hk = _kview(rn), _kview(h)
-        w, b, offset = _affine(weight, bias, cdt, d, plan.offset)
+            rk, hk = (_bits(rn) if entry else _kview(rn)), _kview(h)
+        if entry and wn is not None:
+            w, offset = _entry_vector(wn, cdt, entry[1]), plan.offset
+            b = None if bn is None else _param_vector(bn, cdt)
+        else:
+            w, b, offset = _affine(wn, bn, cdt, d, plan.offset)
         args = (xk, rk, w, b, hk, q, sc, np.empty(d, np.float32), np.empty(1, cdt), flags,
                 plan.k, plan.eps, offset, *qargs)
-        _run_rows(Q.quant_parallel, Q.quant_rows, n, d, args)
+        if entry:
+            entry[0](0, n, *args)
+        else:
+            _run_rows(Q.quant_parallel, Q.quant_rows, n, d, args)
+            if key is not None and _aligned(xn, rn, wn):
+                wide = (wn is not None and wn.dtype.itemsize == 2 and wn.ndim == 1
+                        and _entry_point(kernels.widen_bits, (_kview(wn), w)))
+                _QUANT_ENTRIES[key] = (_entry_point(Q.quant_rows, (0, n, *args)), wide)
         h = None if h is None else _interop.from_numpy(h, caller)
     if qplan.static:
         scales = _interop.from_numpy(np.asarray(s32, np.float32).reshape(()), caller)
