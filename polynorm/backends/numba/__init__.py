@@ -1153,10 +1153,11 @@ class DecodeBackward:
     """A decode call signature's serial backward (:func:`decode_backward_plan`)."""
 
     __slots__ = ("n", "d", "m", "nb", "width", "cdt", "wv", "wdt", "bdt", "flags", "k", "eps",
-                 "offset", "pc", "p64", "entry")
+                 "offset", "pc", "p64", "entry", "wide")
 
     def __init__(self, **kw):
         self.entry = None  # backward_range's compiled entry point (False: none), once known
+        self.wide = None  # widen_bits's for a 16-bit weight (False: none), once known
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -1212,7 +1213,13 @@ def backward_decode(e: DecodeBackward, dy, x, weight, bias, rstd, grad_residual)
         w = weight if weight.flags.writeable or view is _bits else _writable_alias(weight)
     else:
         w = np.empty(d, cdt)
-        (_kernels or _k()).widen_bits(_kview(weight), w)
+        if e.wide and weight.flags.c_contiguous and weight.flags.aligned:
+            e.wide(_bits(weight), w)  # a read-only weight as it is
+        else:
+            widen = (_kernels or _k()).widen_bits
+            widen(_kview(weight), w)
+            if e.wide is None and weight.flags.c_contiguous and weight.flags.aligned:
+                e.wide = _entry_point(widen, (_kview(weight), w))
     rs = _no_rstd(cdt) if rstd is None else view(rstd)
     dyk = view(dy)
     flags = e.flags
