@@ -8,6 +8,9 @@ differences):
 
 - ``us``: a jitted function of the norm alone, called back to back (the next call's
   dispatch overlaps the last one's computation where XLA runs it asynchronously);
+- ``block_us``: the same calls, each waited for before the next (a decode loop that
+  uses each result: no overlap, and where XLA runs the call on its pool, the handoff
+  to a pool thread and back);
 - ``graph_us``: the norm inside a jitted program, per step of a ``fori_loop`` of
   ``h = h + 0.5 * norm(h, w)`` (a residual stream), one call per round trip: what a norm
   costs in a jitted model, where XLA fuses the jnp formula with its neighbours and a
@@ -175,9 +178,11 @@ def run(rounds: int, tokens=TOKENS, dtypes=("float32", "bfloat16"), only=None):
             for f in (*fns.values(), *gfns.values(), *dfns.values()):  # compile and warm
                 jax.block_until_ready(f(x, w))
             times = {k: [] for k in fns}
+            btimes = {k: [] for k in fns}
             gtimes = {k: [] for k in gfns}
             dtimes = {k: [] for k in dfns}
             order = [(k, f, times, _time, reps) for k, f in fns.items()]
+            order += [(k, f, btimes, _time_steps, max(1, reps // 2)) for k, f in fns.items()]
             order += [(k, f, gtimes, _time_graph, greps) for k, f in gfns.items()]
             order += [(k, f, dtimes, _time_steps, max(1, reps // 2)) for k, f in dfns.items()]
             for i in range(rounds):
@@ -186,6 +191,7 @@ def run(rounds: int, tokens=TOKENS, dtypes=("float32", "bfloat16"), only=None):
                     into[k].append(timer(f, x, w, r))
             row = {"dtype": str(dtype), "tokens": n, "d": D}
             for us, speed, ts in (("us", "speed_vs_jnp", times),
+                                  ("block_us", "block_speed_vs_jnp", btimes),
                                   ("graph_us", "graph_speed_vs_jnp", gtimes),
                                   ("grad_us", "grad_speed_vs_jnp", dtimes)):
                 med = {k: statistics.median(v) for k, v in ts.items()}
