@@ -137,7 +137,7 @@ def _decode_entry(x, z, weight, bias, opts: Options, group_size, norm_before_gat
     path serves (2-D rows, axis=-1, backend="auto", options of exact types, no out), else
     None."""
     mod = _fast.numba_module(opts)
-    if (mod is None or not hasattr(mod, "gated_forward") or x.ndim != 2
+    if (mod is None or not hasattr(mod, "gated_forward_decode") or x.ndim != 2
             or type(z) is not _np.ndarray or z.shape != x.shape or not _fast._exact(opts)
             or not (group_size is None or group_size.__class__ is int)
             or norm_before_gate.__class__ is not bool):
@@ -178,7 +178,7 @@ def _decode_forward(x, z, weight, bias, opts, group_size, norm_before_gate, retu
             or not (group_size is None or group_size.__class__ is int)):
         return None
     mod, gplan, decode = e
-    y, rstd = mod.gated_forward(x, z, weight, bias, gplan, None, decode)
+    y, rstd = mod.gated_forward_decode(decode, x, z, weight, bias, gplan)
     if return_rstd:
         return y, (rstd.reshape(rstd.shape[0]) if group_size is None else rstd)
     return y

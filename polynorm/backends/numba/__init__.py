@@ -1335,7 +1335,7 @@ def _gated_in(a) -> np.ndarray:
 
 class GatedDecode:
     """A gated decode call signature's compiled entry points, once known
-    (:func:`gated_forward`'s ``decode``): ``entry``, the serial driver's; ``wide``,
+    (:func:`gated_forward_decode`): ``entry``, the serial driver's; ``wide``,
     widen_bits's for a 16-bit weight (None: not known yet; False: none)."""
 
     __slots__ = ("entry", "wide")
@@ -1364,15 +1364,24 @@ def _entry_vector(a: np.ndarray, cdt: np.dtype, wide) -> np.ndarray:
     return _param_vector(a, cdt)
 
 
-def gated_forward(x, z, weight, bias, gplan, out=None, decode: GatedDecode | None = None):
+def gated_forward(x, z, weight, bias, gplan, out=None):
     """Gated forward on 2-D rows; the contract is :func:`.reference.gated_forward`.
 
     ``casting="llama"`` runs the reference (its three roundings are not in
     these kernels).  ``out`` of unit-stride C rows is written in place.
-    ``decode``: a serial-size call signature's entry points (``polynorm.ops.gated``
-    keeps one per signature), found by its first call; later calls of aligned C rows
-    go to them with read-only inputs as they are (no writable alias, no dispatcher).
     """
+    return _gated_forward(x, z, weight, bias, gplan, out, None)
+
+
+def gated_forward_decode(decode: GatedDecode, x, z, weight, bias, gplan):
+    """:func:`gated_forward` of a serial-size numpy call whose signature ``decode`` was
+    made for (``polynorm.ops.gated`` keeps one per signature): its first call finds the
+    driver's entry points, later calls of aligned C rows go to them with read-only
+    inputs as they are (no writable alias, no dispatcher).  ``(y, rstd)``."""
+    return _gated_forward(x, z, weight, bias, gplan, None, decode)
+
+
+def _gated_forward(x, z, weight, bias, gplan, out, decode: GatedDecode | None):
     plan = gplan.plan
     if plan.llama:
         from polynorm.backends import reference
