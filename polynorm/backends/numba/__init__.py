@@ -1213,13 +1213,12 @@ def backward_decode(e: DecodeBackward, dy, x, weight, bias, rstd, grad_residual)
         w = weight if weight.flags.writeable or view is _bits else _writable_alias(weight)
     else:
         w = np.empty(d, cdt)
-        if e.wide and weight.flags.c_contiguous and weight.flags.aligned:
+        if e.wide and _entry_rows(weight):
             e.wide(_bits(weight), w)  # a read-only weight as it is
         else:
-            widen = (_kernels or _k()).widen_bits
-            widen(_kview(weight), w)
-            if e.wide is None and weight.flags.c_contiguous and weight.flags.aligned:
-                e.wide = _entry_point(widen, (_kview(weight), w))
+            (_kernels or _k()).widen_bits(_kview(weight), w)
+            if e.wide is None:
+                e.wide = _widen_entry(weight, w)
     rs = _no_rstd(cdt) if rstd is None else view(rstd)
     dyk = view(dy)
     flags = e.flags
@@ -1351,6 +1350,14 @@ def _entry_rows(a) -> bool:
     return type(a) is np.ndarray and a.flags.c_contiguous and a.flags.aligned
 
 
+def _widen_entry(weight, w: np.ndarray):
+    """widen_bits's compiled entry point for a 16-bit (d,) C ``weight`` widened into ``w``
+    (after a call through the dispatcher has compiled it), else False."""
+    if weight is None or weight.dtype.itemsize != 2 or weight.ndim != 1 or not _entry_rows(weight):
+        return False
+    return _entry_point((_kernels or _k()).widen_bits, (_kview(weight), w))
+
+
 def _entry_vector(a: np.ndarray, cdt: np.dtype, wide) -> np.ndarray:
     """A weight as :func:`_param_vector` gives it, without a writable alias of a read-only
     one: itself in the compute dtype, a 16-bit one widened through ``wide``
@@ -1423,8 +1430,7 @@ def _gated_forward(x, z, weight, bias, gplan, out, decode: GatedDecode | None):
         _run_rows(G.forward_parallel, G.forward_rows, n, d, args)
         if decode is not None and decode.entry is None and not _parallel(n, d):
             decode.entry = _entry_point(G.forward_rows, (0, n, *args))
-            if weight is not None and weight.dtype.itemsize == 2 and weight.ndim == 1:
-                decode.wide = _entry_point(kernels.widen_bits, (_kview(weight), w))
+            decode.wide = _widen_entry(weight, w)
     from_numpy = _interop.from_numpy
     if o is not None:
         if not direct:
@@ -1599,9 +1605,8 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
         else:
             _run_rows(Q.quant_parallel, Q.quant_rows, n, d, args)
             if key is not None and _aligned(xn, rn, wn):
-                wide = (wn is not None and wn.dtype.itemsize == 2 and wn.ndim == 1
-                        and _entry_point(kernels.widen_bits, (_kview(wn), w)))
-                _QUANT_ENTRIES[key] = (_entry_point(Q.quant_rows, (0, n, *args)), wide)
+                _QUANT_ENTRIES[key] = (_entry_point(Q.quant_rows, (0, n, *args)),
+                                       _widen_entry(wn, w))
         h = None if h is None else _interop.from_numpy(h, caller)
     if qplan.static:
         scales = _interop.from_numpy(np.asarray(s32, np.float32).reshape(()), caller)
