@@ -290,14 +290,14 @@ def test_jit_bfloat16_from_its_size_rule_takes_the_whole_kernel_call(one_device,
 
 
 def test_jit_reference_row_sums_do_not_depend_on_the_batch(one_device):
-    """The jitted reference sums rows in the kernels' fixed order (ROW_STATS): XLA's own
+    """The jitted reference sums rows in the kernels' fixed order (ROW_RSTD): XLA's own
     row sums, fused with the value's producer, gave 912-1849 of 1000 elements other bits
     for 1-4 of 64 tokens at d = 1000."""
     rng = np.random.default_rng(6)
     x, r = (jnp.asarray(rng.standard_normal((64, 1000)), jnp.float32) for _ in range(2))
     # the norm of a value the program computes (XLA fuses a sum with its producer)
     f = jax.jit(lambda x, r: rms_norm(x + r, backend="array_api"))
-    assert "polynorm_row_stats_" in f.lower(x, r).as_text()
+    assert "polynorm_reference_rstd_" in f.lower(x, r).as_text()
     full = np.asarray(f(x, r))
     for n in (1, 3, 7, 16):
         np.testing.assert_array_equal(_bits(f(x[:n], r[:n])), _bits(full[:n]))
@@ -311,11 +311,12 @@ def test_jit_reference_row_sums_do_not_depend_on_the_batch(one_device):
                                              ("float16", 12)])  # serial; XLA's pool
 def test_jit_reference_row_statistics_in_one_call_keep_their_bits(dtype, rows, one_device,
                                                                    monkeypatch):
-    """The jitted reference's row statistics in one call (ROW_STATS: the plain sums and,
-    for the rows that need it, the scaled pass's parts; a 16-bit x read as it is, not
-    its float32 cast) instead of the row sums of the cast and a lax.cond: the bits of y
-    and of the gradient are the cond's, overflowing, subnormal, zero and non-finite rows
-    included, and a token's do not depend on the batch."""
+    """The jitted reference's rstd in one call (ROW_RSTD) and its row statistics in one
+    call (ROW_STATS: the plain sums and, for the rows that need it, the scaled pass's
+    parts; a 16-bit x read as it is, not its float32 cast) instead of the row sums of the
+    cast and a lax.cond: the bits of y and of the gradient are the cond's, overflowing,
+    subnormal, zero and non-finite rows included, and a token's do not depend on the
+    batch."""
     from polynorm.backends import reference as ref
 
     rng = np.random.default_rng(16)
@@ -330,11 +331,16 @@ def test_jit_reference_row_statistics_in_one_call_keep_their_bits(dtype, rows, o
         return f.lower(x, w).as_text(), f(x, w), f(x[3:4], w), *g(x, w)
 
     text, y, y3, *grads = results()
-    assert f"polynorm_row_stats_{dtype}" in text and "polynorm_row_sumsq_" not in text
+    assert f"polynorm_reference_rstd_{dtype}" in text and "polynorm_row_sumsq_" not in text
     np.testing.assert_array_equal(_bits(y3), _bits(np.asarray(y)[3:4]))
+    monkeypatch.setattr(ref, "ROW_RSTD", {})  # the statistics' parts, rstd by XLA
+    text, parts_y, _, *parts_grads = results()
+    assert f"polynorm_row_stats_{dtype}" in text and "polynorm_reference_rstd_" not in text
     monkeypatch.setattr(ref, "ROW_STATS", {})
     text, want_y, _, *want_grads = results()
     assert "polynorm_row_stats_" not in text
+    for a, b in zip((parts_y, *parts_grads), (want_y, *want_grads), strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
     for a, b in zip((y, *grads), (want_y, *want_grads), strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(b))
 

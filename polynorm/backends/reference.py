@@ -76,6 +76,14 @@ ROW_SUMS: dict = {}
 #: scaled pass's largest magnitude and sum (:func:`_rms_scaled`), or None.  ``polynorm.jax``
 #: registers jax's tracers: one call, no ``lax.cond`` and its predicate's reductions.
 ROW_STATS: dict = {}
+#: ``rstd`` of rows by array type: ``hook(vk, raw, floor, plan)`` gives
+#: ``_rstd_from_rms(_rms(...))`` of the rows whose first ``k`` columns are ``vk``
+#: (:data:`ROW_STATS`'s arguments), with the bits of those steps evaluated by the
+#: library, or None.  ``polynorm.jax`` registers jax's tracers: one call, where the
+#: statistics and the small program that makes ``rstd`` of them were two, and XLA split
+#: that program over its pool (a jitted residual stream's step at 2048 x 4096: 1.3x
+#: slower).
+ROW_RSTD: dict = {}
 #: Row dots of the backward by array type: ``hook(dy, x, r, wo)`` gives ``sum((dy * wo) *
 #: (x * r[:, None]), axis=1)`` (``wo`` None: ``dy`` alone; ``dy``, ``x`` cast to ``r``'s
 #: dtype), summed as :data:`ROW_SUMS`'s hook sums those products, or None.  ``polynorm.jax``
@@ -113,12 +121,10 @@ def _rms(xp, v, plan: Plan, x=None):
     NaN there makes it NaN (the max propagates NaN, so ``m`` is Inf only in a
     row without one).
     """
-    vk = _c_rows(v if plan.k == plan.d else v[:, : plan.k])
     if plan.k == 0:
-        return _rms_scaled(xp, vk, plan)
-    raw = None if x is None or x.dtype == v.dtype else x if plan.k == plan.d else x[:, : plan.k]
+        return _rms_scaled(xp, _c_rows(v[:, :0]), plan)
+    vk, raw, floor = _stat_rows(xp, v, plan, x)
     fi = xp.finfo(vk.dtype)
-    floor = plan.k * (float(fi.smallest_normal) / float(fi.eps))
     hook = ROW_STATS.get(type(vk)) if ROW_STATS else None
     parts = None if hook is None else hook(vk, raw, floor)
     if parts is not None:
@@ -133,6 +139,28 @@ def _rms(xp, v, plan: Plan, x=None):
     if type(vk).__module__.startswith("jax"):
         return _jax_rms_cond(xp, vk, ok, rms, plan, raw)
     return xp.where(ok, rms, _rms_scaled(xp, vk, plan))
+
+
+def _stat_rows(xp, v, plan: Plan, x=None):
+    """``(vk, raw, floor)`` of :func:`_rms` (``k > 0``): the first ``k`` columns of ``v``,
+    C-contiguous; their 16-bit source where ``x`` is one (else None); the least plain sum
+    of squares that :func:`_rms` keeps."""
+    vk = _c_rows(v if plan.k == plan.d else v[:, : plan.k])
+    raw = None if x is None or x.dtype == v.dtype else x if plan.k == plan.d else x[:, : plan.k]
+    fi = xp.finfo(vk.dtype)
+    return vk, raw, plan.k * (float(fi.smallest_normal) / float(fi.eps))
+
+
+def _rstd(xp, v, plan: Plan, x=None):
+    """``rstd`` of rows ``v`` (compute dtype; ``x`` as :func:`_rms` takes it):
+    :func:`_rstd_from_rms` of :func:`_rms`, in one call where :data:`ROW_RSTD` takes
+    the array type."""
+    hook = ROW_RSTD.get(type(v)) if ROW_RSTD and plan.k > 0 else None
+    if hook is not None:
+        r = hook(*_stat_rows(xp, v, plan, x), plan)
+        if r is not None:
+            return r
+    return _rstd_from_rms(xp, _rms(xp, v, plan, x), plan)
 
 
 def _jax_rms_cond(xp, vk, ok, rms, plan: Plan, raw=None):
@@ -200,7 +228,7 @@ def rstd(x2, plan: Plan):
     xp = _xp(x2)
     v = xp.astype(x2, namespace_dtype(xp, plan.compute_dtype, x2), copy=False)
     with _quiet():
-        return _rstd_from_rms(xp, _rms(xp, v, plan), plan)
+        return _rstd(xp, v, plan)
 
 
 def _quiet():
@@ -271,7 +299,7 @@ def _forward(x, residual, weight, bias, plan: Plan):
         y, r = _none_forward(xp, x, weight, bias, plan)
         return xp.astype(y, namespace_dtype(xp, plan.out_dtype, x), copy=False), h, r
     v = xp.astype(x, cdt, copy=False)
-    r = _rstd_from_rms(xp, _rms(xp, v, plan, x), plan)
+    r = _rstd(xp, v, plan, x)
     xhat = v * r[:, None]
     y = _affine(xp, xhat, x, weight, bias, plan, cdt)
     y = xp.astype(y, namespace_dtype(xp, plan.out_dtype, x), copy=False)
@@ -426,7 +454,7 @@ def _by_group(xp, a, gplan):
 
 def _gated_rstd(xp, v, gplan):
     gp = _group_plan(gplan)
-    return _rstd_from_rms(xp, _rms(xp, _by_group(xp, v, gplan), gp), gp), gp
+    return _rstd(xp, _by_group(xp, v, gplan), gp), gp
 
 
 def gated_forward(x, z, weight, bias, gplan, out=None):

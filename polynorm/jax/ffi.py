@@ -227,6 +227,12 @@ def compiled_row_stats_target(dtype: str) -> str:
     return _compiled(f"polynorm_row_stats_{dtype}", "row_stats_handler", dtype)
 
 
+def compiled_reference_rstd_target(dtype: str) -> str:
+    """The FFI target of :func:`polynorm.backends.numba.xla.reference_rstd_handler` for
+    ``dtype``."""
+    return _compiled(f"polynorm_reference_rstd_{dtype}", "reference_rstd_handler", dtype)
+
+
 def compiled_scale_target(x_dtype: str, compute_dtype: str, has_weight: bool) -> str:
     """The FFI target of :func:`polynorm.backends.numba.xla.scale_handler`."""
     key = (x_dtype, compute_dtype, has_weight)

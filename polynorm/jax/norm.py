@@ -766,17 +766,27 @@ def _row_sum(a, square: bool):
         a, cpu=call, default=lambda a: jnp.sum(a * a if square else a, axis=1))
 
 
-def _row_stats(vk, raw, floor: float):
-    """The jitted reference's row statistics
-    (:data:`polynorm.backends.reference.ROW_STATS`) of traced 2-D rows on the CPU, in one
-    call (:func:`polynorm.backends.numba.xla.row_stats_handler`; a 16-bit ``raw``, whose
-    cast ``vk`` is, read in its place), else None."""
+def _stats_source(vk, raw):
+    """The rows that the jitted reference's compiled row statistics read for ``vk`` (2-D,
+    at least one column; a 16-bit ``raw``, whose cast ``vk`` is, in its place), else
+    None (another layout or dtype, or no compiled call here)."""
     src = raw if (raw is not None and raw.ndim == 2 and vk.dtype.name == "float32"
                   and raw.dtype.name in ("bfloat16", "float16")) else vk
     if (vk.ndim != 2 or vk.shape[1] == 0
             or src.dtype.name not in ("float32", "float64", "bfloat16", "float16")
             or not _api._backends.usable("numba")
             or not (_jax_ffi.available() and _one_cpu_device())):
+        return None
+    return src
+
+
+def _row_stats(vk, raw, floor: float):
+    """The jitted reference's row statistics
+    (:data:`polynorm.backends.reference.ROW_STATS`) of traced 2-D rows on the CPU, in one
+    call (:func:`polynorm.backends.numba.xla.row_stats_handler`; a 16-bit ``raw``, whose
+    cast ``vk`` is, read in its place), else None."""
+    src = _stats_source(vk, raw)
+    if src is None:
         return None
     out = jax.ShapeDtypeStruct(vk.shape[:-1], vk.dtype)
     call = jax.ffi.ffi_call(_jax_ffi.compiled_row_stats_target(src.dtype.name), (out,) * 3,
@@ -789,6 +799,32 @@ def _row_stats(vk, raw, floor: float):
 
     return tuple(jax.lax.platform_dependent(
         src, cpu=lambda a: tuple(call(a, a_floor=np.float64(floor))), default=default))
+
+
+def _row_rstd(vk, raw, floor: float, plan):
+    """The jitted reference's ``rstd`` (:data:`polynorm.backends.reference.ROW_RSTD`) of
+    traced 2-D rows on the CPU, in one call
+    (:func:`polynorm.backends.numba.xla.reference_rstd_handler`; the rows as
+    :func:`_row_stats` reads them), else None."""
+    src = _stats_source(vk, raw)
+    if src is None:
+        return None
+    call = jax.ffi.ffi_call(_jax_ffi.compiled_reference_rstd_target(src.dtype.name),
+                            jax.ShapeDtypeStruct(vk.shape[:-1], vk.dtype),
+                            vmap_method="expand_dims")
+
+    def default(_):  # not taken on the CPU; elsewhere the reference's own steps
+        from polynorm.backends import reference as ref
+
+        return ref._rstd_from_rms(jnp, ref._rms(jnp, vk, plan), plan)
+
+    from polynorm.backends import numba as _numba
+
+    flags = _numba._k().EPS_INSIDE if plan.eps_inside else 0
+    return jax.lax.platform_dependent(
+        src, cpu=lambda a: call(a, a_flags=np.int64(flags), b_k=np.int64(plan.k),
+                                c_eps=np.float64(plan.eps), d_floor=np.float64(floor)),
+        default=default)
 
 
 #: The jitted reference backward's row dots take the compiled call from this many elements
@@ -849,6 +885,7 @@ def _register_eager_call() -> None:
         if tracer is not None:
             _ref.ROW_SUMS[tracer] = _row_sum
             _ref.ROW_STATS[tracer] = _row_stats
+            _ref.ROW_RSTD[tracer] = _row_rstd
     # jit's tracers only (vmap's batch a weight per example); a jitted call under vmap
     # loops over the batch (vmap_method "sequential")
     _ref.ROW_DOTS[DynamicJaxprTracer] = _row_dot

@@ -927,6 +927,43 @@ def _ov_stats_sum(a, i, row, square):
     return lambda a, i, row, square: _block_sum(row_of(a, i), 0, a.shape[1], square)
 
 
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """``a * b + c`` rounded once (LLVM's ``fma``), for floats of one type."""
+    if not (isinstance(a, types.Float) and a == b == c):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fma(*args)
+
+    return a(a, b, c), codegen
+
+
+@_inline
+def _row_parts(a, i, row, floor, zero):
+    """``(ss, m, ss2)`` of row ``i`` of ``a`` as :func:`row_stats_rows` gives them, ``row``
+    its scratch row (a 16-bit row decoded there)."""
+    d = a.shape[1]
+    # True, typed as row_sum_rows's flag (one _block_sum); rounded as the output stores it
+    ss = as_type_of(_stats_sum(a, i, row, d >= 0), zero)
+    s = np.float64(ss)
+    if s >= 2.0 * floor and s < math.inf:
+        return ss, zero, zero
+    for j in range(d):
+        row[0, j] = load(a[i, j])
+    mx = zero
+    for j in range(d):
+        v = abs(row[0, j])
+        if v != v or mx != mx:
+            mx = v if v != v else mx
+        elif v > mx:
+            mx = v
+    div = mx if mx != zero else as_type_of(1.0, zero)
+    for j in range(d):
+        row[0, j] = row[0, j] / div
+    return ss, mx, as_type_of(_block_sum(row_of(row, 0), 0, d, d >= 0), zero)
+
+
 @_jit()
 def row_stats_rows(lo, hi, a, ss, m, ss2, floor):
     """The jitted reference's row statistics (its ``_rms``) for rows ``[lo, hi)`` of ``a``
@@ -938,31 +975,52 @@ def row_stats_rows(lo, hi, a, ss, m, ss2, floor):
     squares of the row divided by ``m[i]`` (1 where 0), as the scaled pass has them;
     elsewhere 0.  Last row first, as :func:`rstd_rows` (the rows still in cache first)."""
     a, ss, m, ss2 = borrow(a), borrow(ss), borrow(m), borrow(ss2)
-    d = a.shape[1]
-    row = np.empty((1, d), ss.dtype)
-    square = d >= 0  # True, typed as row_sum_rows's flag: one compiled _block_sum
+    row = np.empty((1, a.shape[1]), ss.dtype)
     zero = as_type_of(0.0, ss[0])
     for i in range(hi - 1, lo - 1, -1):
-        ss[i] = _stats_sum(a, i, row, square)
-        s = np.float64(ss[i])
-        if s >= 2.0 * floor and s < math.inf:
-            m[i] = zero
-            ss2[i] = zero
-            continue
-        for j in range(d):
-            row[0, j] = load(a[i, j])
-        mx = zero
-        for j in range(d):
-            v = abs(row[0, j])
-            if v != v or mx != mx:
-                mx = v if v != v else mx
-            elif v > mx:
-                mx = v
-        m[i] = mx
-        div = mx if mx != zero else as_type_of(1.0, zero)
-        for j in range(d):
-            row[0, j] = row[0, j] / div
-        ss2[i] = _block_sum(row_of(row, 0), 0, d, square)
+        ss[i], m[i], ss2[i] = _row_parts(a, i, row, floor, zero)
+
+
+@_jit()
+def reference_rstd_rows(lo, hi, a, rstd, flags, k, eps, floor):
+    """The jitted reference's ``rstd`` for rows ``[lo, hi)`` of ``a`` (``a`` as
+    :func:`row_stats_rows` takes it, holding the first ``k`` columns), with the bits of
+    its ``_rstd_from_rms(_rms(...))`` evaluated by XLA in ``rstd``'s dtype: the rms from
+    :func:`_row_parts` as ``_rms`` selects it (the plain ``sqrt(ss / k)`` where ``ss`` is
+    finite and at least ``floor``, else ``m * sqrt(ss2 / k)``, or ``m`` where ``m`` is
+    Inf), then ``eps`` added inside by the hypot-style formula (``flags &
+    EPS_INSIDE``) or to the rms.  Every constant is rounded to ``rstd``'s dtype first,
+    as XLA rounds a Python scalar (``k`` from the integer); ``floor = k * floor_per_k`` in
+    float64 before it.
+    Last row first, as :func:`rstd_rows`.  One call where the statistics' parts and an
+    elementwise program would be two, whose small program XLA splits over its pool."""
+    a, rstd = borrow(a), borrow(rstd)
+    row = np.empty((1, a.shape[1]), rstd.dtype)
+    zero = as_type_of(0.0, rstd[0])
+    one = as_type_of(1.0, zero)
+    floor_c = as_type_of(floor, zero)
+    top = as_type_of(np.finfo(rstd.dtype).max, zero)
+    # XLA compiles a division by the constant k as a product with its reciprocal
+    inv_k = one / as_type_of(k, zero)
+    ec = as_type_of(eps, zero)
+    se = as_type_of(math.sqrt(eps), zero)
+    inside = (flags & EPS_INSIDE) != 0
+    for i in range(hi - 1, lo - 1, -1):
+        ss, m, ss2 = _row_parts(a, i, row, floor, zero)
+        if ss >= floor_c and ss <= top:
+            rms = np.sqrt(ss * inv_k)
+        elif m == math.inf:
+            rms = m
+        else:
+            rms = m * np.sqrt(ss2 * inv_k)
+        if inside:
+            big = rms > se
+            hi_ = rms if big else se
+            lo_ = se if big else rms
+            q = lo_ / (hi_ if hi_ != zero else one)
+            rstd[i] = one / (hi_ * np.sqrt(_fma(q, q, one)))  # XLA contracts 1 + q * q
+        else:
+            rstd[i] = one / (rms + ec)
 
 
 @_jit()

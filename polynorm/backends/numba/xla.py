@@ -639,19 +639,20 @@ def _executes(f):
     return _int32(f + _STAGE) == _EXECUTE
 
 
-def _row_stat_handler(stat, with_attrs: bool, key: tuple) -> int:
+def _row_stat_handler(stat, attrs: int, key: tuple) -> int:
     """The address of a compiled handler of one value per row: argument ``x`` (rows: every
     axis but the last, also under ``vmap``), result ``(rows,)``; ``stat(lo, hi, x address,
-    result address, rows, d, flags, k, eps)`` (njit) fills rows ``[lo, hi)``, with the
-    attributes ``a_flags``, ``b_k``, ``c_eps`` where ``with_attrs`` (else 0).  Calls of
-    ``STAT_POOL_MIN_ELEMENTS`` and more in row chunks on XLA's pool, as :func:`handler`'s."""
+    result address, rows, d, flags, k, eps, extra)`` (njit) fills rows ``[lo, hi)``, with
+    the first ``attrs`` of the attributes ``a_flags``, ``b_k``, ``c_eps``, ``d_`` (a float:
+    ``extra``), else 0.  Calls of ``STAT_POOL_MIN_ELEMENTS`` and more in row chunks on
+    XLA's pool, as :func:`handler`'s."""
     pool_min = STAT_POOL_MIN_ELEMENTS
 
     @njit(nogil=True)
     def chunk(job, lo, hi):
         stat(lo, hi, _word(job + 8 * _X), _word(job + 8 * _R), _word(job + 8 * _N),
              _word(job + 8 * _D), _word(job + 8 * _FLAGS), _word(job + 8 * _K),
-             _double(job + 8 * _EPS))
+             _double(job + 8 * _EPS), _double(job + 8 * _OFFSET))
 
     run_pooled, run_serial, _, compiled = _pool(chunk, key)
 
@@ -661,15 +662,17 @@ def _row_stat_handler(stat, with_attrs: bool, key: tuple) -> int:
             return _pointer(0)
         xb, rb = _word(_word(f + _ARGS_PTRS)), _word(_word(f + _RETS_PTRS))
         n, d = _rows(xb), _last_dim(xb)
-        flags, kk, eps = 0, 0, 0.0
-        if with_attrs:
-            attrs = _word(f + _ATTRS_PTRS)
-            flags, kk, eps = _int_attr(attrs, 0), _int_attr(attrs, 1), _float_attr(attrs, 2)
+        flags, kk, eps, extra = 0, 0, 0.0, 0.0
+        if attrs:
+            a = _word(f + _ATTRS_PTRS)
+            flags, kk, eps = _int_attr(a, 0), _int_attr(a, 1), _float_attr(a, 2)
+            if attrs > 3:
+                extra = _float_attr(a, 3)
         xd, rd = _word(xb + _DATA), _word(rb + _DATA)
         if n == 0 or (n >= 2 and n * d >= pool_min and run_pooled(
-                f, n, d, xd, 0, 0, 0, rd, flags, kk, eps, 0.0)):
+                f, n, d, xd, 0, 0, 0, rd, flags, kk, eps, extra)):
             return _pointer(0)
-        run_serial(n, d, xd, 0, 0, 0, rd, flags, kk, eps, 0.0)
+        run_serial(n, d, xd, 0, 0, 0, rd, flags, kk, eps, extra)
         return _pointer(0)
 
     return _handler_address(run, key, compiled)
@@ -688,11 +691,11 @@ def rstd_handler(x_dtype: str, compute_dtype: str) -> int:
     ct = numpy_dtype(compute_dtype)
 
     @njit(nogil=True)
-    def stat(lo, hi, xd, rd, n, d, flags, kk, eps):
+    def stat(lo, hi, xd, rd, n, d, flags, kk, eps, extra):
         rows(lo, hi, carray(_pointer(xd), (n, d), xt), carray(_pointer(rd), (n,), ct),
              flags, kk, eps)
 
-    return _row_stat_handler(stat, True, ("rstd", x_dtype, compute_dtype))
+    return _row_stat_handler(stat, 3, ("rstd", x_dtype, compute_dtype))
 
 
 @functools.cache
@@ -707,14 +710,14 @@ def row_sum_handler(dtype: str, square: bool) -> int:
     t = numpy_dtype(dtype)
 
     @njit(nogil=True)
-    def stat(lo, hi, ad, od, n, d, flags, kk, eps):
+    def stat(lo, hi, ad, od, n, d, flags, kk, eps, extra):
         out = carray(_pointer(od), (n,), t)
         if d == 0:
             out[lo:hi] = 0
         else:
             rows(lo, hi, carray(_pointer(ad), (n, d), t), out, square)
 
-    return _row_stat_handler(stat, False, ("row_sum", dtype, square))
+    return _row_stat_handler(stat, 0, ("row_sum", dtype, square))
 
 
 @functools.cache
@@ -820,6 +823,27 @@ def row_stats_handler(dtype: str) -> int:
         return _pointer(0)
 
     return _handler_address(run, key, compiled)
+
+
+@functools.cache
+def reference_rstd_handler(dtype: str) -> int:
+    """The address of the compiled handler of the jitted reference's ``rstd``
+    (:func:`polynorm.backends.numba.kernels.reference_rstd_rows`): argument ``a`` as
+    :func:`row_stats_handler` takes it (its first ``k`` columns), result ``rstd``
+    (float64 for float64 ``a``, else float32); attributes ``a_flags`` (``EPS_INSIDE``),
+    ``b_k``, ``c_eps``, ``d_floor`` (:func:`_row_stat_handler`)."""
+    from polynorm.core.dtypes import numpy_dtype
+
+    rows = _nb._k().reference_rstd_rows
+    t = _bits_type(numpy_dtype(dtype))
+    ct = np.dtype(np.float64 if t == np.float64 else np.float32)
+
+    @njit(nogil=True)
+    def stat(lo, hi, ad, rd, n, d, flags, kk, eps, floor):
+        rows(lo, hi, carray(_pointer(ad), (n, d), t), carray(_pointer(rd), (n,), ct),
+             flags, kk, eps, floor)
+
+    return _row_stat_handler(stat, 4, ("reference_rstd", dtype))
 
 
 @functools.cache
