@@ -927,28 +927,34 @@ def _ov_stats_sum(a, i, row, square):
     return lambda a, i, row, square: _block_sum(row_of(a, i), 0, a.shape[1], square)
 
 
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """``a * b + c`` rounded once (LLVM's ``fma``), for floats of one type."""
-    if not (isinstance(a, types.Float) and a == b == c):
-        return None
+def _stats_scratch(a, ref):  # pragma: no cover - replaced by the overload
+    """The scratch row of :func:`row_stats_rows` and :func:`reference_rstd_rows` for the rows of ``a`` (``ref``'s dtype): a
+    row's length for 16-bit bits, decoded there, else empty until a row needs the scaled
+    pass (no allocation for the ordinary rows of a small call)."""
+    raise NotImplementedError
 
-    def codegen(context, builder, sig, args):
-        return builder.fma(*args)
 
-    return a(a, b, c), codegen
+@overload(_stats_scratch, **_PLAIN_CALL)
+def _ov_stats_scratch(a, ref):
+    dt = np.float32 if ref == types.float32 else np.float64
+    if bits_dtype(a.dtype):
+        return lambda a, ref: np.empty((1, a.shape[1]), dt)
+    return lambda a, ref: np.empty((1, 0), dt)
 
 
 @_inline
-def _row_parts(a, i, row, floor, zero):
-    """``(ss, m, ss2)`` of row ``i`` of ``a`` as :func:`row_stats_rows` gives them, ``row``
-    its scratch row (a 16-bit row decoded there)."""
-    d = a.shape[1]
-    # True, typed as row_sum_rows's flag (one _block_sum); rounded as the output stores it
-    ss = as_type_of(_stats_sum(a, i, row, d >= 0), zero)
+def _needs_scaling(ss, floor) -> bool:
+    """Whether a row of plain sum ``ss`` takes the scaled pass's parts in
+    :func:`row_stats_rows` (not a finite number of at least ``2 * floor``)."""
     s = np.float64(ss)
-    if s >= 2.0 * floor and s < math.inf:
-        return ss, zero, zero
+    return not (s >= 2.0 * floor and s < math.inf)
+
+
+@_inline
+def _scaled_parts(a, i, row, zero):
+    """``(m, ss2)`` of row ``i`` of ``a`` as :func:`row_stats_rows` gives them, ``row``
+    (of ``a``'s row length) its scratch."""
+    d = a.shape[1]
     for j in range(d):
         row[0, j] = load(a[i, j])
     mx = zero
@@ -961,7 +967,7 @@ def _row_parts(a, i, row, floor, zero):
     div = mx if mx != zero else as_type_of(1.0, zero)
     for j in range(d):
         row[0, j] = row[0, j] / div
-    return ss, mx, as_type_of(_block_sum(row_of(row, 0), 0, d, d >= 0), zero)
+    return mx, as_type_of(_block_sum(row_of(row, 0), 0, d, d >= 0), zero)
 
 
 @_jit()
@@ -975,10 +981,30 @@ def row_stats_rows(lo, hi, a, ss, m, ss2, floor):
     squares of the row divided by ``m[i]`` (1 where 0), as the scaled pass has them;
     elsewhere 0.  Last row first, as :func:`rstd_rows` (the rows still in cache first)."""
     a, ss, m, ss2 = borrow(a), borrow(ss), borrow(m), borrow(ss2)
-    row = np.empty((1, a.shape[1]), ss.dtype)
+    d = a.shape[1]
     zero = as_type_of(0.0, ss[0])
+    row = _stats_scratch(a, zero)
     for i in range(hi - 1, lo - 1, -1):
-        ss[i], m[i], ss2[i] = _row_parts(a, i, row, floor, zero)
+        # True, typed as row_sum_rows's flag (one _block_sum); rounded as stored
+        ss[i] = _stats_sum(a, i, row, d >= 0)
+        if _needs_scaling(ss[i], floor):
+            if row.shape[1] < d:
+                row = np.empty((1, d), ss.dtype)
+            m[i], ss2[i] = _scaled_parts(a, i, row, zero)
+        else:
+            m[i], ss2[i] = zero, zero
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """``a * b + c`` rounded once (LLVM's ``fma``), for floats of one type."""
+    if not (isinstance(a, types.Float) and a == b == c):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fma(*args)
+
+    return a(a, b, c), codegen
 
 
 @_jit()
@@ -986,7 +1012,7 @@ def reference_rstd_rows(lo, hi, a, rstd, flags, k, eps, floor):
     """The jitted reference's ``rstd`` for rows ``[lo, hi)`` of ``a`` (``a`` as
     :func:`row_stats_rows` takes it, holding the first ``k`` columns), with the bits of
     its ``_rstd_from_rms(_rms(...))`` evaluated by XLA in ``rstd``'s dtype: the rms from
-    :func:`_row_parts` as ``_rms`` selects it (the plain ``sqrt(ss / k)`` where ``ss`` is
+    :func:`row_stats_rows`'s parts as ``_rms`` selects them (the plain ``sqrt(ss / k)`` where ``ss`` is
     finite and at least ``floor``, else ``m * sqrt(ss2 / k)``, or ``m`` where ``m`` is
     Inf), then ``eps`` added inside by the hypot-style formula (``flags &
     EPS_INSIDE``) or to the rms.  Every constant is rounded to ``rstd``'s dtype first,
@@ -995,8 +1021,9 @@ def reference_rstd_rows(lo, hi, a, rstd, flags, k, eps, floor):
     Last row first, as :func:`rstd_rows`.  One call where the statistics' parts and an
     elementwise program would be two, whose small program XLA splits over its pool."""
     a, rstd = borrow(a), borrow(rstd)
-    row = np.empty((1, a.shape[1]), rstd.dtype)
+    d = a.shape[1]
     zero = as_type_of(0.0, rstd[0])
+    row = _stats_scratch(a, zero)
     one = as_type_of(1.0, zero)
     floor_c = as_type_of(floor, zero)
     top = as_type_of(np.finfo(rstd.dtype).max, zero)
@@ -1006,7 +1033,12 @@ def reference_rstd_rows(lo, hi, a, rstd, flags, k, eps, floor):
     se = as_type_of(math.sqrt(eps), zero)
     inside = (flags & EPS_INSIDE) != 0
     for i in range(hi - 1, lo - 1, -1):
-        ss, m, ss2 = _row_parts(a, i, row, floor, zero)
+        ss = as_type_of(_stats_sum(a, i, row, d >= 0), zero)
+        m, ss2 = zero, zero
+        if _needs_scaling(ss, floor):
+            if row.shape[1] < d:
+                row = np.empty((1, d), rstd.dtype)
+            m, ss2 = _scaled_parts(a, i, row, zero)
         if ss >= floor_c and ss <= top:
             rms = np.sqrt(ss * inv_k)
         elif m == math.inf:
