@@ -395,6 +395,52 @@ def test_gated_decode_takes_read_only_arrays_through_its_entry_point(dt, gkw, rn
 
 
 @pytest.mark.parametrize("dt,qkw", [
+    ("float32", {}),
+    ("float32", {"residual": True, "bias": True, "dtype": "int8"}),
+    ("bfloat16", {"group_size": 16, "scale_mode": "reciprocal"}),
+    ("float16", {"scale": 0.05, "dtype": "float8_e5m2", "partial": 0.5}),
+])
+def test_quant_decode_bits_equal_generic(dt, qkw, rng):
+    """A 2-D numpy quantized call takes its signature's prepared call (QuantDecode; from
+    the second call its compiled entry point): the general path's bits (axis=(1,)), new
+    arrays on every call (the static scale too), the inputs unchanged."""
+    from polynorm.ops import quant as oq
+
+    kw = dict(qkw)
+    x, w = _a(rng, (3, 64), dt), _a(rng, 64, dt)
+    if kw.pop("residual", False):
+        kw["residual"] = _a(rng, (3, 64), dt)
+    if kw.pop("bias", False):
+        kw["bias"] = _a(rng, 64, dt)
+    inputs = [a for a in (x, w, kw.get("residual"), kw.get("bias")) if a is not None]
+    before = [a.copy() for a in inputs]
+    want = pn.rms_norm_quant(x, w, axis=(1,), **kw)
+    oq._DECODE.clear()
+    first = pn.rms_norm_quant(x, w, **kw)  # the dispatcher; finds the entry point
+    (entry,) = oq._DECODE.values()
+    assert entry is not None and entry[2].entry
+    got = pn.rms_norm_quant(x, w, **kw)
+    _same(first, want)
+    _same(got, want)
+    for a, b in zip(got, first, strict=True):
+        assert not np.shares_memory(a, b)
+    for a, b in zip(inputs, before, strict=True):
+        _same(a, b)
+
+
+def test_quant_decode_refuses_what_the_general_path_refuses(rng):
+    """A cached signature does not take an argument equal to its key's but of another type:
+    ``scale=True`` and ``group_size=True`` raise the general path's TypeError."""
+    x, w = _a(rng, (1, 64), "float32"), _a(rng, 64, "float32")
+    pn.rms_norm_quant(x, w, scale=1)
+    pn.rms_norm_quant(x, w, group_size=1)
+    with pytest.raises(TypeError, match="scale"):
+        pn.rms_norm_quant(x, w, scale=True)
+    with pytest.raises(TypeError, match="group_size"):
+        pn.rms_norm_quant(x, w, group_size=True)
+
+
+@pytest.mark.parametrize("dt,qkw", [
     ("float32", {"residual": True}),
     ("bfloat16", {"group_size": 16}),
 ])

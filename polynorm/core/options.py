@@ -230,6 +230,9 @@ _DEFAULTS = _DEFAULT_OPTIONS._asdict()
 _DEFAULTS_BUT_EPS = tuple(_DEFAULT_OPTIONS)[1:]
 #: eps (a non-zero float) -> the Options of a call with that eps only (pack_options)
 _EPS_OPTIONS: dict[float, Options] = {}
+#: the Options of a call without keywords of a function that fixes some fields (pack_options'
+#: ``fixed``), by the function and those fields
+_FIXED_OPTIONS: dict[tuple, Options] = {}
 
 
 def pack_options(func: str, options: Mapping[str, Any], **fixed: Any) -> Options:
@@ -266,6 +269,14 @@ def pack_options(func: str, options: Mapping[str, Any], **fixed: Any) -> Options
                         _EPS_OPTIONS[eps] = got
                 return got
             return new_options(Options, (eps, *_DEFAULTS_BUT_EPS))
+    elif not options:
+        # a function's own fields and no keyword (rms_norm_quant's usual call): one Options
+        # object per such function, as _DEFAULT_OPTIONS for the others
+        key = (func, *fixed.items())
+        got = _FIXED_OPTIONS.get(key)
+        if got is None:
+            got = _FIXED_OPTIONS[key] = new_options(Options, {**_DEFAULTS, **fixed}.values())
+        return got
     # the defaults' order is the fields' order; an override keeps its key's place
     merged = {**_DEFAULTS, **options}
     if len(merged) != len(_DEFAULTS) or fixed:

@@ -57,6 +57,68 @@ def _scale_arg(scale: Any) -> tuple[Any, Any]:
     return scale, None
 
 
+#: decode calls: call signature -> (numba module, QuantPlan, its QuantDecode), or None (the
+#: general path)
+_DECODE: dict[tuple, Any] = {}
+
+
+def _decode_entry(x, weight, bias, residual, qdtype, scale, group_size, scale_mode,
+                  opts: Options):
+    """``(numba module, QuantPlan, QuantDecode)`` for a serial-size numpy call the decode
+    path serves (2-D rows, axis=-1, backend="auto", options of exact types, a number or
+    no scale), else None."""
+    mod = _fastpath.numba_module(opts)
+    if mod is None or not hasattr(mod, "quant_decode_plan") or not _fastpath._exact(opts):
+        return None
+    head = _fastpath._rows(x, weight, bias, residual, None)
+    if head is None:
+        return None
+    names, norm, d, n, _ = head
+    if residual is not None:
+        rname = names.get(residual.dtype)
+        if rname is None or residual.shape != x.shape:
+            return None
+        norm = promote(norm, rname)
+    plan = _fastpath._plan(d, norm, opts)
+    if plan is None or _fastpath._apart(plan, residual, opts):
+        return None
+    try:
+        qplan = make_quant_plan(plan, qdtype=qdtype, scale=scale, scale_is_array=False,
+                                group_size=group_size, scale_mode=scale_mode)
+    except (TypeError, ValueError):
+        return None  # the general path raises it, in its own order
+    decode = mod.quant_decode_plan(qplan, x, residual, weight, bias)
+    return None if decode is None else (mod, qplan, decode)
+
+
+def _decode(x, weight, bias, residual, qdtype, scale, group_size, scale_mode, opts: Options):
+    """A 2-D numpy quantized forward through its call signature's prepared call, or None."""
+    key = (opts, qdtype, scale, group_size, scale_mode, x.shape, x.strides, x.dtype,
+           None if weight is None else (weight.shape, weight.strides, weight.dtype),
+           None if bias is None else (bias.shape, bias.strides, bias.dtype),
+           None if residual is None else (residual.shape, residual.strides, residual.dtype))
+    try:
+        e = _DECODE[key]
+    except KeyError:
+        if len(_DECODE) >= _fastpath.DECODE_MAX:
+            _DECODE.clear()
+        e = _DECODE[key] = _decode_entry(x, weight, bias, residual, qdtype, scale,
+                                         group_size, scale_mode, opts)
+    except TypeError:  # unhashable: the general path says what is wrong
+        return None
+    # values equal to the key's but of other types (True for 1) are checked here
+    if (e is None or (opts is not _fastpath._EXACT_LAST[0] and not _fastpath._exact(opts))
+            or scale_mode.__class__ is not str
+            or not (scale is None or scale.__class__ in (float, int))
+            or not (group_size is None or group_size.__class__ is int)):
+        return None
+    mod, qplan, decode = e
+    q, scales, h = mod.quant_forward_decode(decode, x, residual, weight, bias)
+    if group_size is None and not qplan.static:
+        scales = scales.reshape(x.shape[0])
+    return (q, scales) if residual is None else (q, scales, h)
+
+
 def _fast(x, weight, bias, residual, qdtype, scale, group_size, scale_mode, opts: Options):
     """The call on plain numpy arrays (``axis=-1``, ``backend="auto"``, a float or no
     scale) straight to the Numba backend, or None: then the generic path takes it,
@@ -234,6 +296,12 @@ def rms_norm_quant(  # type: ignore[misc]  # its own group_size (the scales') ta
     if residual_out is not None:
         return _into_residual(x, weight, bias, residual, residual_out, opts, dict(
             dtype=dtype, scale=scale, group_size=group_size, scale_mode=scale_mode), options)
+    if (type(x) is np.ndarray and x.ndim == 2 and (weight is None or type(weight) is np.ndarray)
+            and (bias is None or type(bias) is np.ndarray)
+            and (residual is None or type(residual) is np.ndarray)):
+        fast = _decode(x, weight, bias, residual, qdtype, scale, group_size, scale_mode, opts)
+        if fast is not None:
+            return fast
     scale_num, scale_arr = _scale_arg(scale)
     fast = _fast(x, weight, bias, residual, qdtype,
                  scale_num if scale_arr is None else scale_arr, group_size, scale_mode, opts)

@@ -1615,6 +1615,93 @@ def quant_forward(x, residual, weight, bias, qplan, scale=None):
     return _wrap_q(q, caller, qplan.qdtype), scales, h
 
 
+class QuantDecode:
+    """A quantized decode call signature's constant arguments and compiled entry points
+    (:func:`quant_decode_plan`), for :func:`quant_forward_decode`."""
+
+    __slots__ = ("n", "d", "cdt", "h_dt", "flags", "k", "eps", "offset", "qargs", "q_dt",
+                 "groups", "ones", "no_h", "static_scale", "entry", "wide")
+
+    def __init__(self, **kw):
+        self.entry = None  # quant_rows's compiled entry point, once known (False: none)
+        self.wide = None  # widen_bits's for a 16-bit weight (False: none), once known
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def quant_decode_plan(qplan, x: np.ndarray, residual, weight, bias) -> QuantDecode | None:
+    """The prepared serial quantized forward of a call signature: 2-D numpy rows of unit
+    column stride below :data:`SERIAL_MAX_ELEMENTS`, not llama, a number or no scale,
+    weight/bias of unit stride in the compute dtype or 16-bit (widened); else None
+    (:func:`quant_forward` runs).  ``polynorm.ops.quant`` keeps one per signature."""
+    from polynorm.backends.numba import quant as Q
+
+    plan = qplan.plan
+    n, d = x.shape
+    if plan.llama or (qplan.static and qplan.scale is None) or _parallel(n, d):
+        return None  # casting="llama", an array scale, a parallel call: quant_forward
+    flags, _, h_dt, cdt = _info(plan)
+    for a in (x, residual):
+        if a is not None and d > 1 and a.strides[1] != a.itemsize:
+            return None  # copied to unit columns first: quant_forward
+    for a in (weight, bias):
+        if a is not None and ((d > 1 and a.strides[0] != a.itemsize)
+                              or (a.dtype != cdt and (a.itemsize != 2 or cdt is not _F32))):
+            return None  # another cast or layout: quant_forward's _param_vector
+    if residual is not None:
+        flags |= (_kernels or _k()).HAS_R
+    s32 = np.float32(qplan.scale if qplan.static else 1.0)
+    return QuantDecode(
+        n=n, d=d, cdt=cdt, h_dt=h_dt, flags=flags, k=plan.k, eps=plan.eps,
+        offset=0.0 if weight is None else plan.offset,
+        q_dt=_wrap_q(np.empty(0, np.uint8), x, qplan.qdtype).dtype, groups=qplan.groups,
+        no_h=_stand_in_h(_kview(x).dtype), ones=_ones(d, cdt) if weight is None else None,
+        static_scale=np.asarray(s32, np.float32).reshape(()) if qplan.static else None,
+        qargs=(s32, qplan.group_size, np.float32(qplan.qmax), Q.FMT[qplan.qdtype],
+               qplan.reciprocal, qplan.static))
+
+
+def quant_forward_decode(e: QuantDecode, x, residual, weight, bias):
+    """:func:`quant_forward` of a numpy call whose signature ``e`` was prepared for:
+    ``(q, scales, h)``.  Its first call runs the serial driver through the dispatcher
+    and finds its entry point; later calls of aligned C rows go to that with every input
+    as it is (read-only too: no writable alias), without working the constants out
+    again."""
+    n, d, cdt = e.n, e.d, e.cdt
+    entry = e.entry
+    if entry and not (_entry_rows(x) and (residual is None or _entry_rows(residual))
+                      and (weight is None or type(weight) is np.ndarray)):
+        entry = None
+    view = _bits if entry else _kview
+    xk = view(x)
+    rk, hk, h = xk, e.no_h, None  # h must be writable (a jax x is not)
+    if residual is not None:
+        h = np.empty((n, d), e.h_dt)
+        rk, hk = view(residual), _kview(h)
+    if weight is None:
+        w = e.ones
+    elif entry:
+        w = _entry_vector(weight, cdt, e.wide)
+    else:
+        w = _param_vector(weight, cdt)
+    b = None if bias is None else _param_vector(bias, cdt)
+    q = np.empty((n, d), np.uint8)
+    static = e.static_scale is not None
+    sc = np.empty((1, 1) if static else (n, e.groups), np.float32)
+    args = (xk, rk, w, b, hk, q, sc, np.empty(d, np.float32), np.empty(1, cdt), e.flags,
+            e.k, e.eps, e.offset, *e.qargs)
+    if entry:
+        entry(0, n, *args)
+    else:
+        from polynorm.backends.numba import quant as Q
+
+        Q.quant_rows(0, n, *args)
+        if e.entry is None and _entry_rows(x) and (residual is None or _entry_rows(residual)):
+            e.entry = _entry_point(Q.quant_rows, (0, n, *args))
+            e.wide = _widen_entry(weight, w)
+    return q.view(e.q_dt), (e.static_scale.copy() if static else sc), h  # the caller's own
+
+
 # --------------------------------------------------------------------------- split hidden axis
 
 _split_kernels = None
