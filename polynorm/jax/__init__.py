@@ -69,10 +69,12 @@ What runs where (forward and backward alike):
   like any jnp code (other bits than the kernels: within the dtype's
   tolerance).  On a one-CPU-device process its row sums are compiled Numba
   calls in a fixed order: XLA's own follow the array's shape on the CPU, so
-  a token's bits would depend on the number of tokens.  The forward's row
-  statistics are one call (``polynorm.backends.reference.ROW_STATS``: the
-  sums of squares of ``x`` as it is, 16-bit too, and for the rows that need
-  it the scaled pass's parts), the backward's row dots another from 64 Ki
+  a token's bits would depend on the number of tokens.  The forward's
+  ``rstd`` is one call (``polynorm.backends.reference.ROW_RSTD``: the sums of
+  squares of ``x`` as it is, 16-bit too, the scaled pass for the rows that
+  need it, and eps, with the bits of those steps as XLA compiles them), the
+  backward's row statistics another (``ROW_STATS``: the sums and the scaled
+  pass's parts), its row dots another from 64 Ki
   elements (``ROW_DOTS``: the products summed where they are made), other
   row sums ``ROW_SUMS``; its ``y`` from 32 MiB on huge pages as above.  A backward the compiled handler does not take (other options,
   mixed cotangent dtypes) has XLA's elementwise ``dx``, which may round one
