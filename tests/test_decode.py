@@ -397,8 +397,11 @@ def test_gated_decode_takes_read_only_arrays_through_its_entry_point(dt, gkw, rn
 @pytest.mark.parametrize("dt,qkw", [
     ("float32", {}),
     ("float32", {"residual": True, "bias": True, "dtype": "int8"}),
-    ("bfloat16", {"group_size": 16, "scale_mode": "reciprocal"}),
-    ("float16", {"scale": 0.05, "dtype": "float8_e5m2", "partial": 0.5}),
+    # 16-bit variants of the driver, compiled cold in ~4 s each: the long sweeps
+    pytest.param("bfloat16", {"group_size": 16, "scale_mode": "reciprocal"},
+                 marks=pytest.mark.slow),
+    pytest.param("float16", {"scale": 0.05, "dtype": "float8_e5m2", "partial": 0.5},
+                 marks=pytest.mark.slow),
 ])
 def test_quant_decode_bits_equal_generic(dt, qkw, rng):
     """A 2-D numpy quantized call takes its signature's prepared call (QuantDecode; from
