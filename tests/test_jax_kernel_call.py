@@ -345,6 +345,44 @@ def test_jit_reference_row_statistics_in_one_call_keep_their_bits(dtype, rows, o
         np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
+@pytest.mark.slow  # a handler a dtype, compiled cold in 3-5 s
+@pytest.mark.parametrize(("dtype", "opts"), [
+    ("float32", {"eps_mode": "outside", "eps": 1e-3, "partial": 0.3}),
+    ("float32", {"eps": 1e-4}),
+    ("float32", {"eps": 0.0}),
+    ("float64", {"eps": 1e-9, "partial": 0.7}),
+])
+def test_jit_reference_rstd_in_one_call_has_the_xla_steps_bits(dtype, opts, one_device):
+    """The jitted reference's rstd in one call (ROW_RSTD) against its steps as XLA compiles
+    them (the row statistics' parts, then the selection and eps in XLA): the same bits for
+    eps outside and inside (XLA contracts 1 + q * q), a k that is no power of two (XLA
+    multiplies by 1 / k) and float64, over rows of every scale, zero, Inf and NaN."""
+    from polynorm.backends import reference as ref
+    from polynorm.core.options import make_plan, pack_options
+
+    rng = np.random.default_rng(21)
+    x = rng.standard_normal((440, 333)) * np.exp(rng.uniform(-40, 40, (440, 1)))
+    x[3, 2], x[5, 1], x[7], x[9] = np.inf, np.nan, 0, 1e200 if dtype == "float64" else 1e30
+    # rows whose rms is near sqrt(eps), where eps inside is the hypot's 1 + q * q
+    x[40:] = rng.standard_normal((400, 333)) * (np.sqrt(opts.get("eps", 1e-6))
+                                                * rng.uniform(0.2, 5, (400, 1)))
+    with jax.enable_x64(dtype == "float64"):
+        xj = jnp.asarray(x.astype(dtype))
+        plan = make_plan(333, dtype, pack_options("rms_norm", opts))
+        f = jax.jit(lambda v: ref.rstd(v, plan))
+        assert f"polynorm_reference_rstd_{dtype}" in f.lower(xj).as_text()
+        got = np.asarray(f(xj))
+        hooks = dict(ref.ROW_RSTD)
+        ref.ROW_RSTD.clear()
+        try:
+            g = jax.jit(lambda v: ref.rstd(v, plan))
+            assert "polynorm_reference_rstd_" not in g.lower(xj).as_text()
+            want = np.asarray(g(xj))
+        finally:
+            ref.ROW_RSTD.update(hooks)
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
 @pytest.mark.slow  # the row-dot handler compiles cold in ~3 s
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows", [5, 300])  # serial; chunks on XLA's pool
