@@ -230,8 +230,8 @@ _DEFAULTS = _DEFAULT_OPTIONS._asdict()
 _DEFAULTS_BUT_EPS = tuple(_DEFAULT_OPTIONS)[1:]
 #: eps (a non-zero float) -> the Options of a call with that eps only (pack_options)
 _EPS_OPTIONS: dict[float, Options] = {}
-#: the Options of a call without keywords of a function that fixes some fields (pack_options'
-#: ``fixed``), by the function and those fields
+#: the Options of a call without keywords, or with a non-zero float eps only, of a function
+#: that fixes some fields (pack_options' ``fixed``), by the function, eps and those fields
 _FIXED_OPTIONS: dict[tuple, Options] = {}
 
 
@@ -269,13 +269,18 @@ def pack_options(func: str, options: Mapping[str, Any], **fixed: Any) -> Options
                         _EPS_OPTIONS[eps] = got
                 return got
             return new_options(Options, (eps, *_DEFAULTS_BUT_EPS))
-    elif not options:
-        # a function's own fields and no keyword (rms_norm_quant's usual call): one Options
-        # object per such function, as _DEFAULT_OPTIONS for the others
-        key = (func, *fixed.items())
+    elif not options or (len(options) == 1 and "eps" in options
+                         and options["eps"].__class__ is float and options["eps"]
+                         and options["eps"] == options["eps"]):
+        # a function's own fields and no keyword or a non-zero float eps (rms_norm_quant's
+        # usual calls): one Options object per such call, as for the others above
+        key = (func, options.get("eps"), *fixed.items())
         got = _FIXED_OPTIONS.get(key)
         if got is None:
-            got = _FIXED_OPTIONS[key] = new_options(Options, {**_DEFAULTS, **fixed}.values())
+            if len(_FIXED_OPTIONS) >= 64:
+                _FIXED_OPTIONS.clear()
+            got = _FIXED_OPTIONS[key] = new_options(
+                Options, {**_DEFAULTS, **options, **fixed}.values())
         return got
     # the defaults' order is the fields' order; an override keeps its key's place
     merged = {**_DEFAULTS, **options}
