@@ -73,7 +73,18 @@ def _decode_entry(x, weight, bias, residual, qdtype, scale, group_size, scale_mo
     head = _fastpath._rows(x, weight, bias, residual, None)
     if head is None:
         return None
-    names, norm, d, n, _ = head
+    names, norm, d, _, _ = head
+    qplan = _qplan(names, norm, d, x, residual, qdtype, scale, group_size, scale_mode, opts)
+    if qplan is None:
+        return None
+    decode = mod.quant_decode_plan(qplan, x, residual, weight, bias)
+    return None if decode is None else (mod, qplan, decode)
+
+
+def _qplan(names, norm, d, x, residual, qdtype, scale, group_size, scale_mode, opts: Options):
+    """The QuantPlan of a numpy call that the fast paths take (``norm``: ``x``'s dtype name,
+    promoted here with a residual's), else None: the general path then raises what is
+    wrong, in its own order."""
     if residual is not None:
         rname = names.get(residual.dtype)
         if rname is None or residual.shape != x.shape:
@@ -83,12 +94,10 @@ def _decode_entry(x, weight, bias, residual, qdtype, scale, group_size, scale_mo
     if plan is None or _fastpath._apart(plan, residual, opts):
         return None
     try:
-        qplan = make_quant_plan(plan, qdtype=qdtype, scale=scale, scale_is_array=False,
-                                group_size=group_size, scale_mode=scale_mode)
+        return make_quant_plan(plan, qdtype=qdtype, scale=scale, scale_is_array=False,
+                               group_size=group_size, scale_mode=scale_mode)
     except (TypeError, ValueError):
-        return None  # the general path raises it, in its own order
-    decode = mod.quant_decode_plan(qplan, x, residual, weight, bias)
-    return None if decode is None else (mod, qplan, decode)
+        return None
 
 
 def _decode(x, weight, bias, residual, qdtype, scale, group_size, scale_mode, opts: Options):
@@ -139,19 +148,8 @@ def _fast(x, weight, bias, residual, qdtype, scale, group_size, scale_mode, opts
         return None
     if not (_fastpath._vector_ok(weight, d, names) and _fastpath._vector_ok(bias, d, names)):
         return None
-    norm = xname
-    if residual is not None:
-        rname = names.get(residual.dtype)
-        if rname is None or residual.shape != x.shape:
-            return None
-        norm = promote(xname, rname)
-    plan = _fastpath._plan(d, norm, opts)
-    if plan is None or _fastpath._apart(plan, residual, opts):
-        return None
-    try:
-        qplan = make_quant_plan(plan, qdtype=qdtype, scale=scale, scale_is_array=False,
-                                group_size=group_size, scale_mode=scale_mode)
-    except (TypeError, ValueError):
+    qplan = _qplan(names, xname, d, x, residual, qdtype, scale, group_size, scale_mode, opts)
+    if qplan is None:
         return None
     n = x.size // d
     q2, s2, h2 = mod.quant_forward(x.reshape(n, d), None if residual is None
