@@ -93,7 +93,7 @@ def main(n: int, rounds: int) -> None:
     print(n, {k: round(statistics.median(v), 1) for k, v in times.items()})
     for k, f in progs.items():
         split = [m.group(1) for m in re.finditer(
-            r"f32\[(\d+)\]\{0\} fusion\([^\n]*outer_dimension_partitions",
+            r"f32\[(\d+)\]\{0\} fusion\([^\n]*outer_dimension_partitions\":\[\"",
             f.lower(x, w).compile().as_text())]
         print(f"  {k}: small fusions split over the pool: {split or 'none'}")
 
