@@ -80,9 +80,8 @@ ROW_STATS: dict = {}
 #: ``_rstd_from_rms(_rms(...))`` of the rows whose first ``k`` columns are ``vk``
 #: (:data:`ROW_STATS`'s arguments), with the bits of those steps evaluated by the
 #: library, or None.  ``polynorm.jax`` registers jax's tracers: one call, where the
-#: statistics and the small program that makes ``rstd`` of them were two, and XLA split
-#: that program over its pool (a jitted residual stream's step at 2048 x 4096: 1.3x
-#: slower).
+#: statistics and the small program that makes ``rstd`` of them would be two, and XLA
+#: splits such a program over its pool, which slows the program's next pass.
 ROW_RSTD: dict = {}
 #: Row dots of the backward by array type: ``hook(dy, x, r, wo)`` gives ``sum((dy * wo) *
 #: (x * r[:, None]), axis=1)`` (``wo`` None: ``dy`` alone; ``dy``, ``x`` cast to ``r``'s

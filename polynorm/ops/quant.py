@@ -294,9 +294,8 @@ def rms_norm_quant(  # type: ignore[misc]  # its own group_size (the scales') ta
     if residual_out is not None:
         return _into_residual(x, weight, bias, residual, residual_out, opts, dict(
             dtype=dtype, scale=scale, group_size=group_size, scale_mode=scale_mode), options)
-    if (type(x) is np.ndarray and x.ndim == 2 and (weight is None or type(weight) is np.ndarray)
-            and (bias is None or type(bias) is np.ndarray)
-            and (residual is None or type(residual) is np.ndarray)):
+    if (type(x) is np.ndarray and x.ndim == 2
+            and _fastpath._all_numpy_or_none(weight, bias, residual, None)):
         fast = _decode(x, weight, bias, residual, qdtype, scale, group_size, scale_mode, opts)
         if fast is not None:
             return fast
